@@ -1,0 +1,183 @@
+"""Where the text comes from: resolve a dataset argument, check its columns, tokenize it with ``datasets.map``.
+
+Accepted datasets: ``"builtin"`` (the standard-library corpus), a ``datasets.Dataset``/``DatasetDict``, a
+directory saved with ``save_to_disk``, local ``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
+a glob or a list), or a hub name (loaded with ``datasets.load_dataset``; only when the user asks for it).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+from typing import Any
+
+_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
+
+
+def _local_files(spec: str | Sequence[str]) -> list[str] | None:
+    """Local files named by a path, a glob or a list of them; None when ``spec`` does not look local."""
+    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    files: list[str] = []
+    for item in items:
+        item = os.fspath(item)
+        matches = sorted(glob.glob(item)) if any(c in item for c in "*?[") else ([item] if os.path.isfile(item) else [])
+        files.extend(matches)
+    return files or None
+
+
+def load_text_dataset(dataset: Any = "builtin", validation_fraction: float = 0.05, seed: int = 42):
+    """Resolve ``dataset`` to a ``DatasetDict`` with ``train`` and ``validation`` splits.
+
+    A dataset without a validation split gets one carved out of ``train`` (``validation_fraction``, seeded).
+
+    Raises:
+        FileNotFoundError: a path that does not exist and is not a dataset name.
+        ValueError: an empty dataset, or a file type we cannot read.
+    """
+    import datasets
+
+    if isinstance(dataset, str) and dataset == "builtin":
+        from lightning_seqmem.corpus import load_builtin_corpus
+
+        dsd = load_builtin_corpus()
+    elif isinstance(dataset, datasets.DatasetDict):
+        dsd = dataset
+    elif isinstance(dataset, datasets.Dataset):
+        dsd = datasets.DatasetDict(train=dataset)
+    elif isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise TypeError(
+            "Streaming (iterable) datasets are accepted only with strategy='pack' and a token budget; "
+            "for other strategies pass a map-style dataset (load_dataset(..., streaming=False))."
+        )
+    elif isinstance(dataset, (str, os.PathLike, list, tuple)):
+        dsd = _load_path_or_name(dataset)
+    else:
+        raise TypeError(
+            f"dataset must be 'builtin', a datasets.Dataset/DatasetDict, a path, a list of files or a hub name; "
+            f"got {type(dataset).__name__}."
+        )
+    if "train" not in dsd:
+        raise ValueError(f"The dataset has splits {sorted(dsd)}, but no 'train' split; rename one to 'train'.")
+    if len(dsd["train"]) == 0:
+        raise ValueError("The dataset's train split is empty: there is nothing to train on. Check the path or filter.")
+    if "validation" not in dsd:
+        if "test" in dsd:
+            dsd["validation"] = dsd["test"]
+        elif len(dsd["train"]) >= 2:
+            parts = dsd["train"].train_test_split(test_size=validation_fraction, seed=seed)
+            dsd = datasets.DatasetDict(train=parts["train"], validation=parts["test"])
+        else:
+            dsd["validation"] = dsd["train"]
+    return dsd
+
+
+def _load_path_or_name(spec):
+    import datasets
+
+    if isinstance(spec, (str, os.PathLike)) and os.path.isdir(spec):
+        if os.path.exists(os.path.join(spec, "dataset_dict.json")) or os.path.exists(
+            os.path.join(spec, "dataset_info.json")
+        ):
+            loaded = datasets.load_from_disk(os.fspath(spec))
+            return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
+        files = _local_files([os.path.join(spec, f"*{ext}") for ext in _LOCAL_BUILDERS])
+        if not files:
+            raise ValueError(f"Directory {os.fspath(spec)!r} holds no {'/'.join(_LOCAL_BUILDERS)} files.")
+    else:
+        files = _local_files(spec)
+    if files is not None:
+        exts = {os.path.splitext(f)[1].lower() for f in files}
+        unknown = exts - set(_LOCAL_BUILDERS)
+        if unknown or len({_LOCAL_BUILDERS[e] for e in exts}) != 1:
+            raise ValueError(
+                f"Cannot read files with extensions {sorted(exts)} together; use one of "
+                f"{sorted(_LOCAL_BUILDERS)} (all files of one kind)."
+            )
+        builder = _LOCAL_BUILDERS[exts.pop()]
+        return datasets.load_dataset(builder, data_files={"train": files})
+    name = os.fspath(spec) if not isinstance(spec, (list, tuple)) else None
+    looks_like_path = name is None or name.startswith((".", "/", "~")) or os.sep in name.rstrip("/").split("/", 1)[-1]
+    if name is None or looks_like_path or os.path.splitext(name)[1].lower() in _LOCAL_BUILDERS:
+        raise FileNotFoundError(
+            f"Dataset path {spec!r} does not exist. Pass an existing file, glob, directory or list of "
+            f"{'/'.join(_LOCAL_BUILDERS)} files, a datasets.Dataset, or dataset='builtin'."
+        )
+    try:
+        return datasets.load_dataset(name)
+    except Exception as err:
+        raise FileNotFoundError(
+            f"Could not load dataset {name!r}: it is not a local path, and loading it by name failed "
+            f"({type(err).__name__}: {err}). Check the name, or download it and pass the local path."
+        ) from err
+
+
+def check_columns(dsd, text_column: str = "text", prompt_column: str = "prompt",
+                  completion_column: str = "completion") -> str:
+    """Which kind of data this is: ``"text"`` or ``"prompt_completion"``.
+
+    Raises:
+        ValueError: neither a text column nor prompt and completion columns exist; the message lists what does.
+    """
+    columns = set(dsd["train"].column_names)
+    if text_column in columns:
+        return "text"
+    if {prompt_column, completion_column} <= columns:
+        return "prompt_completion"
+    raise ValueError(
+        f"The dataset has no usable column: expected {text_column!r} (plain text) or {prompt_column!r} and "
+        f"{completion_column!r} (prompt/completion); it has {sorted(columns)}. Pass text_column=<name> to "
+        "SeqMemDataModule, or rename a column with dataset.rename_column()."
+    )
+
+
+def _check_strings(batch: dict, columns: Sequence[str], indices: Sequence[int]) -> None:
+    for column in columns:
+        for idx, value in zip(indices, batch[column]):
+            if not isinstance(value, str):
+                raise TypeError(
+                    f"Row {idx} of column {column!r} is {type(value).__name__} ({value!r:.60}), not a string. "
+                    "Clean the dataset (e.g. dataset.filter(lambda r: isinstance(r[col], str))) or cast the column."
+                )
+
+
+def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
+                     completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
+                     num_proc: int | None = None):
+    """Tokenize every split with ``datasets.map`` (batched, cached by fingerprint).
+
+    Text rows become ``input_ids = [bos] + tokens + [eos]`` (bos only where the tokenizer has one and it differs
+    from eos, unless ``add_bos`` says otherwise), plus a ``length`` column. Prompt/completion rows become
+    ``prompt_ids`` and ``completion_ids`` (the EOS goes at the end of the completion), plus ``length``.
+    Empty documents are kept (length 0 after special tokens are stripped) so that the DataModule can count them.
+    """
+    bos = tokenizer.bos_token_id
+    eos = tokenizer.eos_token_id
+    if add_bos is None:
+        add_bos = bos is not None and bos != eos
+    prefix = [bos] if add_bos and bos is not None else []
+    suffix = [eos] if add_eos and eos is not None else []
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+
+    if kind == "text":
+        def fn(batch, indices):
+            _check_strings(batch, [text_column], indices)
+            ids = [prefix + t + suffix if t else [] for t in encode(batch[text_column])]
+            return {"input_ids": ids, "length": [len(x) for x in ids]}
+    else:
+        def fn(batch, indices):
+            _check_strings(batch, [prompt_column, completion_column], indices)
+            prompts = [prefix + t for t in encode(batch[prompt_column])]
+            completions = [t + suffix if t else [] for t in encode(batch[completion_column])]
+            return {"prompt_ids": prompts, "completion_ids": completions,
+                    "length": [len(p) + len(c) for p, c in zip(prompts, completions)]}
+
+    import datasets
+
+    return datasets.DatasetDict({
+        split: ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names, num_proc=num_proc,
+                      desc=f"Tokenizing {split}")
+        for split, ds in dsd.items()
+    })

@@ -1,0 +1,219 @@
+"""``CausalLM``: a LightningModule around any Hugging Face causal language model.
+
+It takes the batch dicts of :class:`~lightning_seqmem.SeqMemDataModule` (padded with ``attention_mask``, or packed
+with ``position_ids``) and counts what matters for variable-length training: real (non-pad) tokens per second and
+the fraction of the slots fed to the model that hold real tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
+from torchmetrics import MeanMetric
+
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
+
+# Named model configs built with random weights (no download). A few million parameters each.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny_llama": dict(model_type="llama", hidden_size=192, intermediate_size=512, num_hidden_layers=4,
+                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
+                       tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "tiny_gpt2": dict(model_type="gpt2", n_embd=192, n_layer=4, n_head=6, n_positions=4096,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+}
+
+
+def build_model_config(model_config: str | dict[str, Any], vocab_size: int, pad_token_id: int | None):
+    """A ``transformers`` config from a preset name or a dict with ``model_type`` and config fields."""
+    from transformers import AutoConfig
+
+    if isinstance(model_config, str):
+        if model_config not in MODEL_PRESETS:
+            raise ValueError(
+                f"Unknown model_config {model_config!r}; choose one of {sorted(MODEL_PRESETS)}, pass a dict with "
+                "'model_type' and config fields, or pass pretrained_path=<local directory>."
+            )
+        fields = dict(MODEL_PRESETS[model_config])
+    else:
+        fields = dict(model_config)
+    if "model_type" not in fields:
+        raise ValueError(f"model_config needs a 'model_type' key (e.g. 'llama', 'gpt2'); got keys {sorted(fields)}.")
+    model_type = fields.pop("model_type")
+    fields.setdefault("vocab_size", vocab_size)
+    if pad_token_id is not None:
+        fields.setdefault("pad_token_id", pad_token_id)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+class CausalLM(LightningModule):
+    """Train a Hugging Face causal LM on padded or packed batches.
+
+    Args:
+        model_config: a preset name (``"tiny_llama"``, ``"tiny_gpt2"``) or a dict with ``model_type`` and config
+            fields; the model gets random weights. Ignored when ``pretrained_path`` is given.
+        pretrained_path: a local directory saved with ``save_pretrained`` to load weights from.
+        vocab_size: vocabulary size; ``None`` takes it from the DataModule's tokenizer at ``setup``.
+        pad_token_id: pad id for counting real tokens in packed batches; ``None`` takes it from the tokenizer.
+        attn_implementation: ``"sdpa"``, ``"eager"`` or ``"flash_attention_2"``; all keep packed documents apart
+            when given ``position_ids`` and no ``attention_mask``.
+        learning_rate: peak AdamW learning rate.
+        weight_decay: AdamW weight decay (not applied to biases and norm weights).
+        betas: AdamW betas.
+        warmup_ratio: fraction of optimizer steps with linear learning-rate warmup.
+        min_lr_ratio: the cosine schedule decays to ``learning_rate * min_lr_ratio``.
+        gradient_checkpointing: recompute activations in backward to save memory.
+
+    Example::
+
+        model = CausalLM()  # tiny Llama, vocab size from the DataModule's tokenizer
+        Trainer(max_steps=100).fit(model, datamodule=SeqMemDataModule())
+    """
+
+    def __init__(
+        self,
+        model_config: str | dict[str, Any] = "tiny_llama",
+        pretrained_path: str | None = None,
+        vocab_size: int | None = None,
+        pad_token_id: int | None = None,
+        attn_implementation: str = "sdpa",
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_ratio: float = 0.05,
+        min_lr_ratio: float = 0.1,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        if learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
+        self.save_hyperparameters()
+        self.model = None
+        self.val_loss = MeanMetric()
+        self.real_tokens_seen = 0  # cumulative, this rank
+        self.slots_seen = 0
+        self._train_time = 0.0
+        self._batch_start: float | None = None
+        if pretrained_path is not None or vocab_size is not None:
+            self._build()
+
+    # ----------------------------------------------------------------------------------------------- building
+    def _build(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        hp = self.hparams
+        if hp.pretrained_path is not None:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                hp.pretrained_path, local_files_only=True, attn_implementation=hp.attn_implementation
+            )
+            if hp.vocab_size is not None and self.model.get_input_embeddings().num_embeddings < hp.vocab_size:
+                self.model.resize_token_embeddings(hp.vocab_size)
+        else:
+            config = build_model_config(hp.model_config, hp.vocab_size, hp.pad_token_id)
+            config._attn_implementation = hp.attn_implementation
+            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=hp.attn_implementation)
+        if hp.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        n = sum(p.numel() for p in self.model.parameters())
+        rank_zero_info(f"[lightning_seqmem] {type(self.model).__name__}: {n / 1e6:.2f} M parameters")
+
+    def setup(self, stage: str) -> None:
+        """Take vocabulary size and pad id from the DataModule's tokenizer when they were not given."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        tok = getattr(dm, "tokenizer", None)
+        if tok is not None:
+            if self.hparams.vocab_size is None:
+                self.hparams.vocab_size = len(tok)
+            if self.hparams.pad_token_id is None:
+                self.hparams.pad_token_id = tok.pad_token_id
+        if self.model is None:
+            if self.hparams.vocab_size is None:
+                raise ValueError(
+                    "CausalLM needs a vocabulary size: pass vocab_size=..., or train with a DataModule that has "
+                    "a `tokenizer` attribute (e.g. SeqMemDataModule)."
+                )
+            self._build()
+
+    # ------------------------------------------------------------------------------------------------- steps
+    def forward(self, batch: dict[str, torch.Tensor]):
+        inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
+        return self.model(**inputs, use_cache=False)
+
+    def _real_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        from lightning_seqmem.collate import real_token_mask
+
+        return int(real_token_mask(batch, self.hparams.pad_token_id).sum())
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self(batch).loss
+        rows = batch["input_ids"].shape[0]
+        real = self._real_tokens(batch)
+        slots = batch["input_ids"].numel()
+        self.real_tokens_seen += real
+        self.slots_seen += slots
+        self.log("train/loss", loss, prog_bar=True, batch_size=rows)
+        self.log("train/ppl", torch.exp(loss.detach().clamp(max=50)), batch_size=rows)
+        self.log("train/real_token_fraction", real / max(slots, 1), batch_size=rows)
+        self.log("train/real_tokens_seen", float(self.real_tokens_seen), batch_size=rows, reduce_fx="max")
+        if self._train_time > 0:
+            self.log("train/real_tokens_per_sec", self.real_tokens_seen / self._train_time, prog_bar=True,
+                     batch_size=rows)
+        return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._batch_start is not None:
+            self._train_time += time.perf_counter() - self._batch_start
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self(batch).loss
+        # Weight by predicted tokens so the epoch loss is the per-token loss, whatever the batch composition.
+        n = (batch["labels"][:, 1:] != -100).sum()
+        self.val_loss.update(loss.detach(), weight=n)
+        self.log("val/loss", self.val_loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        # val_loss is computed (and synced across ranks) by the log call; read it once more for perplexity.
+        value = self.trainer.callback_metrics.get("val/loss")
+        if value is not None:
+            self.log("val/ppl", torch.exp(value.clamp(max=50)))
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self(batch).loss
+        self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    # --------------------------------------------------------------------------------------------- optimizer
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate, betas=tuple(hp.betas),
+        )
+        total = self.trainer.estimated_stepping_batches
+        total = int(total) if math.isfinite(total) else 10_000
+        warmup = int(hp.warmup_ratio * total)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda s: lr_factor(s, warmup, total,
+                                                                                            hp.min_lr_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to ``min_ratio`` at ``total_steps``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,102 @@
+"""Tokenizers: any Hugging Face tokenizer, or a small byte-level BPE trained offline on the built-in corpus.
+
+The default exists so that the main job, the tests and CI never touch a model hub: it is trained with
+``tokenizers`` on the built-in corpus's train split (deterministic), cached next to the corpus, and returned as a
+``PreTrainedTokenizerFast`` with ``<s>``, ``</s>`` and ``<pad>`` set.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning_seqmem.corpus import cache_dir, load_builtin_corpus
+
+DEFAULT_VOCAB_SIZE = 4096
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+def _default_path(vocab_size: int) -> Path:
+    from lightning_seqmem.corpus import _corpus_path
+
+    return cache_dir() / f"tokenizer-bpe{vocab_size}-{_corpus_path().name}"
+
+
+def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """Train (or load from cache) the default byte-level BPE tokenizer on the built-in corpus."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = _default_path(vocab_size)
+    if (path / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = load_builtin_corpus()["train"]["text"]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1_000_000, **SPECIAL_TOKENS)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    fast.save_pretrained(str(tmp))
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+
+
+def load_tokenizer(tokenizer: Any = None):
+    """Resolve a tokenizer argument: ``None``/``"builtin"`` (the default BPE), a name or path, or an object.
+
+    A tokenizer without a pad token gets its EOS token as pad token, with a warning.
+
+    Raises:
+        ValueError: the name or path cannot be loaded offline.
+    """
+    if tokenizer is None or tokenizer == "builtin":
+        tok = train_default_tokenizer()
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        try:
+            # Local files first: a name that is only on the hub must not silently trigger a download in CI.
+            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+            tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=offline or os.path.isdir(tokenizer))
+        except Exception as err:  # transformers raises OSError, ValueError or hub errors depending on version
+            raise ValueError(
+                f"Could not load tokenizer {str(tokenizer)!r}: {type(err).__name__}: {err}. "
+                "Pass a local directory that holds tokenizer files (tokenizer.json or vocab files), a "
+                "tokenizer object, or tokenizer=None for the built-in BPE tokenizer. On an offline machine, "
+                "download it once elsewhere and point to the saved directory."
+            ) from err
+    elif hasattr(tokenizer, "convert_tokens_to_ids") and callable(tokenizer):
+        tok = tokenizer
+    else:
+        raise TypeError(
+            f"tokenizer must be None, a name or path, or a Hugging Face tokenizer object; got {type(tokenizer).__name__}."
+        )
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise ValueError(
+                f"Tokenizer {getattr(tok, 'name_or_path', tok)!r} has neither a pad nor an EOS token; add one "
+                "with tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the model's embeddings."
+            )
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(
+            f"Tokenizer {getattr(tok, 'name_or_path', '')!r} has no pad token; using its EOS token "
+            f"{tok.eos_token!r} (id {tok.eos_token_id}) for padding. Padding never reaches the loss (labels -100)."
+        )
+        tok.pad_token = tok.eos_token
+    return tok

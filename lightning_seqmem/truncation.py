@@ -1,0 +1,152 @@
+"""Truncation: cutting token lists to a length, prompt/completion truncation and the accounting of what was cut.
+
+Pure functions on token lists and numpy arrays. Counting happens here, at dataset level, never inside a collator:
+a collator runs in dataloader workers, so a counter on it would be lost (or multiplied) across processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+TRUNCATION_SIDES = ("right", "left")
+
+
+def check_truncation_side(side: str) -> None:
+    """Raise a ``ValueError`` listing the valid sides when ``side`` is not one of them."""
+    if side not in TRUNCATION_SIDES:
+        raise ValueError(f"truncation_side={side!r} is not valid; use one of {TRUNCATION_SIDES}.")
+
+
+def check_max_length(max_length: int | None, name: str = "max_length") -> None:
+    """A causal LM needs at least two tokens to predict one, so any limit below 2 is a configuration error."""
+    if max_length is not None and (not isinstance(max_length, (int, np.integer)) or max_length < 2):
+        raise ValueError(f"{name}={max_length!r} is too small: set {name} to an integer >= 2.")
+
+
+def count_truncated(lengths: Sequence[int] | np.ndarray, max_length: int | None) -> int:
+    """Number of tokens lost when every document is cut to ``max_length``.
+
+    Args:
+        lengths: token count of each document.
+        max_length: the limit; ``None`` means no limit (nothing is lost).
+
+    Returns:
+        ``sum(max(0, length - max_length))``.
+
+    Example::
+
+        >>> count_truncated([3, 10, 7], 5)
+        7
+    """
+    if max_length is None:
+        return 0
+    arr = np.asarray(lengths, dtype=np.int64)
+    return int(np.clip(arr - max_length, 0, None).sum())
+
+
+def truncate_ids(ids: Sequence[int], max_length: int | None, side: str = "right") -> list[int]:
+    """Cut ``ids`` to at most ``max_length`` tokens, keeping the start (``"right"``) or the end (``"left"``)."""
+    ids = list(ids)
+    if max_length is None or len(ids) <= max_length:
+        return ids
+    return ids[:max_length] if side == "right" else ids[len(ids) - max_length :]
+
+
+@dataclass(frozen=True)
+class PromptCompletionLimits:
+    """Validated limits for prompt/completion truncation.
+
+    Args:
+        max_length: limit on ``len(prompt) + len(completion)``.
+        max_prompt_length: prompt limit; the END of the prompt is kept (the question sits next to the answer).
+        max_completion_length: completion limit; the START of the completion is kept.
+        truncation_side: which end of the joined sequence ``max_length`` cuts: ``"right"`` cuts the completion's
+            end, ``"left"`` cuts the prompt's start.
+
+    Raises:
+        ValueError: a limit below its minimum, or ``max_prompt_length + max_completion_length > max_length``.
+    """
+
+    max_length: int
+    max_prompt_length: int | None = None
+    max_completion_length: int | None = None
+    truncation_side: str = "right"
+
+    def __post_init__(self) -> None:
+        check_max_length(self.max_length)
+        check_truncation_side(self.truncation_side)
+        for name in ("max_prompt_length", "max_completion_length"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 (or None for no limit).")
+        if (
+            self.max_prompt_length is not None
+            and self.max_completion_length is not None
+            and self.max_prompt_length + self.max_completion_length > self.max_length
+        ):
+            raise ValueError(
+                f"max_prompt_length ({self.max_prompt_length}) + max_completion_length "
+                f"({self.max_completion_length}) > max_length ({self.max_length}): lower one of the two limits "
+                "or raise max_length so every row fits."
+            )
+
+
+def truncate_prompt_completion(
+    prompt: Sequence[int], completion: Sequence[int], limits: PromptCompletionLimits
+) -> tuple[list[int], list[int]]:
+    """Apply the prompt limit (keep the end), the completion limit (keep the start), then ``max_length``.
+
+    Returns:
+        ``(prompt, completion)`` after truncation; the completion may be empty, which the caller must report.
+
+    Example::
+
+        >>> lim = PromptCompletionLimits(max_length=5, max_prompt_length=3, max_completion_length=2)
+        >>> truncate_prompt_completion([1, 2, 3, 4], [5, 6, 7], lim)
+        ([2, 3, 4], [5, 6])
+    """
+    p = truncate_ids(prompt, limits.max_prompt_length, side="left")
+    c = truncate_ids(completion, limits.max_completion_length, side="right")
+    excess = len(p) + len(c) - limits.max_length
+    if excess > 0:
+        if limits.truncation_side == "right":
+            cut_c = min(excess, len(c))
+            c = c[: len(c) - cut_c]
+            p = p[: len(p) - (excess - cut_c)]
+        else:
+            cut_p = min(excess, len(p))
+            p = p[cut_p:]
+            c = c[excess - cut_p :]
+    return p, c
+
+
+def prompt_completion_example(
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    limits: PromptCompletionLimits,
+    completion_only_loss: bool = True,
+) -> dict[str, list[int]]:
+    """Truncate one prompt/completion pair and build ``input_ids`` and unshifted ``labels``.
+
+    Returns:
+        ``{"input_ids", "labels", "num_truncated", "completion_length"}``; prompt labels are -100 when
+        ``completion_only_loss``. ``completion_length == 0`` marks a row with nothing left to learn from.
+
+    Example::
+
+        >>> lim = PromptCompletionLimits(max_length=4)
+        >>> prompt_completion_example([1, 2], [3, 4, 5], lim)["labels"]
+        [-100, -100, 3, 4]
+    """
+    p, c = truncate_prompt_completion(prompt, completion, limits)
+    ids = p + c
+    labels = ([-100] * len(p) if completion_only_loss else list(p)) + c
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "num_truncated": len(prompt) + len(completion) - len(ids),
+        "completion_length": len(c),
+    }
