@@ -1,9 +1,37 @@
 """lightning_seqmem: less padding, less memory and no CUDA out-of-memory surprises for Lightning LM training.
 
-Each subsystem adds its exports below (one block per module), so the package layout shows the architecture.
+Exports are resolved lazily (PEP 562): ``import lightning_seqmem`` does not import torch, so entry points can
+configure the CUDA caching allocator (``PYTORCH_ALLOC_CONF``) before torch reads it. To add an export, add one
+``name: module`` line to ``_EXPORTS``.
 """
 
-__version__ = "0.1.0"
-__all__: list[str] = []
+from __future__ import annotations
 
-# Each block below is owned by one module. Keep the imports light: none of them may import torch.cuda state.
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # foundation
+    "CausalLM": "lightning_seqmem.model",
+    "SeqMemDataModule": "lightning_seqmem.datamodule",
+    "load_builtin_corpus": "lightning_seqmem.corpus",
+    "load_tokenizer": "lightning_seqmem.tokenizer",
+    "RunSummary": "lightning_seqmem.summary",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_seqmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

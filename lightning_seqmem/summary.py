@@ -1,0 +1,116 @@
+"""Run summary: what the padding strategy cost, in one table at the end of ``fit``.
+
+Strategy, real-token fraction of the slots fed to the model, tokens lost to truncation, real tokens per second,
+peak memory and final validation loss: the figures that tell whether padding, truncation or packing paid off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+
+def peak_memory_bytes(device: torch.device | None = None) -> tuple[int, str]:
+    """Peak memory so far: CUDA max allocated on a GPU, else the process's peak resident set size."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda max allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024), "peak RSS"
+
+
+def format_table(rows: dict[str, Any]) -> str:
+    """A two-column text table."""
+    width = max(len(k) for k in rows)
+    lines = [f"{'metric':<{width}}  value", f"{'-' * width}  {'-' * 24}"]
+    for key, value in rows.items():
+        if isinstance(value, float):
+            value = f"{value:,.4f}" if abs(value) < 100 else f"{value:,.0f}"
+        elif isinstance(value, int):
+            value = f"{value:,}"
+        lines.append(f"{key:<{width}}  {value}")
+    return "\n".join(lines)
+
+
+class RunSummary(Callback):
+    """Print (and save as JSON) a summary of the run at the end of ``fit``.
+
+    Reads the counters of :class:`~lightning_seqmem.CausalLM` (``real_tokens_seen``, ``slots_seen``) and the
+    DataModule's ``stats()`` where they exist; anything missing is left out rather than guessed.
+
+    Args:
+        path: where to write the summary as JSON; default ``<trainer.default_root_dir>/summary.json``.
+        print_table: print the table on rank 0.
+
+    Example::
+
+        trainer = Trainer(callbacks=[RunSummary()])
+    """
+
+    def __init__(self, path: str | None = None, print_table: bool = True) -> None:
+        self.path = path
+        self.print_table = print_table
+        self.summary: dict[str, Any] = {}
+        self._start = 0.0
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        wall = time.perf_counter() - self._start
+        dm = getattr(trainer, "datamodule", None)
+        summary: dict[str, Any] = {}
+        if dm is not None:
+            summary["strategy"] = getattr(dm, "strategy", "?")
+            packing = getattr(dm, "packing", None)
+            if summary["strategy"] == "pack" and packing:
+                summary["strategy"] = f"pack ({packing})"
+            if hasattr(dm, "max_length"):
+                summary["max_length"] = dm.max_length
+        real = getattr(pl_module, "real_tokens_seen", None)
+        slots = getattr(pl_module, "slots_seen", None)
+        # Sum over ranks: every rank saw different data.
+        if real is not None and slots is not None:
+            counts = torch.tensor([float(real), float(slots)])
+            counts = trainer.strategy.reduce(counts.to(pl_module.device), reduce_op="sum").cpu()
+            real, slots = int(counts[0]), int(counts[1])
+            summary["real_tokens_trained"] = real
+            summary["slots_fed_to_model"] = slots
+            summary["real_token_fraction"] = real / max(slots, 1)
+        stats = dm.stats() if dm is not None and hasattr(dm, "stats") else {}
+        train_stats = stats.get("train", stats) if isinstance(stats, dict) else {}
+        for key in ("tokens_truncated", "tokens_dropped", "documents_split", "empty_documents_skipped"):
+            if key in train_stats:
+                summary[f"dataset_{key}"] = train_stats[key]
+        summary["optimizer_steps"] = trainer.global_step
+        summary["wall_clock_s"] = wall
+        train_time = getattr(pl_module, "_train_time", 0.0) or wall
+        if real is not None:
+            summary["real_tokens_per_s"] = real / max(train_time, 1e-9)
+        peak, what = peak_memory_bytes(pl_module.device)
+        summary[f"peak_memory_mib ({what})"] = peak / 2**20
+        for key in ("val/loss", "train/loss"):
+            value = trainer.callback_metrics.get(key)
+            if value is not None:
+                summary[f"final_{key.replace('/', '_')}"] = float(value)
+        self.summary = summary
+        self._write(trainer)
+
+    @rank_zero_only
+    def _write(self, trainer: Trainer) -> None:
+        path = self.path or os.path.join(trainer.default_root_dir, "summary.json")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.summary, f, indent=2)
+        if self.print_table:
+            print("\n" + format_table(self.summary) + "\n", flush=True)

@@ -1,0 +1,76 @@
+"""``seqmem-train``: the main job, a Hydra app over ``conf/`` (shipped in the wheel as ``lightning_seqmem.conf``).
+
+Builds the DataModule, the model, the callbacks, the loggers and the Trainer from the config with
+``hydra.utils.instantiate``, in that order, and fits. The CUDA allocator is configured before torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+CONFIG_PATH = "pkg://lightning_seqmem.conf"
+
+
+def _configure_allocator_early() -> None:
+    # Must run before torch is imported anywhere: the caching allocator reads its settings once.
+    try:
+        from lightning_seqmem.memory.allocator import configure_allocator
+    except ImportError:  # the memory module is optional for the job itself
+        return
+    configure_allocator()
+
+
+def _instantiate_all(group: Any) -> list[Any]:
+    """Instantiate every entry of a ``{name: {_target_: ...}}`` config group, skipping disabled (null) ones."""
+    from hydra.utils import instantiate
+
+    objects = []
+    for name, node in (group or {}).items():
+        if node is None:
+            continue
+        if "_target_" not in node:
+            raise ValueError(f"Config entry {name!r} has no _target_; give it one or remove it with ~{name}.")
+        objects.append(instantiate(node))
+    return objects
+
+
+def train(cfg) -> dict[str, Any]:
+    """Fit with the composed config; returns the run summary (final validation loss included)."""
+    import lightning.pytorch as L
+    from hydra.utils import instantiate
+
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    callbacks = _instantiate_all(cfg.get("callbacks"))
+    loggers = _instantiate_all(cfg.get("logger"))
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer.fit(model, datamodule=datamodule)
+    for cb in callbacks:
+        if type(cb).__name__ == "RunSummary":
+            return cb.summary
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def _hydra_entry() -> None:
+    import hydra
+
+    @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
+    def _main(cfg) -> float | None:
+        summary = train(cfg)
+        value = summary.get("final_val_loss")
+        return float(value) if value is not None else None  # what Hydra sweepers optimise
+
+    _main()
+
+
+def main() -> None:
+    """Console-script entry point (``seqmem-train``)."""
+    _configure_allocator_early()
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
