@@ -19,6 +19,23 @@ _EXPORTS: dict[str, str] = {
     "load_builtin_corpus": "lightning_seqmem.corpus",
     "load_tokenizer": "lightning_seqmem.tokenizer",
     "RunSummary": "lightning_seqmem.summary",
+    # data strategies: packing, truncation, collators, samplers, metrics
+    "pack_sequences": "lightning_seqmem.packing",
+    "pack_lengths": "lightning_seqmem.packing",
+    "PackResult": "lightning_seqmem.packing",
+    "StreamingPacker": "lightning_seqmem.packing",
+    "PadCollator": "lightning_seqmem.collate",
+    "TruncateCollator": "lightning_seqmem.collate",
+    "PackCollator": "lightning_seqmem.collate",
+    "real_token_mask": "lightning_seqmem.collate",
+    "LengthGroupedSampler": "lightning_seqmem.sampling",
+    "TokenBudgetBatchSampler": "lightning_seqmem.sampling",
+    "TokenEfficiency": "lightning_seqmem.metrics",
+    # sequence-length warmup
+    "SeqLengthWarmup": "lightning_seqmem.warmup",
+    "set_batch_sequence_length": "lightning_seqmem.warmup",
+    "apply_seq_length_warmup": "lightning_seqmem.warmup",
+    "seq_length_at": "lightning_seqmem.warmup",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -35,3 +52,10 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
+
+# memory/: cache pre-allocation, allocator settings, memory monitor, config checks
+_EXPORTS.update({
+    name: "lightning_seqmem.memory"
+    for name in ("CachePreallocator", "MemoryMonitor", "ConfigChecks", "configure_allocator", "resolve_precision")
+})
+__all__ = sorted(_EXPORTS)

@@ -125,3 +125,71 @@ class TruncateCollator(PadCollator):
             pad_to_max_length=True,
             truncation_side=truncation_side,
         )
+
+
+class PackCollator:
+    """Packed rows (segments back to back) to ``input_ids``, ``labels`` and ``position_ids``, no attention mask.
+
+    Args:
+        pad_token_id: id written into padding slots.
+        max_length: the row length; rows are padded to it (constant shape) unless ``pad_to_longest``.
+        pad_to_longest: pad to the longest row of the batch instead (rounded up to ``pad_to_multiple_of``).
+        pad_to_multiple_of: used only with ``pad_to_longest``.
+        return_cu_seqlens: also return ``cu_seqlens`` (1-D int32, cumulative segment lengths over the flattened
+            batch, padding segments included) for custom varlen attention.
+
+    Each example is ``{"input_ids": list[int], "seq_lengths": list[int]}`` (``PackResult.row``). Every segment
+    gets ``position_ids`` 0, 1, 2, ... and label -100 on its first token, so no document predicts another;
+    padding is one more segment (``pad_token_id``, labels -100). Returns ``LongTensor[batch, seq]`` tensors.
+
+    Example::
+
+        >>> out = PackCollator(pad_token_id=0, max_length=6)([{"input_ids": [5, 6, 7, 8], "seq_lengths": [3, 1]}])
+        >>> out["position_ids"].tolist(), out["labels"].tolist()
+        ([[0, 1, 2, 0, 0, 1]], [[-100, 6, 7, -100, -100, -100]])
+    """
+
+    def __init__(
+        self,
+        pad_token_id: int,
+        max_length: int,
+        pad_to_longest: bool = False,
+        pad_to_multiple_of: int | None = 8,
+        return_cu_seqlens: bool = False,
+    ) -> None:
+        check_max_length(max_length)
+        self.pad_token_id = int(pad_token_id)
+        self.max_length = max_length
+        self.pad_to_longest = pad_to_longest
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.return_cu_seqlens = return_cu_seqlens
+
+    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        longest = max((len(ex["input_ids"]) for ex in examples), default=1)
+        if longest > self.max_length:
+            raise ValueError(f"a packed row has {longest} tokens > max_length={self.max_length}; pack with the same max_length.")
+        length = min(_round_up(longest, self.pad_to_multiple_of), self.max_length) if self.pad_to_longest else self.max_length
+        batch = len(examples)
+        input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.empty((batch, length), dtype=torch.long)
+        cu = [0]
+        for i, ex in enumerate(examples):
+            seg = [int(n) for n in ex["seq_lengths"] if n > 0]
+            n = sum(seg)
+            if n != len(ex["input_ids"]):
+                raise ValueError(f"row {i}: seq_lengths sum to {n} but the row has {len(ex['input_ids'])} tokens.")
+            if n < length:
+                seg.append(length - n)  # padding: its own segment, so it never touches a document
+            row = torch.as_tensor(ex["input_ids"], dtype=torch.long)
+            input_ids[i, :n] = row
+            labels[i, :n] = row
+            starts = torch.tensor([0] + seg[:-1]).cumsum(0)
+            lens = torch.tensor(seg)
+            position_ids[i] = torch.arange(length) - torch.repeat_interleave(starts, lens)
+            labels[i, starts] = IGNORE_INDEX
+            cu.extend((i * length + starts[1:]).tolist() + [(i + 1) * length])
+        out = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        if self.return_cu_seqlens:
+            out["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+        return out

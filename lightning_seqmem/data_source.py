@@ -26,10 +26,8 @@ def _local_files(spec: str | Sequence[str]) -> list[str] | None:
     return files or None
 
 
-def load_text_dataset(dataset: Any = "builtin", validation_fraction: float = 0.05, seed: int = 42):
-    """Resolve ``dataset`` to a ``DatasetDict`` with ``train`` and ``validation`` splits.
-
-    A dataset without a validation split gets one carved out of ``train`` (``validation_fraction``, seeded).
+def load_text_dataset(dataset: Any = "builtin"):
+    """Resolve ``dataset`` to a ``DatasetDict`` with (at least) a non-empty ``train`` split.
 
     Raises:
         FileNotFoundError: a path that does not exist and is not a dataset name.
@@ -61,15 +59,21 @@ def load_text_dataset(dataset: Any = "builtin", validation_fraction: float = 0.0
         raise ValueError(f"The dataset has splits {sorted(dsd)}, but no 'train' split; rename one to 'train'.")
     if len(dsd["train"]) == 0:
         raise ValueError("The dataset's train split is empty: there is nothing to train on. Check the path or filter.")
-    if "validation" not in dsd:
-        if "test" in dsd:
-            dsd["validation"] = dsd["test"]
-        elif len(dsd["train"]) >= 2:
-            parts = dsd["train"].train_test_split(test_size=validation_fraction, seed=seed)
-            dsd = datasets.DatasetDict(train=parts["train"], validation=parts["test"])
-        else:
-            dsd["validation"] = dsd["train"]
     return dsd
+
+
+def ensure_validation_split(dsd, validation_fraction: float = 0.05, seed: int = 42):
+    """Give a ``DatasetDict`` without a ``validation`` split one: its ``test`` split, or a seeded slice of train."""
+    import datasets
+
+    if "validation" in dsd:
+        return dsd
+    if "test" in dsd:
+        return datasets.DatasetDict(train=dsd["train"], validation=dsd["test"])
+    if len(dsd["train"]) < 2:
+        return datasets.DatasetDict(train=dsd["train"], validation=dsd["train"])
+    parts = dsd["train"].train_test_split(test_size=validation_fraction, seed=seed)
+    return datasets.DatasetDict(train=parts["train"], validation=parts["test"])
 
 
 def _load_path_or_name(spec):
@@ -131,12 +135,12 @@ def check_columns(dsd, text_column: str = "text", prompt_column: str = "prompt",
     )
 
 
-def _check_strings(batch: dict, columns: Sequence[str], indices: Sequence[int]) -> None:
+def _check_strings(batch: dict, columns: Sequence[str], indices: Sequence[int], split: str) -> None:
     for column in columns:
         for idx, value in zip(indices, batch[column]):
             if not isinstance(value, str):
                 raise TypeError(
-                    f"Row {idx} of column {column!r} is {type(value).__name__} ({value!r:.60}), not a string. "
+                    f"Row {idx} of split {split!r}, column {column!r} is {type(value).__name__} ({value!r:.60}), not a string. "
                     "Clean the dataset (e.g. dataset.filter(lambda r: isinstance(r[col], str))) or cast the column."
                 )
 
@@ -162,13 +166,13 @@ def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "tex
         return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
 
     if kind == "text":
-        def fn(batch, indices):
-            _check_strings(batch, [text_column], indices)
+        def fn(batch, indices, split):
+            _check_strings(batch, [text_column], indices, split)
             ids = [prefix + t + suffix if t else [] for t in encode(batch[text_column])]
             return {"input_ids": ids, "length": [len(x) for x in ids]}
     else:
-        def fn(batch, indices):
-            _check_strings(batch, [prompt_column, completion_column], indices)
+        def fn(batch, indices, split):
+            _check_strings(batch, [prompt_column, completion_column], indices, split)
             prompts = [prefix + t for t in encode(batch[prompt_column])]
             completions = [t + suffix if t else [] for t in encode(batch[completion_column])]
             return {"prompt_ids": prompts, "completion_ids": completions,
@@ -178,6 +182,6 @@ def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "tex
 
     return datasets.DatasetDict({
         split: ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names, num_proc=num_proc,
-                      desc=f"Tokenizing {split}")
+                      fn_kwargs={"split": split}, desc=f"Tokenizing {split}")
         for split, ds in dsd.items()
     })

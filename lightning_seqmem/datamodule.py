@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_seqmem.collate import PadCollator
-from lightning_seqmem.data_source import check_columns, load_text_dataset, tokenize_dataset
+from lightning_seqmem.data_source import check_columns, ensure_validation_split, load_text_dataset, tokenize_dataset
 from lightning_seqmem.tokenizer import load_tokenizer
 from lightning_seqmem.truncation import count_truncated
 
@@ -107,9 +107,11 @@ class SeqMemDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.datasets is not None:
             return
-        raw = load_text_dataset(self.dataset, seed=self.seed)
+        raw = load_text_dataset(self.dataset)
         kind = check_columns(raw, self.text_column)
+        # Tokenize before carving out a validation split, so that errors name rows of the user's own splits.
         tokenized = tokenize_dataset(raw, self.tokenizer, kind=kind, text_column=self.text_column)
+        tokenized = ensure_validation_split(tokenized, seed=self.seed)
         self.datasets = {}
         for split in ("train", "validation"):
             ds = tokenized[split]

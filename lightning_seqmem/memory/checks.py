@@ -1,0 +1,232 @@
+"""Config checks: warn at setup about configurations known to waste memory or fail, and ``resolve_precision``.
+
+The checks are a pure function, :func:`find_problems`, on :class:`RunFacts` (plain values); the
+:class:`ConfigChecks` callback only gathers those facts from any Trainer, DataModule and model, defensively.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_seqmem.memory.allocator import allocator_settings
+
+CHECKS = ("eval_batch_size", "batch_size", "fp16_packing", "fp8_compile", "packing_attention", "dynamic_shapes")
+
+
+def resolve_precision(precision: str = "auto") -> str:
+    """``"auto"`` -> ``"bf16-mixed"`` on a GPU that supports bf16, ``"16-mixed"`` on other GPUs, ``"32-true"``
+    without CUDA; any other value is returned unchanged.
+
+    Args:
+        precision: a Lightning precision string, or ``"auto"``.
+
+    Example::
+
+        Trainer(precision=resolve_precision("auto"))
+    """
+    if precision != "auto":
+        return precision
+    if not torch.cuda.is_available():
+        return "32-true"
+    return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+
+
+def packed_safe_attention() -> frozenset[str]:
+    """Attention implementations that keep packed documents apart given ``position_ids`` and no ``attention_mask``.
+
+    Flash attention always has (varlen from ``position_ids``); ``transformers`` with
+    ``masking_utils.find_packed_sequence_indices`` also builds a block-diagonal mask for eager, sdpa and flex.
+    """
+    safe = {"flash_attention_2", "flash_attention_3"}
+    try:
+        from transformers import masking_utils
+
+        if hasattr(masking_utils, "find_packed_sequence_indices"):
+            safe |= {"eager", "sdpa", "flex_attention"}
+    except ImportError:
+        pass
+    return frozenset(safe)
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the checks need to know about a run; ``None`` means unknown (the check then stays quiet)."""
+
+    on_cuda: bool = False
+    precision: str = "32-true"
+    micro_batch_size: int | None = None
+    eval_batch_size: int | None = None
+    batch_size: int | None = None
+    accumulate_grad_batches: int = 1
+    world_size: int = 1
+    packing: bool = False
+    dynamic_shapes: bool = False
+    attn_implementation: str | None = None
+    fp16_weights: bool = False
+    compiled: bool = False
+    preallocating: bool = False
+    expandable_segments: bool = False
+
+
+def find_problems(facts: RunFacts, safe_attention: frozenset[str] | None = None) -> dict[str, str]:
+    """Check name -> warning with the fix, for each known problem in ``facts``.
+
+    Args:
+        facts: the run's configuration.
+        safe_attention: attention implementations that keep packed documents apart (default
+            :func:`packed_safe_attention`).
+
+    Example::
+
+        find_problems(RunFacts(micro_batch_size=8, eval_batch_size=32))  # {'eval_batch_size': '...'}
+    """
+    safe = packed_safe_attention() if safe_attention is None else safe_attention
+    problems = {}
+    micro, eval_bs = facts.micro_batch_size, facts.eval_batch_size
+    if micro is not None and eval_bs is not None and micro != eval_bs:
+        problems["eval_batch_size"] = (
+            f"eval_batch_size={eval_bs} differs from micro_batch_size={micro}: the memory profile changes between "
+            "training and validation, so a run can fit in training and fail at its first validation (or waste "
+            "memory held for the other phase). Set eval_batch_size equal to micro_batch_size (or leave it None)."
+        )
+    if facts.batch_size is not None:
+        effective = (micro or facts.batch_size) * facts.accumulate_grad_batches * facts.world_size
+        if micro is not None and facts.batch_size != effective:
+            problems["batch_size"] = (
+                f"batch_size={facts.batch_size} does not match micro_batch_size={micro} x accumulate_grad_batches="
+                f"{facts.accumulate_grad_batches} x world_size={facts.world_size} = {effective}. Set micro_batch_size "
+                "(rows per device step, what memory depends on) and Trainer(accumulate_grad_batches=...) instead."
+            )
+        elif micro is None and facts.accumulate_grad_batches > 1:
+            problems["batch_size"] = (
+                f"batch_size={facts.batch_size} is used per micro-batch, so with accumulate_grad_batches="
+                f"{facts.accumulate_grad_batches} the effective batch is {effective}. If {facts.batch_size} was meant "
+                "as the effective batch, give micro_batch_size = batch_size / (accumulate_grad_batches x world_size)."
+            )
+    flash = facts.attn_implementation is not None and "flash" in facts.attn_implementation
+    fp16_full = facts.precision.startswith("16-true") or facts.fp16_weights
+    if fp16_full and facts.packing and facts.attn_implementation is not None and not flash:
+        problems["fp16_packing"] = (
+            f"fp16 weights ({facts.precision}, no fp32 master copy) with packing and attn_implementation="
+            f"{facts.attn_implementation!r}: known to fail with dtype mismatches in the packed-sequence "
+            "attention path (and fp16 weights without a master copy lose small updates). Use precision='bf16-mixed' (or '16-mixed'), or attn_implementation='flash_attention_2'."
+        )
+    if facts.precision.startswith("transformer-engine") and not facts.compiled:
+        problems["fp8_compile"] = (
+            f"precision={facts.precision!r} (fp8 via Transformer Engine) without torch.compile: the casts and "
+            "amax bookkeeping around every fp8 layer stay unfused, so most of the memory and speed benefit is lost. Compile the model "
+            "(torch.compile / model.compile()) or use precision='bf16-mixed'."
+        )
+    if facts.packing and facts.attn_implementation is not None and facts.attn_implementation not in safe and not flash:
+        problems["packing_attention"] = (
+            f"packing with attn_implementation={facts.attn_implementation!r}, which cannot keep the documents in a "
+            f"packed row apart (they would attend to each other). Use one of {sorted(safe)}, or strategy='pad'."
+        )
+    if facts.on_cuda and facts.dynamic_shapes and not (facts.preallocating or facts.expandable_segments):
+        problems["dynamic_shapes"] = (
+            "batch shapes change from step to step on CUDA without pre-allocation or expandable segments: the "
+            "caching allocator fragments, reserved memory creeps up, and an OOM can come hours in. Add "
+            "CachePreallocator() to the callbacks and call lightning_seqmem.memory.allocator.configure_allocator() "
+            "before importing torch, or use constant shapes (strategy='truncate')."
+        )
+    return problems
+
+
+def _setting(obj: object, name: str) -> object:
+    """``obj.name``, else ``obj.hparams[name]``, else ``None``."""
+    value = getattr(obj, name, None)
+    if value is None:
+        hparams = getattr(obj, "hparams", None)
+        try:
+            value = hparams.get(name) if hparams is not None else None
+        except AttributeError:
+            value = getattr(hparams, name, None)
+    return value
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _is_compiled(pl_module: LightningModule) -> bool:
+    if getattr(pl_module, "_compiler_ctx", None) or _setting(pl_module, "compile"):
+        return True
+    for module in pl_module.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None or type(module).__name__ == "OptimizedModule":
+            return True
+    return False
+
+
+def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
+    """Read :class:`RunFacts` from any Trainer, DataModule and LightningModule (missing attributes are unknown)."""
+    dm = trainer.datamodule
+    strategy = _setting(dm, "strategy") if dm is not None else None
+    warmup = any(callable(getattr(cb, "max_batch_shape", None)) for cb in trainer.callbacks)
+    dynamic = strategy == "pad" or (strategy == "pack" and bool(_setting(dm, "max_tokens_per_batch"))) or warmup
+    config = getattr(getattr(pl_module, "model", None), "config", None)
+    attn = getattr(config, "_attn_implementation", None) or _setting(pl_module, "attn_implementation")
+    trainable = [p for p in pl_module.parameters() if p.requires_grad]
+    settings = allocator_settings()
+    return RunFacts(
+        on_cuda=trainer.strategy.root_device.type == "cuda",
+        precision=str(trainer.precision),
+        micro_batch_size=_int_or_none(_setting(dm, "micro_batch_size")) if dm is not None else None,
+        eval_batch_size=_int_or_none(_setting(dm, "eval_batch_size")) if dm is not None else None,
+        batch_size=_int_or_none(_setting(dm, "batch_size")) if dm is not None else None,
+        accumulate_grad_batches=int(trainer.accumulate_grad_batches),
+        world_size=int(trainer.world_size),
+        packing=strategy == "pack",
+        dynamic_shapes=dynamic,
+        attn_implementation=attn if isinstance(attn, str) else None,
+        fp16_weights=bool(trainable) and all(p.dtype == torch.float16 for p in trainable),
+        compiled=_is_compiled(pl_module),
+        preallocating=any(type(cb).__name__ == "CachePreallocator" for cb in trainer.callbacks),
+        expandable_segments=settings.get("expandable_segments", "").lower() == "true",
+    )
+
+
+class ConfigChecks(Callback):
+    """Warn once, at ``setup(stage="fit")``, about configurations known to waste memory or fail, with the fix.
+
+    Checks (names for ``skip``): ``eval_batch_size`` differs from ``micro_batch_size``; ``batch_size`` given instead
+    of ``micro_batch_size`` x ``accumulate_grad_batches``; ``fp16_packing``: fp16 weights (``16-true``) with packing
+    and no flash attention; ``fp8_compile``: Transformer Engine fp8 without ``torch.compile``; ``packing_attention``:
+    packing with an attention implementation that cannot keep documents apart; ``dynamic_shapes``: changing shapes on
+    CUDA without ``CachePreallocator`` or expandable segments. Facts are read defensively (DataModule attributes or
+    ``hparams``, ``pl_module.model.config._attn_implementation``), so any model and DataModule work; an unknown fact
+    keeps its check quiet. The warnings found are in :attr:`problems`.
+
+    Args:
+        skip: names of checks to turn off.
+
+    Raises:
+        ValueError: if ``skip`` names an unknown check.
+
+    Example::
+
+        Trainer(callbacks=[ConfigChecks(skip=("eval_batch_size",))])
+    """
+
+    def __init__(self, skip: tuple[str, ...] | list[str] = ()) -> None:
+        unknown = set(skip) - set(CHECKS)
+        if unknown:
+            raise ValueError(f"Unknown checks {sorted(unknown)} in skip; the checks are {list(CHECKS)}.")
+        self.skip = tuple(skip)
+        self.problems: dict[str, str] = {}
+        self._warned: set[str] = set()
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        found = find_problems(gather_facts(trainer, pl_module))
+        self.problems = {name: text for name, text in found.items() if name not in self.skip}
+        for name, text in self.problems.items():
+            if name not in self._warned:
+                self._warned.add(name)
+                rank_zero_warn(f"ConfigChecks [{name}]: {text}")

@@ -1,0 +1,147 @@
+"""Memory monitor: allocator statistics every N steps, a summary at the end of fit, a snapshot on OOM."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_seqmem.memory import stats
+
+
+def _is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _cuda_stats(device: torch.device) -> dict[str, Any]:
+    return torch.cuda.memory_stats(device)
+
+
+class MemoryMonitor(Callback):
+    """Log memory every ``every_n_steps`` optimizer steps (and after the first), summarise at the end of fit.
+
+    On CUDA it logs, from ``torch.cuda.memory_stats()``: ``memory/allocated_gib``, ``reserved_gib``,
+    ``peak_allocated_gib``, ``peak_reserved_gib``, ``fragmentation`` ((reserved - allocated) / reserved),
+    ``num_alloc_retries``, ``num_ooms`` and ``num_device_alloc`` (cudaMalloc calls). On CPU it logs the process's
+    ``rss_gib`` and ``peak_rss_gib``. Values go to every logger with ``log_metrics`` (``self.log`` would be averaged
+    or dropped by Lightning's logging cadence) and to :attr:`history`.
+
+    At the end of fit :attr:`summary` holds the peaks, the reserved-memory growth after the first step, the retries
+    and the largest fragmentation seen; a warning with the fix follows when retries happened or fragmentation
+    exceeded ``fragmentation_threshold``.
+
+    Args:
+        every_n_steps: log every this many optimizer steps (``trainer.global_step``).
+        fragmentation_threshold: warn at the end when fragmentation went above this share.
+        record_history: CUDA only: record allocator history (``torch.cuda.memory._record_memory_history``) so a
+            snapshot shows where every block came from. Costs some speed.
+        snapshot_dir: CUDA only: on an OOM, dump a snapshot there for https://pytorch.org/memory_viz.
+        max_history_entries: allocator events kept when ``record_history`` is on.
+
+    Raises:
+        ValueError: if ``every_n_steps`` < 1 or ``fragmentation_threshold`` is not in [0, 1].
+
+    Example::
+
+        Trainer(callbacks=[MemoryMonitor(every_n_steps=50, snapshot_dir="oom_snapshots")])
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        fragmentation_threshold: float = 0.2,
+        record_history: bool = False,
+        snapshot_dir: str | None = None,
+        max_history_entries: int = 100_000,
+    ) -> None:
+        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}.")
+        if not 0.0 <= fragmentation_threshold <= 1.0:
+            raise ValueError(f"fragmentation_threshold must be in [0, 1], got {fragmentation_threshold!r}.")
+        self.every_n_steps = every_n_steps
+        self.fragmentation_threshold = fragmentation_threshold
+        self.record_history = record_history
+        self.snapshot_dir = snapshot_dir
+        self.max_history_entries = max_history_entries
+        self.history: list[dict[str, float]] = []
+        self.summary: dict[str, float] = {}
+        self.snapshot_path: str | None = None
+        self._recording = False
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.history, self.summary = [], {}
+        on_cuda = _is_cuda(trainer.strategy.root_device)
+        if (self.record_history or self.snapshot_dir) and not on_cuda:
+            rank_zero_warn("MemoryMonitor: record_history and snapshot_dir need CUDA; ignored on this device.")
+        elif self.record_history:
+            torch.cuda.memory._record_memory_history(max_entries=self.max_history_entries)
+            self._recording = True
+
+    def collect(self, device: torch.device) -> dict[str, float]:
+        """Current memory metrics for ``device`` (CUDA allocator statistics, else the process's RSS)."""
+        return stats.cuda_memory_metrics(_cuda_stats(device)) if _is_cuda(device) else stats.cpu_memory_metrics()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == 0 or (self.history and self.history[-1]["step"] == step):
+            return  # no optimizer step yet, or still accumulating the same step
+        if step != 1 and step % self.every_n_steps != 0:
+            return
+        metrics = self.collect(pl_module.device)
+        self.history.append({"step": step, **metrics})
+        logged = {f"memory/{name}": value for name, value in metrics.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(logged, step=step)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.history or self.history[-1]["step"] != trainer.global_step:
+            self.history.append({"step": trainer.global_step, **self.collect(pl_module.device)})
+        first, last = self.history[0], self.history[-1]
+        summary = {"steps": float(last["step"])}
+        for name in ("peak_allocated_gib", "peak_reserved_gib", "peak_rss_gib", "num_alloc_retries", "num_ooms",
+                     "num_device_alloc"):
+            if name in last:
+                summary[name] = last[name]
+        if "reserved_gib" in first:
+            summary["reserved_after_first_step_gib"] = first["reserved_gib"]
+            summary["reserved_growth_gib"] = max(row["reserved_gib"] for row in self.history) - first["reserved_gib"]
+            summary["max_fragmentation"] = max(row.get("fragmentation", 0.0) for row in self.history)
+        self.summary = summary
+        rank_zero_info("MemoryMonitor summary: " + ", ".join(f"{k}={v:.3g}" for k, v in summary.items()))
+        advice = stats.memory_advice(
+            summary.get("num_alloc_retries", 0.0), summary.get("max_fragmentation", 0.0), self.fragmentation_threshold
+        )
+        if advice:
+            rank_zero_warn(advice)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if not (self.snapshot_dir and isinstance(exception, torch.OutOfMemoryError)):
+            return
+        if not _is_cuda(pl_module.device):
+            return
+        os.makedirs(self.snapshot_dir, exist_ok=True)
+        self.snapshot_path = os.path.join(self.snapshot_dir, f"oom_rank{trainer.global_rank}.pickle")
+        torch.cuda.memory._dump_snapshot(self.snapshot_path)
+        rank_zero_warn(
+            f"Out of memory: allocator snapshot written to {self.snapshot_path}; drag it onto "
+            "https://pytorch.org/memory_viz to see which tensors held the memory"
+            + ("." if self._recording else " (MemoryMonitor(record_history=True) adds where each block came from).")
+        )
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._recording:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._recording = False

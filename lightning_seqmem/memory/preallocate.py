@@ -1,0 +1,368 @@
+"""Cache pre-allocation: run the largest batch of the run once, before training, and keep its memory reserved.
+
+A run whose worst-case batch does not fit then fails in its first minute with a message that says why and what to
+change, not at hour five when the longest batch finally comes up; and a run that fits reserves its peak up front,
+so later (smaller) batches are carved out of one set of cached blocks instead of fragmenting memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from lightning_seqmem.memory import stats
+
+DEFAULT_KEYS = ("input_ids", "attention_mask", "labels")
+_TOKEN_KEYS = ("input_ids", "labels")
+
+
+class PreallocationOOMError(torch.OutOfMemoryError):
+    """The worst-case batch ran out of memory during pre-allocation (a ``torch.OutOfMemoryError``)."""
+
+
+def make_dummy_batch(
+    rows: int,
+    length: int,
+    keys: Sequence[str],
+    vocab_size: int | None = None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A batch dict in the project's batch contract, every tensor ``[rows, length]``.
+
+    ``input_ids`` are drawn from a private generator (the global RNG is not touched) below ``vocab_size`` (zeros when
+    unknown); ``labels`` copy them (every position counts in the loss, the worst case); ``attention_mask`` is all
+    ones; ``position_ids`` count ``0..length-1`` in every row (one document per row); ``cu_seqlens`` is the 1-D
+    int32 ``[0, length, 2 * length, ...]``; any other key gets zeros.
+
+    Args:
+        rows: rows per micro-batch.
+        length: tokens per row.
+        keys: the keys the train loader yields.
+        vocab_size: token ids are drawn from ``[0, vocab_size)``; ``None`` gives zeros.
+        device: where to build the tensors.
+        seed: seed of the private generator.
+
+    Example::
+
+        batch = make_dummy_batch(4, 128, ("input_ids", "labels", "position_ids"), vocab_size=32000)
+        batch["input_ids"].shape  # torch.Size([4, 128])
+    """
+    if rows < 1 or length < 1:
+        raise ValueError(f"rows and length must be >= 1, got rows={rows}, length={length}.")
+    if vocab_size:
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab_size, (rows, length), generator=generator)
+    else:
+        ids = torch.zeros(rows, length, dtype=torch.long)
+    batch: dict[str, torch.Tensor] = {}
+    for key in keys:
+        if key in _TOKEN_KEYS:
+            batch[key] = ids.clone()
+        elif key == "attention_mask":
+            batch[key] = torch.ones(rows, length, dtype=torch.long)
+        elif key == "position_ids":
+            batch[key] = torch.arange(length).expand(rows, length).clone()
+        elif key == "cu_seqlens":
+            batch[key] = torch.arange(0, rows * length + 1, length, dtype=torch.int32)
+        else:
+            batch[key] = torch.zeros(rows, length, dtype=torch.long)
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+@dataclass
+class PreallocationReport:
+    """What the pre-allocation pass did (``CachePreallocator.report``); sizes in bytes, ``None`` where not measured."""
+
+    shapes: list[tuple[int, int]]
+    keys: tuple[str, ...]
+    device: str
+    seconds: float = 0.0
+    peak_allocated: int | None = None  # CUDA: peak of live tensors during the pass
+    reserved: int | None = None  # CUDA: cached by the allocator after the pass
+    rss_before: int | None = None  # CPU: resident set size before the pass
+    peak_rss: int | None = None  # CPU: process peak RSS after the pass
+    passes: list[str] = field(default_factory=list)  # "fit_start", and "train_start" when re-reserved
+
+    def summary(self) -> str:
+        shapes = ", ".join(f"{r}x{l}" for r, l in self.shapes)
+        if self.device.startswith("cuda"):
+            sizes = f"peak allocated {stats.format_bytes(self.peak_allocated)}, reserved {stats.format_bytes(self.reserved)}"
+        else:
+            sizes = f"RSS {stats.format_bytes(self.rss_before)} before, process peak {stats.format_bytes(self.peak_rss)}"
+        return f"CachePreallocator: worst-case batch {shapes} (rows x length) fits on {self.device}: {sizes} ({self.seconds:.1f}s)."
+
+
+# CUDA queries live in small functions so tests can simulate a GPU on CPU.
+def _cuda_reset_peak(device: torch.device) -> None:
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def _cuda_peak_allocated(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device)
+
+
+def _cuda_reserved(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device)
+
+
+def _cuda_mem_get_info(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.mem_get_info(device)
+
+
+def _is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _vocab_size(pl_module: LightningModule) -> int | None:
+    config = getattr(getattr(pl_module, "model", None), "config", None)
+    for source in (config, getattr(pl_module, "hparams", None), pl_module):
+        value = getattr(source, "vocab_size", None) if source is not None else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+@contextlib.contextmanager
+def _untouched(pl_module: LightningModule) -> Iterator[None]:
+    """Run a throw-away training step: afterwards RNGs, buffers, metric states and module modes are as before,
+    ``self.log`` calls were no-ops and all gradients are ``None``."""
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    buffers = {name: buf.detach().to("cpu", copy=True) for name, buf in pl_module.named_buffers()}
+    modes = {module: module.training for module in pl_module.modules()}
+    metrics = _metric_states(pl_module)
+    # self.log is not allowed in on_fit_start (and has no result collection yet): make it a no-op for this step.
+    pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None  # instance attributes shadow the methods
+    pl_module.train()
+    try:
+        yield
+    finally:
+        del pl_module.log, pl_module.log_dict
+        pl_module.zero_grad(set_to_none=True)
+        for module, training in modes.items():
+            module.training = training
+        with torch.no_grad():
+            for name, buf in pl_module.named_buffers():
+                if name in buffers:
+                    buf.copy_(buffers[name])
+        _restore_metric_states(metrics)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _metric_states(pl_module: LightningModule) -> list[tuple[Any, dict[str, Any]]]:
+    """torchmetrics states (not buffers) that a training_step may update."""
+    from torchmetrics import Metric
+
+    saved = []
+    for module in pl_module.modules():
+        if isinstance(module, Metric):
+            names = [*getattr(module, "_defaults", {}), "_update_count", "_computed"]
+            state = {name: copy.deepcopy(getattr(module, name)) for name in names if hasattr(module, name)}
+            saved.append((module, state))
+    return saved
+
+
+def _restore_metric_states(saved: list[tuple[Any, dict[str, Any]]]) -> None:
+    for module, state in saved:
+        for name, value in state.items():
+            setattr(module, name, value)
+
+
+def _loss(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        return output.get("loss")
+    return None
+
+
+class CachePreallocator(Callback):
+    """Run one forward and backward at the largest batch of the run before training starts.
+
+    In ``on_fit_start`` a dummy batch of the worst-case shape goes through the LightningModule's own
+    ``training_step`` under the Trainer's precision context (autocast), then ``backward``; then every gradient is set
+    to ``None``. Nothing else changes: no optimizer or scheduler step, and parameters, buffers, torchmetrics states,
+    ``global_step`` and the python, numpy, torch and CUDA RNGs are as before. ``self.log`` calls inside
+    ``training_step`` are no-ops for this pass.
+
+    The shape comes from ``trainer.datamodule.max_batch_shape()`` (keys from ``batch_keys()``), or from ``rows`` and
+    ``length``. A callback with ``max_batch_shape(rows, length)`` (``SeqLengthWarmup``: reshape mode makes more rows of
+    fewer tokens) is asked for its worst case; when that differs from the DataModule's, both shapes are run.
+
+    Lightning calls ``torch.cuda.empty_cache()`` after ``on_fit_start`` (``CheckpointConnector.resume_end``), which
+    hands the cached blocks back to the driver. So on CUDA the pass runs again in ``on_train_start`` (after the
+    sanity check; nothing empties the cache between that hook and the first batch) whenever the reserved memory has
+    dropped below what the first pass left. On CPU the pass is a shape check and records the process's peak RSS.
+
+    Under DDP the pass calls the unwrapped LightningModule on every rank: no gradient all-reduce (DDP's reducer
+    ignores a backward it did not prepare in ``forward``), so ranks stay in step and DDP's own counters are
+    untouched; its gradient buckets already exist. Collectives inside your ``training_step`` run on every rank.
+    Skipped with a warning for manual optimization (its ``training_step`` steps the optimizer) and for strategies
+    that shard parameters (FSDP, DeepSpeed).
+
+    Args:
+        rows: rows of the worst-case micro-batch; with ``length``, overrides the DataModule.
+        length: tokens per row of the worst-case micro-batch.
+        keys: batch keys; default the DataModule's ``batch_keys()``, else ``input_ids``, ``attention_mask``, ``labels``.
+        vocab_size: token ids are drawn below it; default ``pl_module.model.config.vocab_size`` (else zeros).
+        rereserve: on CUDA, run again in ``on_train_start`` when ``empty_cache`` released the reservation.
+
+    Raises:
+        ValueError: if only one of ``rows``/``length`` is given, or a value is not a positive int.
+        MisconfigurationException: at setup, when there is neither ``rows``/``length`` nor a DataModule with
+            ``max_batch_shape()``.
+        PreallocationOOMError: when the worst-case batch does not fit (shape, memory needed vs available, fixes).
+
+    Example::
+
+        trainer = Trainer(callbacks=[CachePreallocator()])
+        trainer.fit(CausalLM(), datamodule=SeqMemDataModule(max_length=2048, micro_batch_size=8))
+    """
+
+    def __init__(
+        self,
+        rows: int | None = None,
+        length: int | None = None,
+        keys: Sequence[str] | None = None,
+        vocab_size: int | None = None,
+        rereserve: bool = True,
+    ) -> None:
+        if (rows is None) != (length is None):
+            raise ValueError("Give both rows and length (the worst-case micro-batch), or neither to ask the DataModule.")
+        for name, value in (("rows", rows), ("length", length), ("vocab_size", vocab_size)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+        if keys is not None and (isinstance(keys, str) or not all(isinstance(k, str) for k in keys)):
+            raise TypeError(f"keys must be a sequence of str such as ('input_ids', 'labels'), got {keys!r}.")
+        self.rows = rows
+        self.length = length
+        self.keys = tuple(keys) if keys is not None else None
+        self.vocab_size = vocab_size
+        self.rereserve = rereserve
+        self.report: PreallocationReport | None = None
+        self._skip_reason: str | None = None
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.rows is None and not callable(getattr(trainer.datamodule, "max_batch_shape", None)):
+            raise MisconfigurationException(
+                "CachePreallocator needs the worst-case batch shape: pass a DataModule with max_batch_shape() "
+                "(e.g. SeqMemDataModule), or CachePreallocator(rows=..., length=...)."
+            )
+        self._skip_reason = None
+        if not pl_module.automatic_optimization:
+            self._skip_reason = "manual optimization (its training_step would step the optimizer)"
+        strategy = type(trainer.strategy).__name__
+        if "FSDP" in strategy or "DeepSpeed" in strategy:
+            self._skip_reason = f"{strategy} shards parameters, so the unwrapped module cannot run a step"
+        if self._skip_reason:
+            rank_zero_warn(f"CachePreallocator is skipped: {self._skip_reason}.")
+
+    def worst_case_shapes(self, trainer: Trainer) -> list[tuple[int, int]]:
+        """The ``(rows, length)`` shapes to pre-allocate for, most tokens first."""
+        if self.rows is not None:
+            base = (self.rows, self.length)
+        else:
+            base = tuple(int(x) for x in trainer.datamodule.max_batch_shape())
+        shapes = [base]
+        for callback in trainer.callbacks:
+            ask = getattr(callback, "max_batch_shape", None)
+            if callback is not self and callable(ask):
+                shape = tuple(int(x) for x in ask(*base))
+                if shape not in shapes:
+                    shapes.append(shape)
+        return sorted(shapes, key=lambda s: (s[0] * s[1], s[1]), reverse=True)
+
+    def _batch_keys(self, trainer: Trainer) -> tuple[str, ...]:
+        if self.keys is not None:
+            return self.keys
+        batch_keys = getattr(trainer.datamodule, "batch_keys", None)
+        return tuple(batch_keys()) if callable(batch_keys) else DEFAULT_KEYS
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._skip_reason:
+            return
+        self.report = PreallocationReport(
+            shapes=self.worst_case_shapes(trainer), keys=self._batch_keys(trainer), device=str(pl_module.device)
+        )
+        self._run(trainer, pl_module, "fit_start")
+        rank_zero_info(self.report.summary())
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.report is None or not self.rereserve or not _is_cuda(pl_module.device):
+            return
+        if _cuda_reserved(pl_module.device) < (self.report.reserved or 0):
+            self._run(trainer, pl_module, "train_start")
+
+    def _run(self, trainer: Trainer, pl_module: LightningModule, phase: str) -> None:
+        report = self.report
+        device = pl_module.device
+        on_cuda = _is_cuda(device)
+        vocab_size = self.vocab_size or _vocab_size(pl_module)
+        start = time.perf_counter()
+        if on_cuda:
+            _cuda_reset_peak(device)
+        else:
+            import psutil
+
+            report.rss_before = psutil.Process().memory_info().rss
+        failure: tuple[tuple[int, int], str] | None = None
+        with _untouched(pl_module):
+            for shape in report.shapes:
+                try:
+                    self._step(trainer, pl_module, make_dummy_batch(*shape, report.keys, vocab_size, device))
+                except torch.OutOfMemoryError as error:  # leave the except block first so the activations are freed
+                    failure = (shape, str(error))
+                    break
+        if failure is not None:
+            raise PreallocationOOMError(self._oom_message(device, *failure)) from None
+        report.seconds = time.perf_counter() - start
+        report.passes.append(phase)
+        if on_cuda:
+            report.peak_allocated = _cuda_peak_allocated(device)
+            report.reserved = _cuda_reserved(device)
+        else:
+            report.peak_rss = stats.peak_rss_bytes()
+
+    @staticmethod
+    def _step(trainer: Trainer, pl_module: LightningModule, batch: dict[str, torch.Tensor]) -> None:
+        batch = trainer.precision_plugin.convert_input(batch)
+        with trainer.precision_plugin.train_step_context():
+            loss = _loss(pl_module.training_step(batch, 0))
+        if loss is not None:
+            loss.backward()  # unscaled: the scale does not change memory, and the gradients are thrown away
+
+    def _oom_message(self, device: torch.device, shape: tuple[int, int], cause: str) -> str:
+        tried = stats.parse_tried_to_allocate(cause)
+        if _is_cuda(device):
+            free, total = _cuda_mem_get_info(device)
+            peak = _cuda_peak_allocated(device)
+            needed = peak + tried if tried is not None else peak
+        else:
+            import psutil
+
+            memory = psutil.virtual_memory()
+            free, total, needed = memory.available, memory.total, tried
+        return stats.oom_message(shape, self.report.keys, str(device), needed, free, total, cause)

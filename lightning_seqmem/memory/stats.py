@@ -1,0 +1,137 @@
+"""Memory arithmetic: pure functions on numbers and ``torch.cuda.memory_stats()`` dicts (no torch import).
+
+Shared by :class:`~lightning_seqmem.memory.CachePreallocator`, :class:`~lightning_seqmem.memory.MemoryMonitor` and
+``benchmarks/memory.py``, and testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping, Sequence
+
+GIB = 1024**3
+
+# torch.cuda.memory_stats() keys -> our metric names (bytes are converted to GiB).
+_CUDA_KEYS = {
+    "allocated_bytes.all.current": "allocated_gib",
+    "reserved_bytes.all.current": "reserved_gib",
+    "allocated_bytes.all.peak": "peak_allocated_gib",
+    "reserved_bytes.all.peak": "peak_reserved_gib",
+    "inactive_split_bytes.all.current": "inactive_split_gib",
+    "num_alloc_retries": "num_alloc_retries",
+    "num_ooms": "num_ooms",
+    "num_device_alloc": "num_device_alloc",  # cudaMalloc calls (torch >= 2.1)
+    "num_device_free": "num_device_free",
+}
+
+FIXES = (
+    "a smaller micro_batch_size",
+    "a smaller max_length (or max_tokens_per_batch when packing)",
+    "gradient checkpointing (CausalLM(gradient_checkpointing=True))",
+    "bf16 (precision='bf16-mixed', or resolve_precision('auto'))",
+)
+
+
+def format_bytes(n: float | None) -> str:
+    """``1536 * 2**20`` -> ``'1.50 GiB'``; ``None`` -> ``'unknown'``."""
+    if n is None:
+        return "unknown"
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fragmentation(reserved: float, allocated: float) -> float:
+    """Share of reserved memory not held by live tensors: ``(reserved - allocated) / reserved``, 0 when nothing is reserved."""
+    return (reserved - allocated) / reserved if reserved > 0 else 0.0
+
+
+def cuda_memory_metrics(stats: Mapping[str, int | float]) -> dict[str, float]:
+    """Flat metrics from a ``torch.cuda.memory_stats()`` dict (missing keys are skipped).
+
+    Returns GiB for sizes, counts as floats, and ``fragmentation`` of the current reserved memory.
+
+    Example::
+
+        cuda_memory_metrics({"allocated_bytes.all.current": 2**30, "reserved_bytes.all.current": 2**31})
+        # {'allocated_gib': 1.0, 'reserved_gib': 2.0, 'fragmentation': 0.5}
+    """
+    metrics: dict[str, float] = {}
+    for key, name in _CUDA_KEYS.items():
+        if key in stats:
+            value = float(stats[key])
+            metrics[name] = value / GIB if name.endswith("_gib") else value
+    if "reserved_gib" in metrics and "allocated_gib" in metrics:
+        metrics["fragmentation"] = fragmentation(metrics["reserved_gib"], metrics["allocated_gib"])
+    return metrics
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def cpu_memory_metrics() -> dict[str, float]:
+    """Current and peak RSS of this process in GiB."""
+    import psutil
+
+    return {"rss_gib": psutil.Process().memory_info().rss / GIB, "peak_rss_gib": peak_rss_bytes() / GIB}
+
+
+def parse_tried_to_allocate(message: str) -> int | None:
+    """Bytes from torch's ``"Tried to allocate 2.00 GiB"`` in an OOM message, or ``None``."""
+    match = re.search(r"Tried to allocate ([\d.]+) ?([KMGT]?i?B)", message)
+    if not match:
+        return None
+    units = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+    return int(float(match.group(1)) * units.get(match.group(2), 1))
+
+
+def oom_message(
+    shape: tuple[int, int],
+    keys: Sequence[str],
+    device: str,
+    needed: int | None,
+    free: int | None,
+    total: int | None,
+    cause: str = "",
+) -> str:
+    """The error text for a worst-case batch that does not fit: what was tried, needed vs available, ways out."""
+    rows, length = shape
+    lines = [
+        f"The largest batch this run will see does not fit in {device} memory: the pre-allocation pass "
+        f"(one forward and backward through training_step) ran out of memory at rows={rows}, length={length} "
+        f"({rows * length:,} tokens per micro-batch, keys {tuple(keys)}).",
+        f"Memory needed: at least {format_bytes(needed)}; available: {format_bytes(free)} free of "
+        f"{format_bytes(total)}.",
+        "It would have failed the first time a batch this large came up. Ways out (any one, or several):",
+        *(f"  - {fix}" for fix in FIXES),
+    ]
+    if cause:
+        lines.append(f"Original error: {cause.strip().splitlines()[0]}")
+    return "\n".join(lines)
+
+
+def memory_advice(num_alloc_retries: float, peak_fragmentation: float, threshold: float) -> str | None:
+    """A warning with the fix when allocator retries or fragmentation are high; ``None`` when all is well."""
+    problems = []
+    if num_alloc_retries > 0:
+        problems.append(
+            f"{int(num_alloc_retries)} allocation retries (the allocator freed its cache and synchronised to "
+            "satisfy a request: slow, and one step from OOM)"
+        )
+    if peak_fragmentation > threshold:
+        problems.append(f"fragmentation {peak_fragmentation:.0%} (> {threshold:.0%}) of reserved memory unused")
+    if not problems:
+        return None
+    return (
+        "Memory: " + "; ".join(problems) + ". Fixes: enable expandable segments "
+        "(lightning_seqmem.memory.allocator.configure_allocator() before importing torch, or "
+        "PYTORCH_ALLOC_CONF=expandable_segments:True), add CachePreallocator so the largest batch is reserved first, "
+        "and keep shapes steady (strategy='truncate', or pack with a fixed max_length)."
+    )

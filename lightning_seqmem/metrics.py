@@ -1,0 +1,45 @@
+"""``TokenEfficiency``: the fraction of the slots fed to the model that hold real tokens, not padding."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torchmetrics import Metric
+
+from lightning_seqmem.collate import real_token_mask
+
+
+class TokenEfficiency(Metric):
+    """Real tokens / slots, accumulated over batches and summed over DDP ranks before dividing.
+
+    Sums (not per-batch ratios) are synced, so the value is exact under DDP and with batches of different shapes.
+
+    Args:
+        pad_token_id: the padding id, used to tell padding from real tokens in packed batches (no attention mask).
+
+    Example::
+
+        >>> m = TokenEfficiency(pad_token_id=0)
+        >>> m.update({"input_ids": torch.tensor([[5, 6, 0, 0]]), "attention_mask": torch.tensor([[1, 1, 0, 0]])})
+        >>> m.compute()
+        tensor(0.5000)
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    def __init__(self, pad_token_id: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.pad_token_id = pad_token_id
+        self.add_state("real_tokens", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("slots", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, batch: Mapping[str, torch.Tensor]) -> None:
+        """Count one batch dict (``input_ids`` ``[batch, seq]`` plus ``attention_mask`` or ``labels``)."""
+        self.real_tokens += real_token_mask(batch, self.pad_token_id).sum()
+        self.slots += batch["input_ids"].numel()
+
+    def compute(self) -> torch.Tensor:
+        return self.real_tokens.float() / self.slots.clamp(min=1).float()

@@ -1,0 +1,296 @@
+"""Batch samplers: shuffled, length-grouped and token-budget batches, sharded over DDP ranks, resumable mid-epoch.
+
+Every sampler here yields *batches* (lists of dataset indices) and owns its DDP sharding:
+
+- all ranks build the same global list of batches from ``seed + epoch`` (so packing and order agree everywhere),
+  then take every ``num_replicas``-th batch; the global count is a multiple of ``num_replicas``, so every rank
+  yields the same number of batches and no rank hangs at the end of an epoch;
+- no index is lost or repeated: the last batches are shrunk instead of padded with repeats (``drop_last=True``
+  drops the incomplete tail instead, and ``num_dropped`` says how many);
+- they subclass ``DistributedSampler`` so Lightning does not inject its own sampler; use them as a DataLoader's
+  ``sampler`` with ``batch_size=None`` over a dataset that takes a list of indices (``BatchFetcher``).
+
+``state_dict``/``load_state_dict`` hold the epoch and the batches already yielded, so a resumed run yields exactly
+the remaining batches (torchdata's ``StatefulDataLoader`` picks them up automatically).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import Dataset, DistributedSampler
+
+
+def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """Explicit values, else the initialised process group, else a single process."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if initialised else 1
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    if not 0 <= rank < num_replicas:
+        raise ValueError(f"rank={rank} must be in [0, num_replicas={num_replicas}).")
+    return num_replicas, rank
+
+
+def _even_split(n: int, parts: int) -> list[int]:
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+def balanced_batch_sizes(n: int, batch_size: int, num_replicas: int = 1, drop_last: bool = False) -> list[int]:
+    """Sizes of consecutive batches covering ``n`` items, their count a multiple of ``num_replicas``.
+
+    Full batches first; the last ``num_replicas`` batches share the remainder evenly (none empty), so each rank
+    gets the same number of batches without repeating an item. ``drop_last`` keeps only full batches. When
+    ``n`` items cannot fill one batch per rank, the tail that cannot be shared is dropped (a warning says so).
+
+    Example::
+
+        >>> balanced_batch_sizes(10, 4, num_replicas=2)
+        [4, 4, 1, 1]
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1.")
+    per_round = batch_size * num_replicas
+    if drop_last:
+        return [batch_size] * ((n // per_round) * num_replicas)
+    rounds = -(-n // per_round)
+    tail = n - (rounds - 1) * per_round
+    if tail >= num_replicas:
+        return [batch_size] * ((rounds - 1) * num_replicas) + _even_split(tail, num_replicas)
+    total = rounds * num_replicas
+    if n >= total:
+        return _even_split(n, total)
+    kept = (n // num_replicas) * num_replicas
+    warnings.warn(
+        f"{n} items cannot give each of {num_replicas} ranks the same number of non-empty batches of <= "
+        f"{batch_size}; dropping {n - kept} of them this epoch. Use more data or fewer ranks.",
+        stacklevel=3,
+    )
+    return _even_split(kept, kept) if kept else []
+
+
+def _cut(order: np.ndarray, sizes: Sequence[int]) -> list[list[int]]:
+    bounds = np.cumsum([0, *sizes])
+    return [order[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+class _ShardedBatchSampler(DistributedSampler):
+    """Shared machinery: epoch seeding, sharding, longest-first, resume. Subclasses build ``global_batches``."""
+
+    def __init__(
+        self,
+        num_items: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        num_replicas, rank = _world(num_replicas, rank)
+        super().__init__(range(num_items), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self.num_items = num_items
+        self._yielded = 0
+        self._skip = 0
+
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        """All ranks' batches for ``epoch``; the count is a multiple of ``num_replicas``."""
+        raise NotImplementedError
+
+    def batch_cost(self, batch: list[int]) -> float:
+        """Used to put the most expensive batch first (an OOM shows at step 0); 0 keeps the order."""
+        return 0.0
+
+    def batches(self, epoch: int | None = None) -> list[list[int]]:
+        """This rank's batches for ``epoch`` (default: the current one), the most expensive first."""
+        mine = self.global_batches(self.epoch if epoch is None else epoch)[self.rank :: self.num_replicas]
+        if mine:
+            top = max(range(len(mine)), key=lambda i: self.batch_cost(mine[i]))
+            mine[0], mine[top] = mine[top], mine[0]
+        return mine
+
+    @property
+    def num_dropped(self) -> int:
+        """Items of an epoch that no rank sees (only with ``drop_last`` or fewer items than ranks)."""
+        return self.num_items - sum(len(b) for b in self.global_batches(self.epoch))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self.batches()
+        start, self._skip = self._skip, 0
+        self._yielded = start
+        for batch in batches[start:]:
+            self._yielded += 1
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.global_batches(self.epoch)) // self.num_replicas
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, seed and batches already yielded this epoch (enough to replay the rest exactly)."""
+        return {"epoch": self.epoch, "seed": self.seed, "batches_yielded": self._yielded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(f"resuming with seed={self.seed} but the state was saved with seed={state['seed']}.")
+        self.epoch = state["epoch"]
+        self._skip = self._yielded = state["batches_yielded"]
+
+
+class ShuffledBatchSampler(_ShardedBatchSampler):
+    """Fixed-size batches in a fresh order each epoch (``seed + epoch``): for packed rows and plain padding.
+
+    Args:
+        num_items: dataset size.
+        batch_size: rows per batch (the last batches of an epoch may be smaller, never empty).
+        shuffle: reshuffle each epoch; ``False`` keeps dataset order (validation).
+        seed: the same on every rank.
+        num_replicas, rank: DDP world; default from the initialised process group, else 1 and 0.
+        drop_last: drop the incomplete tail instead of shrinking the last batches.
+
+    Example::
+
+        >>> s = ShuffledBatchSampler(5, batch_size=2, shuffle=False)
+        >>> list(s)
+        [[0, 1], [2, 3], [4]]
+    """
+
+    def __init__(self, num_items: int, batch_size: int, shuffle: bool = True, seed: int = 0,
+                 num_replicas: int | None = None, rank: int | None = None, drop_last: bool = False) -> None:
+        super().__init__(num_items, shuffle, seed, num_replicas, rank, drop_last)
+        self.batch_size = batch_size
+        self._sizes = balanced_batch_sizes(num_items, batch_size, self.num_replicas, drop_last)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_items)
+        return np.random.default_rng(self.seed + epoch).permutation(self.num_items)
+
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        return _cut(self._order(epoch), self._sizes)
+
+
+class LengthGroupedSampler(ShuffledBatchSampler):
+    """Batches of similar length: shuffle, cut into mega-batches, sort each by length (longest first).
+
+    Padding falls because rows of a batch have similar lengths; randomness stays because mega-batches are drawn
+    afresh each epoch. Neighbouring batches (same step on different ranks) have similar shapes, and each rank's
+    longest batch comes first, so an out-of-memory error shows up at step 0.
+
+    Args:
+        lengths: ``[items]`` token counts (after truncation).
+        batch_size: rows per batch.
+        mega_batch_mult: a mega-batch holds ``mega_batch_mult * batch_size * num_replicas`` items.
+        shuffle, seed, num_replicas, rank, drop_last: as in ``ShuffledBatchSampler``.
+    """
+
+    def __init__(self, lengths: Sequence[int] | np.ndarray, batch_size: int, mega_batch_mult: int = 50,
+                 shuffle: bool = True, seed: int = 0, num_replicas: int | None = None, rank: int | None = None,
+                 drop_last: bool = False) -> None:
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        super().__init__(len(self.lengths), batch_size, shuffle, seed, num_replicas, rank, drop_last)
+        self.mega_batch_size = max(1, mega_batch_mult) * batch_size * self.num_replicas
+
+    def _order(self, epoch: int) -> np.ndarray:
+        order = super()._order(epoch)
+        megas = [order[i : i + self.mega_batch_size] for i in range(0, len(order), self.mega_batch_size)]
+        return np.concatenate([m[np.argsort(-self.lengths[m], kind="stable")] for m in megas] or [order])
+
+    def batch_cost(self, batch: list[int]) -> float:
+        return float(self.lengths[batch].max()) * len(batch)
+
+
+class TokenBudgetBatchSampler(_ShardedBatchSampler):
+    """A variable number of rows per batch with ``rows x padded_length <= max_tokens_per_batch``.
+
+    Rows are sorted by length once (ties in a seeded random order) and cut greedily into batches, so memory per
+    batch is flat and padding is minimal; each epoch reshuffles the order of the batches (``seed + epoch``), the
+    largest batch first. The batch count is fixed, made a multiple of ``num_replicas`` by halving the batches
+    with the most rows.
+
+    Args:
+        lengths: ``[items]`` token counts (after truncation).
+        max_tokens_per_batch: the budget on padded slots per batch.
+        padded_length: maps a batch's longest row to its padded length (e.g. ``PadCollator.padded_length``).
+        shuffle, seed, num_replicas, rank, drop_last: as in ``ShuffledBatchSampler``; ``drop_last`` drops
+            batches instead of splitting to reach a multiple of ``num_replicas``.
+
+    Raises:
+        ValueError: the budget cannot hold even the longest row; the message gives the smallest valid budget.
+    """
+
+    def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens_per_batch: int,
+                 padded_length: Callable[[int], int] | None = None, shuffle: bool = True, seed: int = 0,
+                 num_replicas: int | None = None, rank: int | None = None, drop_last: bool = False) -> None:
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        super().__init__(len(self.lengths), shuffle, seed, num_replicas, rank, drop_last)
+        self.max_tokens_per_batch = max_tokens_per_batch
+        self.padded_length = padded_length or (lambda n: n)
+        one_row = self.padded_length(int(self.lengths.max(initial=1)))
+        if max_tokens_per_batch < one_row:
+            raise ValueError(
+                f"max_tokens_per_batch={max_tokens_per_batch} is smaller than one row: the longest row pads to "
+                f"{one_row} tokens. Set max_tokens_per_batch >= {one_row} (or lower max_length)."
+            )
+        self._batches = self._make_batches()
+
+    def _make_batches(self) -> list[list[int]]:
+        tie_break = np.random.default_rng(self.seed).permutation(self.num_items)
+        order = tie_break[np.argsort(-self.lengths[tie_break], kind="stable")]
+        batches: list[list[int]] = []
+        current: list[int] = []
+        width = 0
+        for i in order.tolist():
+            if current and (len(current) + 1) * width > self.max_tokens_per_batch:
+                batches.append(current)
+                current = []
+            if not current:
+                width = self.padded_length(int(self.lengths[i]))  # longest first: the first row sets the width
+            current.append(i)
+        if current:
+            batches.append(current)
+        return self._balance(batches)
+
+    def _balance(self, batches: list[list[int]]) -> list[list[int]]:
+        while len(batches) % self.num_replicas:
+            if self.drop_last:
+                return batches[: len(batches) - len(batches) % self.num_replicas]
+            big = max(range(len(batches)), key=lambda i: len(batches[i]))
+            if len(batches[big]) < 2:
+                raise ValueError(
+                    f"{len(batches)} single-row batches cannot be shared equally by {self.num_replicas} ranks; "
+                    "raise max_tokens_per_batch, or pass drop_last=True."
+                )
+            half = len(batches[big]) // 2
+            batches[big : big + 1] = [batches[big][:half], batches[big][half:]]
+        return batches
+
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        if not self.shuffle:
+            return [list(b) for b in self._batches]
+        perm = np.random.default_rng(self.seed + epoch).permutation(len(self._batches))
+        return [list(self._batches[i]) for i in perm]
+
+    def batch_cost(self, batch: list[int]) -> float:
+        return float(self.padded_length(int(self.lengths[batch].max()))) * len(batch)
+
+
+class BatchFetcher(Dataset):
+    """Wrap a dataset so that one "item" is a whole batch: ``fetcher[[3, 7, 9]] -> [ds[3], ds[7], ds[9]]``.
+
+    With ``DataLoader(BatchFetcher(ds), sampler=<a sampler above>, batch_size=None, collate_fn=collator)`` the
+    collator receives the list of examples of each batch.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: list[int]) -> list[Any]:
+        return [self.dataset[int(i)] for i in indices]

@@ -1,0 +1,29 @@
+"""Shared fixtures. Nothing in the suite may reach a model or dataset hub: we force offline mode."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The built-in BPE tokenizer (trained once on the built-in corpus, then cached)."""
+    from lightning_seqmem.tokenizer import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture()
+def small_text_dataset():
+    """A small in-memory text dataset with one long document, for fast DataModule tests."""
+    import datasets
+
+    texts = [f"Document number {i}: " + "lorem ipsum dolor sit amet " * (1 + i % 7) for i in range(40)]
+    texts[3] = "A long document. " + "the quick brown fox jumps over the lazy dog " * 60
+    return datasets.Dataset.from_dict({"text": texts})

@@ -1,0 +1,86 @@
+import lightning.pytorch as L
+import pytest
+import torch
+
+from lightning_seqmem import CausalLM, SeqMemDataModule
+from lightning_seqmem.model import build_model_config, lr_factor
+
+
+def _batch(vocab=64, rows=4, length=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 16:] = 0  # one padded row
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("preset", ["tiny_llama", "tiny_gpt2"])
+def test_overfits_one_batch(preset):
+    torch.manual_seed(0)
+    model = CausalLM(model_config=preset, vocab_size=64, pad_token_id=0, learning_rate=3e-3)
+    batch = _batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(40):
+        loss = model(batch).loss
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first / 2
+
+
+def test_vocab_size_comes_from_the_datamodule_tokenizer(small_text_dataset, tmp_path):
+    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=4)
+    model = CausalLM()
+    assert model.model is None  # built at setup, once the tokenizer is known
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, limit_val_batches=1, val_check_interval=3,
+                        default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=dm)
+    assert model.model.config.vocab_size == len(dm.tokenizer)
+    assert model.hparams.vocab_size == len(dm.tokenizer)
+    metrics = trainer.callback_metrics
+    for key in ("train/loss", "train/ppl", "val/loss", "val/ppl", "train/real_token_fraction"):
+        assert key in metrics, key
+    assert torch.isclose(metrics["val/ppl"], torch.exp(metrics["val/loss"]))
+    # Real tokens counted from the attention mask, never more than the slots.
+    assert 0 < model.real_tokens_seen <= model.slots_seen
+
+
+def test_checkpoint_round_trip(small_text_dataset, tmp_path):
+    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=4)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        limit_val_batches=0, default_root_dir=tmp_path)
+    model = CausalLM(model_config="tiny_gpt2")
+    trainer.fit(model, datamodule=dm)
+    path = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(path)
+    restored = CausalLM.load_from_checkpoint(path)  # vocab size was saved in hparams at setup
+    for (name, a), (_, b) in zip(model.state_dict().items(), restored.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_local_pretrained_path(tmp_path):
+    model = CausalLM(vocab_size=64)
+    model.model.save_pretrained(tmp_path / "hf")
+    loaded = CausalLM(pretrained_path=str(tmp_path / "hf"))
+    batch = _batch()
+    torch.testing.assert_close(loaded(batch).loss, model(batch).loss)
+
+
+def test_bad_model_config():
+    with pytest.raises(ValueError, match="Unknown model_config 'tiny_bert'.*tiny_gpt2"):
+        build_model_config("tiny_bert", 64, 0)
+    with pytest.raises(ValueError, match="model_type"):
+        build_model_config({"hidden_size": 8}, 64, 0)
+    with pytest.raises(ValueError, match="learning_rate"):
+        CausalLM(learning_rate=0)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    values = [lr_factor(s, 10, 100, 0.1) for s in range(101)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(values[10:], values[11:]))
+    assert values[100] == pytest.approx(0.1)
