@@ -16,6 +16,9 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
+from lightning_seqmem.collate import real_token_mask
+from lightning_seqmem.metrics import TokenEfficiency
+
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 
 # Named model configs built with random weights (no download). A few million parameters each.
@@ -96,6 +99,8 @@ class CausalLM(LightningModule):
         self.save_hyperparameters()
         self.model = None
         self.val_loss = MeanMetric()
+        # Real tokens / slots, summed over ranks; the pad id is set again at setup once the tokenizer is known.
+        self.token_efficiency = TokenEfficiency(pad_token_id=-1 if pad_token_id is None else pad_token_id)
         self.real_tokens_seen = 0  # cumulative, this rank
         self.slots_seen = 0
         self._train_time = 0.0
@@ -132,6 +137,8 @@ class CausalLM(LightningModule):
                 self.hparams.vocab_size = len(tok)
             if self.hparams.pad_token_id is None:
                 self.hparams.pad_token_id = tok.pad_token_id
+        if self.hparams.pad_token_id is not None:
+            self.token_efficiency.pad_token_id = self.hparams.pad_token_id
         if self.model is None:
             if self.hparams.vocab_size is None:
                 raise ValueError(
@@ -146,9 +153,8 @@ class CausalLM(LightningModule):
         return self.model(**inputs, use_cache=False)
 
     def _real_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        from lightning_seqmem.collate import real_token_mask
-
-        return int(real_token_mask(batch, self.hparams.pad_token_id).sum())
+        pad = self.hparams.pad_token_id
+        return int(real_token_mask(batch, -1 if pad is None else pad).sum())
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self(batch).loss
@@ -159,6 +165,8 @@ class CausalLM(LightningModule):
         self.slots_seen += slots
         self.log("train/loss", loss, prog_bar=True, batch_size=rows)
         self.log("train/ppl", torch.exp(loss.detach().clamp(max=50)), batch_size=rows)
+        self.token_efficiency.update(batch)
+        self.log("train/token_efficiency", self.token_efficiency, batch_size=rows, on_step=False, on_epoch=True)
         self.log("train/real_token_fraction", real / max(slots, 1), batch_size=rows)
         self.log("train/real_tokens_seen", float(self.real_tokens_seen), batch_size=rows, reduce_fx="max")
         if self._train_time > 0:

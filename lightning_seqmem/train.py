@@ -6,6 +6,7 @@ Builds the DataModule, the model, the callbacks, the loggers and the Trainer fro
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
@@ -20,6 +21,11 @@ def _configure_allocator_early() -> None:
     except ImportError:  # the memory module is optional for the job itself
         return
     configure_allocator()
+
+
+def _is_rank_zero() -> bool:
+    # Under strategy=ddp Lightning re-launches this script once per extra rank with LOCAL_RANK/NODE_RANK set.
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
 
 
 def _instantiate_all(group: Any) -> list[Any]:
@@ -49,9 +55,25 @@ def train(cfg) -> dict[str, Any]:
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     trainer.fit(model, datamodule=datamodule)
     for cb in callbacks:
-        if type(cb).__name__ == "RunSummary":
+        if type(cb).__name__ == "RunSummary" and cb.summary:
             return cb.summary
-    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+    # ddp_spawn trains in child processes: their callbacks wrote summary.json, this process's copies stay empty.
+    path = os.path.join(trainer.default_root_dir, "summary.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {k.replace("val/loss", "final_val_loss"): float(v) for k, v in trainer.callback_metrics.items()
+            if v.numel() == 1}
+
+
+def _write_status(output_dir: str, status: str, error: BaseException | None = None) -> None:
+    """``<job dir>/job_status.json``: whether the job finished; seqmem-report lists the jobs that did not."""
+    record: dict[str, Any] = {"status": status}
+    if error is not None:
+        record["error"] = f"{type(error).__name__}: {error}"[:2000]
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "job_status.json"), "w") as f:
+        json.dump(record, f, indent=2)
 
 
 def _hydra_entry() -> None:
@@ -59,7 +81,19 @@ def _hydra_entry() -> None:
 
     @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
     def _main(cfg) -> float | None:
-        summary = train(cfg)
+        from hydra.core.hydra_config import HydraConfig
+
+        output_dir = HydraConfig.get().runtime.output_dir
+        if _is_rank_zero():
+            _write_status(output_dir, "running")
+        try:
+            summary = train(cfg)
+        except BaseException as err:  # KeyboardInterrupt too: the report must not count this job as finished
+            if _is_rank_zero():
+                _write_status(output_dir, "failed", err)
+            raise
+        if _is_rank_zero():
+            _write_status(output_dir, "finished")
         value = summary.get("final_val_loss")
         return float(value) if value is not None else None  # what Hydra sweepers optimise
 

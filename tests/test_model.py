@@ -42,7 +42,7 @@ def test_vocab_size_comes_from_the_datamodule_tokenizer(small_text_dataset, tmp_
     assert model.model.config.vocab_size == len(dm.tokenizer)
     assert model.hparams.vocab_size == len(dm.tokenizer)
     metrics = trainer.callback_metrics
-    for key in ("train/loss", "train/ppl", "val/loss", "val/ppl", "train/real_token_fraction"):
+    for key in ("train/loss", "train/ppl", "val/loss", "val/ppl", "train/real_token_fraction", "train/token_efficiency"):
         assert key in metrics, key
     assert torch.isclose(metrics["val/ppl"], torch.exp(metrics["val/loss"]))
     # Real tokens counted from the attention mask, never more than the slots.

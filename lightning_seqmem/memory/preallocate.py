@@ -137,14 +137,16 @@ def _vocab_size(pl_module: LightningModule) -> int | None:
 
 @contextlib.contextmanager
 def _untouched(pl_module: LightningModule) -> Iterator[None]:
-    """Run a throw-away training step: afterwards RNGs, buffers, metric states and module modes are as before,
-    ``self.log`` calls were no-ops and all gradients are ``None``."""
+    """Run a throw-away training step: afterwards RNGs, buffers, torchmetrics states, plain scalar attributes of the
+    LightningModule and module modes are as before, ``self.log`` calls were no-ops and all gradients are ``None``."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     buffers = {name: buf.detach().to("cpu", copy=True) for name, buf in pl_module.named_buffers()}
     modes = {module: module.training for module in pl_module.modules()}
     metrics = _metric_states(pl_module)
+    # Plain counters a training_step may bump (e.g. CausalLM.real_tokens_seen).
+    scalars = {k: v for k, v in vars(pl_module).items() if isinstance(v, (int, float, str, type(None)))}
     # self.log is not allowed in on_fit_start (and has no result collection yet): make it a no-op for this step.
     pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None  # instance attributes shadow the methods
     pl_module.train()
@@ -160,6 +162,7 @@ def _untouched(pl_module: LightningModule) -> Iterator[None]:
                 if name in buffers:
                     buf.copy_(buffers[name])
         _restore_metric_states(metrics)
+        vars(pl_module).update(scalars)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
@@ -200,7 +203,7 @@ class CachePreallocator(Callback):
     In ``on_fit_start`` a dummy batch of the worst-case shape goes through the LightningModule's own
     ``training_step`` under the Trainer's precision context (autocast), then ``backward``; then every gradient is set
     to ``None``. Nothing else changes: no optimizer or scheduler step, and parameters, buffers, torchmetrics states,
-    ``global_step`` and the python, numpy, torch and CUDA RNGs are as before. ``self.log`` calls inside
+    scalar attributes of the LightningModule (counters), ``global_step`` and the python, numpy, torch and CUDA RNGs are as before. ``self.log`` calls inside
     ``training_step`` are no-ops for this pass.
 
     The shape comes from ``trainer.datamodule.max_batch_shape()`` (keys from ``batch_keys()``), or from ``rows`` and

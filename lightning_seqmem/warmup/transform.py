@@ -15,15 +15,15 @@ from collections.abc import MutableMapping
 
 import torch
 
+from lightning_seqmem.collate import IGNORE_INDEX, real_token_mask
+
 __all__ = [
-    "IGNORE_INDEX",
     "apply_seq_length_warmup",
     "real_token_count",
     "reshaped_batch_shape",
     "set_batch_sequence_length",
 ]
 
-IGNORE_INDEX = -100
 _CU_SEQLENS = "cu_seqlens"
 
 
@@ -263,11 +263,8 @@ def _first_2d(batch: MutableMapping[str, torch.Tensor]) -> torch.Tensor:
 
 def _real_token_mask(batch: MutableMapping[str, torch.Tensor], pad_token_id: int | None) -> torch.Tensor | None:
     """``[batch, seq]`` bool mask of real tokens, or ``None`` when the batch does not say."""
-    if "attention_mask" in batch:
-        return batch["attention_mask"].bool()
+    if "attention_mask" in batch or (pad_token_id is not None and {"input_ids", "labels"} <= batch.keys()):
+        return real_token_mask(batch, pad_token_id)
     if "labels" not in batch:
         return None
-    trained = batch["labels"] != IGNORE_INDEX
-    if pad_token_id is None or "input_ids" not in batch:
-        return trained
-    return trained | (batch["input_ids"] != pad_token_id)
+    return batch["labels"] != IGNORE_INDEX  # without a pad id, a token the loss ignores may be padding
