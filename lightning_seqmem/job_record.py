@@ -20,14 +20,15 @@ from typing_extensions import override
 
 __all__ = ["FIELDS", "JobRecord"]
 
-FIELDS = ("step", "wall_clock_s", "elapsed_s", "tokens_seen", "val_loss")
+FIELDS = ("step", "wall_clock_s", "elapsed_s", "cpu_s", "tokens_seen", "val_loss")
 
 
 class JobRecord(Callback):
     """Record validation loss against training wall-clock and real tokens seen, one CSV row per validation.
 
     ``wall_clock_s`` is time spent training since ``on_train_start`` with validation time left out (validation is
-    measurement, the same cost for every job); ``elapsed_s`` includes it. ``tokens_seen`` counts the real (non-pad)
+    measurement, the same cost for every job); ``elapsed_s`` includes it. ``cpu_s`` is the process's CPU time
+    over the same span (all threads), a steadier clock than wall-clock on a shared machine. ``tokens_seen`` counts the real (non-pad)
     tokens of the batches the model trained on, after any in-place cut by ``SeqLengthWarmup``, summed over ranks.
 
     Args:
@@ -47,6 +48,9 @@ class JobRecord(Callback):
         self._start = 0.0
         self._val_time = 0.0
         self._val_start: float | None = None
+        self._cpu_start = 0.0
+        self._val_cpu = 0.0
+        self._val_cpu_start = 0.0
         self._pad_token_id: int | None = None
         self._warned = False
 
@@ -62,6 +66,8 @@ class JobRecord(Callback):
                 break
         self._start = time.perf_counter()
         self._val_time = 0.0
+        self._cpu_start = time.process_time()
+        self._val_cpu = 0.0
         if trainer.global_step == 0:
             self._reset_file(trainer)
 
@@ -89,6 +95,7 @@ class JobRecord(Callback):
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self._val_start = time.perf_counter()
+            self._val_cpu_start = time.process_time()
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -96,6 +103,8 @@ class JobRecord(Callback):
             return
         now = time.perf_counter()
         self._val_time += now - self._val_start
+        cpu_now = time.process_time()
+        self._val_cpu += cpu_now - self._val_cpu_start
         self._val_start = None
         # Every rank validates, so this all-reduce is matched on all of them.
         tokens = trainer.strategy.reduce(torch.tensor(float(self._tokens), device=pl_module.device), reduce_op="sum")
@@ -110,6 +119,7 @@ class JobRecord(Callback):
             "step": trainer.global_step,
             "wall_clock_s": round(elapsed - self._val_time, 4),
             "elapsed_s": round(elapsed, 4),
+            "cpu_s": round(cpu_now - self._cpu_start - self._val_cpu, 4),
             "tokens_seen": int(tokens.item()),
             "val_loss": float(value),
         })

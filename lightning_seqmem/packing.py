@@ -177,7 +177,7 @@ def _split_pieces(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.
     """Cut every document into ``max_length`` pieces (the last one shorter): ``(doc, start, length)`` each."""
     n_pieces = -(-lengths // max_length)
     doc = np.repeat(np.arange(len(lengths)), n_pieces)
-    first = np.concatenate([[0], np.cumsum(n_pieces)[:-1]])
+    first = np.cumsum(n_pieces) - n_pieces
     start = (np.arange(len(doc)) - np.repeat(first, n_pieces)) * max_length
     return doc, start, np.minimum(lengths[doc] - start, max_length)
 
@@ -261,7 +261,7 @@ def _plan_wrapped(lengths: np.ndarray, doc_index: np.ndarray, base: dict) -> Pac
     first_row = doc_starts[:-1] // max_length
     pieces = (doc_starts[1:] - 1) // max_length - first_row + 1  # rows each document touches
     doc = np.repeat(np.arange(lengths.size), pieces)
-    first_seg = np.concatenate([[0], np.cumsum(pieces)[:-1]])
+    first_seg = np.cumsum(pieces) - pieces
     row = first_row[doc] + np.arange(doc.size) - np.repeat(first_seg, pieces)
     seg_start_global = np.maximum(doc_starts[doc], row * max_length)
     seg_len = np.minimum(doc_starts[doc + 1], (row + 1) * max_length) - seg_start_global
@@ -327,7 +327,7 @@ def pack_sequences(
         offsets = offsets + np.arange(offsets.size)
     src = offsets[plan.segment_doc] + plan.segment_start
     seg_len = plan.segment_length
-    out_start = np.concatenate([[0], np.cumsum(seg_len)[:-1]]) if seg_len.size else seg_len
+    out_start = np.cumsum(seg_len) - seg_len
     gather = np.arange(int(seg_len.sum())) + np.repeat(src - out_start, seg_len)
     plan.input_ids = flat[gather]
     return plan
@@ -393,8 +393,9 @@ class StreamingPacker:
                 buffer.extend(self._pieces(index, list(ids)))
             if len(buffer) >= self.buffer_size:
                 rows, buffer = self._emit(buffer, final=False)
+                yield from rows
                 if len(buffer) >= self.buffer_size:  # nothing full: emit anyway so the window stays bounded
                     rows, buffer = self._emit(buffer, final=True)
-                yield from rows
+                    yield from rows
         if buffer:
             yield from self._emit(buffer, final=True)[0]

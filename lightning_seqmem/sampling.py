@@ -56,7 +56,7 @@ def balanced_batch_sizes(n: int, batch_size: int, num_replicas: int = 1, drop_la
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1.")
     per_round = batch_size * num_replicas
-    if drop_last:
+    if drop_last or n == 0:
         return [batch_size] * ((n // per_round) * num_replicas)
     rounds = -(-n // per_round)
     tail = n - (rounds - 1) * per_round

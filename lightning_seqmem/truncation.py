@@ -63,8 +63,8 @@ class PromptCompletionLimits:
         max_length: limit on ``len(prompt) + len(completion)``.
         max_prompt_length: prompt limit; the END of the prompt is kept (the question sits next to the answer).
         max_completion_length: completion limit; the START of the completion is kept.
-        truncation_side: which end of the joined sequence ``max_length`` cuts: ``"right"`` cuts the completion's
-            end, ``"left"`` cuts the prompt's start.
+        truncation_side: what ``max_length`` cuts first: ``"right"`` the completion's end, ``"left"`` the prompt's
+            start (then the completion's end).
 
     Raises:
         ValueError: a limit below its minimum, or ``max_prompt_length + max_completion_length > max_length``.
@@ -112,14 +112,13 @@ def truncate_prompt_completion(
     c = truncate_ids(completion, limits.max_completion_length, side="right")
     excess = len(p) + len(c) - limits.max_length
     if excess > 0:
+        # "right" cuts the completion's end first, "left" the prompt's start first; the completion always keeps
+        # its start (the tokens right after the prompt are the ones worth learning).
+        cut_first = min(excess, len(c) if limits.truncation_side == "right" else len(p))
         if limits.truncation_side == "right":
-            cut_c = min(excess, len(c))
-            c = c[: len(c) - cut_c]
-            p = p[: len(p) - (excess - cut_c)]
+            c, p = c[: len(c) - cut_first], p[: len(p) - (excess - cut_first)]
         else:
-            cut_p = min(excess, len(p))
-            p = p[cut_p:]
-            c = c[excess - cut_p :]
+            p, c = p[cut_first:], c[: len(c) - (excess - cut_first)]
     return p, c
 
 

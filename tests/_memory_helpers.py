@@ -96,6 +96,11 @@ class TinyLM(L.LightningModule):
                           "max_id": int(batch["input_ids"].max()), "rng": torch.get_rng_state().clone()})
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(**batch, use_cache=False).loss
+        self.log("val/loss", loss, batch_size=batch["input_ids"].shape[0])
+        return loss
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)}
@@ -127,6 +132,9 @@ class TinyData(L.LightningDataModule):
         return DataLoader(self.docs, batch_size=self.micro_batch_size, shuffle=True, collate_fn=self._collate,
                           generator=torch.Generator().manual_seed(1))
 
+    def val_dataloader(self):
+        return DataLoader(self.docs[:4], batch_size=self.eval_batch_size, collate_fn=self._collate)
+
     def batch_keys(self):
         return ("input_ids", "attention_mask", "labels")
 
@@ -135,6 +143,7 @@ class TinyData(L.LightningDataModule):
 
 
 def trainer(tmp_path, callbacks, max_steps: int = 2, **kwargs) -> L.Trainer:
-    return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                     default_root_dir=tmp_path, callbacks=callbacks, **kwargs)
+    kwargs = {"limit_val_batches": 0, "logger": False, **kwargs}
+    return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                     callbacks=callbacks, **kwargs)

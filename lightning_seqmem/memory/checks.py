@@ -6,6 +6,7 @@ The checks are a pure function, :func:`find_problems`, on :class:`RunFacts` (pla
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -154,7 +155,8 @@ def _int_or_none(value: object) -> int | None:
 
 
 def _is_compiled(pl_module: LightningModule) -> bool:
-    if getattr(pl_module, "_compiler_ctx", None) or _setting(pl_module, "compile"):
+    hparams = getattr(pl_module, "hparams", None)
+    if getattr(pl_module, "_compiler_ctx", None) or (isinstance(hparams, Mapping) and hparams.get("compile")):
         return True
     for module in pl_module.modules():
         if getattr(module, "_compiled_call_impl", None) is not None or type(module).__name__ == "OptimizedModule":

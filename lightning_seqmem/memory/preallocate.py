@@ -208,7 +208,7 @@ class CachePreallocator(Callback):
 
     The shape comes from ``trainer.datamodule.max_batch_shape()`` (keys from ``batch_keys()``), or from ``rows`` and
     ``length``. A callback with ``max_batch_shape(rows, length)`` (``SeqLengthWarmup``: reshape mode makes more rows of
-    fewer tokens) is asked for its worst case; when that differs from the DataModule's, both shapes are run.
+    fewer tokens) is asked for its worst case; when neither shape contains the other, both are run.
 
     Lightning calls ``torch.cuda.empty_cache()`` after ``on_fit_start`` (``CheckpointConnector.resume_end``), which
     hands the cached blocks back to the driver. So on CUDA the pass runs again in ``on_train_start`` (after the
@@ -294,6 +294,8 @@ class CachePreallocator(Callback):
                 shape = tuple(int(x) for x in ask(*base))
                 if shape not in shapes:
                     shapes.append(shape)
+        # A shape no larger in both rows and length than another needs no pass of its own.
+        shapes = [s for s in shapes if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in shapes)]
         return sorted(shapes, key=lambda s: (s[0] * s[1], s[1]), reverse=True)
 
     def _batch_keys(self, trainer: Trainer) -> tuple[str, ...]:

@@ -69,11 +69,16 @@ def cuda_memory_metrics(stats: Mapping[str, int | float]) -> dict[str, float]:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    """Peak resident set size of this process (``ru_maxrss``: KiB on Linux, bytes on macOS).
+
+    The kernel updates its high-water mark lazily, so it can trail the current RSS by a few pages: take the larger.
+    """
     import resource
 
+    import psutil
+
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+    return max(int(peak if sys.platform == "darwin" else peak * 1024), psutil.Process().memory_info().rss)
 
 
 def cpu_memory_metrics() -> dict[str, float]:

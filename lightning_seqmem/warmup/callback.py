@@ -161,10 +161,10 @@ class SeqLengthWarmup(Callback):
         self._check_against_datamodule(trainer)
         if self.total_tokens is None:
             total = trainer.estimated_stepping_batches
-            if not math.isfinite(total):
+            if not math.isfinite(total) or total < 1:
                 raise MisconfigurationException(
                     "SeqLengthWarmup follows the optimizer step out of `trainer.estimated_stepping_batches`, which is "
-                    "infinite here (an unsized train loader, e.g. an IterableDataset, and no max_steps). Set "
+                    f"unknown here ({total}: an unsized train loader, e.g. an IterableDataset, and no max_steps). Set "
                     "Trainer(max_steps=...) or give the callback a token budget: SeqLengthWarmup(total_tokens=...)."
                 )
             self._total_steps = max(int(total), 1)

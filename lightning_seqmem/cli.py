@@ -1,0 +1,70 @@
+"""``seqmem-cli``: a LightningCLI over ``CausalLM`` and ``SeqMemDataModule``, for people who configure in YAML.
+
+Both classes are in subclass mode, so a config (or the command line) can name a subclass of either, or any
+LightningModule/LightningDataModule; without one, ``lightning_seqmem.CausalLM`` and
+``lightning_seqmem.SeqMemDataModule`` are used. Callbacks are added the Lightning way::
+
+    seqmem-cli fit --config examples/cli.yaml
+    seqmem-cli fit --trainer.max_steps=100 \\
+        --trainer.callbacks+=lightning_seqmem.warmup.SeqLengthWarmup --trainer.callbacks.duration=0.3
+    seqmem-cli fit --config examples/cli.yaml --print_config > full.yaml && seqmem-cli fit --config full.yaml
+
+The CUDA allocator is configured before torch is imported.
+"""
+
+from __future__ import annotations
+
+import sys
+
+DEFAULT_MODEL = "lightning_seqmem.CausalLM"
+DEFAULT_DATA = "lightning_seqmem.SeqMemDataModule"
+
+
+def _configure_allocator_early() -> None:
+    # Must run before torch is imported anywhere: the caching allocator reads its settings once.
+    try:
+        from lightning_seqmem.memory.allocator import configure_allocator
+    except ImportError:
+        return
+    configure_allocator()
+
+
+def build_cli_class():
+    """The LightningCLI subclass (built lazily so that importing this module does not import torch)."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+    class SeqMemCLI(LightningCLI):
+        """LightningCLI with our model and DataModule as defaults and the tokenizer's vocabulary wired in."""
+
+        def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+            parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+
+    def run(args: list[str] | None = None, run: bool = True) -> LightningCLI:
+        return SeqMemCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            run=run,
+        )
+
+    return SeqMemCLI, run
+
+
+def cli_main(args: list[str] | None = None, run: bool = True):
+    """Build (and by default run) the CLI; ``args`` as on the command line, ``None`` reads ``sys.argv``."""
+    _, make = build_cli_class()
+    return make(args, run=run)
+
+
+def main() -> None:
+    """Console-script entry point (``seqmem-cli``)."""
+    _configure_allocator_early()
+    cli_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

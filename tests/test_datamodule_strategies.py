@@ -1,0 +1,171 @@
+"""SeqMemDataModule strategies end to end: batch contract, token accounting, shapes, stats, errors, resume."""
+
+import datasets
+import lightning.pytorch as L
+import pytest
+import torch
+
+from lightning_seqmem import SeqMemDataModule
+from lightning_seqmem.collate import real_token_mask
+
+
+def _fed_tokens(dm, loader):
+    return sum(int(real_token_mask(b, dm.pad_token_id).sum()) for b in loader)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(strategy="pad"),
+        dict(strategy="pad", group_by_length=True),
+        dict(strategy="pad", pad_to_max_length=True),
+        dict(strategy="pad", max_tokens_per_batch=160),
+        dict(strategy="truncate"),
+        dict(strategy="truncate", truncation_side="left"),
+        dict(strategy="pack"),
+        dict(strategy="pack", packing="wrapped"),
+        dict(strategy="pack", overflow="truncate"),
+        dict(strategy="pack", overflow="drop", return_cu_seqlens=True),
+    ],
+    ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()),
+)
+def test_every_strategy_keeps_the_contract_and_counts_every_token(small_text_dataset, kwargs):
+    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=40, micro_batch_size=4, **kwargs)
+    with pytest.warns(UserWarning) if kwargs.get("overflow") not in (None, "split") or kwargs["strategy"] != "pack" \
+            else _no_warning():
+        dm.setup("fit")
+    rows, length = dm.max_batch_shape()
+    for split, loader in (("train", dm.train_dataloader()), ("validation", dm.val_dataloader())):
+        seen = 0
+        for batch in loader:
+            keys = set(batch)
+            assert keys == set(dm.batch_keys()), (keys, dm.batch_keys())
+            shape = batch["input_ids"].shape
+            assert all(batch[k].shape == shape for k in keys if k != "cu_seqlens")
+            assert shape[0] <= rows and shape[1] <= length
+            if kwargs["strategy"] != "pad" or kwargs.get("pad_to_max_length"):
+                assert shape[1] == 40  # constant shape
+            if "max_tokens_per_batch" in kwargs:
+                assert shape[0] * shape[1] <= 160
+            seen += 1
+        assert seen == dm.stats()[split]["batches"]
+        s = dm.stats()[split]
+        fed = _fed_tokens(dm, loader)
+        assert fed + s["tokens_truncated"] + s["tokens_dropped"] == s["tokens"]  # nothing lost silently
+        if kwargs["strategy"] == "pack" and kwargs.get("overflow", "split") == "split":
+            assert s["tokens_truncated"] == s["tokens_dropped"] == 0 and s["documents_split"] >= 1
+        slots = sum(b["input_ids"].numel() for b in loader)
+        assert s["token_efficiency"] == pytest.approx(fed / slots)
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_packing_beats_padding_and_rows_reshuffle_without_repacking(small_text_dataset):
+    pad = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=4, strategy="truncate")
+    pack = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=4, strategy="pack")
+    assert pack.stats()["train"]["token_efficiency"] > 0.9 > pad.stats()["train"]["token_efficiency"]
+    loader = pack.train_dataloader()
+    packed = pack._rows["train"].packed
+    epochs = []
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)
+        epochs.append([b["input_ids"].tolist() for b in loader])
+    assert epochs[0] != epochs[1] and sorted(sum(epochs[0], [])) == sorted(sum(epochs[1], []))
+    assert pack._rows["train"].packed is packed
+
+
+def test_prompt_completion_truncation_and_completion_only_labels(tokenizer):
+    ds = datasets.Dataset.from_dict({
+        "prompt": ["Question: what is two plus two?", "A very long prompt " * 30, "Say hi."],
+        "completion": [" Four.", " Fine.", ""],
+    })
+    dm = SeqMemDataModule(dataset=datasets.DatasetDict(train=ds, validation=ds), max_length=24, micro_batch_size=4,
+                          strategy="truncate", max_prompt_length=12, max_completion_length=8)
+    with pytest.warns(UserWarning, match="1 prompt/completion rows lost their whole completion"):
+        dm.setup("fit")
+    assert dm.stats()["train"]["rows_without_completion"] == 1  # the empty completion: reported, not trained on
+    batch = next(iter(dm.val_dataloader()))
+    assert batch["input_ids"].shape == (2, 24)
+    for row in range(2):
+        labels, mask = batch["labels"][row], batch["attention_mask"][row]
+        real = int(mask.sum())
+        learn = (labels != -100).nonzero().flatten()
+        assert learn.numel() > 0 and learn.max() == real - 1  # the completion ends the row
+        assert torch.equal(batch["input_ids"][row][learn], labels[learn])
+        assert labels[0] == -100  # the prompt is not learned
+    eos = tokenizer.eos_token_id
+    assert batch["labels"][0][int(batch["attention_mask"][0].sum()) - 1] == eos
+    full = SeqMemDataModule(dataset=ds, max_length=24, strategy="pad", completion_only_loss=False,
+                            max_prompt_length=12)
+    with pytest.warns(UserWarning):
+        full.setup("fit")
+    b = next(iter(full.train_dataloader()))
+    assert torch.equal(b["labels"][b["attention_mask"] == 1], b["input_ids"][b["attention_mask"] == 1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(strategy="pack", packing="ffd"), r"packing='ffd' is not valid; use one of \('bfd', 'wrapped'\)"),
+        (dict(strategy="pack", overflow="wrap"), "overflow='wrap' is not valid"),
+        (dict(max_length=10, max_prompt_length=6, max_completion_length=6), r"max_prompt_length \(6\) \+ max_comp"),
+        (dict(strategy="truncate", max_length=64, max_tokens_per_batch=32), "at least 64"),
+        (dict(truncation_side="middle"), "truncation_side='middle' is not valid"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SeqMemDataModule(**kwargs)
+
+
+def test_bad_data(small_text_dataset):
+    with pytest.raises(ValueError, match=r"document at row \d+ has \d+ tokens > max_length=40"):
+        SeqMemDataModule(dataset=small_text_dataset, max_length=40, strategy="pack", overflow="error").setup("fit")
+    with pytest.raises(ValueError, match="max_tokens_per_batch=16 is smaller than one row.*>= 40"):
+        SeqMemDataModule(dataset=small_text_dataset, max_length=40, max_tokens_per_batch=16).setup("fit")
+    texts = ["", "some text here", "", "more text"]
+    dm = SeqMemDataModule(dataset=datasets.Dataset.from_dict({"text": texts}), strategy="pack", max_length=16)
+    dm.setup("fit")
+    s = dm.stats()
+    assert s["train"]["empty_documents_skipped"] + s["validation"]["empty_documents_skipped"] >= 2
+
+
+class _Recorder(L.LightningModule):
+    """A one-parameter model: enough for Lightning to run steps and checkpoint, and it records what it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch["input_ids"].tolist())
+        return (self.w * batch["input_ids"].float().mean()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_lightning_mid_epoch_resume_replays_exactly_the_remaining_batches(small_text_dataset, tmp_path):
+    def run(max_steps, ckpt=None, save=False):
+        dm = SeqMemDataModule(dataset=small_text_dataset, max_length=32, micro_batch_size=8, strategy="pack")
+        model = _Recorder()
+        callbacks = [L.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)] if save else []
+        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, callbacks=callbacks,
+                            enable_checkpointing=save, default_root_dir=tmp_path)
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
+        return model.seen, len(dm.train_dataloader())
+
+    full, per_epoch = run(40)
+    assert per_epoch < 37  # the resumed part crosses an epoch boundary (so epoch reshuffles resume too)
+    partial, _ = run(3, save=True)
+    assert partial == full[:3]
+    resumed, _ = run(40, ckpt=str(tmp_path / "epoch=0-step=3.ckpt"))
+    assert resumed == full[3:]

@@ -1,0 +1,102 @@
+"""ConfigChecks: each check fires on its case and stays quiet otherwise; resolve_precision."""
+
+import types
+
+import pytest
+import torch
+from _memory_helpers import TinyData, TinyLM, trainer
+
+from lightning_seqmem.memory import checks
+from lightning_seqmem.memory.checks import CHECKS, ConfigChecks, RunFacts, find_problems, resolve_precision
+
+SAFE = frozenset({"flash_attention_2", "eager", "sdpa"})
+
+# One case per check: the facts that trigger it (on top of a quiet baseline).
+CASES = {
+    "eval_batch_size": dict(micro_batch_size=8, eval_batch_size=32),
+    "batch_size": dict(batch_size=64, micro_batch_size=8, accumulate_grad_batches=2),
+    "fp16_packing": dict(precision="16-true", packing=True, attn_implementation="sdpa"),
+    "fp8_compile": dict(precision="transformer-engine"),
+    "packing_attention": dict(packing=True, attn_implementation="my_custom_attention"),
+    "dynamic_shapes": dict(on_cuda=True, dynamic_shapes=True),
+}
+QUIET = RunFacts(micro_batch_size=8, eval_batch_size=8, attn_implementation="sdpa")
+
+
+def test_baseline_is_quiet():
+    assert find_problems(QUIET, SAFE) == {}
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_each_check_fires_on_its_case_only(name):
+    facts = RunFacts(**{**vars(QUIET), **CASES[name]})
+    assert list(find_problems(facts, SAFE)) == [name]
+
+
+@pytest.mark.parametrize(
+    "fix",
+    [
+        dict(micro_batch_size=8, eval_batch_size=8),  # eval_batch_size
+        dict(batch_size=32, micro_batch_size=8, accumulate_grad_batches=2, world_size=2),  # batch_size consistent
+        dict(precision="bf16-mixed", packing=True, attn_implementation="sdpa"),  # fp16_packing: mixed precision
+        dict(precision="16-true", packing=True, attn_implementation="flash_attention_2"),  # ... or flash
+        dict(precision="transformer-engine", compiled=True),  # fp8 with compile
+        dict(packing=True, attn_implementation="eager"),  # eager keeps documents apart in current transformers
+        dict(on_cuda=True, dynamic_shapes=True, preallocating=True),
+        dict(on_cuda=True, dynamic_shapes=True, expandable_segments=True),
+        dict(on_cuda=False, dynamic_shapes=True),
+    ],
+)
+def test_quiet_when_fixed(fix):
+    assert find_problems(RunFacts(**{**vars(QUIET), **fix}), SAFE) == {}
+
+
+def test_batch_size_without_micro_batch_size_under_accumulation():
+    problems = find_problems(RunFacts(batch_size=64, accumulate_grad_batches=4), SAFE)
+    assert list(problems) == ["batch_size"] and "effective batch is 256" in problems["batch_size"]
+
+
+def test_installed_transformers_keeps_packed_documents_apart_in_sdpa():
+    assert {"eager", "sdpa", "flash_attention_2"} <= checks.packed_safe_attention()
+
+
+def test_callback_reads_a_real_run_and_warns_once(tmp_path):
+    cb = ConfigChecks()
+    with pytest.warns(UserWarning, match=r"ConfigChecks \[eval_batch_size\]") as record:
+        t = trainer(tmp_path, [cb], max_steps=1)
+        t.fit(TinyLM(), datamodule=TinyData(rows=2, eval_rows=4))
+        cb.setup(t, t.lightning_module, "fit")  # a second setup does not warn again
+    assert list(cb.problems) == ["eval_batch_size"]
+    assert sum("ConfigChecks" in str(w.message) for w in record) == 1
+
+
+def test_callback_gathers_facts_defensively(tmp_path):
+    model = TinyLM()
+    model.model.config._attn_implementation = "my_custom_attention"
+    dm = TinyData()
+    dm.strategy = "pack"
+    t = trainer(tmp_path, [], max_steps=1)
+    t.strategy.connect(model)
+    t.datamodule = dm  # what fit() does
+    facts = checks.gather_facts(t, model)
+    assert facts.packing and facts.attn_implementation == "my_custom_attention" and not facts.on_cuda
+    assert facts.micro_batch_size == 2 and facts.precision == "32-true" and not facts.compiled
+    bare = types.SimpleNamespace(datamodule=None, callbacks=[], strategy=t.strategy, precision="32-true",
+                                 accumulate_grad_batches=1, world_size=1)
+    assert checks.gather_facts(bare, torch.nn.Linear(2, 2)) == RunFacts()  # any model, no DataModule: all unknown
+
+
+def test_skip_is_checked():
+    with pytest.raises(ValueError, match="Unknown checks"):
+        ConfigChecks(skip=("nope",))
+
+
+def test_resolve_precision(monkeypatch):
+    assert resolve_precision("16-mixed") == "16-mixed"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_precision("auto") == "32-true"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_precision() == "bf16-mixed"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_precision() == "16-mixed"
