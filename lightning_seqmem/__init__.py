@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "TruncateCollator": "lightning_seqmem.collate",
     "PackCollator": "lightning_seqmem.collate",
     "real_token_mask": "lightning_seqmem.collate",
+    "ShuffledBatchSampler": "lightning_seqmem.sampling",
     "LengthGroupedSampler": "lightning_seqmem.sampling",
     "TokenBudgetBatchSampler": "lightning_seqmem.sampling",
     "TokenEfficiency": "lightning_seqmem.metrics",

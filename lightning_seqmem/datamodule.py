@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from lightning_seqmem.collate import PackCollator, PadCollator, TruncateCollator
 from lightning_seqmem.data_source import check_columns, ensure_validation_split, load_text_dataset, tokenize_dataset
-from lightning_seqmem.packing import PackResult, check_packing, pack_sequences
+from lightning_seqmem.packing import PackResult, StreamingPacker, check_packing, pack_sequences
 from lightning_seqmem.sampling import (
     BatchFetcher,
     LengthGroupedSampler,
@@ -53,6 +54,28 @@ class _PackedRows(Dataset):
         return self.packed.row(i)
 
 
+class _StreamingRows(IterableDataset):
+    """A text stream tokenized and packed on the fly; rank ``r`` and worker ``w`` take every n-th document.
+
+    Memory is bounded by the packer's window. With ``cycle`` the stream restarts when it ends, so DDP ranks
+    (whose shares differ in length) never wait on each other; stop training with ``max_steps``.
+    """
+
+    def __init__(self, stream, encode, packer: StreamingPacker, rank: int, world: int, cycle: bool) -> None:
+        self.stream, self.encode, self.packer = stream, encode, packer
+        self.rank, self.world, self.cycle = rank, world, cycle
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        shard, shards = self.rank * workers + worker, self.world * workers
+        while True:
+            mine = (self.encode(i, ex) for i, ex in enumerate(self.stream) if i % shards == shard)
+            yield from self.packer(mine)
+            if not self.cycle:
+                return
+
+
 class SeqMemDataModule(LightningDataModule):
     """Variable-length text for causal-LM training.
 
@@ -84,6 +107,10 @@ class SeqMemDataModule(LightningDataModule):
         completion_only_loss: prompt/completion data: labels -100 on the prompt.
         return_cu_seqlens: ``pack`` only: also yield ``cu_seqlens`` for custom varlen attention.
         drop_last: drop the incomplete tail of an epoch (counted in ``stats()``) instead of smaller last batches.
+        streaming_buffer_size: streaming datasets (``datasets.IterableDataset``, ``strategy="pack"`` only):
+            documents held in the best-fit window; memory does not grow with the dataset.
+        streaming_validation_documents: a stream without a ``validation`` split gives its first this many
+            documents to validation (and training skips them).
 
     Example::
 
@@ -115,6 +142,8 @@ class SeqMemDataModule(LightningDataModule):
         completion_only_loss: bool = True,
         return_cu_seqlens: bool = False,
         drop_last: bool = False,
+        streaming_buffer_size: int = 1000,
+        streaming_validation_documents: int = 100,
     ) -> None:
         super().__init__()
         if not isinstance(max_length, int) or max_length < 2:
@@ -154,6 +183,9 @@ class SeqMemDataModule(LightningDataModule):
         self.completion_only_loss = completion_only_loss
         self.return_cu_seqlens = return_cu_seqlens
         self.drop_last = drop_last
+        self.streaming_buffer_size = streaming_buffer_size
+        self.streaming_validation_documents = streaming_validation_documents
+        self.streaming = False
         self._tokenizer_arg = tokenizer
         self._tokenizer = None
         self.datasets: dict[str, Any] | None = None
@@ -184,6 +216,10 @@ class SeqMemDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.datasets is not None:
             return
+        import datasets
+
+        if isinstance(self.dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+            return self._setup_streaming()
         raw = load_text_dataset(self.dataset)
         kind = check_columns(raw, self.text_column)
         if kind == "prompt_completion" and self.strategy == "pack" and self.completion_only_loss:
@@ -196,38 +232,81 @@ class SeqMemDataModule(LightningDataModule):
         tokenized = ensure_validation_split(tokenized, seed=self.seed)
         self.datasets = {}
         for split in ("train", "validation"):
-            ds = tokenized[split]
-            lengths = ds["length"]
-            lengths = lengths.to_pylist() if hasattr(lengths, "to_pylist") else list(lengths)
-            keep = [i for i, n in enumerate(lengths) if n > 0]
-            empty = len(lengths) - len(keep)
-            if empty:
-                ds = ds.select(keep)
-                lengths = [lengths[i] for i in keep]
-            if split == "train" and len(ds) == 0:
-                raise ValueError("Every training document is empty after tokenization: there is nothing to train on.")
-            stats = {
-                "documents": len(lengths), "empty_documents_skipped": empty, "tokens": sum(lengths),
-                "tokens_truncated": 0, "tokens_dropped": 0, "documents_split": 0,
-                "documents_truncated": sum(1 for n in lengths if n > self.max_length),
-                "longest_document": max(lengths, default=0),
-            }
-            if kind == "prompt_completion":
-                ds, stats = self._prompt_completion_rows(ds, stats, split)
-            else:
-                ds = ds.select_columns(["input_ids"])
-            self.datasets[split] = ds
-            self._stats[split] = stats
-            if self.strategy == "pack":
-                self._pack_split(split)
-            else:
-                self._rows[split] = ds
-                if kind == "text":
-                    stats["tokens_truncated"] = count_truncated(lengths, self.max_length)
-                    self._lengths[split] = np.minimum(np.asarray(lengths, dtype=np.int64), self.max_length)
-            self._report(split, stats)
+            self._setup_split(split, tokenized[split], kind)
         for split in self._stats:
             self._stats[split].update(self._loader_stats(split))
+
+    def _setup_split(self, split: str, ds, kind: str) -> None:
+        """Skip empty documents, truncate or pack, and count every token that will not reach the model."""
+        lengths = ds["length"]
+        lengths = lengths.to_pylist() if hasattr(lengths, "to_pylist") else list(lengths)
+        keep = [i for i, n in enumerate(lengths) if n > 0]
+        empty = len(lengths) - len(keep)
+        if empty:
+            ds = ds.select(keep)
+            lengths = [lengths[i] for i in keep]
+        if split == "train" and len(ds) == 0:
+            raise ValueError("Every training document is empty after tokenization: there is nothing to train on.")
+        stats = {
+            "documents": len(lengths), "empty_documents_skipped": empty, "tokens": sum(lengths),
+            "tokens_truncated": 0, "tokens_dropped": 0, "documents_split": 0,
+            "documents_truncated": sum(1 for n in lengths if n > self.max_length),
+            "longest_document": max(lengths, default=0),
+        }
+        if kind == "prompt_completion":
+            ds, stats = self._prompt_completion_rows(ds, stats, split)
+        else:
+            ds = ds.select_columns(["input_ids"])
+        self.datasets[split] = ds
+        self._stats[split] = stats
+        if self.strategy == "pack":
+            self._pack_split(split)
+        else:
+            self._rows[split] = ds
+            if kind == "text":
+                stats["tokens_truncated"] = count_truncated(lengths, self.max_length)
+                self._lengths[split] = np.minimum(np.asarray(lengths, dtype=np.int64), self.max_length)
+        self._report(split, stats)
+
+    def _setup_streaming(self) -> None:
+        if self.strategy != "pack":
+            raise ValueError(
+                f"A streaming dataset is packed on the fly: use strategy='pack' (strategy={self.strategy!r} needs the "
+                "whole dataset), or load it without streaming=True."
+            )
+        ds = self.dataset
+        train, val = (ds["train"], ds.get("validation")) if isinstance(ds, dict) else (ds, None)
+        if val is None:
+            n = self.streaming_validation_documents
+            train, val = train.skip(n), train.take(n)
+        self.streaming = True
+        self.datasets = {"train": train, "validation": val}
+        self._stats = {split: {"streaming": True, "buffer_size": self.streaming_buffer_size} for split in self.datasets}
+
+    def _encode(self, index: int, example: dict) -> list[int]:
+        """One streamed document to token ids: ``[bos] + tokens + [eos]``, as ``data_source`` does for map-style data."""
+        text = example.get(self.text_column)
+        if not isinstance(text, str):
+            raise TypeError(
+                f"Row {index} of the stream: column {self.text_column!r} is {type(text).__name__}, not a string. "
+                "Filter the stream (stream.filter(...)) or pass text_column=<name>."
+            )
+        if not text:
+            return []  # skipped by the packer
+        tok = self.tokenizer
+        bos, eos = tok.bos_token_id, tok.eos_token_id
+        prefix = [bos] if bos is not None and bos != eos else []
+        return prefix + tok(text, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+
+    def _streaming_loader(self, split: str) -> DataLoader:
+        initialised = dist.is_available() and dist.is_initialized()
+        world, rank = (dist.get_world_size(), dist.get_rank()) if initialised else (1, 0)
+        if world > 1 and split == "train":
+            rank_zero_warn("Streaming under DDP: the train stream repeats so no rank runs out first; set max_steps.")
+        packer = StreamingPacker(self.max_length, self.streaming_buffer_size, self.overflow)
+        rows = _StreamingRows(self.datasets[split], self._encode, packer, rank, world, cycle=world > 1 and split == "train")
+        return DataLoader(rows, batch_size=self._rows_per_batch(split), collate_fn=self._collator(),
+                          num_workers=self.num_workers)
 
     def _prompt_completion_rows(self, ds, stats: dict, split: str):
         """Truncate prompt/completion pairs once, at dataset level, so every cut token is counted exactly."""
@@ -314,6 +393,8 @@ class SeqMemDataModule(LightningDataModule):
     def _loader(self, split: str) -> DataLoader:
         if self.datasets is None:
             self.setup("fit")
+        if self.streaming:
+            return self._streaming_loader(split)
         return _Loader(
             BatchFetcher(self._rows[split]), sampler=self._sampler(split), batch_size=None,
             collate_fn=self._collator(), num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
@@ -348,6 +429,8 @@ class SeqMemDataModule(LightningDataModule):
         """
         if self.datasets is None:
             self.setup("fit")
+        if self.streaming:
+            return max(self._rows_per_batch("train"), self._rows_per_batch("validation")), self.max_length
         shapes = [s for split in self._rows for s in self._shapes(split)]
         if self.strategy == "pad" and self.max_tokens_per_batch is not None:
             return max(shapes, key=lambda s: (s[0] * s[1], s[1]))

@@ -7,7 +7,9 @@ bucketed by remaining capacity, so the Python loop runs per (length, capacity) p
 
 from __future__ import annotations
 
+import bisect
 import itertools
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -33,21 +35,24 @@ class PackResult:
 
     Attributes:
         max_length: row capacity.
+        packing: ``"bfd"`` or ``"wrapped"``.
         segment_doc: ``[segments]`` index of the source document of each segment.
         segment_start: ``[segments]`` offset of the segment inside its document.
         segment_length: ``[segments]`` tokens in each segment (including an EOS added by ``wrapped``).
         seg_row_offsets: ``[rows + 1]`` segment offsets of each row.
-        input_ids: ``[sum(segment_length)]`` tokens of all rows back to back, or ``None`` when packed from lengths.
+        source: ``(flat_tokens, doc_offsets)`` the segments point into, or ``None`` when packed from lengths.
+            Rows are gathered from it on demand (``row``), so packing never copies the dataset.
         documents, tokens: non-empty input documents and their tokens (before any cut).
         tokens_truncated, tokens_dropped, documents_split, empty_documents: what overflow and filtering did.
     """
 
     max_length: int
+    packing: str
     segment_doc: np.ndarray
     segment_start: np.ndarray
     segment_length: np.ndarray
     seg_row_offsets: np.ndarray
-    input_ids: np.ndarray | None = None
+    source: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     documents: int = 0
     tokens: int = 0
     tokens_truncated: int = 0
@@ -55,6 +60,7 @@ class PackResult:
     documents_split: int = 0
     empty_documents: int = 0
     _row_offsets: np.ndarray | None = field(default=None, repr=False)
+    _input_ids: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -82,12 +88,28 @@ class PackResult:
         """Segment lengths of one row."""
         return self.segment_length[self.seg_row_offsets[row] : self.seg_row_offsets[row + 1]].tolist()
 
+    def _segments(self, lo: int, hi: int) -> np.ndarray:
+        """Tokens of segments ``lo:hi``, gathered from the source."""
+        if self.source is None:
+            raise ValueError("this PackResult was packed from lengths only; use pack_sequences to get tokens.")
+        flat, offsets = self.source
+        starts = (offsets[self.segment_doc[lo:hi]] + self.segment_start[lo:hi]).tolist()
+        pieces = [flat[a : a + n] for a, n in zip(starts, self.segment_length[lo:hi].tolist())]
+        return np.concatenate(pieces) if pieces else flat[:0]
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        """``[real_tokens]`` tokens of all rows back to back (materialised on first use)."""
+        if self._input_ids is None and self.source is not None and self.packing == "wrapped":
+            self._input_ids = self.source[0]  # wrapped keeps stream order: the rows are the source itself
+        if self._input_ids is None:
+            self._input_ids = self._segments(0, len(self.segment_length))
+        return self._input_ids
+
     def row(self, row: int) -> dict[str, list[int]]:
         """One packed row as ``{"input_ids", "seq_lengths"}`` (what ``PackCollator`` takes)."""
-        if self.input_ids is None:
-            raise ValueError("this PackResult was packed from lengths only; use pack_sequences to get tokens.")
-        lo, hi = self.row_offsets[row], self.row_offsets[row + 1]
-        return {"input_ids": self.input_ids[lo:hi].tolist(), "seq_lengths": self.row_lengths(row)}
+        lo, hi = int(self.seg_row_offsets[row]), int(self.seg_row_offsets[row + 1])
+        return {"input_ids": self._segments(lo, hi).tolist(), "seq_lengths": self.row_lengths(row)}
 
     @property
     def rows(self) -> list[list[int]]:
@@ -137,40 +159,49 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
     values, counts = np.unique(key[order], return_counts=True)
     values = capacity - values.astype(np.int64)
 
-    buckets: list[list[int]] = [[] for _ in range(capacity + 1)]  # open bins by remaining room
-    has_room = np.zeros(capacity + 1, dtype=bool)
-    chunks: list[np.ndarray] = []
+    buckets: dict[int, list[int]] = defaultdict(list)  # open bins by remaining room
+    rooms: list[int] = []  # sorted rooms that have open bins
+    chunks: list = []  # bins that took items, one chunk per bulk placement
+    per_bin_of: list[int] = []
+    last_of: list[int] = []
     n_bins = 0
     for length, count in zip(values.tolist(), counts.tolist()):
         remaining = count
         while remaining:
-            hit = np.argmax(has_room[length:])
-            if has_room[length + hit]:
-                room = length + int(hit)
-                per_bin = room // length
+            j = bisect.bisect_left(rooms, length)
+            if j < len(rooms):  # the tightest open bin that fits
+                room = rooms[j]
                 bucket = buckets[room]
+                per_bin = room // length
                 k = min(len(bucket), -(-remaining // per_bin))
                 ids = bucket[len(bucket) - k :]
                 del bucket[len(bucket) - k :]
-                has_room[room] = bool(bucket)
-            else:
+                if not bucket:
+                    del rooms[j]
+                chunks.append(ids)
+            else:  # nothing fits: open new bins
                 room = capacity
                 per_bin = room // length
                 k = -(-remaining // per_bin)
-                ids = list(range(n_bins, n_bins + k))
+                ids = range(n_bins, n_bins + k)
+                chunks.append(np.arange(n_bins, n_bins + k))
                 n_bins += k
             placed = min(remaining, k * per_bin)
-            chunks.append(np.repeat(np.asarray(ids, dtype=np.int64), per_bin)[:placed])
             last = placed - (k - 1) * per_bin  # the last bin may take fewer
-            full_room, last_room = room - per_bin * length, room - last * length
-            if k > 1 and full_room > 0:
-                buckets[full_room].extend(ids[:-1])
-                has_room[full_room] = True
-            if last_room > 0:
-                buckets[last_room].append(ids[-1])
-                has_room[last_room] = True
+            per_bin_of.append(per_bin)
+            last_of.append(last)
+            for new_room, moved in ((room - per_bin * length, ids[:-1]), (room - last * length, ids[-1:])):
+                if new_room > 0 and len(moved):
+                    if not buckets[new_room]:
+                        bisect.insort(rooms, new_room)
+                    buckets[new_room].extend(moved)
             remaining -= placed
-    return order, np.concatenate(chunks)
+    # Expand the chunks: every bin of a chunk took ``per_bin`` items, except its last bin, which took ``last``.
+    sizes = np.fromiter((len(c) for c in chunks), dtype=np.int64, count=len(chunks))
+    ids = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])
+    takes = np.repeat(np.asarray(per_bin_of, dtype=np.int64), sizes)
+    takes[np.cumsum(sizes) - 1] = last_of
+    return order, np.repeat(ids, takes)
 
 
 def _split_pieces(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -219,6 +250,7 @@ def pack_lengths(
     kept_lengths = lengths[nonempty]
     base = dict(
         max_length=max_length,
+        packing=packing,
         documents=int(nonempty.size),
         tokens=int(kept_lengths.sum()),
         empty_documents=int(lengths.size - nonempty.size),
@@ -229,7 +261,13 @@ def pack_lengths(
     _check_lengths(lengths, max_length, overflow)
     long_docs = kept_lengths > max_length
     if overflow == "split":
-        doc, start, seg_len = _split_pieces(kept_lengths, max_length)
+        doc, start, seg_len = np.flatnonzero(~long_docs), None, kept_lengths[~long_docs]
+        if long_docs.any():  # only long documents are cut; the rest stay one segment each
+            long_index = np.flatnonzero(long_docs)
+            piece_doc, piece_start, piece_len = _split_pieces(kept_lengths[long_index], max_length)
+            doc = np.concatenate([doc, long_index[piece_doc]])
+            start = np.concatenate([np.zeros(seg_len.size, np.int64), piece_start])
+            seg_len = np.concatenate([seg_len, piece_len])
         base["documents_split"] = int(long_docs.sum())
     else:
         doc = np.arange(kept_lengths.size)
@@ -237,8 +275,7 @@ def pack_lengths(
             doc = doc[~long_docs]
             base["tokens_dropped"] = int(kept_lengths[long_docs].sum())
         base["tokens_truncated"] = int(np.clip(kept_lengths[doc] - max_length, 0, None).sum())
-        start = np.zeros(doc.size, dtype=np.int64)
-        seg_len = np.minimum(kept_lengths[doc], max_length)
+        start, seg_len = None, np.minimum(kept_lengths[doc], max_length)
 
     order, bin_of = best_fit_decreasing(seg_len, max_length)
     by_row = order[np.argsort(bin_of, kind="stable")]  # segments grouped by row, placement order within
@@ -246,7 +283,7 @@ def pack_lengths(
     seg_row_offsets = np.concatenate([[0], np.cumsum(np.bincount(bin_of, minlength=n_rows))])
     return PackResult(
         segment_doc=nonempty[doc[by_row]],
-        segment_start=start[by_row],
+        segment_start=np.zeros(by_row.size, np.int64) if start is None else start[by_row],
         segment_length=seg_len[by_row],
         seg_row_offsets=seg_row_offsets,
         **base,
@@ -323,15 +360,11 @@ def pack_sequences(
     add_eos = packing == "wrapped" and eos_token_id is not None
     plan = pack_lengths(lengths, max_length, packing, overflow, add_eos=add_eos)
     if add_eos:  # the separator becomes part of each document's source
-        flat = np.insert(flat, offsets[1:], eos_token_id)
-        offsets = offsets + np.arange(offsets.size)
-    src = offsets[plan.segment_doc] + plan.segment_start
-    seg_len = plan.segment_length
-    out_start = np.cumsum(seg_len) - seg_len
-    gather = np.arange(int(seg_len.sum())) + np.repeat(src - out_start, seg_len)
-    plan.input_ids = flat[gather]
+        nonempty = lengths > 0  # empty documents are skipped, so they get no separator either
+        flat = np.insert(flat, offsets[1:][nonempty], eos_token_id)
+        offsets = offsets + np.concatenate([[0], np.cumsum(nonempty)])
+    plan.source = (flat, offsets)
     return plan
-
 
 class StreamingPacker:
     """Pack an (unbounded) stream of token lists on the fly with best fit inside a bounded window.

@@ -54,7 +54,8 @@ def assert_same(before: dict, after: dict) -> None:
     assert torch.equal(before["torch"], after["torch"])
     assert before["training"] == after["training"]
     if before["metric"] is not None:
-        assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(before["metric"], after["metric"]))
+        pairs = zip(before["metric"], after["metric"])
+        assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in pairs)
     assert before["counter"] == after["counter"]
 
 

@@ -56,9 +56,12 @@ def test_pack_collator_rejects_bad_rows():
 
 
 @settings(max_examples=50, deadline=None)
-@given(rows=rows_strategy, max_length=st.integers(2, 40), side=st.sampled_from(["right", "left"]))
-def test_pad_collator_conserves_tokens(rows, max_length, side):
-    out = PadCollator(PAD, max_length=max_length, truncation_side=side)([{"input_ids": r} for r in rows])
+@given(rows=rows_strategy, max_length=st.integers(2, 40), side=st.sampled_from(["right", "left"]),
+       truncate=st.booleans())
+def test_pad_and_truncate_collators_conserve_tokens(rows, max_length, side, truncate):
+    coll = (TruncateCollator(PAD, max_length, truncation_side=side) if truncate
+            else PadCollator(PAD, max_length=max_length, truncation_side=side))
+    out = coll([{"input_ids": r} for r in rows])
     mask = real_token_mask(out, PAD)
     for i, r in enumerate(rows):
         kept = r[:max_length] if side == "right" else r[max(0, len(r) - max_length) :]

@@ -77,7 +77,8 @@ def test_warns_when_cuda_is_already_initialised(monkeypatch):
 
 def test_runtime_variant_applies_to_the_live_allocator_and_warns_when_late(monkeypatch):
     applied = []
-    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True))
+    cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True)
+    fake_torch = types.SimpleNamespace(cuda=cuda)
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     monkeypatch.setattr(allocator, "_torch_version", lambda: (2, 13))
     monkeypatch.setattr(allocator, "_set_live_settings", applied.append)
@@ -89,7 +90,8 @@ def test_runtime_variant_applies_to_the_live_allocator_and_warns_when_late(monke
 
 def test_runtime_variant_is_quiet_before_cuda_starts(monkeypatch, recwarn):
     applied = []
-    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: False))
+    cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: False)
+    fake_torch = types.SimpleNamespace(cuda=cuda)
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     monkeypatch.setattr(allocator, "_torch_version", lambda: (2, 13))
     monkeypatch.setattr(allocator, "_set_live_settings", applied.append)

@@ -70,9 +70,24 @@ class _Warmup(L.Callback):
 def test_asks_warmup_for_its_worst_case_and_uses_datamodule_keys(tmp_path):
     model, cb = TinyLM(), CachePreallocator()
     trainer(tmp_path, [_Warmup(), cb], max_steps=1).fit(model, datamodule=TinyData(rows=2, max_length=64, eval_rows=3))
-    assert cb.report.shapes == [(3, 64), (12, 16)]  # eval batch is larger; warmup's shape too; most tokens first
-    assert [s["shape"] for s in model.seen[:2]] == [(3, 64), (12, 16)]
+    assert cb.report.shapes == [(12, 16)]  # asked with the DataModule's (3, 64): the eval batch is the larger
+    assert model.seen[0]["shape"] == (12, 16) and model.seen[1]["shape"] != (12, 16)  # one pass, then real batches
     assert model.seen[0]["keys"] == ("input_ids", "attention_mask", "labels")
+
+
+class _Reshaper(L.Callback):
+    def __init__(self, row_factor, length_divisor):
+        self.row_factor, self.length_divisor = row_factor, length_divisor
+
+    def max_batch_shape(self, rows, length):
+        return rows * self.row_factor, length // self.length_divisor
+
+
+def test_shapes_inside_another_need_no_pass(tmp_path):
+    cb = CachePreallocator()
+    callbacks = [_Reshaper(1, 2), _Reshaper(2, 2), _Reshaper(4, 4), cb]
+    trainer(tmp_path, callbacks, max_steps=1).fit(TinyLM(), datamodule=TinyData())
+    assert cb.report.shapes == [(4, 24), (8, 12)]  # (2, 24) fits inside (4, 24); most tokens, then longest first
 
 
 def test_explicit_shape_and_packed_keys_without_datamodule(tmp_path):
@@ -87,7 +102,8 @@ def test_explicit_shape_and_packed_keys_without_datamodule(tmp_path):
 
 def test_needs_a_shape(tmp_path):
     with pytest.raises(Exception, match="max_batch_shape"):
-        trainer(tmp_path, [CachePreallocator()], max_steps=1).fit(TinyLM(), train_dataloaders=TinyData().train_dataloader())
+        loader = TinyData().train_dataloader()
+        trainer(tmp_path, [CachePreallocator()], max_steps=1).fit(TinyLM(), train_dataloaders=loader)
 
 
 class _OOMLM(TinyLM):
@@ -120,9 +136,11 @@ def test_oom_on_simulated_cuda_reports_needed_vs_free(tmp_path, monkeypatch):
     gib = 1024**3
     monkeypatch.setattr(preallocate, "_is_cuda", lambda device: True)
     monkeypatch.setattr(preallocate, "_cuda_reset_peak", lambda device: None)
+    monkeypatch.setattr(preallocate, "_cuda_allocated", lambda device: 30 * gib)
     monkeypatch.setattr(preallocate, "_cuda_peak_allocated", lambda device: 70 * gib)
     monkeypatch.setattr(preallocate, "_cuda_mem_get_info", lambda device: (1 * gib, 80 * gib))
-    with pytest.raises(PreallocationOOMError, match=r"at least 72.00 GiB; available: 1.00 GiB free of 80.00 GiB"):
+    expected = r"at least 42.00 GiB on top of the 30.00 GiB already held .*; available: 1.00 GiB free of 80.00 GiB"
+    with pytest.raises(PreallocationOOMError, match=expected):
         trainer(tmp_path, [CachePreallocator()], max_steps=1).fit(_OOMLM(), datamodule=TinyData(rows=4))
 
 
@@ -220,3 +238,16 @@ def test_ddp_two_ranks_run_the_pass_and_stay_in_step(tmp_path):
     _ddp_run(2, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     assert all(torch.equal(ranks[0][name], ranks[1][name]) for name in ranks[0])
+
+
+def test_with_seq_length_warmup_in_reshape_mode(tmp_path, small_text_dataset):
+    from lightning_seqmem import CausalLM, SeqMemDataModule
+    from lightning_seqmem.warmup.callback import SeqLengthWarmup
+
+    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=2)
+    model = CausalLM(model_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    warmup = SeqLengthWarmup(duration=0.5, min_seq_length=8, max_seq_length=32, truncate=False)
+    cb = CachePreallocator()
+    trainer(tmp_path, [warmup, cb], max_steps=2).fit(model, datamodule=dm)
+    assert cb.report.shapes == [warmup.max_batch_shape(*dm.max_batch_shape())] == [(4, 32)]

@@ -89,7 +89,9 @@ def default_settings(
         parts.append("expandable_segments:True")
     if roundup_power2_divisions is not None:
         if not isinstance(roundup_power2_divisions, int) or roundup_power2_divisions < 1:
-            raise ValueError(f"roundup_power2_divisions must be a positive int or None, got {roundup_power2_divisions!r}.")
+            raise ValueError(
+                f"roundup_power2_divisions must be a positive int or None, got {roundup_power2_divisions!r}."
+            )
         parts.append(f"roundup_power2_divisions:{roundup_power2_divisions}")
     return ",".join(parts) or None
 

@@ -115,12 +115,14 @@ def find_problems(facts: RunFacts, safe_attention: frozenset[str] | None = None)
         problems["fp16_packing"] = (
             f"fp16 weights ({facts.precision}, no fp32 master copy) with packing and attn_implementation="
             f"{facts.attn_implementation!r}: known to fail with dtype mismatches in the packed-sequence "
-            "attention path (and fp16 weights without a master copy lose small updates). Use precision='bf16-mixed' (or '16-mixed'), or attn_implementation='flash_attention_2'."
+            "attention path (and fp16 weights without a master copy lose small updates). Use "
+            "precision='bf16-mixed' (or '16-mixed'), or attn_implementation='flash_attention_2'."
         )
     if facts.precision.startswith("transformer-engine") and not facts.compiled:
         problems["fp8_compile"] = (
             f"precision={facts.precision!r} (fp8 via Transformer Engine) without torch.compile: the casts and "
-            "amax bookkeeping around every fp8 layer stay unfused, so most of the memory and speed benefit is lost. Compile the model "
+            "amax bookkeeping around every fp8 layer stay unfused, so most of the memory and speed benefit is lost. "
+            "Compile the model "
             "(torch.compile / model.compile()) or use precision='bf16-mixed'."
         )
     if facts.packing and facts.attn_implementation is not None and facts.attn_implementation not in safe and not flash:
@@ -169,7 +171,7 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
     dm = trainer.datamodule
     strategy = _setting(dm, "strategy") if dm is not None else None
     warmup = any(callable(getattr(cb, "max_batch_shape", None)) for cb in trainer.callbacks)
-    dynamic = strategy == "pad" or (strategy == "pack" and bool(_setting(dm, "max_tokens_per_batch"))) or warmup
+    dynamic = strategy == "pad" or warmup  # padded batches follow their longest row; warmup grows the length
     config = getattr(getattr(pl_module, "model", None), "config", None)
     attn = getattr(config, "_attn_implementation", None) or _setting(pl_module, "attn_implementation")
     trainable = [p for p in pl_module.parameters() if p.requires_grad]

@@ -99,10 +99,13 @@ class PreallocationReport:
     def summary(self) -> str:
         shapes = ", ".join(f"{r}x{l}" for r, l in self.shapes)
         if self.device.startswith("cuda"):
-            sizes = f"peak allocated {stats.format_bytes(self.peak_allocated)}, reserved {stats.format_bytes(self.reserved)}"
+            sizes = (f"peak allocated {stats.format_bytes(self.peak_allocated)}, "
+                     f"reserved {stats.format_bytes(self.reserved)}")
         else:
-            sizes = f"RSS {stats.format_bytes(self.rss_before)} before, process peak {stats.format_bytes(self.peak_rss)}"
-        return f"CachePreallocator: worst-case batch {shapes} (rows x length) fits on {self.device}: {sizes} ({self.seconds:.1f}s)."
+            sizes = (f"RSS {stats.format_bytes(self.rss_before)} before, "
+                     f"process peak {stats.format_bytes(self.peak_rss)}")
+        return (f"CachePreallocator: worst-case batch {shapes} (rows x length; {', '.join(self.keys)}) fits on "
+                f"{self.device}: {sizes} ({self.seconds:.1f}s).")
 
 
 # CUDA queries live in small functions so tests can simulate a GPU on CPU.
@@ -114,11 +117,16 @@ def _cuda_peak_allocated(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device)
 
 
+def _cuda_allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device)
+
+
 def _cuda_reserved(device: torch.device) -> int:
     return torch.cuda.memory_reserved(device)
 
 
 def _cuda_mem_get_info(device: torch.device) -> tuple[int, int]:
+    torch.cuda.empty_cache()  # count the blocks the failed pass left cached as available
     return torch.cuda.mem_get_info(device)
 
 
@@ -203,12 +211,13 @@ class CachePreallocator(Callback):
     In ``on_fit_start`` a dummy batch of the worst-case shape goes through the LightningModule's own
     ``training_step`` under the Trainer's precision context (autocast), then ``backward``; then every gradient is set
     to ``None``. Nothing else changes: no optimizer or scheduler step, and parameters, buffers, torchmetrics states,
-    scalar attributes of the LightningModule (counters), ``global_step`` and the python, numpy, torch and CUDA RNGs are as before. ``self.log`` calls inside
-    ``training_step`` are no-ops for this pass.
+    scalar attributes of the LightningModule (counters), ``global_step`` and the python, numpy, torch and CUDA RNGs
+    are as before. ``self.log`` calls inside ``training_step`` are no-ops for this pass. A shape the model cannot take
+    (longer than its position embeddings, say) fails here too, in the first minute.
 
     The shape comes from ``trainer.datamodule.max_batch_shape()`` (keys from ``batch_keys()``), or from ``rows`` and
     ``length``. A callback with ``max_batch_shape(rows, length)`` (``SeqLengthWarmup``: reshape mode makes more rows of
-    fewer tokens) is asked for its worst case; when neither shape contains the other, both are run.
+    fewer tokens, truncation shorter rows) reshapes those batches, so its answer replaces the DataModule's shape.
 
     Lightning calls ``torch.cuda.empty_cache()`` after ``on_fit_start`` (``CheckpointConnector.resume_end``), which
     hands the cached blocks back to the driver. So on CUDA the pass runs again in ``on_train_start`` (after the
@@ -249,7 +258,9 @@ class CachePreallocator(Callback):
         rereserve: bool = True,
     ) -> None:
         if (rows is None) != (length is None):
-            raise ValueError("Give both rows and length (the worst-case micro-batch), or neither to ask the DataModule.")
+            raise ValueError(
+                "Give both rows and length (the worst-case micro-batch), or neither to ask the DataModule."
+            )
         for name, value in (("rows", rows), ("length", length), ("vocab_size", vocab_size)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
@@ -287,15 +298,13 @@ class CachePreallocator(Callback):
             base = (self.rows, self.length)
         else:
             base = tuple(int(x) for x in trainer.datamodule.max_batch_shape())
-        shapes = [base]
-        for callback in trainer.callbacks:
-            ask = getattr(callback, "max_batch_shape", None)
-            if callback is not self and callable(ask):
-                shape = tuple(int(x) for x in ask(*base))
-                if shape not in shapes:
-                    shapes.append(shape)
+        # A callback that reshapes batches (SeqLengthWarmup) knows the run's worst case, full length included.
+        shapes = [tuple(int(x) for x in cb.max_batch_shape(*base)) for cb in trainer.callbacks
+                  if cb is not self and callable(getattr(cb, "max_batch_shape", None))] or [base]
         # A shape no larger in both rows and length than another needs no pass of its own.
-        shapes = [s for s in shapes if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in shapes)]
+        shapes = list(dict.fromkeys(
+            s for s in shapes if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in shapes)
+        ))
         return sorted(shapes, key=lambda s: (s[0] * s[1], s[1]), reverse=True)
 
     def _batch_keys(self, trainer: Trainer) -> tuple[str, ...]:
@@ -362,12 +371,13 @@ class CachePreallocator(Callback):
     def _oom_message(self, device: torch.device, shape: tuple[int, int], cause: str) -> str:
         tried = stats.parse_tried_to_allocate(cause)
         if _is_cuda(device):
+            held = _cuda_allocated(device)  # weights, optimizer state: what stays when the pass is gone
+            extra = _cuda_peak_allocated(device) - held
+            needed = extra + tried if tried is not None else extra
             free, total = _cuda_mem_get_info(device)
-            peak = _cuda_peak_allocated(device)
-            needed = peak + tried if tried is not None else peak
         else:
             import psutil
 
             memory = psutil.virtual_memory()
-            free, total, needed = memory.available, memory.total, tried
-        return stats.oom_message(shape, self.report.keys, str(device), needed, free, total, cause)
+            held, needed, free, total = None, tried, memory.available, memory.total
+        return stats.oom_message(shape, self.report.keys, str(device), needed, free, total, held, cause)

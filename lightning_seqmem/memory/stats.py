@@ -27,7 +27,7 @@ _CUDA_KEYS = {
 
 FIXES = (
     "a smaller micro_batch_size",
-    "a smaller max_length (or max_tokens_per_batch when packing)",
+    "a smaller max_length, or a smaller max_tokens_per_batch (token-budget batches)",
     "gradient checkpointing (CausalLM(gradient_checkpointing=True))",
     "bf16 (precision='bf16-mixed', or resolve_precision('auto'))",
 )
@@ -44,7 +44,7 @@ def format_bytes(n: float | None) -> str:
 
 
 def fragmentation(reserved: float, allocated: float) -> float:
-    """Share of reserved memory not held by live tensors: ``(reserved - allocated) / reserved``, 0 when nothing is reserved."""
+    """Share of reserved memory not held by live tensors: ``(reserved - allocated) / reserved`` (0 if none)."""
     return (reserved - allocated) / reserved if reserved > 0 else 0.0
 
 
@@ -104,16 +104,29 @@ def oom_message(
     needed: int | None,
     free: int | None,
     total: int | None,
+    held: int | None = None,
     cause: str = "",
 ) -> str:
-    """The error text for a worst-case batch that does not fit: what was tried, needed vs available, ways out."""
+    """The error text for a worst-case batch that does not fit: what was tried, needed vs available, ways out.
+
+    Args:
+        shape: the ``(rows, length)`` that failed.
+        keys: the batch keys.
+        device: where it ran.
+        needed: bytes the step needs beyond ``held`` (at least: peak before the failure plus the failed request).
+        free: bytes free on the device (or in RAM).
+        total: the device's (or machine's) capacity.
+        held: bytes held by tensors that outlive the step (weights, optimizer state), if known.
+        cause: the original error text.
+    """
     rows, length = shape
     lines = [
         f"The largest batch this run will see does not fit in {device} memory: the pre-allocation pass "
         f"(one forward and backward through training_step) ran out of memory at rows={rows}, length={length} "
         f"({rows * length:,} tokens per micro-batch, keys {tuple(keys)}).",
-        f"Memory needed: at least {format_bytes(needed)}; available: {format_bytes(free)} free of "
-        f"{format_bytes(total)}.",
+        f"Memory needed: at least {format_bytes(needed)}"
+        + (f" on top of the {format_bytes(held)} already held (weights, optimizer state)" if held is not None else "")
+        + f"; available: {format_bytes(free)} free of {format_bytes(total)}.",
         "It would have failed the first time a batch this large came up. Ways out (any one, or several):",
         *(f"  - {fix}" for fix in FIXES),
     ]

@@ -1,0 +1,119 @@
+"""seqmem-report on hand-made sweep folders: numbers, baseline and target choice, failed jobs, bad input."""
+
+import csv
+import json
+import os
+
+import pytest
+
+from lightning_seqmem import report
+
+
+def make_job(root, name, overrides, rows, status="finished", error=None):
+    """A job folder as seqmem-train writes it: .hydra/overrides.yaml, progress.csv, job_status.json."""
+    job = root / name
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if rows is not None:
+        with open(job / "progress.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["step", "wall_clock_s", "elapsed_s", "cpu_s", "tokens_seen",
+                                                   "val_loss"])
+            writer.writeheader()
+            for step, t, tokens, loss in rows:
+                writer.writerow({"step": step, "wall_clock_s": t, "elapsed_s": t + 1, "cpu_s": 2 * t,
+                                 "tokens_seen": tokens, "val_loss": loss})
+    if status is not None:
+        record = {"status": status, **({"error": error} if error else {})}
+        (job / "job_status.json").write_text(json.dumps(record))
+    return job
+
+
+@pytest.fixture()
+def sweep(tmp_path):
+    common = "trainer.max_steps=30"
+    # Baseline ends at 4.0 after 30 s / 3000 tokens; warmup reaches 4.0 half-way between its points at 10 s and 20 s.
+    make_job(tmp_path, "0", ["callbacks.seq_warmup.duration=0.0", common],
+             [(10, 10.0, 1000, 6.0), (20, 20.0, 2000, 5.0), (30, 30.0, 3000, 4.0)])
+    make_job(tmp_path, "1", ["callbacks.seq_warmup.duration=0.3", common],
+             [(10, 10.0, 500, 5.0), (20, 20.0, 1500, 3.0), (30, 30.0, 2500, 2.5)])
+    make_job(tmp_path, "2", ["callbacks.seq_warmup.duration=0.6", common],
+             [(10, 8.0, 400, 7.0)], status="failed", error="RuntimeError: boom")
+    return tmp_path
+
+
+def test_reach_interpolates():
+    rows = [{"val_loss": 4.0, "t": 10.0}, {"val_loss": 2.0, "t": 20.0}]
+    assert report.reach(rows, 3.0, "t") == 15.0
+    assert report.reach(rows, 4.5, "t") == 10.0  # already below at the first point
+    assert report.reach(rows, 1.0, "t") is None
+
+
+def test_report_table_and_files(sweep, capsys):
+    assert report.main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert "Target val loss: **4.0000**" in out and "baseline: job 0" in out
+    with open(sweep / "report.csv") as f:
+        rows = {r["job"]: r for r in csv.DictReader(f)}
+    assert float(rows["0"]["time_to_target_s"]) == 30.0 and float(rows["0"]["speedup_time"]) == 1.0
+    assert float(rows["1"]["time_to_target_s"]) == 15.0  # 5.0 -> 3.0 between 10 s and 20 s
+    assert float(rows["1"]["speedup_time"]) == 2.0
+    assert float(rows["1"]["tokens_to_target"]) == 1000.0 and float(rows["1"]["speedup_tokens"]) == 3.0
+    assert rows["2"]["status"] == "failed" and rows["2"]["time_to_target_s"] == ""
+    md = (sweep / "report.md").read_text()
+    assert "| 1 | callbacks.seq_warmup.duration=0.3 | finished |" in md
+    assert "Job 2 (callbacks.seq_warmup.duration=0.6) did not finish: failed — RuntimeError: boom" in md
+    assert "Every job: trainer.max_steps=30" in md
+    assert (sweep / "report.png").stat().st_size > 1000
+
+
+def test_target_baseline_and_clock_options(sweep, tmp_path):
+    out = tmp_path / "out"
+    rep = report.write_report(str(sweep), str(out), target_loss=5.0, baseline="callbacks.seq_warmup.duration=0.3",
+                              clock="cpu")
+    rows = {r["job"]: r for r in rep["rows"]}
+    assert rep["baseline"].name == "1" and rep["target"] == 5.0
+    assert rows["1"]["time_to_target_s"] == 20.0  # cpu_s = 2 * wall in the fixture
+    assert rows["0"]["time_to_target_s"] == 40.0 and rows["0"]["speedup_time"] == 0.5
+    assert (out / "report.md").exists() and (out / "report.csv").exists()
+
+
+def test_any_parameter_first_job_is_baseline(tmp_path):
+    make_job(tmp_path, "0", ["data=pad"], [(10, 20.0, 1000, 5.0)])
+    make_job(tmp_path, "1", ["data=pack_bfd"], [(10, 10.0, 2000, 5.0)])
+    rep = report.write_report(str(tmp_path))
+    assert rep["baseline"].name == "0"
+    assert [r["overrides"] for r in rep["rows"]] == ["data=pad", "data=pack_bfd"]
+    assert rep["rows"][1]["speedup_time"] == 2.0
+
+
+def test_killed_job_without_status_is_listed(tmp_path):
+    make_job(tmp_path, "0", ["model.learning_rate=1e-3"], [(10, 10.0, 100, 5.0)])
+    make_job(tmp_path, "1", ["model.learning_rate=2e-3"], [(10, 10.0, 100, 4.0)], status="running")
+    rep = report.write_report(str(tmp_path))
+    assert rep["rows"][1]["status"] == "did not finish"
+    assert any("Job 1" in note and "1 validation point(s) kept" in note for note in rep["notes"])
+
+
+def test_empty_dir_is_a_clear_error(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 2
+    assert "No jobs in" in capsys.readouterr().err
+    assert report.main([str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_jobs_without_metrics_are_a_clear_error(tmp_path, capsys):
+    make_job(tmp_path, "0", ["a=1"], None, status="failed", error="ValueError: bad")
+    make_job(tmp_path, "1", ["a=2"], None, status=None)
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "None of the 2 jobs recorded metrics" in err and "0 (failed)" in err and "1 (did not finish)" in err
+
+
+def test_bad_baseline(sweep, capsys):
+    assert report.main([str(sweep), "--baseline", "callbacks.seq_warmup.duration=0.7"]) == 2
+    assert "no job has it" in capsys.readouterr().err
+    make_job(sweep, "3", ["callbacks.seq_warmup.duration=0.9", "trainer.max_steps=30"], None, status="failed")
+    assert report.main([str(sweep), "--baseline", "callbacks.seq_warmup.duration=0.9"]) == 2
+    assert "recorded no validation loss" in capsys.readouterr().err
+    assert report.main([str(sweep), "--baseline", "nonsense"]) == 2
+    assert "key=value" in capsys.readouterr().err
