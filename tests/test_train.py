@@ -1,0 +1,106 @@
+"""seqmem-train: a shrunk job through compose + train() in-process, and one real run of the console script."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+
+# Small enough for a 2-core CPU: a few steps of 8 x 64 tokens, two validation batches.
+SHRINK = [
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "+trainer.enable_progress_bar=false",
+    "+trainer.enable_model_summary=false",
+    "data.max_length=64",
+    "print_summary=false",
+]
+
+
+def run_in_process(tmp_path, overrides=()):
+    """Compose like the app does, point the run directory at tmp_path, and train."""
+    from lightning_seqmem.train import train
+
+    with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
+        cfg = compose("config", overrides=SHRINK + list(overrides), return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(tmp_path)
+        cfg.hydra.job.num = 0
+    HydraConfig.instance().set_config(cfg)
+    return train(cfg)
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_train_in_process_writes_metrics(tmp_path):
+    summary = run_in_process(tmp_path, ["callbacks.seq_warmup.duration=0.5"])
+    assert summary["optimizer_steps"] == 4 and summary["final_val_loss"] > 0
+    assert json.load(open(tmp_path / "summary.json"))["optimizer_steps"] == 4
+    progress = read_csv(tmp_path / "progress.csv")
+    assert [int(r["step"]) for r in progress] == [2, 4]
+    tokens = [int(r["tokens_seen"]) for r in progress]
+    assert 0 < tokens[0] < tokens[1]
+    assert all(float(r["wall_clock_s"]) <= float(r["elapsed_s"]) for r in progress)
+    metrics = read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
+    seq_lens = [float(r["seq_length_warmup/seq_len"]) for r in metrics if r.get("seq_length_warmup/seq_len")]
+    assert seq_lens and seq_lens[0] < 64 and seq_lens[-1] == 64  # warmup grew the length to max_length
+    assert any(r.get("val/loss") for r in metrics) and any(r.get("train/loss") for r in metrics)
+
+
+def test_console_script_run(tmp_path):
+    """The real `seqmem-train` in a subprocess, other group options picked on the command line."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "lightning_seqmem.train", *SHRINK, "model=tiny_gpt2", "data=pack_bfd",
+           "logger=[csv,tensorboard]", "~callbacks.preallocate", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.load(open(run_dir / "job_status.json")) == {"status": "finished"}
+    assert json.load(open(run_dir / "summary.json"))["strategy"].startswith("pack")
+    assert len(read_csv(run_dir / "progress.csv")) == 2
+    assert os.listdir(run_dir / "tensorboard" / "version_0")
+    assert (run_dir / ".hydra" / "overrides.yaml").exists()
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_bad_input_fails_clearly_and_records_it(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "lightning_seqmem.train", "data.max_length=1", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "max_length must be an int >= 2" in proc.stderr
+    status = json.load(open(run_dir / "job_status.json"))
+    assert status["status"] == "failed" and "max_length" in status["error"]
+
+
+def test_unknown_group_option_lists_valid_ones(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "lightning_seqmem.train", "trainer=tpu",
+                           f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "Could not find 'trainer/tpu'" in proc.stderr and "ddp_spawn" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["lightning_seqmem.train", "lightning_seqmem.cli"])
+def test_allocator_configured_before_torch(name):
+    """Every entry point sets the allocator settings while torch is not imported yet."""
+    code = (
+        "import sys, importlib\n"
+        f"mod = importlib.import_module('{name}')\n"
+        "assert 'torch' not in sys.modules, 'importing the entry point imported torch'\n"
+        "mod._configure_allocator_early()\n"
+        "import os\n"
+        "assert 'torch' not in sys.modules\n"
+        "assert os.environ.get('PYTORCH_ALLOC_CONF') or os.environ.get('PYTORCH_CUDA_ALLOC_CONF')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
