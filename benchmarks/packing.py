@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_seqmem.packing import PackResult, pack_lengths, pack_sequences
+from lightning_seqmem.packing import pack_lengths, pack_sequences
 
 HISTOGRAMS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "length-histograms"
 

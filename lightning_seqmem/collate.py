@@ -167,8 +167,12 @@ class PackCollator:
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         longest = max((len(ex["input_ids"]) for ex in examples), default=1)
         if longest > self.max_length:
-            raise ValueError(f"a packed row has {longest} tokens > max_length={self.max_length}; pack with the same max_length.")
-        length = min(_round_up(longest, self.pad_to_multiple_of), self.max_length) if self.pad_to_longest else self.max_length
+            raise ValueError(
+                f"a packed row has {longest} tokens > max_length={self.max_length}; pack with the same max_length."
+            )
+        length = self.max_length
+        if self.pad_to_longest:
+            length = min(_round_up(longest, self.pad_to_multiple_of), self.max_length)
         batch = len(examples)
         input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
         labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)

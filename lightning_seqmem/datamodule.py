@@ -284,7 +284,7 @@ class SeqMemDataModule(LightningDataModule):
         self._stats = {split: {"streaming": True, "buffer_size": self.streaming_buffer_size} for split in self.datasets}
 
     def _encode(self, index: int, example: dict) -> list[int]:
-        """One streamed document to token ids: ``[bos] + tokens + [eos]``, as ``data_source`` does for map-style data."""
+        """One streamed document to ``[bos] + tokens + [eos]``, as ``data_source`` does for map-style data."""
         text = example.get(self.text_column)
         if not isinstance(text, str):
             raise TypeError(
@@ -304,7 +304,8 @@ class SeqMemDataModule(LightningDataModule):
         if world > 1 and split == "train":
             rank_zero_warn("Streaming under DDP: the train stream repeats so no rank runs out first; set max_steps.")
         packer = StreamingPacker(self.max_length, self.streaming_buffer_size, self.overflow)
-        rows = _StreamingRows(self.datasets[split], self._encode, packer, rank, world, cycle=world > 1 and split == "train")
+        cycle = world > 1 and split == "train"
+        rows = _StreamingRows(self.datasets[split], self._encode, packer, rank, world, cycle=cycle)
         return DataLoader(rows, batch_size=self._rows_per_batch(split), collate_fn=self._collator(),
                           num_workers=self.num_workers)
 

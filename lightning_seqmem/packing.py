@@ -1,8 +1,9 @@
 """Packing: many short documents into few fixed-length rows, documents kept apart as segments.
 
-The work happens on lengths (numpy), then tokens are gathered once. ``best_fit_decreasing`` is exact best-fit
-decreasing over the whole dataset, done in bulk: documents of equal length are placed together and bins are
-bucketed by remaining capacity, so the Python loop runs per (length, capacity) pair, not per document.
+The work happens on lengths (numpy); tokens are gathered per row when a row is served, so packing never copies
+the dataset. ``best_fit_decreasing`` is exact best-fit decreasing over the whole dataset, done in bulk: documents
+of equal length are placed together and bins are bucketed by remaining capacity, so the Python loop runs per
+(length, capacity) pair, not per document.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lightning_seqmem.truncation import check_max_length
+from lightning_seqmem.truncation import check_max_length, count_truncated
 
 PACKINGS = ("bfd", "wrapped")
 OVERFLOWS = ("split", "truncate", "drop", "error")
@@ -241,51 +242,46 @@ def pack_lengths(
         add_eos: ``wrapped`` only: each document gets one extra separator token at its end.
 
     Returns:
-        A ``PackResult`` with ``input_ids=None``.
+        A ``PackResult`` without ``source`` (no tokens to gather).
     """
     check_max_length(max_length)
     check_packing(packing, overflow)
     lengths = np.asarray(lengths, dtype=np.int64)
-    nonempty = np.flatnonzero(lengths > 0)
-    kept_lengths = lengths[nonempty]
-    base = dict(
-        max_length=max_length,
-        packing=packing,
-        documents=int(nonempty.size),
-        tokens=int(kept_lengths.sum()),
-        empty_documents=int(lengths.size - nonempty.size),
-    )
+    empty = lengths == 0
+    base = dict(max_length=max_length, packing=packing, documents=int(lengths.size - empty.sum()),
+                tokens=int(lengths.sum()), empty_documents=int(empty.sum()))
     if packing == "wrapped":
-        return _plan_wrapped(kept_lengths + int(add_eos), nonempty, base)
+        nonempty = np.flatnonzero(~empty)
+        return _plan_wrapped(lengths[nonempty] + int(add_eos), nonempty, base)
 
     _check_lengths(lengths, max_length, overflow)
-    long_docs = kept_lengths > max_length
-    if overflow == "split":
-        doc, start, seg_len = np.flatnonzero(~long_docs), None, kept_lengths[~long_docs]
-        if long_docs.any():  # only long documents are cut; the rest stay one segment each
-            long_index = np.flatnonzero(long_docs)
-            piece_doc, piece_start, piece_len = _split_pieces(kept_lengths[long_index], max_length)
-            doc = np.concatenate([doc, long_index[piece_doc]])
-            start = np.concatenate([np.zeros(seg_len.size, np.int64), piece_start])
-            seg_len = np.concatenate([seg_len, piece_len])
-        base["documents_split"] = int(long_docs.sum())
-    else:
-        doc = np.arange(kept_lengths.size)
-        if overflow == "drop":
-            doc = doc[~long_docs]
-            base["tokens_dropped"] = int(kept_lengths[long_docs].sum())
-        base["tokens_truncated"] = int(np.clip(kept_lengths[doc] - max_length, 0, None).sum())
-        start, seg_len = None, np.minimum(kept_lengths[doc], max_length)
+    long_docs = lengths > max_length
+    any_long = bool(long_docs.any())
+    whole = ~empty & ~long_docs if any_long and overflow in ("split", "drop") else ~empty  # one segment each
+    doc = None if whole.all() else np.flatnonzero(whole)  # None: segment i is document i (the common case)
+    seg_len = lengths if doc is None else lengths[doc]
+    start = None
+    if overflow == "truncate" and any_long:
+        base["tokens_truncated"] = count_truncated(seg_len, max_length)
+        seg_len = np.minimum(seg_len, max_length)
+    elif overflow == "drop":
+        base["tokens_dropped"] = int(lengths[long_docs].sum())
+    elif overflow == "split" and any_long:  # long documents become max_length pieces, each its own segment
+        long_index = np.flatnonzero(long_docs)
+        piece_doc, piece_start, piece_len = _split_pieces(lengths[long_index], max_length)
+        doc = np.concatenate([np.arange(lengths.size) if doc is None else doc, long_index[piece_doc]])
+        start = np.concatenate([np.zeros(seg_len.size, np.int64), piece_start])
+        seg_len = np.concatenate([seg_len, piece_len])
+        base["documents_split"] = len(long_index)
 
     order, bin_of = best_fit_decreasing(seg_len, max_length)
     by_row = order[np.argsort(bin_of, kind="stable")]  # segments grouped by row, placement order within
     n_rows = int(bin_of.max()) + 1 if bin_of.size else 0
-    seg_row_offsets = np.concatenate([[0], np.cumsum(np.bincount(bin_of, minlength=n_rows))])
     return PackResult(
-        segment_doc=nonempty[doc[by_row]],
+        segment_doc=by_row if doc is None else doc[by_row],
         segment_start=np.zeros(by_row.size, np.int64) if start is None else start[by_row],
         segment_length=seg_len[by_row],
-        seg_row_offsets=seg_row_offsets,
+        seg_row_offsets=np.concatenate([[0], np.cumsum(np.bincount(bin_of, minlength=n_rows))]),
         **base,
     )
 
@@ -365,6 +361,7 @@ def pack_sequences(
         offsets = offsets + np.concatenate([[0], np.cumsum(nonempty)])
     plan.source = (flat, offsets)
     return plan
+
 
 class StreamingPacker:
     """Pack an (unbounded) stream of token lists on the fly with best fit inside a bounded window.

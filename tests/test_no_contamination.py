@@ -64,3 +64,20 @@ def test_packed_losses_equal_separate_losses(build, attn):
     # The model's own loss on the packed batch averages exactly the per-document losses (labels -100 at joins).
     assert (batch["labels"] != IGNORE_INDEX).sum().item() == count
     assert abs(out.loss.item() - total / count) <= 1e-5
+
+
+def test_the_check_detects_contamination():
+    """Control: without restarting position_ids the same packed batch leaks across documents."""
+    torch.manual_seed(0)
+    model = _llama("sdpa").eval()
+    docs = _docs()
+    packed = pack_sequences(docs, max_length=16)
+    batch = PackCollator(pad_token_id=0, max_length=16)([packed.row(r) for r in range(packed.num_rows)])
+    r = next(i for i in range(packed.num_rows) if len(packed.row_lengths(i)) > 1)
+    first, second = packed.row_lengths(r)[:2]
+    doc = docs[int(packed.segment_doc[packed.seg_row_offsets[r] + 1])]
+    ids = batch["input_ids"][r : r + 1]
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([doc]), labels=torch.tensor([doc])).loss.item()
+        leaky = model(input_ids=ids).logits[0, first : first + second - 1]
+    assert abs(F.cross_entropy(leaky, ids[0, first + 1 : first + second]).item() - alone) > 1e-3

@@ -142,6 +142,13 @@ def test_unsized_loader_needs_max_steps_or_token_budget(tmp_path):
         trainer(tmp_path, [warmup], limit_val_batches=0).fit(TinyLM(), unsized)
 
 
+def test_unsized_loader_is_fine_when_warmup_is_off(tmp_path):
+    unsized = DataLoader(Tokens(), batch_size=ROWS, collate_fn=pad_collate)
+    model = TinyLM()
+    trainer(tmp_path, [SeqLengthWarmup(duration=0, max_seq_length=32)], limit_val_batches=0).fit(model, unsized)
+    assert {r["seq"] for r in model.train_seen} == {32}
+
+
 def test_token_budget_schedule(tmp_path):
     seed_everything(0)
     unsized = DataLoader(Tokens(), batch_size=ROWS, collate_fn=pad_collate)
@@ -295,17 +302,21 @@ TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
 
 
-@pytest.mark.parametrize("truncate", [True, False])
-def test_with_causal_lm_and_datamodule(tmp_path, truncate):
+@pytest.mark.parametrize(("strategy", "truncate"), [("pad", True), ("pack", False)])
+def test_with_causal_lm_and_datamodule(tmp_path, strategy, truncate):
     from lightning_seqmem import CausalLM, SeqMemDataModule
 
     class RecordingLM(CausalLM):
         def training_step(self, batch, batch_idx):
             self.shapes = [*getattr(self, "shapes", []), (self.trainer.global_step, *batch["input_ids"].shape)]
+            if "cu_seqlens" in batch:  # recomputed after the cut: one boundary per position restart
+                assert batch["cu_seqlens"][-1] == batch["input_ids"].numel()
+                assert len(batch["cu_seqlens"]) - 1 == int((batch["position_ids"] == 0).sum())
             return super().training_step(batch, batch_idx)
 
     seed_everything(0)
-    dm = SeqMemDataModule(max_length=64, micro_batch_size=4)
+    extra = {"return_cu_seqlens": True} if strategy == "pack" else {}
+    dm = SeqMemDataModule(max_length=64, micro_batch_size=4, strategy=strategy, **extra)
     warmup = SeqLengthWarmup(duration=0.5, min_seq_length=8, max_seq_length=64, step_size=8, truncate=truncate)
     model = RecordingLM(model_config=TINY)
     t = trainer(tmp_path, [warmup], max_steps=8, limit_val_batches=2, val_check_interval=8)

@@ -50,7 +50,7 @@ class SeqLengthWarmup(Callback):
         total_tokens: a token budget: progress is real tokens trained on (over all ranks) out of ``total_tokens``
             instead of optimizer steps. Required for an unsized train loader without ``Trainer(max_steps=...)``.
         pad_token_id: recognises padding in packed batches; defaults to ``trainer.datamodule.pad_token_id`` or the
-            LightningModule's ``pad_token_id``.
+            LightningModule's ``pad_token_id`` (attribute or hyper-parameter).
 
     Raises:
         ValueError: ``duration`` outside ``[0, 1]``, ``min_seq_length < 1``, ``min_seq_length > max_seq_length``,
@@ -159,7 +159,9 @@ class SeqLengthWarmup(Callback):
         if stage != "fit":
             return
         self._check_against_datamodule(trainer)
-        if self.total_tokens is None:
+        if self.duration == 0 or self.min_seq_length == self.max_seq_length:
+            self._total_steps = 1  # warmup is off: always max_seq_length, whatever the run length
+        elif self.total_tokens is None:
             total = trainer.estimated_stepping_batches
             if not math.isfinite(total) or total < 1:
                 raise MisconfigurationException(
@@ -172,11 +174,9 @@ class SeqLengthWarmup(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._pad_token_id is None:
-            for owner in (trainer.datamodule, pl_module):
-                pad = getattr(owner, "pad_token_id", None)
-                if isinstance(pad, int):
-                    self._pad_token_id = pad
-                    break
+            candidates = (getattr(trainer.datamodule, "pad_token_id", None), getattr(pl_module, "pad_token_id", None),
+                          pl_module.hparams.get("pad_token_id"))
+            self._pad_token_id = next((pad for pad in candidates if isinstance(pad, int)), None)
         self._last_step = trainer.global_step
         self._pending = None
 

@@ -198,9 +198,9 @@ def _truncate(batch: MutableMapping[str, torch.Tensor], curr_seq_len: int, prese
 
 
 def _reshape(batch: MutableMapping[str, torch.Tensor], curr_seq_len: int, pad_token_id: int | None) -> None:
-    rows, length = batch["input_ids"].shape if "input_ids" in batch else _first_2d(batch).shape
+    first = _first_2d(batch)  # every 2-D tensor has this shape (checked)
+    (rows, length), device = first.shape, first.device
     keep = rows * length // curr_seq_len * curr_seq_len
-    device = _first_2d(batch).device
     flat_index = torch.arange(keep, device=device)
     # Segment starts that reshape creates: every new row, and every old row (a row may start mid-document).
     forced_start = (flat_index % curr_seq_len == 0) | (flat_index % length == 0)

@@ -1,0 +1,51 @@
+"""Every example runs, shortened (example 2, the warmup sweep, runs in tests/test_sweep.py)."""
+
+import pathlib
+import subprocess
+import sys
+
+import yaml
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_example(script, *args, cwd):
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_own_trainer(tmp_path):
+    out = run_example("own_trainer.py", "--max-steps", "3", "--max-length", "64", "--out", str(tmp_path / "run"),
+                      cwd=tmp_path)
+    assert "optimizer_steps" in out and "pack" in out  # RunSummary's table
+    assert (tmp_path / "run" / "summary.json").exists()
+
+
+def test_sft_packing_completion_only_loss(tmp_path):
+    out = run_example("sft_packing.py", "--max-steps", "3", "--out", str(tmp_path / "run"), cwd=tmp_path)
+    line = next(l for l in out.splitlines() if l.startswith("first batch"))
+    segments = int(line.split(": ")[1].split(" segments")[0])
+    trained, total = (int(x) for x in line.split("segments, ")[1].split(" tokens")[0].split(" of "))
+    assert segments > 8  # several examples per row
+    assert 0 < trained < total / 4  # loss only on the short completions
+    assert "final_val_loss" in out
+
+
+def test_cli_yaml(tmp_path, monkeypatch):
+    from lightning_seqmem.cli import cli_main
+
+    config = yaml.safe_load(open(EXAMPLES / "cli.yaml"))
+    config["trainer"].update(max_steps=3, val_check_interval=3, limit_val_batches=2, accelerator="cpu",
+                             default_root_dir=str(tmp_path), enable_progress_bar=False)
+    config["data"]["init_args"]["max_length"] = 64
+    config["trainer"]["callbacks"][0]["init_args"]["max_seq_length"] = 64
+    path = tmp_path / "cli.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.setattr(sys, "argv", ["seqmem-cli"])
+    cli = cli_main(["fit", "--config", str(path)])
+    assert cli.trainer.global_step == 3
+    assert [type(cb).__name__ for cb in cli.trainer.callbacks][:6] == [
+        "SeqLengthWarmup", "CachePreallocator", "MemoryMonitor", "ConfigChecks", "RunSummary", "JobRecord"]
+    assert (tmp_path / "progress.csv").exists() and (tmp_path / "summary.json").exists()

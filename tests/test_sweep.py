@@ -1,0 +1,74 @@
+"""Sweeps: the warmup-sweep example (a real Hydra multirun of seqmem-train in a subprocess, one job failing on
+purpose, then seqmem-report on it), and a ddp_spawn job inside a multirun (what works for DDP with sweeps)."""
+
+import csv
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+SHRINK = [
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=2",
+    "+trainer.enable_progress_bar=false",
+    "+trainer.enable_model_summary=false",
+    "data.max_length=64",
+    "print_summary=false",
+    "~callbacks.preallocate",
+]
+
+
+def seqmem_train(tmp_path, *args):
+    cmd = [sys.executable, "-m", "lightning_seqmem.train", "-m", *SHRINK, *args]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_warmup_sweep_example_then_report(tmp_path):
+    """examples/warmup_sweep.sh, shortened: a real multirun of seqmem-train, then seqmem-report on it."""
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "SWEEP_DIR": str(sweep),
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    # duration=1.5 is invalid: that job fails at instantiation; the other two must still run and be reported.
+    cmd = ["bash", str(EXAMPLES / "warmup_sweep.sh"), *SHRINK, "callbacks.seq_warmup.duration=0.0,0.5,1.5"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0  # Hydra re-raises the failed job after running all of them; the script keeps it
+    assert "duration" in proc.stderr
+    assert [json.load(open(sweep / str(i) / "job_status.json"))["status"] for i in range(3)] == [
+        "finished", "finished", "failed"]
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
+
+    assert "baseline: job 0 (callbacks.seq_warmup.duration=0.0)" in proc.stdout  # the report ran anyway
+    assert "Job 2 (callbacks.seq_warmup.duration=1.5) did not finish: failed" in proc.stdout
+    with open(sweep / "report.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["status"] for r in rows] == ["finished", "finished", "failed"]
+    assert float(rows[0]["speedup_time"]) == 1.0 and float(rows[0]["final_val_loss"]) > 0
+    assert int(rows[1]["tokens_seen"]) < int(rows[0]["tokens_seen"])  # warmup trained on shorter sequences
+    assert (sweep / "report.png").stat().st_size > 1000 and (sweep / "report.md").exists()
+
+    again = subprocess.run([sys.executable, "-m", "lightning_seqmem.report", str(sweep), "--clock", "cpu",
+                            "--target-loss", "100", "--name", "cpu"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert (sweep / "cpu.csv").exists() and "Times are training CPU time" in again.stdout
+
+
+@pytest.mark.slow
+def test_ddp_spawn_job_inside_a_multirun(tmp_path):
+    """trainer=ddp_spawn: two CPU processes per job, launched by the Trainer, so the sweep is not re-run per rank."""
+    sweep = tmp_path / "sweep"
+    proc = seqmem_train(tmp_path, "trainer=ddp_spawn", "trainer.accelerator=cpu", "trainer.devices=2",
+                        "trainer.precision=32-true", "trainer.max_steps=2", "trainer.val_check_interval=2",
+                        "callbacks.seq_warmup.duration=0.5", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]  # one job, not one per rank
+    summary = json.load(open(sweep / "0" / "summary.json"))
+    assert summary["optimizer_steps"] == 2
+    assert summary["slots_fed_to_model"] > 2 * 8 * 16  # both ranks' batches counted
+    assert json.load(open(sweep / "0" / "job_status.json")) == {"status": "finished"}
