@@ -138,7 +138,8 @@ class PackCollator:
         return_cu_seqlens: also return ``cu_seqlens`` (1-D int32, cumulative segment lengths over the flattened
             batch, padding segments included) for custom varlen attention.
 
-    Each example is ``{"input_ids": list[int], "seq_lengths": list[int]}`` (``PackResult.row``). Every segment
+    Each example is ``{"input_ids": list[int], "seq_lengths": list[int]}`` (``PackResult.row``), with optional
+    ``labels`` (e.g. -100 on prompts; default: the tokens). Every segment
     gets ``position_ids`` 0, 1, 2, ... and label -100 on its first token, so no document predicts another;
     padding is one more segment (``pad_token_id``, labels -100). Returns ``LongTensor[batch, seq]`` tensors.
 
@@ -187,7 +188,7 @@ class PackCollator:
                 seg.append(length - n)  # padding: its own segment, so it never touches a document
             row = torch.as_tensor(ex["input_ids"], dtype=torch.long)
             input_ids[i, :n] = row
-            labels[i, :n] = row
+            labels[i, :n] = torch.as_tensor(ex["labels"], dtype=torch.long) if "labels" in ex else row
             starts = torch.tensor([0] + seg[:-1]).cumsum(0)
             lens = torch.tensor(seg)
             position_ids[i] = torch.arange(length) - torch.repeat_interleave(starts, lens)

@@ -6,6 +6,7 @@ this class only wires them to Lightning's ``prepare_data``/``setup``/``*_dataloa
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -42,16 +43,16 @@ PACK_KEYS = ("input_ids", "labels", "position_ids")
 
 
 class _PackedRows(Dataset):
-    """Row ``i`` of a ``PackResult`` as ``{"input_ids", "seq_lengths"}`` (what ``PackCollator`` takes)."""
+    """Row ``i`` of a ``PackResult`` as ``{"input_ids", "seq_lengths"[, "labels"]}`` (what ``PackCollator`` takes)."""
 
-    def __init__(self, packed: PackResult) -> None:
-        self.packed = packed
+    def __init__(self, packed: PackResult, labels: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        self.packed, self.labels = packed, labels
 
     def __len__(self) -> int:
         return self.packed.num_rows
 
     def __getitem__(self, i: int) -> dict[str, list[int]]:
-        return self.packed.row(i)
+        return self.packed.row(i, self.labels)
 
 
 class _StreamingRows(IterableDataset):
@@ -222,11 +223,6 @@ class SeqMemDataModule(LightningDataModule):
             return self._setup_streaming()
         raw = load_text_dataset(self.dataset)
         kind = check_columns(raw, self.text_column)
-        if kind == "prompt_completion" and self.strategy == "pack" and self.completion_only_loss:
-            raise ValueError(
-                "strategy='pack' trains on whole prompt+completion rows; pass completion_only_loss=False, or use "
-                "strategy='truncate' or 'pad' for completion-only loss."
-            )
         # Tokenize before carving out a validation split, so errors name rows of the dataset the user passed.
         tokenized = tokenize_dataset(raw, self.tokenizer, kind=kind, text_column=self.text_column)
         tokenized = ensure_validation_split(tokenized, seed=self.seed)
@@ -312,11 +308,11 @@ class SeqMemDataModule(LightningDataModule):
     def _prompt_completion_rows(self, ds, stats: dict, split: str):
         """Truncate prompt/completion pairs once, at dataset level, so every cut token is counted exactly."""
         rows, truncated, emptied = [], 0, 0
+        limits = self._limits
+        if self.strategy == "pack":  # packing keeps long rows (overflow decides): only the per-part limits apply
+            limits = PromptCompletionLimits(None, limits.max_prompt_length, limits.max_completion_length)
         for p, c in zip(ds["prompt_ids"], ds["completion_ids"]):
-            if self.strategy == "pack":
-                rows.append({"input_ids": list(p) + list(c)})
-                continue
-            ex = prompt_completion_example(p, c, self._limits, self.completion_only_loss)
+            ex = prompt_completion_example(p, c, limits, self.completion_only_loss)
             truncated += ex["num_truncated"]
             if ex["completion_length"] == 0:
                 emptied += 1  # nothing to learn from: reported below, never trained on silently
@@ -325,14 +321,12 @@ class SeqMemDataModule(LightningDataModule):
             rows.append({"input_ids": ex["input_ids"], "labels": ex["labels"]})
         import datasets
 
-        columns = {"input_ids": [r["input_ids"] for r in rows]}
-        if self.strategy != "pack":
-            columns["labels"] = [r["labels"] for r in rows]
-            self._lengths[split] = np.asarray([len(r) for r in columns["input_ids"]], dtype=np.int64)
+        columns = {"input_ids": [r["input_ids"] for r in rows], "labels": [r["labels"] for r in rows]}
+        self._lengths[split] = np.asarray([len(r) for r in columns["input_ids"]], dtype=np.int64)
         stats.update(tokens_truncated=truncated, rows_without_completion=emptied)
         if emptied:
             rank_zero_warn(
-                f"{split}: {emptied} prompt/completion rows lost their whole completion to truncation and are "
+                f"{split}: {emptied} prompt/completion rows have no completion left after truncation and are "
                 "skipped. Lower max_prompt_length or raise max_length to keep them."
             )
         return datasets.Dataset.from_dict(columns), stats
@@ -340,24 +334,32 @@ class SeqMemDataModule(LightningDataModule):
     def _pack_split(self, split: str) -> None:
         """Pack the whole split once; epochs reshuffle the packed rows, they never re-pack."""
         # Tokenized documents already end with EOS, so ``wrapped`` needs no extra separator.
-        packed = pack_sequences(list(self.datasets[split]["input_ids"]), self.max_length, self.packing, self.overflow)
-        self._rows[split] = _PackedRows(packed)
+        ds = self.datasets[split]
+        packed = pack_sequences(list(ds["input_ids"]), self.max_length, self.packing, self.overflow)
+        labels = None
+        if "labels" in ds.column_names:  # prompt/completion: labels follow their tokens into the same slots
+            labels = (np.fromiter(itertools.chain.from_iterable(ds["labels"]), dtype=np.int64), packed.source[1])
+        self._rows[split] = _PackedRows(packed, labels)
         self._lengths[split] = np.diff(packed.row_offsets)
         s = packed.stats()
-        self._stats[split].update(
-            tokens_truncated=s["tokens_truncated"], tokens_dropped=s["tokens_dropped"],
-            documents_split=s["documents_split"],
-        )
+        stats = self._stats[split]
+        stats["tokens_truncated"] += s["tokens_truncated"]  # adds to any prompt/completion truncation
+        stats.update(tokens_dropped=s["tokens_dropped"], documents_split=s["documents_split"])
 
     def _report(self, split: str, stats: dict) -> None:
-        lost = stats["tokens_truncated"] + stats["tokens_dropped"]
-        if lost:
-            how = "cuts" if self.strategy != "pack" else f"with overflow={self.overflow!r} loses"
+        truncated, dropped = stats["tokens_truncated"], stats["tokens_dropped"]
+        if truncated + dropped:
+            if self.strategy != "pack":
+                fix = "Raise max_length, or use strategy='pack' (overflow='split') to keep them."
+            elif self.overflow != "split":
+                fix = "Use overflow='split' to keep them (a long document becomes max_length pieces)."
+            else:
+                fix = "Raise max_prompt_length / max_completion_length to keep them."
             rank_zero_warn(
                 f"{split}: {stats['documents_truncated']} documents are longer than max_length={self.max_length}; "
-                f"strategy={self.strategy!r} {how} {lost:,} of {stats['tokens']:,} tokens "
-                f"({100 * lost / max(stats['tokens'], 1):.2f}%). Raise max_length, or use strategy='pack' "
-                "(overflow='split') to keep them."
+                f"with strategy={self.strategy!r}, {truncated + dropped:,} of {stats['tokens']:,} tokens "
+                f"({100 * (truncated + dropped) / max(stats['tokens'], 1):.2f}%) never reach the model "
+                f"({truncated:,} truncated, {dropped:,} dropped). {fix}"
             )
         if stats["empty_documents_skipped"]:
             rank_zero_info(f"[lightning_seqmem] {split}: skipped {stats['empty_documents_skipped']} empty documents.")
@@ -438,14 +440,16 @@ class SeqMemDataModule(LightningDataModule):
         return max(s[0] for s in shapes), max(s[1] for s in shapes)
 
     def _loader_stats(self, split: str) -> dict[str, float]:
+        """One epoch on one process: batches, rows ``drop_last`` leaves out, real tokens / slots."""
+        sampler = self._sampler(split, num_replicas=1, rank=0)
         shapes = self._shapes(split)
-        slots = sum(r * n for r, n in shapes)
-        fed = int(self._lengths[split].sum())
-        return {"rows": len(self._rows[split]), "batches": len(shapes), "token_efficiency": fed / max(slots, 1)}
+        fed = sum(int(self._lengths[split][b].sum()) for b in sampler.batches(0))
+        return {"rows": len(self._rows[split]), "batches": len(shapes), "rows_dropped_per_epoch": sampler.num_dropped,
+                "token_efficiency": fed / max(sum(r * n for r, n in shapes), 1)}
 
     def stats(self) -> dict[str, Any]:
         """Per split: documents, tokens, tokens truncated/dropped, documents split, empty documents skipped,
-        rows, batches and token efficiency (real tokens / slots fed to the model in one epoch)."""
+        rows, batches, rows ``drop_last`` leaves out, and token efficiency (real tokens / slots in one epoch)."""
         if self.datasets is None:
             self.setup("fit")
         return {split: dict(values) for split, values in self._stats.items()}

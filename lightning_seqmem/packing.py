@@ -89,11 +89,12 @@ class PackResult:
         """Segment lengths of one row."""
         return self.segment_length[self.seg_row_offsets[row] : self.seg_row_offsets[row + 1]].tolist()
 
-    def _segments(self, lo: int, hi: int) -> np.ndarray:
-        """Tokens of segments ``lo:hi``, gathered from the source."""
-        if self.source is None:
+    def _segments(self, lo: int, hi: int, source: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Tokens of segments ``lo:hi``, gathered from ``source`` (default: the packed documents)."""
+        source = source or self.source
+        if source is None:
             raise ValueError("this PackResult was packed from lengths only; use pack_sequences to get tokens.")
-        flat, offsets = self.source
+        flat, offsets = source
         starts = (offsets[self.segment_doc[lo:hi]] + self.segment_start[lo:hi]).tolist()
         pieces = [flat[a : a + n] for a, n in zip(starts, self.segment_length[lo:hi].tolist())]
         return np.concatenate(pieces) if pieces else flat[:0]
@@ -107,10 +108,19 @@ class PackResult:
             self._input_ids = self._segments(0, len(self.segment_length))
         return self._input_ids
 
-    def row(self, row: int) -> dict[str, list[int]]:
-        """One packed row as ``{"input_ids", "seq_lengths"}`` (what ``PackCollator`` takes)."""
+    def row(self, row: int, labels: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, list[int]]:
+        """One packed row as ``{"input_ids", "seq_lengths"}`` (what ``PackCollator`` takes).
+
+        Args:
+            row: row index.
+            labels: optional ``(flat, offsets)`` per-token labels laid out like the source documents (e.g. -100
+                on prompts); gathered with the same segments into ``"labels"``.
+        """
         lo, hi = int(self.seg_row_offsets[row]), int(self.seg_row_offsets[row + 1])
-        return {"input_ids": self._segments(lo, hi).tolist(), "seq_lengths": self.row_lengths(row)}
+        out = {"input_ids": self._segments(lo, hi).tolist(), "seq_lengths": self.row_lengths(row)}
+        if labels is not None:
+            out["labels"] = self._segments(lo, hi, labels).tolist()
+        return out
 
     @property
     def rows(self) -> list[list[int]]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 __all__ = ["Job", "ReportError", "build_report", "load_jobs", "main", "reach", "write_report"]
 
 PROGRESS_FILE = "progress.csv"
+CLOCKS = {"wall": "wall_clock_s", "cpu": "cpu_s"}  # --clock choice -> progress.csv column
 
 
 class ReportError(Exception):
@@ -55,7 +56,7 @@ def _read_overrides(job_dir: str) -> dict[str, str]:
     overrides = {}
     for item in items:
         key, _, value = str(item).partition("=")
-        overrides[key.lstrip("+~")] = value
+        overrides[key.lstrip("+")] = value  # "~key" (deleted) stays as it is
     return overrides
 
 
@@ -191,9 +192,6 @@ def pick_baseline(jobs: list[Job], baseline: str | None) -> Job:
     return with_rows[0]
 
 
-CLOCKS = {"wall": "wall_clock_s", "cpu": "cpu_s"}
-
-
 def build_report(jobs: list[Job], target_loss: float | None = None, baseline: str | None = None,
                  clock: str = "wall") -> dict:
     """The rows of the report, the baseline, the target and the notes.
@@ -269,7 +267,7 @@ def _fmt(value, kind: str = "") -> str:
 
 def markdown(report: dict) -> str:
     base = report["baseline"]
-    source = "given" if report["target_given"] else f"baseline's final val loss"
+    source = "given" if report["target_given"] else "baseline's final val loss"
     clock = "wall-clock" if report["clock"] == "wall" else "CPU time"
     head = ["job", "overrides", "status", "steps", "final val loss", f"{clock} (s)", "tokens seen",
             "time to target (s)", "tokens to target", "speed-up (time)", "speed-up (tokens)"]
@@ -343,10 +341,10 @@ def write_report(sweep_dir: str, out_dir: str | None = None, target_loss: float 
         f.write(f"# Sweep report: {os.path.abspath(sweep_dir)}\n\n")
         f.write(report["markdown"])
     with open(files[1], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(report["rows"][0]) + ["all_overrides", "target_val_loss"])
+        writer = csv.DictWriter(f, fieldnames=list(report["rows"][0]) + ["clock", "all_overrides", "target_val_loss"])
         writer.writeheader()
         for job, row in zip(jobs, report["rows"]):
-            writer.writerow({**row, "all_overrides": " ".join(f"{k}={v}" for k, v in job.overrides.items()),
+            writer.writerow({**row, "clock": report["time_key"], "all_overrides": " ".join(f"{k}={v}" for k, v in job.overrides.items()),
                              "target_val_loss": report["target"]})
     png = os.path.join(out_dir, f"{name}.png")
     if plot(jobs, report, png):

@@ -128,7 +128,12 @@ class _ShardedBatchSampler(DistributedSampler):
             yield batch
 
     def __len__(self) -> int:
-        return len(self.global_batches(self.epoch)) // self.num_replicas
+        """Batches per rank per epoch: the same on every rank and in every epoch."""
+        return self.num_global_batches // self.num_replicas
+
+    @property
+    def num_global_batches(self) -> int:
+        return len(self.global_batches(self.epoch))
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch, seed and batches already yielded this epoch (enough to replay the rest exactly)."""
@@ -172,6 +177,10 @@ class ShuffledBatchSampler(_ShardedBatchSampler):
 
     def global_batches(self, epoch: int) -> list[list[int]]:
         return _cut(self._order(epoch), self._sizes)
+
+    @property
+    def num_global_batches(self) -> int:
+        return len(self._sizes)
 
 
 class LengthGroupedSampler(ShuffledBatchSampler):
@@ -277,6 +286,10 @@ class TokenBudgetBatchSampler(_ShardedBatchSampler):
 
     def batch_cost(self, batch: list[int]) -> float:
         return float(self.padded_length(int(self.lengths[batch].max()))) * len(batch)
+
+    @property
+    def num_global_batches(self) -> int:
+        return len(self._batches)
 
 
 class BatchFetcher(Dataset):

@@ -60,7 +60,7 @@ class PromptCompletionLimits:
     """Validated limits for prompt/completion truncation.
 
     Args:
-        max_length: limit on ``len(prompt) + len(completion)``.
+        max_length: limit on ``len(prompt) + len(completion)``; ``None`` for none (packing keeps long rows).
         max_prompt_length: prompt limit; the END of the prompt is kept (the question sits next to the answer).
         max_completion_length: completion limit; the START of the completion is kept.
         truncation_side: what ``max_length`` cuts first: ``"right"`` the completion's end, ``"left"`` the prompt's
@@ -70,7 +70,7 @@ class PromptCompletionLimits:
         ValueError: a limit below its minimum, or ``max_prompt_length + max_completion_length > max_length``.
     """
 
-    max_length: int
+    max_length: int | None
     max_prompt_length: int | None = None
     max_completion_length: int | None = None
     truncation_side: str = "right"
@@ -83,7 +83,8 @@ class PromptCompletionLimits:
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1 (or None for no limit).")
         if (
-            self.max_prompt_length is not None
+            self.max_length is not None
+            and self.max_prompt_length is not None
             and self.max_completion_length is not None
             and self.max_prompt_length + self.max_completion_length > self.max_length
         ):
@@ -110,7 +111,7 @@ def truncate_prompt_completion(
     """
     p = truncate_ids(prompt, limits.max_prompt_length, side="left")
     c = truncate_ids(completion, limits.max_completion_length, side="right")
-    excess = len(p) + len(c) - limits.max_length
+    excess = len(p) + len(c) - (limits.max_length or len(p) + len(c))
     if excess > 0:
         # "right" cuts the completion's end first, "left" the prompt's start first; the completion always keeps
         # its start (the tokens right after the prompt are the ones worth learning).

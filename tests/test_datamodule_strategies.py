@@ -81,7 +81,7 @@ def test_prompt_completion_truncation_and_completion_only_labels(tokenizer):
     })
     dm = SeqMemDataModule(dataset=datasets.DatasetDict(train=ds, validation=ds), max_length=24, micro_batch_size=4,
                           strategy="truncate", max_prompt_length=12, max_completion_length=8)
-    with pytest.warns(UserWarning, match="1 prompt/completion rows lost their whole completion"):
+    with pytest.warns(UserWarning, match="1 prompt/completion rows have no completion left"):
         dm.setup("fit")
     assert dm.stats()["train"]["rows_without_completion"] == 1  # the empty completion: reported, not trained on
     batch = next(iter(dm.val_dataloader()))
@@ -101,6 +101,14 @@ def test_prompt_completion_truncation_and_completion_only_labels(tokenizer):
         full.setup("fit")
     b = next(iter(full.train_dataloader()))
     assert torch.equal(b["labels"][b["attention_mask"] == 1], b["input_ids"][b["attention_mask"] == 1])
+    # Packed prompt/completion rows keep completion-only labels: learned tokens are exactly the completions.
+    packed = SeqMemDataModule(dataset=ds, max_length=24, strategy="pack", micro_batch_size=4)
+    with pytest.warns(UserWarning, match="no completion left"):
+        packed.setup("fit")
+    learned = sorted(t for b in packed.train_dataloader() for t in b["labels"][b["labels"] != -100].tolist())
+    rows = packed.datasets["train"]
+    expected = sorted(t for lab in rows["labels"] for t in lab[1:] if t != -100)  # a segment's first never learns
+    assert learned == expected and len(learned) > 0
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ import json
 import os
 import socket
 
+import lightning.pytorch as L
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -71,3 +73,47 @@ def test_two_ranks_see_every_document_once_in_the_same_number_of_batches(tmp_pat
         slots = a["local"][1] + b["local"][1]
         assert a["efficiency"] == pytest.approx(real / slots) == b["efficiency"], name  # synced sums
     assert r0["pack"]["packed"] == r1["pack"]["packed"]  # identical packing on every rank
+
+
+class _CountingModule(L.LightningModule):
+    """Counts steps and rows on each rank and writes them out at the end of every epoch."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir, self.steps, self.rows = out_dir, 0, 0
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        self.rows += batch["input_ids"].shape[0]
+        return (self.w * batch["input_ids"].float().mean()).sum()
+
+    def on_train_epoch_end(self):
+        sampler = self.trainer.train_dataloader.sampler
+        record = {"steps": self.steps, "rows": self.rows, "sampler": type(sampler).__name__,
+                  "num_replicas": sampler.num_replicas, "epoch": sampler.epoch}
+        with open(os.path.join(self.out_dir, f"lightning_rank{self.global_rank}_epoch{sampler.epoch}.json"), "w") as f:
+            json.dump(record, f)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_lightning_ddp_spawn_keeps_our_sampler_and_equal_steps(tmp_path, tokenizer):
+    import datasets
+
+    from lightning_seqmem.datamodule import SeqMemDataModule
+
+    dm = SeqMemDataModule(dataset=datasets.Dataset.from_dict({"text": _texts()}), max_length=24, micro_batch_size=3,
+                          strategy="pack", seed=7)
+    trainer = L.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_epochs=2, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(_CountingModule(str(tmp_path)), datamodule=dm)
+    dm.setup("fit")
+    rows_per_epoch = len(dm._rows["train"])
+    for epoch in (0, 1):  # Lightning calls set_epoch: the second epoch is reshuffled, not replayed
+        ranks = [json.loads((tmp_path / f"lightning_rank{r}_epoch{epoch}.json").read_text()) for r in range(2)]
+        assert all(r["sampler"] == "ShuffledBatchSampler" and r["num_replicas"] == 2 for r in ranks)  # not replaced
+        assert ranks[0]["steps"] == ranks[1]["steps"]
+        assert ranks[0]["rows"] + ranks[1]["rows"] == rows_per_epoch * (epoch + 1)  # every packed row, once

@@ -1,5 +1,5 @@
 """Sweeps: the warmup-sweep example (a real Hydra multirun of seqmem-train in a subprocess, one job failing on
-purpose, then seqmem-report on it), and a ddp_spawn job inside a multirun (what works for DDP with sweeps)."""
+purpose, then seqmem-report on it); and what works for DDP: a ddp_spawn job inside a multirun, ddp for single runs."""
 
 import csv
 import json
@@ -72,3 +72,18 @@ def test_ddp_spawn_job_inside_a_multirun(tmp_path):
     assert summary["optimizer_steps"] == 2
     assert summary["slots_fed_to_model"] > 2 * 8 * 16  # both ranks' batches counted
     assert json.load(open(sweep / "0" / "job_status.json")) == {"status": "finished"}
+
+
+@pytest.mark.slow
+def test_ddp_single_run(tmp_path):
+    """trainer=ddp outside a sweep: Lightning re-launches seqmem-train for rank 1 into the same run directory."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "lightning_seqmem.train", *SHRINK, "trainer=ddp", "trainer.accelerator=cpu",
+           "trainer.devices=2", "trainer.precision=32-true", "trainer.max_steps=2", "trainer.val_check_interval=2",
+           f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.load(open(run_dir / "summary.json"))
+    assert summary["optimizer_steps"] == 2 and summary["slots_fed_to_model"] > 2 * 8 * 16
+    assert json.load(open(run_dir / "job_status.json")) == {"status": "finished"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 wrote nowhere else

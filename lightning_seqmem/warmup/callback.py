@@ -234,9 +234,9 @@ class SeqLengthWarmup(Callback):
         self._warned_long_batch = True  # the DataModule answered; no need to look at batches
         if self.max_seq_length > length:
             rank_zero_warn(
-                f"SeqLengthWarmup(max_seq_length={self.max_seq_length}) is longer than the longest batch the DataModule "
-                f"yields ({length} tokens): lengths above {length} cut nothing, so that part of warmup is wasted. Set "
-                f"max_seq_length={length}."
+                f"SeqLengthWarmup(max_seq_length={self.max_seq_length}) is longer than the longest batch the "
+                f"DataModule yields ({length} tokens): lengths above {length} cut nothing, so that part of warmup is "
+                f"wasted. Set max_seq_length={length}."
             )
         elif self.max_seq_length < length:
             what = "are never trained on" if self.truncate else "are reshaped into extra rows"
