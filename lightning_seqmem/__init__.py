@@ -37,6 +37,14 @@ _EXPORTS: dict[str, str] = {
     "set_batch_sequence_length": "lightning_seqmem.warmup",
     "apply_seq_length_warmup": "lightning_seqmem.warmup",
     "seq_length_at": "lightning_seqmem.warmup",
+    # memory: cache pre-allocation, allocator settings, memory monitor, config checks
+    "CachePreallocator": "lightning_seqmem.memory",
+    "MemoryMonitor": "lightning_seqmem.memory",
+    "ConfigChecks": "lightning_seqmem.memory",
+    "configure_allocator": "lightning_seqmem.memory",
+    "resolve_precision": "lightning_seqmem.memory",
+    # composition: per-job progress records for sweeps
+    "JobRecord": "lightning_seqmem.job_record",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -54,9 +62,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
-# memory/: cache pre-allocation, allocator settings, memory monitor, config checks
-_EXPORTS.update({
-    name: "lightning_seqmem.memory"
-    for name in ("CachePreallocator", "MemoryMonitor", "ConfigChecks", "configure_allocator", "resolve_precision")
-})
-__all__ = sorted(_EXPORTS)

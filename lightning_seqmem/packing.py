@@ -215,6 +215,148 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
     return order, np.repeat(ids, takes)
 
 
+def _best_subset(room: int, counts: list[int], lengths: list[int]) -> dict[int, int]:
+    """The multiset of ``lengths`` (at most ``counts[a]`` of each ``a``) with the largest sum ``<= room``.
+
+    Bounded subset sum on a Python int used as a bitset (bit ``s`` set: sum ``s`` is reachable), one length at a
+    time, ``count`` copies added in binary chunks. Traced back from the longest length down, taking as many of
+    each as still leaves a reachable rest, so the fill uses long items and saves short ones for later rows.
+
+    Args:
+        room: the sum to reach.
+        counts: available items of each length (indexed by length).
+        lengths: ascending lengths ``<= room`` with ``counts > 0``.
+
+    Returns:
+        ``{length: how many}``.
+    """
+    mask = (1 << (room + 1)) - 1
+    reach, before = 1, []
+    for a in lengths:
+        before.append(reach)
+        left, chunk = min(counts[a], room // a), 1
+        while left:
+            take = min(chunk, left)
+            reach |= (reach << (a * take)) & mask
+            left -= take
+            chunk <<= 1
+    s = reach.bit_length() - 1
+    out = {}
+    for a, prev in zip(reversed(lengths), reversed(before)):
+        j = min(counts[a], s // a)
+        while not (prev >> (s - j * a)) & 1:
+            j -= 1
+        if j:
+            out[a] = j
+            s -= j * a
+    return out
+
+
+def exact_fit_patterns(
+    counts: np.ndarray, capacity: int, max_searches: int = 2000
+) -> tuple[list[tuple[list[int], int]], np.ndarray]:
+    """Pack a length histogram row pattern by row pattern: each row is its longest item plus the fullest fill.
+
+    The longest remaining length opens a row; ``_best_subset`` fills its room exactly when the remaining items
+    allow (else as full as they allow). The same row is then repeated while the items last, so the loop runs once
+    per distinct row pattern, not per row. Unlike best fit, it never leaves a gap that some combination of the
+    remaining items could close.
+
+    Args:
+        counts: ``[capacity + 1]`` items of each length (lengths ``1..capacity``).
+        capacity: row size.
+        max_searches: subset searches at most; on a sparse histogram each pattern serves few rows, so the search
+            is bounded and what is left is returned unpacked.
+
+    Returns:
+        ``(patterns, left)``: ``(row lengths, longest first; how many such rows)`` and the counts not packed.
+    """
+    counts = [int(c) for c in counts]
+    available = [a for a in range(1, capacity + 1) if counts[a]]  # ascending
+    patterns = []
+    for _ in range(max_searches):
+        if not available:
+            break
+        longest = available[-1]
+        counts[longest] -= 1
+        room = capacity - longest
+        fits = [a for a in available[: bisect.bisect_right(available, room)] if counts[a]]
+        fill = _best_subset(room, counts, fits) if fits else {}
+        counts[longest] += 1
+        fill[longest] = fill.get(longest, 0) + 1
+        times = min(counts[a] // n for a, n in fill.items())
+        for a, n in fill.items():
+            counts[a] -= times * n
+        patterns.append(([a for a in sorted(fill, reverse=True) for _ in range(fill[a])], times))
+        available = [a for a in available if counts[a]]
+    return patterns, np.asarray(counts, dtype=np.int64)
+
+
+def repack_partial_rows(
+    lengths: np.ndarray, order: np.ndarray, bin_of: np.ndarray, capacity: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Improve a packing: dissolve its rows with a gap, and those holding a short item, and repack them exactly.
+
+    Why: best-fit decreasing spends the short items on the first gaps it meets, so once they run out the last
+    rows keep gaps no remaining item fits (Wikipedia @512: 0.99949 efficiency, ~284 k rows short by 1-17 tokens).
+    ``exact_fit_patterns`` over the dissolved rows' histogram (short items are the currency that closes gaps, so
+    rows holding one, under ``capacity // 16`` tokens, are dissolved too) closes most gaps (Wikipedia: 0.99982).
+    Items it leaves unpacked go back through best fit. The repacked rows replace the dissolved ones only if there
+    are fewer of them, so the result is never less efficient than the input; full rows without short items stay.
+
+    Args:
+        lengths: ``[items]`` lengths, each in ``[1, capacity]``.
+        order, bin_of: a packing as ``best_fit_decreasing`` returns it.
+        capacity: row size.
+
+    Returns:
+        ``(order, bin_of)`` in the same form: the rows kept first (numbered as before, gaps in the numbering
+        closed), then the repacked rows; within a row, longest first.
+    """
+    if order.size == 0:
+        return order, bin_of
+    n_rows = int(bin_of.max()) + 1
+    placed = lengths[order]
+    fill = np.bincount(bin_of, weights=placed, minlength=n_rows)
+    shortest = np.full(n_rows, capacity + 1, dtype=np.int64)
+    np.minimum.at(shortest, bin_of, placed)
+    dissolve = (fill < capacity) | (shortest <= capacity // 16)
+    in_pool = dissolve[bin_of]
+    if not in_pool.any():
+        return order, bin_of
+    pool = order[in_pool]
+    patterns, left = exact_fit_patterns(np.bincount(lengths[pool], minlength=capacity + 1), capacity)
+    slot_len = [np.tile(np.asarray(p, dtype=np.int64), t) for p, t in patterns]
+    slot_row = [np.repeat(np.arange(t), len(p)) for p, t in patterns]
+    row_base = np.concatenate([[0], np.cumsum([t for _, t in patterns])])
+    slot_row = [r + b for r, b in zip(slot_row, row_base[:-1].tolist())]
+    if left.any():  # what the bounded search did not reach: best fit, in rows after the patterns
+        rest_len = np.repeat(np.arange(capacity + 1), left)
+        rest_order, rest_bin = best_fit_decreasing(rest_len, capacity)
+        slot_len.append(rest_len[rest_order])
+        slot_row.append(rest_bin + row_base[-1])
+    slot_len, slot_row = np.concatenate(slot_len), np.concatenate(slot_row)
+    new_rows = int(slot_row.max()) + 1
+    if new_rows >= int(dissolve.sum()):
+        return order, bin_of
+    # Match items to slots of the same length: both sorted by length (stable), the i-th item takes the i-th slot.
+    key = np.uint16 if capacity < 2**16 else np.int64
+    new_order = np.empty(pool.size, dtype=np.int64)  # the item in each slot
+    new_order[np.argsort((capacity - slot_len).astype(key), kind="stable")] = pool[
+        np.argsort((capacity - lengths[pool]).astype(key), kind="stable")]
+    kept_rows = np.cumsum(~dissolve) - 1  # renumber the rows that stay
+    n_kept = int((~dissolve).sum())
+    return (np.concatenate([order[~in_pool], new_order]),
+            np.concatenate([kept_rows[bin_of[~in_pool]], slot_row + n_kept]))
+
+
+def pack_bins(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Best-fit decreasing, then ``repack_partial_rows``: the ``bfd`` packing. Same form as ``best_fit_decreasing``."""
+    lengths = np.asarray(lengths)
+    order, bin_of = best_fit_decreasing(lengths, capacity)
+    return repack_partial_rows(lengths, order, bin_of, capacity)
+
+
 def _split_pieces(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut every document into ``max_length`` pieces (the last one shorter): ``(doc, start, length)`` each."""
     n_pieces = -(-lengths // max_length)
@@ -284,7 +426,7 @@ def pack_lengths(
         seg_len = np.concatenate([seg_len, piece_len])
         base["documents_split"] = len(long_index)
 
-    order, bin_of = best_fit_decreasing(seg_len, max_length)
+    order, bin_of = pack_bins(seg_len, max_length)
     by_row = order[np.argsort(bin_of, kind="stable")]  # segments grouped by row, placement order within
     n_rows = int(bin_of.max()) + 1 if bin_of.size else 0
     return PackResult(

@@ -31,3 +31,15 @@ def test_wheel_ships_conf_and_hydra_finds_it(tmp_path):
     out = subprocess.run([sys.executable, "-c", script, str(site)], cwd=tmp_path, env=env, check=True,
                          capture_output=True, text=True).stdout
     assert "SeqMemDataModule 64 lightning_seqmem.CausalLM" in out
+
+
+def test_package_import_is_torch_free_and_every_export_resolves():
+    script = (
+        "import sys, lightning_seqmem as ls\n"
+        "assert 'torch' not in sys.modules, 'import lightning_seqmem must not import torch (allocator settings)'\n"
+        "missing = [n for n in ls.__all__ if getattr(ls, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "print(len(ls.__all__))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
+    assert int(out) >= 20
