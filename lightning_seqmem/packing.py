@@ -95,9 +95,13 @@ class PackResult:
         if source is None:
             raise ValueError("this PackResult was packed from lengths only; use pack_sequences to get tokens.")
         flat, offsets = source
-        starts = (offsets[self.segment_doc[lo:hi]] + self.segment_start[lo:hi]).tolist()
-        pieces = [flat[a : a + n] for a, n in zip(starts, self.segment_length[lo:hi].tolist())]
-        return np.concatenate(pieces) if pieces else flat[:0]
+        seg_len = self.segment_length[lo:hi]
+        starts = offsets[self.segment_doc[lo:hi]] + self.segment_start[lo:hi]
+        # One gather: token i of the output comes from flat[i + (start of its segment - its output offset)].
+        index_type = np.int32 if flat.size < 2**31 else np.int64  # half the memory for the index when it can
+        index = np.repeat((starts - (np.cumsum(seg_len) - seg_len)).astype(index_type), seg_len)
+        index += np.arange(index.size, dtype=index_type)
+        return flat[index]
 
     @property
     def input_ids(self) -> np.ndarray:
@@ -125,7 +129,9 @@ class PackResult:
     @property
     def rows(self) -> list[list[int]]:
         """All rows as token lists (convenient for small data; use ``row``/``input_ids`` for large)."""
-        return [self.row(r)["input_ids"] for r in range(self.num_rows)]
+        tokens = self.input_ids.tolist()  # one gather and one conversion, then slices
+        bounds = self.row_offsets.tolist()
+        return [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     @property
     def seq_lengths(self) -> list[list[int]]:
