@@ -3,7 +3,9 @@
 The work happens on lengths (numpy); tokens are gathered per row when a row is served, so packing never copies
 the dataset. ``best_fit_decreasing`` is exact best-fit decreasing over the whole dataset, done in bulk: documents
 of equal length are placed together and bins are bucketed by remaining capacity, so the Python loop runs per
-(length, capacity) pair, not per document.
+(length, capacity) pair, not per document. ``pack_bins`` (the ``bfd`` packing) then repacks the rows best fit left
+with gaps, row pattern by row pattern over their length histogram (``repack_partial_rows``), and keeps the result
+only when it needs fewer rows.
 """
 
 from __future__ import annotations
@@ -265,8 +267,8 @@ def exact_fit_patterns(
 
     The longest remaining length opens a row; ``_best_subset`` fills its room exactly when the remaining items
     allow (else as full as they allow). The same row is then repeated while the items last, so the loop runs once
-    per distinct row pattern, not per row. Unlike best fit, it never leaves a gap that some combination of the
-    remaining items could close.
+    per distinct row pattern, not per row. Unlike best fit, each row is as full as the items still unpacked allow:
+    it never leaves a gap that some combination of them could close.
 
     Args:
         counts: ``[capacity + 1]`` items of each length (lengths ``1..capacity``).
@@ -299,7 +301,7 @@ def exact_fit_patterns(
 
 
 def repack_partial_rows(
-    lengths: np.ndarray, order: np.ndarray, bin_of: np.ndarray, capacity: int
+    lengths: np.ndarray, order: np.ndarray, bin_of: np.ndarray, capacity: int, max_searches: int = 2000
 ) -> tuple[np.ndarray, np.ndarray]:
     """Improve a packing: dissolve its rows with a gap, and those holding a short item, and repack them exactly.
 
@@ -314,6 +316,7 @@ def repack_partial_rows(
         lengths: ``[items]`` lengths, each in ``[1, capacity]``.
         order, bin_of: a packing as ``best_fit_decreasing`` returns it.
         capacity: row size.
+        max_searches: bound on ``exact_fit_patterns``'s work.
 
     Returns:
         ``(order, bin_of)`` in the same form: the rows kept first (numbered as before, gaps in the numbering
@@ -331,7 +334,8 @@ def repack_partial_rows(
     if not in_pool.any():
         return order, bin_of
     pool = order[in_pool]
-    patterns, left = exact_fit_patterns(np.bincount(lengths[pool], minlength=capacity + 1), capacity)
+    patterns, left = exact_fit_patterns(np.bincount(lengths[pool], minlength=capacity + 1), capacity,
+                                          max_searches)
     slot_len = [np.tile(np.asarray(p, dtype=np.int64), t) for p, t in patterns]
     slot_row = [np.repeat(np.arange(t), len(p)) for p, t in patterns]
     row_base = np.concatenate([[0], np.cumsum([t for _, t in patterns])])
@@ -489,7 +493,8 @@ def pack_sequences(
         sequences: token lists, or a ``(flat_tokens, offsets)`` pair of numpy arrays (``offsets`` has
             ``documents + 1`` entries).
         max_length: row capacity, >= 2.
-        packing: ``"bfd"`` (best-fit decreasing over the whole dataset, documents kept whole) or ``"wrapped"``
+        packing: ``"bfd"`` (best-fit decreasing over the whole dataset, documents kept whole, then the rows it
+            left with gaps repacked exactly: ``pack_bins``) or ``"wrapped"``
             (concatenate, cut every ``max_length``; pieces stay separate segments so nothing attends across).
         overflow: for ``bfd``, a document longer than ``max_length``: ``"split"`` into ``max_length`` pieces,
             each its own segment; ``"truncate"`` to its first ``max_length`` tokens; ``"drop"`` it; ``"error"``.

@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_seqmem.packing import StreamingPacker, best_fit_decreasing, pack_lengths, pack_sequences
+from lightning_seqmem.packing import (
+    StreamingPacker,
+    best_fit_decreasing,
+    exact_fit_patterns,
+    pack_bins,
+    pack_lengths,
+    pack_sequences,
+    repack_partial_rows,
+)
 
 docs_strategy = st.lists(st.lists(st.integers(1, 999), min_size=0, max_size=40), min_size=0, max_size=30)
 
@@ -135,3 +143,55 @@ def test_streaming_packer_conserves_tokens(docs, max_length, buffer_size):
         pieces.extend(tuple(row["input_ids"][a:b]) for a, b in zip(cuts[:-1], cuts[1:]))
     expected = [tuple(d[i : i + max_length]) for d in docs for i in range(0, len(d), max_length)]
     assert sorted(pieces) == sorted(expected)
+
+
+def _check_bins(lengths, order, bin_of, capacity):
+    """Every item in exactly one row, rows numbered 0..n-1, none over capacity; returns the row count."""
+    assert sorted(order.tolist()) == list(range(len(lengths)))
+    if not len(lengths):
+        return 0
+    fill = np.bincount(bin_of, weights=np.asarray(lengths)[order])
+    assert fill.max() <= capacity and fill.min() > 0  # no empty row numbers
+    return len(fill)
+
+
+# Few distinct lengths, many copies: the regime where rows repeat and gaps accumulate (like real histograms).
+lengths_strategy = st.one_of(
+    st.lists(st.integers(1, 64), max_size=150),
+    st.lists(st.sampled_from([1, 2, 3, 5, 8, 13, 21, 34, 55]), max_size=150),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=lengths_strategy, capacity=st.integers(64, 100), max_searches=st.sampled_from([1, 2, 2000]))
+def test_repacking_never_loses_to_bfd_and_conserves_items(lengths, capacity, max_searches):
+    lengths = np.array(lengths, dtype=np.int64)
+    order, bin_of = best_fit_decreasing(lengths, capacity)
+    bfd_rows = _check_bins(lengths, order, bin_of, capacity)
+    better = repack_partial_rows(lengths, order, bin_of, capacity, max_searches=max_searches)
+    assert _check_bins(lengths, *better, capacity) <= bfd_rows
+    if max_searches == 2000:
+        assert np.array_equal(pack_bins(lengths, capacity)[1], better[1])
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=lengths_strategy, capacity=st.integers(64, 80), max_searches=st.integers(1, 5))
+def test_exact_fit_patterns_account_for_every_item(lengths, capacity, max_searches):
+    counts = np.bincount(np.array(lengths, dtype=np.int64), minlength=capacity + 1)
+    patterns, left = exact_fit_patterns(counts, capacity, max_searches=max_searches)
+    used = np.zeros_like(counts)
+    for row, times in patterns:
+        assert sum(row) <= capacity and times >= 1 and row == sorted(row, reverse=True)
+        np.add.at(used, row, times)
+    assert np.array_equal(used + left, counts) and left.min(initial=0) >= 0
+
+
+def test_repacking_closes_gaps_best_fit_leaves():
+    """BFD: [8] [5 3] [3 3 2] [2] (4 rows). Exact fill: [8] [5 2 2] [3 3 3] (3 rows, the minimum)."""
+    lengths = [8, 5, 3, 3, 3, 2, 2]
+    order, bin_of = best_fit_decreasing(np.array(lengths), 9)
+    assert bin_of.max() + 1 == 4
+    res = pack_sequences([[i] * n for i, n in enumerate(lengths)], 9)
+    assert sorted(map(sorted, res.seq_lengths)) == [[2, 2, 5], [3, 3, 3], [8]]
+    assert res.efficiency == 26 / 27
+    assert res.rows == [res.row(r)["input_ids"] for r in range(res.num_rows)]
