@@ -97,13 +97,11 @@ class PackResult:
         if source is None:
             raise ValueError("this PackResult was packed from lengths only; use pack_sequences to get tokens.")
         flat, offsets = source
-        seg_len = self.segment_length[lo:hi]
-        starts = offsets[self.segment_doc[lo:hi]] + self.segment_start[lo:hi]
-        # One gather: token i of the output comes from flat[i + (start of its segment - its output offset)].
-        index_type = np.int32 if flat.size < 2**31 else np.int64  # half the memory for the index when it can
-        index = np.repeat((starts - (np.cumsum(seg_len) - seg_len)).astype(index_type), seg_len)
-        index += np.arange(index.size, dtype=index_type)
-        return flat[index]
+        # One memcpy per segment (views + concatenate) beats one fancy-index gather per token (the index array
+        # doubles the memory traffic): 0.12 s vs 0.18 s for 200 k Wikipedia documents (51 M tokens).
+        starts = (offsets[self.segment_doc[lo:hi]] + self.segment_start[lo:hi]).tolist()
+        pieces = [flat[a : a + n] for a, n in zip(starts, self.segment_length[lo:hi].tolist())]
+        return np.concatenate(pieces) if pieces else flat[:0]
 
     @property
     def input_ids(self) -> np.ndarray:
@@ -131,9 +129,8 @@ class PackResult:
     @property
     def rows(self) -> list[list[int]]:
         """All rows as token lists (convenient for small data; use ``row``/``input_ids`` for large)."""
-        tokens = self.input_ids.tolist()  # one gather and one conversion, then slices
-        bounds = self.row_offsets.tolist()
-        return [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        tokens, bounds = self.input_ids, self.row_offsets.tolist()  # one gather for all rows, not one per row
+        return [tokens[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
 
     @property
     def seq_lengths(self) -> list[list[int]]:
@@ -261,7 +258,7 @@ def _best_subset(room: int, counts: list[int], lengths: list[int]) -> dict[int, 
 
 
 def exact_fit_patterns(
-    counts: np.ndarray, capacity: int, max_searches: int = 2000
+    counts: np.ndarray, capacity: int, max_work: int = 10**5
 ) -> tuple[list[tuple[list[int], int]], np.ndarray]:
     """Pack a length histogram row pattern by row pattern: each row is its longest item plus the fullest fill.
 
@@ -273,50 +270,62 @@ def exact_fit_patterns(
     Args:
         counts: ``[capacity + 1]`` items of each length (lengths ``1..capacity``).
         capacity: row size.
-        max_searches: subset searches at most; on a sparse histogram each pattern serves few rows, so the search
-            is bounded and what is left is returned unpacked.
+        max_work: bound on the subset searches, in steps of one length tried for one row pattern (per 1024
+            tokens of room; about a microsecond each): on a sparse histogram, or a huge ``capacity``, each
+            pattern serves few rows and costs a long search, so the search stops there and returns the rest.
 
     Returns:
         ``(patterns, left)``: ``(row lengths, longest first; how many such rows)`` and the counts not packed.
     """
     counts = [int(c) for c in counts]
     available = [a for a in range(1, capacity + 1) if counts[a]]  # ascending
-    patterns = []
-    for _ in range(max_searches):
-        if not available:
-            break
+    patterns, work = [], 0
+    while available and work < max_work:
         longest = available[-1]
         counts[longest] -= 1
         room = capacity - longest
-        fits = [a for a in available[: bisect.bisect_right(available, room)] if counts[a]]
-        fill = _best_subset(room, counts, fits) if fits else {}
+        if room and counts[room]:  # one item closes the row: what the search would pick, without the search
+            fill = {room: 1}
+        else:
+            fits = [a for a in available[: bisect.bisect_right(available, room)] if counts[a]]
+            fill = _best_subset(room, counts, fits) if fits else {}
+            work += len(fits) * (room // 1024 + 1)
         counts[longest] += 1
         fill[longest] = fill.get(longest, 0) + 1
         times = min(counts[a] // n for a, n in fill.items())
         for a, n in fill.items():
             counts[a] -= times * n
+            if not counts[a]:
+                del available[bisect.bisect_left(available, a)]
         patterns.append(([a for a in sorted(fill, reverse=True) for _ in range(fill[a])], times))
-        available = [a for a in available if counts[a]]
     return patterns, np.asarray(counts, dtype=np.int64)
 
 
 def repack_partial_rows(
-    lengths: np.ndarray, order: np.ndarray, bin_of: np.ndarray, capacity: int, max_searches: int = 2000
+    lengths: np.ndarray,
+    order: np.ndarray,
+    bin_of: np.ndarray,
+    capacity: int,
+    short: int = 0,
+    max_work: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Improve a packing: dissolve its rows with a gap, and those holding a short item, and repack them exactly.
+    """Improve a packing: dissolve its rows with a gap (and those holding a short item) and repack them exactly.
 
     Why: best-fit decreasing spends the short items on the first gaps it meets, so once they run out the last
     rows keep gaps no remaining item fits (Wikipedia @512: 0.99949 efficiency, ~284 k rows short by 1-17 tokens).
-    ``exact_fit_patterns`` over the dissolved rows' histogram (short items are the currency that closes gaps, so
-    rows holding one, under ``capacity // 16`` tokens, are dissolved too) closes most gaps (Wikipedia: 0.99982).
-    Items it leaves unpacked go back through best fit. The repacked rows replace the dissolved ones only if there
-    are fewer of them, so the result is never less efficient than the input; full rows without short items stay.
+    ``exact_fit_patterns`` over the dissolved rows' histogram closes most of them (Wikipedia: 0.99969). Short items
+    are the currency that closes gaps, so dissolving the full rows that hold one too gives it more to work with
+    (then ``short=32``: 0.99983, 34 rows above the provable minimum for that histogram). Items it leaves
+    unpacked go back through best fit. The repacked rows replace the dissolved ones only if there are fewer of
+    them, so the result is never less efficient than the input; every other row stays as it was.
 
     Args:
         lengths: ``[items]`` lengths, each in ``[1, capacity]``.
         order, bin_of: a packing as ``best_fit_decreasing`` returns it.
         capacity: row size.
-        max_searches: bound on ``exact_fit_patterns``'s work.
+        short: full rows holding an item of at most this length are dissolved too.
+        max_work: bound on ``exact_fit_patterns``'s search; default ``1000 + 8 x`` the rows dissolved, so
+            it costs at most a few microseconds per dissolved row.
 
     Returns:
         ``(order, bin_of)`` in the same form: the rows kept first (numbered as before, gaps in the numbering
@@ -326,16 +335,16 @@ def repack_partial_rows(
         return order, bin_of
     n_rows = int(bin_of.max()) + 1
     placed = lengths[order]
-    fill = np.bincount(bin_of, weights=placed, minlength=n_rows)
-    shortest = np.full(n_rows, capacity + 1, dtype=np.int64)
-    np.minimum.at(shortest, bin_of, placed)
-    dissolve = (fill < capacity) | (shortest <= capacity // 16)
+    if n_rows == -(-int(placed.sum()) // capacity):  # already the fewest rows the tokens fit in
+        return order, bin_of
+    dissolve = np.bincount(bin_of, weights=placed, minlength=n_rows) < capacity
+    dissolve[bin_of[placed <= short]] = True
     in_pool = dissolve[bin_of]
     if not in_pool.any():
         return order, bin_of
     pool = order[in_pool]
     patterns, left = exact_fit_patterns(np.bincount(lengths[pool], minlength=capacity + 1), capacity,
-                                          max_searches)
+                                        1000 + 8 * int(dissolve.sum()) if max_work is None else max_work)
     slot_len = [np.tile(np.asarray(p, dtype=np.int64), t) for p, t in patterns]
     slot_row = [np.repeat(np.arange(t), len(p)) for p, t in patterns]
     row_base = np.concatenate([[0], np.cumsum([t for _, t in patterns])])
@@ -361,10 +370,16 @@ def repack_partial_rows(
 
 
 def pack_bins(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """Best-fit decreasing, then ``repack_partial_rows``: the ``bfd`` packing. Same form as ``best_fit_decreasing``."""
+    """The ``bfd`` packing: best-fit decreasing, then ``repack_partial_rows`` twice; same form as best fit returns.
+
+    First only the rows with a gap are repacked (cheap: often enough to reach the fewest rows possible), then, if
+    still above that, also the rows holding an item of at most ``capacity // 16`` tokens.
+    """
     lengths = np.asarray(lengths)
     order, bin_of = best_fit_decreasing(lengths, capacity)
-    return repack_partial_rows(lengths, order, bin_of, capacity)
+    for short in (0, capacity // 16):
+        order, bin_of = repack_partial_rows(lengths, order, bin_of, capacity, short)
+    return order, bin_of
 
 
 def _split_pieces(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
