@@ -246,7 +246,7 @@ class SeqMemDataModule(LightningDataModule):
         stats = {
             "documents": len(lengths), "empty_documents_skipped": empty, "tokens": sum(lengths),
             "tokens_truncated": 0, "tokens_dropped": 0, "documents_split": 0,
-            "documents_truncated": sum(1 for n in lengths if n > self.max_length),
+            "documents_over_max_length": sum(1 for n in lengths if n > self.max_length),
             "longest_document": max(lengths, default=0),
         }
         if kind == "prompt_completion":
@@ -356,7 +356,7 @@ class SeqMemDataModule(LightningDataModule):
             else:
                 fix = "Raise max_prompt_length / max_completion_length to keep them."
             rank_zero_warn(
-                f"{split}: {stats['documents_truncated']} documents are longer than max_length={self.max_length}; "
+                f"{split}: {stats['documents_over_max_length']} documents are longer than max_length={self.max_length}; "
                 f"with strategy={self.strategy!r}, {truncated + dropped:,} of {stats['tokens']:,} tokens "
                 f"({100 * (truncated + dropped) / max(stats['tokens'], 1):.2f}%) never reach the model "
                 f"({truncated:,} truncated, {dropped:,} dropped). {fix}"
