@@ -6,35 +6,23 @@ Exports resolve lazily (PEP 562), so ``from lightning_seqmem.memory.allocator im
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_seqmem._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "configure_allocator": "allocator",
-    "apply_allocator_settings": "allocator",
-    "allocator_settings": "allocator",
-    "CachePreallocator": "preallocate",
-    "PreallocationOOMError": "preallocate",
-    "PreallocationReport": "preallocate",
-    "make_dummy_batch": "preallocate",
-    "MemoryMonitor": "monitor",
-    "ConfigChecks": "checks",
-    "RunFacts": "checks",
-    "find_problems": "checks",
-    "resolve_precision": "checks",
+    "configure_allocator": "lightning_seqmem.memory.allocator",
+    "apply_allocator_settings": "lightning_seqmem.memory.allocator",
+    "allocator_settings": "lightning_seqmem.memory.allocator",
+    "CachePreallocator": "lightning_seqmem.memory.preallocate",
+    "PreallocationOOMError": "lightning_seqmem.memory.preallocate",
+    "PreallocationReport": "lightning_seqmem.memory.preallocate",
+    "make_dummy_batch": "lightning_seqmem.memory.preallocate",
+    "MemoryMonitor": "lightning_seqmem.memory.monitor",
+    "ConfigChecks": "lightning_seqmem.memory.checks",
+    "RunFacts": "lightning_seqmem.memory.checks",
+    "find_problems": "lightning_seqmem.memory.checks",
+    "resolve_precision": "lightning_seqmem.memory.checks",
 }
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_seqmem.memory' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
