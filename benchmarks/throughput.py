@@ -19,12 +19,11 @@ import time
 
 
 def worker(strategy: str, steps: int, max_length: int, rows: int, warmup: int) -> dict:
-    import resource
-
     import torch
 
     from lightning_seqmem import CausalLM, SeqMemDataModule
     from lightning_seqmem.collate import real_token_mask
+    from lightning_seqmem.summary import peak_memory_bytes
 
     torch.manual_seed(0)
     dm = SeqMemDataModule(max_length=max_length, micro_batch_size=rows, strategy=strategy, seed=0)
@@ -49,8 +48,7 @@ def worker(strategy: str, steps: int, max_length: int, rows: int, warmup: int) -
             elapsed += time.perf_counter() - start
             real += int(real_token_mask(batch, dm.pad_token_id).sum())
             slots += batch["input_ids"].numel()
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peak, _ = peak_memory_bytes(device)
     return {"strategy": strategy, "real_tok_s": real / elapsed, "slots_s": slots / elapsed, "efficiency": real / slots,
             "peak_mib": peak / 2**20, "lost": dm.stats()["train"]["tokens_truncated"] + dm.stats()["train"]["tokens_dropped"],
             "device": device.type}

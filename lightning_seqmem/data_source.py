@@ -145,6 +145,18 @@ def _check_strings(batch: dict, columns: Sequence[str], indices: Sequence[int], 
                 )
 
 
+def document_frame(tokenizer, add_bos: bool | None = None, add_eos: bool = True) -> tuple[list[int], list[int]]:
+    """The special tokens around every document: ``([bos], [eos])``.
+
+    BOS only where the tokenizer has one that differs from EOS (GPT-2 style tokenizers use one token for both,
+    and packing already separates documents), unless ``add_bos`` says otherwise.
+    """
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if add_bos is None:
+        add_bos = bos is not None and bos != eos
+    return ([bos] if add_bos and bos is not None else []), ([eos] if add_eos and eos is not None else [])
+
+
 def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
                      completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
                      num_proc: int | None = None):
@@ -155,12 +167,7 @@ def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "tex
     ``prompt_ids`` and ``completion_ids`` (the EOS goes at the end of the completion), plus ``length``.
     Empty documents are kept (length 0 after special tokens are stripped) so that the DataModule can count them.
     """
-    bos = tokenizer.bos_token_id
-    eos = tokenizer.eos_token_id
-    if add_bos is None:
-        add_bos = bos is not None and bos != eos
-    prefix = [bos] if add_bos and bos is not None else []
-    suffix = [eos] if add_eos and eos is not None else []
+    prefix, suffix = document_frame(tokenizer, add_bos, add_eos)
 
     def encode(texts: list[str]) -> list[list[int]]:
         return tokenizer(list(texts), add_special_tokens=False)["input_ids"]

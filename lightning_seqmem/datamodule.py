@@ -16,7 +16,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from lightning_seqmem.collate import PackCollator, PadCollator, TruncateCollator
-from lightning_seqmem.data_source import check_columns, ensure_validation_split, load_text_dataset, tokenize_dataset
+from lightning_seqmem.data_source import (
+    check_columns,
+    document_frame,
+    ensure_validation_split,
+    load_text_dataset,
+    tokenize_dataset,
+)
 from lightning_seqmem.packing import PackResult, StreamingPacker, check_packing, pack_sequences
 from lightning_seqmem.sampling import (
     BatchFetcher,
@@ -289,10 +295,8 @@ class SeqMemDataModule(LightningDataModule):
             )
         if not text:
             return []  # skipped by the packer
-        tok = self.tokenizer
-        bos, eos = tok.bos_token_id, tok.eos_token_id
-        prefix = [bos] if bos is not None and bos != eos else []
-        return prefix + tok(text, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+        prefix, suffix = document_frame(self.tokenizer)
+        return prefix + self.tokenizer(text, add_special_tokens=False)["input_ids"] + suffix
 
     def _streaming_loader(self, split: str) -> DataLoader:
         initialised = dist.is_available() and dist.is_initialized()

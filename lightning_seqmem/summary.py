@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import sys
 import time
 from typing import Any
 
@@ -18,13 +16,14 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from lightning_seqmem.memory.stats import peak_rss_bytes
+
 
 def peak_memory_bytes(device: torch.device | None = None) -> tuple[int, str]:
     """Peak memory so far: CUDA max allocated on a GPU, else the process's peak resident set size."""
     if device is not None and device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda max allocated"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024), "peak RSS"
+    return peak_rss_bytes(), "peak RSS"
 
 
 def format_table(rows: dict[str, Any]) -> str:
