@@ -22,7 +22,7 @@ def worker(strategy: str, steps: int, max_length: int, rows: int, warmup: int) -
     import torch
 
     from lightning_seqmem import CausalLM, SeqMemDataModule
-    from lightning_seqmem.collate import real_token_mask
+    from lightning_seqmem.batch import count_real_tokens
     from lightning_seqmem.summary import peak_memory_bytes
 
     torch.manual_seed(0)
@@ -46,7 +46,7 @@ def worker(strategy: str, steps: int, max_length: int, rows: int, warmup: int) -
             torch.cuda.synchronize()
         if step >= warmup:
             elapsed += time.perf_counter() - start
-            real += int(real_token_mask(batch, dm.pad_token_id).sum())
+            real += int(count_real_tokens(batch, dm.pad_token_id))
             slots += batch["input_ids"].numel()
     peak, _ = peak_memory_bytes(device)
     return {"strategy": strategy, "real_tok_s": real / elapsed, "slots_s": slots / elapsed, "efficiency": real / slots,

@@ -11,20 +11,8 @@ from typing import Any
 
 import torch
 
+from lightning_seqmem.batch import IGNORE_INDEX, real_token_mask  # noqa: F401  (old import path kept)
 from lightning_seqmem.truncation import check_max_length, check_truncation_side, truncate_ids
-
-IGNORE_INDEX = -100
-
-
-def real_token_mask(batch: Mapping[str, torch.Tensor], pad_token_id: int) -> torch.Tensor:
-    """Which slots hold real tokens: ``BoolTensor[batch, seq]``.
-
-    Uses ``attention_mask`` where present (pad/truncate batches), else treats a slot as padding only when it is
-    both ``pad_token_id`` and ignored by the loss (packed batches, where a real token may equal the pad id).
-    """
-    if "attention_mask" in batch:
-        return batch["attention_mask"].bool()
-    return ~((batch["input_ids"] == pad_token_id) & (batch["labels"] == IGNORE_INDEX))
 
 
 def _round_up(n: int, multiple: int | None) -> int:

@@ -18,6 +18,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
+from lightning_seqmem.batch import count_real_tokens
+from lightning_seqmem.protocols import find_pad_token_id
+
 __all__ = ["FIELDS", "JobRecord"]
 
 FIELDS = ("step", "wall_clock_s", "elapsed_s", "cpu_s", "tokens_seen", "val_loss")
@@ -59,11 +62,7 @@ class JobRecord(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        for owner in (trainer.datamodule, pl_module, getattr(pl_module, "hparams", None)):
-            pad = getattr(owner, "pad_token_id", None)
-            if isinstance(pad, int):
-                self._pad_token_id = pad
-                break
+        self._pad_token_id = find_pad_token_id(trainer.datamodule, pl_module, pl_module.hparams)
         self._start = time.perf_counter()
         self._val_time = 0.0
         self._cpu_start = time.process_time()
@@ -84,12 +83,7 @@ class JobRecord(Callback):
         # The batch is the dict training_step saw (warmup cuts it in place), so this counts what was trained on.
         if not isinstance(batch, dict) or "input_ids" not in batch:
             return
-        if "attention_mask" in batch or (self._pad_token_id is not None and "labels" in batch):
-            from lightning_seqmem.collate import real_token_mask
-
-            self._tokens += int(real_token_mask(batch, self._pad_token_id).sum())
-        else:  # no way to tell padding apart: count every slot
-            self._tokens += batch["input_ids"].numel()
+        self._tokens += int(count_real_tokens(batch, self._pad_token_id))
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torchmetrics import Metric
 
-from lightning_seqmem.collate import real_token_mask
+from lightning_seqmem.batch import count_real_tokens
 
 
 class TokenEfficiency(Metric):
@@ -16,7 +16,8 @@ class TokenEfficiency(Metric):
     Sums (not per-batch ratios) are synced, so the value is exact under DDP and with batches of different shapes.
 
     Args:
-        pad_token_id: the padding id, used to tell padding from real tokens in packed batches (no attention mask).
+        pad_token_id: the padding id, used to tell padding from real tokens in packed batches (no attention mask);
+            see :func:`lightning_seqmem.batch.real_token_mask` for what counts without it.
 
     Example::
 
@@ -30,7 +31,7 @@ class TokenEfficiency(Metric):
     higher_is_better = True
     full_state_update = False
 
-    def __init__(self, pad_token_id: int, **kwargs) -> None:
+    def __init__(self, pad_token_id: int | None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.pad_token_id = pad_token_id
         self.add_state("real_tokens", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
@@ -38,7 +39,7 @@ class TokenEfficiency(Metric):
 
     def update(self, batch: Mapping[str, torch.Tensor]) -> None:
         """Count one batch dict (``input_ids`` ``[batch, seq]`` plus ``attention_mask`` or ``labels``)."""
-        self.real_tokens += real_token_mask(batch, self.pad_token_id).sum()
+        self.real_tokens += count_real_tokens(batch, self.pad_token_id)
         self.slots += batch["input_ids"].numel()
 
     def compute(self) -> torch.Tensor:

@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
-from lightning_seqmem.collate import real_token_mask
+from lightning_seqmem.batch import count_label_tokens, count_real_tokens
 from lightning_seqmem.metrics import TokenEfficiency
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
@@ -100,7 +100,7 @@ class CausalLM(LightningModule):
         self.model = None
         self.val_loss = MeanMetric()
         # Real tokens / slots, summed over ranks; the pad id is set again at setup once the tokenizer is known.
-        self.token_efficiency = TokenEfficiency(pad_token_id=-1 if pad_token_id is None else pad_token_id)
+        self.token_efficiency = TokenEfficiency(pad_token_id=pad_token_id)
         self.real_tokens_seen = 0  # cumulative, this rank
         self.slots_seen = 0
         self._train_time = 0.0
@@ -154,7 +154,7 @@ class CausalLM(LightningModule):
 
     def _real_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         pad = self.hparams.pad_token_id
-        return int(real_token_mask(batch, -1 if pad is None else pad).sum())
+        return int(count_real_tokens(batch, pad))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self(batch).loss
@@ -184,7 +184,7 @@ class CausalLM(LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self(batch).loss
         # Weight by predicted tokens so the epoch loss is the per-token loss, whatever the batch composition.
-        n = (batch["labels"][:, 1:] != -100).sum()
+        n = count_label_tokens(batch)
         self.val_loss.update(loss.detach(), weight=n)
         self.log("val/loss", self.val_loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from lightning_seqmem.memory.stats import peak_rss_bytes
+from lightning_seqmem.protocols import GivesDataStats
 
 
 def peak_memory_bytes(device: torch.device | None = None) -> tuple[int, str]:
@@ -86,7 +87,7 @@ class RunSummary(Callback):
             summary["real_tokens_trained"] = real
             summary["slots_fed_to_model"] = slots
             summary["real_token_fraction"] = real / max(slots, 1)
-        stats = dm.stats() if dm is not None and hasattr(dm, "stats") else {}
+        stats = dm.stats() if isinstance(dm, GivesDataStats) else {}
         train_stats = stats.get("train", stats) if isinstance(stats, dict) else {}
         for key in ("tokens_truncated", "tokens_dropped", "documents_split", "empty_documents_skipped"):
             if key in train_stats:

@@ -47,6 +47,8 @@ def train(cfg) -> dict[str, Any]:
     import lightning.pytorch as L
     from hydra.utils import instantiate
 
+    from lightning_seqmem.summary import RunSummary
+
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
@@ -55,7 +57,7 @@ def train(cfg) -> dict[str, Any]:
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     trainer.fit(model, datamodule=datamodule)
     for cb in callbacks:
-        if type(cb).__name__ == "RunSummary" and cb.summary:
+        if isinstance(cb, RunSummary) and cb.summary:
             return cb.summary
     # ddp_spawn trains in child processes: their callbacks wrote summary.json, this process's copies stay empty.
     path = os.path.join(trainer.default_root_dir, "summary.json")

@@ -63,7 +63,7 @@ def test_records_peak_rss_on_cpu(tmp_path):
 class _Warmup(L.Callback):
     """Stands in for SeqLengthWarmup in reshape mode: more rows of fewer tokens."""
 
-    def max_batch_shape(self, rows, length):
+    def max_warmup_shape(self, rows, length):
         return rows * 4, length // 4
 
 
@@ -79,7 +79,7 @@ class _Reshaper(L.Callback):
     def __init__(self, row_factor, length_divisor):
         self.row_factor, self.length_divisor = row_factor, length_divisor
 
-    def max_batch_shape(self, rows, length):
+    def max_warmup_shape(self, rows, length):
         return rows * self.row_factor, length // self.length_divisor
 
 
@@ -250,4 +250,4 @@ def test_with_seq_length_warmup_in_reshape_mode(tmp_path, small_text_dataset):
     warmup = SeqLengthWarmup(duration=0.5, min_seq_length=8, max_seq_length=32, truncate=False)
     cb = CachePreallocator()
     trainer(tmp_path, [warmup, cb], max_steps=2).fit(model, datamodule=dm)
-    assert cb.report.shapes == [warmup.max_batch_shape(*dm.max_batch_shape())] == [(4, 32)]
+    assert cb.report.shapes == [warmup.max_warmup_shape(*dm.max_batch_shape())] == [(4, 32)]

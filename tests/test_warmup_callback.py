@@ -127,7 +127,7 @@ def test_reshape_mode_makes_more_rows(tmp_path):
     assert model.train_seen[0]["rows"] > ROWS
     raw_tokens = sum(len(d) for d in documents(6 * ROWS))
     assert raw_tokens - model.real_tokens <= 6 * 15  # at most curr - 1 tokens dropped per batch
-    assert warmup.max_batch_shape(ROWS, LENGTH) == (ROWS, LENGTH)
+    assert warmup.max_warmup_shape(ROWS, LENGTH) == (ROWS, LENGTH)
 
 
 class Tokens(IterableDataset):
@@ -249,13 +249,14 @@ def test_step_size_not_multiple_of_8_warns():
         SeqLengthWarmup(step_size=6)
 
 
-def test_max_batch_shape():
+def test_max_warmup_shape():
     truncate = SeqLengthWarmup(min_seq_length=8, max_seq_length=64)
-    assert truncate.max_batch_shape(4, 128) == (4, 64)
-    assert truncate.max_batch_shape(4, 32) == (4, 32)
+    assert truncate.max_warmup_shape(4, 128) == (4, 64)
+    assert truncate.max_warmup_shape(4, 32) == (4, 32)
     reshape = SeqLengthWarmup(min_seq_length=8, max_seq_length=64, truncate=False)
-    assert reshape.max_batch_shape(4, 64) == (4, 64)
-    assert reshape.max_batch_shape(4, 100) == (10, 40)  # 400 tokens; (6, 64) holds only 384
+    assert reshape.max_warmup_shape(4, 64) == (4, 64)
+    assert reshape.max_warmup_shape(4, 100) == (10, 40)  # 400 tokens; (6, 64) holds only 384
+    assert reshape.max_batch_shape(4, 100) == (10, 40)  # the old name still answers
     assert (32, 8) in reshape.batch_shapes(4, 64)
     assert SeqLengthWarmup(duration=0, max_seq_length=64, truncate=False).batch_shapes(4, 64) == [(4, 64)]
 
@@ -329,4 +330,4 @@ def test_with_causal_lm_and_datamodule(tmp_path, strategy, truncate):
     # the model and the callback count the same real tokens: those left after the cut
     assert warmup.tokens_seen == model.real_tokens_seen
     assert torch.isfinite(t.callback_metrics["val/loss"])
-    assert warmup.max_batch_shape(*dm.max_batch_shape()) == (4, 64)
+    assert warmup.max_warmup_shape(*dm.max_batch_shape()) == (4, 64)

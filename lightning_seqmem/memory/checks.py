@@ -15,6 +15,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_seqmem.memory.allocator import allocator_settings
+from lightning_seqmem.memory.preallocate import CachePreallocator
+from lightning_seqmem.protocols import GivesWarmupShape
 
 CHECKS = ("eval_batch_size", "batch_size", "fp16_packing", "fp8_compile", "packing_attention", "dynamic_shapes")
 
@@ -170,7 +172,7 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
     """Read :class:`RunFacts` from any Trainer, DataModule and LightningModule (missing attributes are unknown)."""
     dm = trainer.datamodule
     strategy = _setting(dm, "strategy") if dm is not None else None
-    warmup = any(callable(getattr(cb, "max_batch_shape", None)) for cb in trainer.callbacks)
+    warmup = any(isinstance(cb, GivesWarmupShape) for cb in trainer.callbacks)
     dynamic = strategy == "pad" or warmup  # padded batches follow their longest row; warmup grows the length
     config = getattr(getattr(pl_module, "model", None), "config", None)
     attn = getattr(config, "_attn_implementation", None) or _setting(pl_module, "attn_implementation")
@@ -189,7 +191,7 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
         attn_implementation=attn if isinstance(attn, str) else None,
         fp16_weights=bool(trainable) and all(p.dtype == torch.float16 for p in trainable),
         compiled=_is_compiled(pl_module),
-        preallocating=any(type(cb).__name__ == "CachePreallocator" for cb in trainer.callbacks),
+        preallocating=any(isinstance(cb, CachePreallocator) for cb in trainer.callbacks),
         expandable_segments=settings.get("expandable_segments", "").lower() == "true",
     )
 

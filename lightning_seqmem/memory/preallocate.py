@@ -22,9 +22,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_seqmem.batch import CU_SEQLENS, PAD_KEYS
 from lightning_seqmem.memory import stats
+from lightning_seqmem.protocols import GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape
 
-DEFAULT_KEYS = ("input_ids", "attention_mask", "labels")
+DEFAULT_KEYS = PAD_KEYS
 _TOKEN_KEYS = ("input_ids", "labels")
 
 
@@ -75,7 +77,7 @@ def make_dummy_batch(
             batch[key] = torch.ones(rows, length, dtype=torch.long)
         elif key == "position_ids":
             batch[key] = torch.arange(length).expand(rows, length).clone()
-        elif key == "cu_seqlens":
+        elif key == CU_SEQLENS:
             batch[key] = torch.arange(0, rows * length + 1, length, dtype=torch.int32)
         else:
             batch[key] = torch.zeros(rows, length, dtype=torch.long)
@@ -215,9 +217,11 @@ class CachePreallocator(Callback):
     are as before. ``self.log`` calls inside ``training_step`` are no-ops for this pass. A shape the model cannot take
     (longer than its position embeddings, say) fails here too, in the first minute.
 
-    The shape comes from ``trainer.datamodule.max_batch_shape()`` (keys from ``batch_keys()``), or from ``rows`` and
-    ``length``. A callback with ``max_batch_shape(rows, length)`` (``SeqLengthWarmup``: reshape mode makes more rows of
-    fewer tokens, truncation shorter rows) reshapes those batches, so its answer replaces the DataModule's shape.
+    The shape comes from ``trainer.datamodule.max_batch_shape()`` (keys from ``batch_keys()``; the
+    :mod:`~lightning_seqmem.protocols` ``GivesMaxBatchShape`` and ``GivesBatchKeys``), or from ``rows`` and ``length``.
+    A callback with ``max_warmup_shape(rows, length)`` (``GivesWarmupShape``; ``SeqLengthWarmup``: reshape mode makes
+    more rows of fewer tokens, truncation shorter rows) reshapes those batches, so its answer replaces the
+    DataModule's shape.
 
     Lightning calls ``torch.cuda.empty_cache()`` after ``on_fit_start`` (``CheckpointConnector.resume_end``), which
     hands the cached blocks back to the driver. So on CUDA the pass runs again in ``on_train_start`` (after the
@@ -278,7 +282,7 @@ class CachePreallocator(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.rows is None and not callable(getattr(trainer.datamodule, "max_batch_shape", None)):
+        if self.rows is None and not isinstance(trainer.datamodule, GivesMaxBatchShape):
             raise MisconfigurationException(
                 "CachePreallocator needs the worst-case batch shape: pass a DataModule with max_batch_shape() "
                 "(e.g. SeqMemDataModule), or CachePreallocator(rows=..., length=...)."
@@ -299,8 +303,8 @@ class CachePreallocator(Callback):
         else:
             base = tuple(int(x) for x in trainer.datamodule.max_batch_shape())
         # A callback that reshapes batches (SeqLengthWarmup) knows the run's worst case, full length included.
-        shapes = [tuple(int(x) for x in cb.max_batch_shape(*base)) for cb in trainer.callbacks
-                  if cb is not self and callable(getattr(cb, "max_batch_shape", None))] or [base]
+        shapes = [tuple(int(x) for x in cb.max_warmup_shape(*base)) for cb in trainer.callbacks
+                  if cb is not self and isinstance(cb, GivesWarmupShape)] or [base]
         # A shape no larger in both rows and length than another needs no pass of its own.
         shapes = list(dict.fromkeys(
             s for s in shapes if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in shapes)
@@ -310,8 +314,9 @@ class CachePreallocator(Callback):
     def _batch_keys(self, trainer: Trainer) -> tuple[str, ...]:
         if self.keys is not None:
             return self.keys
-        batch_keys = getattr(trainer.datamodule, "batch_keys", None)
-        return tuple(batch_keys()) if callable(batch_keys) else DEFAULT_KEYS
+        if isinstance(trainer.datamodule, GivesBatchKeys):
+            return tuple(trainer.datamodule.batch_keys())
+        return DEFAULT_KEYS
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

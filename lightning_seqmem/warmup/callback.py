@@ -18,8 +18,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_seqmem.batch import count_real_tokens
+from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
 from lightning_seqmem.warmup.schedule import check_schedule_args, seq_length_at, warmup_lengths
-from lightning_seqmem.warmup.transform import real_token_count, reshaped_batch_shape, set_batch_sequence_length
+from lightning_seqmem.warmup.transform import reshaped_batch_shape, set_batch_sequence_length
 
 __all__ = ["SeqLengthWarmup"]
 
@@ -135,17 +137,22 @@ class SeqLengthWarmup(Callback):
         shapes = [reshaped_batch_shape(rows, length, curr, self.truncate) for curr in lengths]
         return list(dict.fromkeys(shapes))
 
-    def max_batch_shape(self, rows: int, length: int) -> tuple[int, int]:
+    def max_warmup_shape(self, rows: int, length: int) -> tuple[int, int]:
         """Largest batch shape this warmup makes of ``[rows, length]`` batches: the most tokens, then the longest rows.
 
         Truncation gives ``(rows, min(length, max_seq_length))``. Reshape gives more rows of fewer tokens, never more
         than ``rows * length`` tokens in all; for memory planning the longest of those layouts is the worst case.
+        This answers :class:`~lightning_seqmem.protocols.GivesWarmupShape` (``CachePreallocator`` asks it).
 
         Example::
 
-            SeqLengthWarmup(max_seq_length=64, truncate=False).max_batch_shape(8, 128)  # (16, 64)
+            SeqLengthWarmup(max_seq_length=64, truncate=False).max_warmup_shape(8, 128)  # (16, 64)
         """
         return max(self.batch_shapes(rows, length), key=lambda shape: (shape[0] * shape[1], shape[1]))
+
+    def max_batch_shape(self, rows: int, length: int) -> tuple[int, int]:
+        """Old name of :meth:`max_warmup_shape`, kept for callers; the pre-allocator asks ``max_warmup_shape``."""
+        return self.max_warmup_shape(rows, length)
 
     @property
     def tokens_seen(self) -> int:
@@ -174,9 +181,7 @@ class SeqLengthWarmup(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._pad_token_id is None:
-            candidates = (getattr(trainer.datamodule, "pad_token_id", None), getattr(pl_module, "pad_token_id", None),
-                          pl_module.hparams.get("pad_token_id"))
-            self._pad_token_id = next((pad for pad in candidates if isinstance(pad, int)), None)
+            self._pad_token_id = find_pad_token_id(trainer.datamodule, pl_module, pl_module.hparams)
         self._last_step = trainer.global_step
         self._pending = None
 
@@ -192,7 +197,7 @@ class SeqLengthWarmup(Callback):
         first = batch["input_ids"] if "input_ids" in batch else next(
             v for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim == 2)
         self._rows = first.shape[0]
-        tokens = real_token_count(batch, self._pad_token_id)
+        tokens = count_real_tokens(batch, self._pad_token_id)
         self._pending = tokens if self._pending is None else self._pending + tokens
         # Lightning read the batch size before this hook; reshape changed it, so say it explicitly.
         pl_module.log(f"{_PREFIX}/seq_len", float(seq_len), on_step=True, on_epoch=False, batch_size=self._rows)
@@ -224,11 +229,10 @@ class SeqLengthWarmup(Callback):
     # ------------------------------------------------------------------------------------------------ checks
 
     def _check_against_datamodule(self, trainer: Trainer) -> None:
-        max_batch_shape = getattr(trainer.datamodule, "max_batch_shape", None)
-        if not callable(max_batch_shape):
+        if not isinstance(trainer.datamodule, GivesMaxBatchShape):
             return
         try:
-            _, length = max_batch_shape()
+            _, length = trainer.datamodule.max_batch_shape()
         except Exception:  # the DataModule cannot tell yet; the per-batch check still applies
             return
         self._warned_long_batch = True  # the DataModule answered; no need to look at batches

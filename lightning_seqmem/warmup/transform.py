@@ -15,7 +15,7 @@ from collections.abc import MutableMapping
 
 import torch
 
-from lightning_seqmem.collate import IGNORE_INDEX, real_token_mask
+from lightning_seqmem.batch import CU_SEQLENS, IGNORE_INDEX, count_real_tokens, real_token_mask
 
 __all__ = [
     "apply_seq_length_warmup",
@@ -23,8 +23,6 @@ __all__ = [
     "reshaped_batch_shape",
     "set_batch_sequence_length",
 ]
-
-_CU_SEQLENS = "cu_seqlens"
 
 
 def set_batch_sequence_length(
@@ -97,21 +95,7 @@ def set_batch_sequence_length(
 apply_seq_length_warmup = set_batch_sequence_length
 
 
-def real_token_count(batch: MutableMapping[str, torch.Tensor], pad_token_id: int | None = None) -> torch.Tensor:
-    """Number of real (non-padding) tokens in a batch, as a 0-d tensor on the batch's device (no host sync).
-
-    Args:
-        batch: dict of ``[batch, seq]`` tensors following the batch contract.
-        pad_token_id: identifies the padding of packed batches; see :func:`set_batch_sequence_length`.
-
-    Example::
-
-        real_token_count({"input_ids": ids, "attention_mask": mask})  # == mask.sum()
-    """
-    mask = _real_token_mask(batch, pad_token_id)
-    if mask is None:
-        return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
-    return mask.sum()
+real_token_count = count_real_tokens  # the public name of the warmup package; one counter for the whole project
 
 
 def reshaped_batch_shape(rows: int, length: int, curr_seq_len: int, truncate: bool) -> tuple[int, int]:
@@ -145,7 +129,7 @@ def _check_batch(batch: object, curr_seq_len: int) -> tuple[int, int]:
         raise ValueError(f"curr_seq_len must be >= 1, got {curr_seq_len}.")
     shape = None
     for key, value in batch.items():
-        if not isinstance(value, torch.Tensor) or key == _CU_SEQLENS:
+        if not isinstance(value, torch.Tensor) or key == CU_SEQLENS:
             continue
         if value.ndim != 2:
             raise ValueError(
@@ -164,7 +148,7 @@ def _check_batch(batch: object, curr_seq_len: int) -> tuple[int, int]:
 
 
 def _check_same_shape(batch: MutableMapping[str, torch.Tensor]) -> None:
-    shapes = {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor) and k != _CU_SEQLENS}
+    shapes = {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor) and k != CU_SEQLENS}
     if len(set(shapes.values())) > 1:
         raise ValueError(
             f"Reshape (truncate=False) needs every [batch, seq] tensor to have the same shape, got {shapes}. Pad them "
@@ -176,7 +160,7 @@ def _check_same_shape(batch: MutableMapping[str, torch.Tensor]) -> None:
 
 
 def _truncate(batch: MutableMapping[str, torch.Tensor], curr_seq_len: int, preserve_end_of_sequence: bool) -> None:
-    keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim == 2 and k != _CU_SEQLENS]
+    keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim == 2 and k != CU_SEQLENS]
     if not preserve_end_of_sequence:
         for key in keys:
             batch[key] = batch[key][:, :curr_seq_len].contiguous()
@@ -211,7 +195,7 @@ def _reshape(batch: MutableMapping[str, torch.Tensor], curr_seq_len: int, pad_to
         first_real = first_real[mask.any(dim=1) & (first_real < keep)]
         forced_start[first_real] = True
 
-    flat = {k: v.reshape(-1)[:keep] for k, v in batch.items() if isinstance(v, torch.Tensor) and k != _CU_SEQLENS}
+    flat = {k: v.reshape(-1)[:keep] for k, v in batch.items() if isinstance(v, torch.Tensor) and k != CU_SEQLENS}
     if "position_ids" in flat:
         flat["position_ids"] = _restart_positions(flat["position_ids"], forced_start)
     if "labels" in flat:
@@ -219,13 +203,11 @@ def _reshape(batch: MutableMapping[str, torch.Tensor], curr_seq_len: int, pad_to
     for key, value in flat.items():
         batch[key] = value.view(-1, curr_seq_len)
 
-    real = _real_token_mask(batch, pad_token_id)
-    if real is not None:
-        keep_rows = real.any(dim=1)
-        keep_rows[0] |= not bool(keep_rows.any())  # never hand the model an empty batch
-        if not bool(keep_rows.all()):
-            for key in flat:
-                batch[key] = batch[key][keep_rows].contiguous()
+    keep_rows = real_token_mask(batch, pad_token_id).any(dim=1)
+    keep_rows[0] |= not bool(keep_rows.any())  # never hand the model an empty batch
+    if not bool(keep_rows.all()):
+        for key in flat:
+            batch[key] = batch[key][keep_rows].contiguous()
 
 
 def _restart_positions(positions: torch.Tensor, forced_start: torch.Tensor) -> torch.Tensor:
@@ -240,9 +222,9 @@ def _restart_positions(positions: torch.Tensor, forced_start: torch.Tensor) -> t
 
 
 def _fix_cu_seqlens(batch: MutableMapping[str, torch.Tensor]) -> None:
-    if _CU_SEQLENS not in batch:
+    if CU_SEQLENS not in batch:
         return
-    old = batch.pop(_CU_SEQLENS)
+    old = batch.pop(CU_SEQLENS)
     if "position_ids" not in batch:
         return
     positions = batch["position_ids"]
@@ -251,20 +233,12 @@ def _fix_cu_seqlens(batch: MutableMapping[str, torch.Tensor]) -> None:
     starts = torch.nonzero(start.reshape(-1)).squeeze(1)
     total = torch.tensor([positions.numel()], device=positions.device)
     dtype = old.dtype if isinstance(old, torch.Tensor) else torch.int32
-    batch[_CU_SEQLENS] = torch.cat([starts, total]).to(dtype)
+    batch[CU_SEQLENS] = torch.cat([starts, total]).to(dtype)
 
 
 # ------------------------------------------------------------------------------------------------- helpers
 
 
 def _first_2d(batch: MutableMapping[str, torch.Tensor]) -> torch.Tensor:
-    return next(v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != _CU_SEQLENS)
+    return next(v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != CU_SEQLENS)
 
-
-def _real_token_mask(batch: MutableMapping[str, torch.Tensor], pad_token_id: int | None) -> torch.Tensor | None:
-    """``[batch, seq]`` bool mask of real tokens, or ``None`` when the batch does not say."""
-    if "attention_mask" in batch or (pad_token_id is not None and {"input_ids", "labels"} <= batch.keys()):
-        return real_token_mask(batch, pad_token_id)
-    if "labels" not in batch:
-        return None
-    return batch["labels"] != IGNORE_INDEX  # without a pad id, a token the loss ignores may be padding

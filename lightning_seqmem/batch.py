@@ -1,0 +1,103 @@
+"""The batch contract: the keys every loader yields, the ignore index, and what counts as a real token.
+
+One owner for these facts: collators, the model, ``TokenEfficiency``, the warmup transform and callback, the job
+record and the pre-allocator import them from here instead of retyping ``-100`` or their own padding test.
+Torch only, no Lightning import.
+
+Every batch is a ``dict[str, torch.Tensor]`` of ``[batch, seq]`` tensors (see ``ARCHITECTURE.md``):
+
+- pad and truncate layouts: :data:`PAD_KEYS` (``attention_mask`` 1 = real token, ``labels`` -100 on padding);
+- pack layout: :data:`PACK_KEYS` (no ``attention_mask``; ``position_ids`` restart at 0 per document, each
+  document's first label and every padding label is -100), plus the optional 1-D int32 :data:`CU_SEQLENS`.
+
+Labels are unshifted (Hugging Face models shift them), so the tokens a batch trains on are ``labels[:, 1:]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+__all__ = [
+    "CU_SEQLENS",
+    "IGNORE_INDEX",
+    "PACK_KEYS",
+    "PAD_KEYS",
+    "count_label_tokens",
+    "count_real_tokens",
+    "real_token_mask",
+]
+
+IGNORE_INDEX = -100
+"""Label of a slot the loss skips: padding, a packed document's first token, a prompt under completion-only loss."""
+
+PAD_KEYS = ("input_ids", "attention_mask", "labels")
+"""Keys of a padded or truncated batch."""
+
+PACK_KEYS = ("input_ids", "labels", "position_ids")
+"""Keys of a packed batch (no ``attention_mask``: ``position_ids`` keep the documents apart)."""
+
+CU_SEQLENS = "cu_seqlens"
+"""Optional key of packed batches: 1-D int32 cumulative segment lengths over the flattened batch."""
+
+
+def real_token_mask(batch: Mapping[str, torch.Tensor], pad_token_id: int | None = None) -> torch.Tensor:
+    """Which slots hold real (document) tokens, not padding: ``BoolTensor[batch, seq]``.
+
+    Decided from what the batch carries, most precise first:
+
+    1. ``attention_mask`` (pad / truncate layouts): its non-zero slots.
+    2. ``labels`` and a known ``pad_token_id`` (pack layout): a slot is padding only when it holds the pad id *and*
+       the loss ignores it, since a real token may equal the pad id (e.g. EOS used for padding).
+    3. ``labels`` without a pad id: the slots the loss reads (``labels != -100``); a packed document's first token
+       and ignored prompts then count as padding, so pass ``pad_token_id`` where you know it.
+    4. Nothing to tell padding apart: every slot counts.
+
+    Args:
+        batch: dict of ``[batch, seq]`` tensors following the batch contract.
+        pad_token_id: the tokenizer's padding id; ``None`` when unknown.
+
+    Example::
+
+        >>> real_token_mask({"input_ids": torch.tensor([[5, 0]]), "attention_mask": torch.tensor([[1, 0]])}).tolist()
+        [[True, False]]
+    """
+    if "attention_mask" in batch:
+        return batch["attention_mask"].bool()
+    if "labels" in batch:
+        ignored = batch["labels"] == IGNORE_INDEX
+        if pad_token_id is None or "input_ids" not in batch:
+            return ~ignored
+        return ~((batch["input_ids"] == pad_token_id) & ignored)
+    slots = batch["input_ids"] if "input_ids" in batch else next(
+        v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim == 2 and k != CU_SEQLENS)
+    return torch.ones_like(slots, dtype=torch.bool)
+
+
+def count_real_tokens(batch: Mapping[str, torch.Tensor], pad_token_id: int | None = None) -> torch.Tensor:
+    """Number of real tokens in a batch (:func:`real_token_mask`), a 0-d long tensor on the batch's device.
+
+    A tensor, not an int, so a caller on the GPU (the warmup callback) can sum it without a host sync; ``int(...)``
+    it for a Python number.
+
+    Example::
+
+        >>> batch = {"input_ids": torch.tensor([[5, 6, 0]]), "labels": torch.tensor([[-100, 6, -100]])}
+        >>> int(count_real_tokens(batch, pad_token_id=0))  # the first token of a packed document is real
+        2
+    """
+    return real_token_mask(batch, pad_token_id).sum()
+
+
+def count_label_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Number of tokens the loss predicts: ``labels[:, 1:] != -100`` (labels are shifted by the model), 0-d long.
+
+    The weight of a batch in a per-token mean loss.
+
+    Example::
+
+        >>> int(count_label_tokens({"labels": torch.tensor([[5, 6, 7, -100]])}))  # 6 and 7 are predicted
+        2
+    """
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()

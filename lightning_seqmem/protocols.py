@@ -1,0 +1,57 @@
+"""The questions components ask each other, named as ``typing.Protocol``\\ s.
+
+A callback that needs the run's largest batch asks ``isinstance(trainer.datamodule, GivesMaxBatchShape)`` instead of
+``getattr(dm, "max_batch_shape", None)``, so the import graph shows who depends on whom, and any DataModule or
+callback that has the method (``SeqMemDataModule``, ``SeqLengthWarmup``, your own) answers without subclassing.
+Different questions have different names: the DataModule's largest shape takes no argument; the warmup callback's
+answer is a function of the DataModule's shape. No torch or Lightning import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["GivesBatchKeys", "GivesDataStats", "GivesMaxBatchShape", "GivesWarmupShape", "find_pad_token_id"]
+
+
+@runtime_checkable
+class GivesMaxBatchShape(Protocol):
+    """A DataModule that knows the largest ``(rows, length)`` batch any of its loaders yields."""
+
+    def max_batch_shape(self) -> tuple[int, int]: ...
+
+
+@runtime_checkable
+class GivesBatchKeys(Protocol):
+    """A DataModule that knows the keys of the batches its train loader yields (see ``lightning_seqmem.batch``)."""
+
+    def batch_keys(self) -> tuple[str, ...]: ...
+
+
+@runtime_checkable
+class GivesWarmupShape(Protocol):
+    """A callback that reshapes training batches and knows the largest shape it makes of ``[rows, length]`` ones."""
+
+    def max_warmup_shape(self, rows: int, length: int) -> tuple[int, int]: ...
+
+
+@runtime_checkable
+class GivesDataStats(Protocol):
+    """A DataModule that reports what its data path did (documents, tokens truncated or dropped, efficiency)."""
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+def find_pad_token_id(*owners: object) -> int | None:
+    """The first int ``pad_token_id`` among ``owners``: an attribute, or a key of a mapping such as ``hparams``.
+
+    Example::
+
+        find_pad_token_id(trainer.datamodule, pl_module, pl_module.hparams)
+    """
+    for owner in owners:
+        pad = owner.get("pad_token_id") if isinstance(owner, Mapping) else getattr(owner, "pad_token_id", None)
+        if isinstance(pad, int) and not isinstance(pad, bool):
+            return pad
+    return None
