@@ -87,6 +87,8 @@ class CausalLM(LightningModule):
         Trainer(max_steps=100).fit(model, datamodule=SeqMemDataModule())
     """
 
+    passes_flash_varlen_kwargs = True  # lightning_seqmem.varlen.PassesFlashVarlen: forward adds them for flash
+
     def __init__(
         self,
         model_config: str | dict[str, Any] = "tiny_llama",

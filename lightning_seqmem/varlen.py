@@ -14,9 +14,20 @@ One line in a LightningModule's step::
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+@runtime_checkable
+class PassesFlashVarlen(Protocol):
+    """A module that passes :func:`flash_varlen_kwargs` to its model on packed batches (``CausalLM`` does); a
+    user's own LightningModule says so with the class attribute ``passes_flash_varlen_kwargs = True``, which
+    ``ConfigChecks`` reads."""
+
+    passes_flash_varlen_kwargs: bool
 
 
 def is_flash_attention(attn_implementation: str | None) -> bool:
