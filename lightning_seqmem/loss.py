@@ -125,8 +125,8 @@ class TokenLossNormalizer:
                 call this method at the same step.
 
         Returns:
-            The step's per-token loss over all ranks (0-dim float tensor) when :meth:`add_loss` was called, else
-            ``None``; ``None`` too when no micro-batch was added.
+            The step's per-token loss over all ranks (0-dim float tensor) when :meth:`add_loss` was called and the
+            step has label tokens, else ``None``.
         """
         if self.tokens is None:
             return None
@@ -136,7 +136,7 @@ class TokenLossNormalizer:
         for grad in grads:
             grad.mul_(factor.to(device=grad.device, dtype=grad.dtype))
         loss = None
-        if self.loss_sum is not None:
+        if self.loss_sum is not None and int(tokens) > 0:  # a step without label tokens has no loss to log
             total = reduce_sum(self.loss_sum.clone())
             loss = total / tokens.clamp(min=1).to(total.dtype)
         self.reset()
