@@ -18,7 +18,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_seqmem.collate import real_token_mask
-from lightning_seqmem.loss import TokenLossNormalizer
+from lightning_seqmem.loss import TokenLossNormalizer, predicted_tokens
 from lightning_seqmem.metrics import TokenEfficiency
 from lightning_seqmem.varlen import flash_varlen_kwargs, is_flash_attention
 
@@ -248,7 +248,7 @@ class CausalLM(LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self(batch).loss
         # Weight by predicted tokens so the epoch loss is the per-token loss, whatever the batch composition.
-        n = (batch["labels"][:, 1:] != -100).sum()
+        n = predicted_tokens(batch["labels"])
         self.val_loss.update(loss.detach(), weight=n)
         self.log("val/loss", self.val_loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss

@@ -170,6 +170,19 @@ def test_gradient_clipping_sees_the_rescaled_gradients(tmp_path):
     assert clipped.clipped == pytest.approx(norm / 2, rel=1e-4)  # clipped from the true norm, not the scaled one
 
 
+def test_fp16_grad_scaler_is_unscaled_before_the_rescale(tmp_path):
+    """With a GradScaler (scale 4096) the step's gradients match the same fp16 run without one."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    batches = [micro_batch(46), micro_batch(4, seed=1)]
+    steps = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**12)):
+        model = _model()
+        _fit(model, batches, 2, tmp_path, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        steps.append(model.steps[0][1])
+    assert relative_error(steps[1], steps[0]) <= 1e-5
+
+
 def test_resume_is_bit_exact(tmp_path):
     """Three epochs of two accumulated steps each, uninterrupted or resumed from the end of the first."""
     batches = [micro_batch(n, seed=i) for i, n in enumerate((40, 3, 12, 25))]
