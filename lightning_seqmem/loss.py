@@ -62,7 +62,9 @@ class TokenLossNormalizer:
     ``num_items_in_batch`` (its loss is then ``sum / scale``); call :meth:`rescale_gradients` in
     ``on_before_optimizer_step``, which Lightning calls after the last micro-batch's backward, after the fp16 grad
     scaler has unscaled the gradients and before it clips them. No state outlives a step, so a resumed run is
-    bit-identical.
+    bit-identical. A callback that runs ``training_step`` before training (``CachePreallocator``) leaves a count
+    behind: call :meth:`reset` in ``on_train_start`` (``CausalLM`` does). Made for single-device, DDP and FSDP
+    (gradients averaged over ranks); not for DeepSpeed, which scales accumulated gradients itself.
 
     Example::
 
@@ -77,9 +79,13 @@ class TokenLossNormalizer:
                 self.token_loss.add_loss(loss)  # only for logging the true per-token loss
                 return loss
 
+            def on_train_start(self):
+                self.token_loss.reset()
+
             def on_before_optimizer_step(self, optimizer):
                 loss = self.token_loss.rescale_gradients(self)  # the step's per-token loss over all ranks
-                self.log("train/loss", loss)
+                if loss is not None:
+                    self.log("train/loss", loss)
     """
 
     def __init__(self) -> None:

@@ -8,6 +8,7 @@ the fraction of the slots fed to the model that hold real tokens.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from typing import Any
 
@@ -307,7 +308,7 @@ def datamodule_max_length(dm: Any) -> int | None:
     if callable(shape):
         return int(shape()[1])
     length = getattr(dm, "max_length", None)
-    return int(length) if isinstance(length, int) and not isinstance(length, bool) else None
+    return int(length) if isinstance(length, numbers.Integral) and not isinstance(length, bool) else None
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

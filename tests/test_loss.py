@@ -154,6 +154,18 @@ def test_last_partial_window_and_a_step_without_label_tokens(tmp_path):
     assert "train/loss" not in trainer.callback_metrics or torch.isfinite(trainer.callback_metrics["train/loss"])
 
 
+def test_a_preallocation_pass_does_not_count_in_the_first_step(tmp_path):
+    """CachePreallocator runs training_step + backward on a dummy batch in on_fit_start: its tokens must not join
+    the first optimizer step's count."""
+    from lightning_seqmem.memory import CachePreallocator
+
+    batches = [micro_batch(46), micro_batch(4, seed=1)]
+    model = _model()
+    _fit(model, batches, 2, tmp_path, callbacks=[CachePreallocator(rows=2, length=LENGTH)])
+    (params, grads), = model.steps
+    assert relative_error(grads, _reference_grads(params, batches)) <= 1e-5
+
+
 def test_gradient_clipping_sees_the_rescaled_gradients(tmp_path):
     batches = [micro_batch(46), micro_batch(4, seed=1)]
     unclipped = _model()
