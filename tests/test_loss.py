@@ -116,7 +116,44 @@ def test_normalizer_without_lightning():
     assert norm.tokens is None  # a new step starts clean
 
 
+class UserLM(L.LightningModule):
+    """A user's own module following TokenLossNormalizer's docstring example."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = CausalLM(model_config=TINY, vocab_size=VOCAB).model
+        self.token_loss = TokenLossNormalizer()
+        self.steps = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch, num_items_in_batch=self.token_loss.add(batch["labels"])).loss
+        self.token_loss.add_loss(loss)
+        return loss
+
+    def on_train_start(self):
+        self.token_loss.reset()
+
+    def on_before_optimizer_step(self, optimizer):
+        loss = self.token_loss.rescale_gradients(self)
+        if loss is not None:
+            self.log("train/loss", loss)
+        self.steps.append(({n: p.detach().clone() for n, p in self.model.named_parameters()},
+                           {n: p.grad.detach().clone() for n, p in self.model.named_parameters()}))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 # --------------------------------------------------------------------------------------- through the Trainer
+def test_the_documented_recipe_in_a_users_own_module(tmp_path):
+    batches = [micro_batch(46), micro_batch(4, seed=1)]
+    model = UserLM()
+    _fit(model, batches, 2, tmp_path)
+    (params, grads), = model.steps
+    assert relative_error(grads, _reference_grads(params, batches)) <= 1e-5
+
+
 def test_accumulated_gradient_equals_the_big_batch_gradient(tmp_path):
     """46 and 4 predicted tokens in two micro-batches: the step's gradient is the 50-token mean's."""
     batches = [micro_batch(46), micro_batch(4, seed=1)]
