@@ -62,7 +62,8 @@ def test_batch_size_without_micro_batch_size_under_accumulation():
 def test_flash_varlen_reads_the_module_and_says_the_fix(tmp_path):
     problems = find_problems(RunFacts(packing=True, attn_implementation="flash_attention_3", micro_batch_size=1,
                                       eval_batch_size=1, dynamic_shapes=True), SAFE)  # warmup may reshape rows
-    assert list(problems) == ["flash_varlen"] and "flash_varlen_kwargs(batch['position_ids'])" in problems["flash_varlen"]
+    assert list(problems) == ["flash_varlen"]
+    assert "flash_varlen_kwargs(batch['position_ids'])" in problems["flash_varlen"]
     model, dm = TinyLM(), TinyData()
     model.model.config._attn_implementation = "flash_attention_2"
     dm.strategy = "pack"
