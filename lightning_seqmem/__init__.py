@@ -45,6 +45,9 @@ _EXPORTS: dict[str, str] = {
     "ConfigChecks": "lightning_seqmem.memory",
     "configure_allocator": "lightning_seqmem.memory",
     "resolve_precision": "lightning_seqmem.memory",
+    # training correctness: flash varlen arguments for packed batches, token-weighted loss
+    "flash_varlen_kwargs": "lightning_seqmem.varlen",
+    "TokenLossNormalizer": "lightning_seqmem.loss",
     # composition: per-job progress records for sweeps
     "JobRecord": "lightning_seqmem.job_record",
 }

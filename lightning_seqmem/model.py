@@ -8,18 +8,23 @@ the fraction of the slots fed to the model that hold real tokens.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
+from typing_extensions import override
 
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
+from lightning_seqmem.loss import TokenLossNormalizer
 from lightning_seqmem.metrics import TokenEfficiency
+from lightning_seqmem.varlen import flash_varlen_kwargs, is_flash_attention
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
+LOSS_NORMALIZATIONS = ("token", "micro_batch")
 
 # Named model configs built with random weights (no download). A few million parameters each.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -62,8 +67,14 @@ class CausalLM(LightningModule):
         pretrained_path: a local directory saved with ``save_pretrained`` to load weights from.
         vocab_size: vocabulary size; ``None`` takes it from the DataModule's tokenizer at ``setup``.
         pad_token_id: pad id for counting real tokens in packed batches; ``None`` takes it from the tokenizer.
-        attn_implementation: ``"sdpa"``, ``"eager"`` or ``"flash_attention_2"``; all keep packed documents apart
-            when given ``position_ids`` and no ``attention_mask``.
+        attn_implementation: ``"sdpa"``, ``"eager"``, ``"flash_attention_2"``/``"flash_attention_3"`` or a hub
+            flash kernel. All keep packed documents apart (batches with ``position_ids`` and no ``attention_mask``):
+            SDPA and eager through the block-diagonal mask transformers builds from ``position_ids``, flash through
+            the varlen arguments this module passes (:func:`~lightning_seqmem.varlen.flash_varlen_kwargs`), needed
+            as soon as a batch has more than one row.
+        loss_normalization: ``"token"``: every label token of an optimizer step weighs the same, across
+            micro-batches (``accumulate_grad_batches``) and DDP ranks (Hugging Face's ``num_items_in_batch``);
+            ``"micro_batch"``: each micro-batch's mean loss weighs the same (the old behaviour).
         learning_rate: peak AdamW learning rate.
         weight_decay: AdamW weight decay (not applied to biases and norm weights).
         betas: AdamW betas.
@@ -76,6 +87,8 @@ class CausalLM(LightningModule):
         model = CausalLM()  # tiny Llama, vocab size from the DataModule's tokenizer
         Trainer(max_steps=100).fit(model, datamodule=SeqMemDataModule())
     """
+
+    passes_flash_varlen_kwargs = True  # lightning_seqmem.varlen.PassesFlashVarlen: forward adds them for flash
 
     def __init__(
         self,
@@ -90,10 +103,13 @@ class CausalLM(LightningModule):
         warmup_ratio: float = 0.05,
         min_lr_ratio: float = 0.1,
         gradient_checkpointing: bool = False,
+        loss_normalization: str = "token",
     ) -> None:
         super().__init__()
         if learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
+        if loss_normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {loss_normalization!r}.")
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
         self.save_hyperparameters()
@@ -105,6 +121,7 @@ class CausalLM(LightningModule):
         self.slots_seen = 0
         self._train_time = 0.0
         self._batch_start: float | None = None
+        self._token_loss = TokenLossNormalizer()
         if pretrained_path is not None or vocab_size is not None:
             self._build()
 
@@ -129,7 +146,8 @@ class CausalLM(LightningModule):
         rank_zero_info(f"[lightning_seqmem] {type(self.model).__name__}: {n / 1e6:.2f} M parameters")
 
     def setup(self, stage: str) -> None:
-        """Take vocabulary size and pad id from the DataModule's tokenizer when they were not given."""
+        """Take vocabulary size and pad id from the DataModule's tokenizer when they were not given; check that the
+        DataModule's rows fit the model's positions."""
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         tok = getattr(dm, "tokenizer", None)
         if tok is not None:
@@ -146,25 +164,55 @@ class CausalLM(LightningModule):
                     "a `tokenizer` attribute (e.g. SeqMemDataModule)."
                 )
             self._build()
+        self._check_positions(dm)
+
+    def _check_positions(self, dm: Any) -> None:
+        """Refuse, before the first step, rows longer than a learned position table (a torch IndexError otherwise);
+        warn when they only exceed the positions the model was configured (or trained) for."""
+        field = max_positions(self.model.config)
+        length = datamodule_max_length(dm)
+        if field is None or length is None or length <= field[1]:
+            return
+        name, limit = field
+        message = (
+            f"The DataModule yields rows of up to {length} tokens but the model has {limit} positions "
+            f"({type(self.model.config).__name__}.{name}={limit}). Fix one of: lower the DataModule's max_length to "
+            f"{limit} or less, or use a model config with {name} >= {length}."
+        )
+        if has_learned_positions(self.model, limit):
+            raise ValueError(message)
+        rank_zero_warn(message + " (The model runs past the limit, on positions it was not configured for.)")
 
     # ------------------------------------------------------------------------------------------------- steps
-    def forward(self, batch: dict[str, torch.Tensor]):
+    def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any):
+        """Run the model on the batch's model keys; ``kwargs`` go to the model (e.g. ``num_items_in_batch``)."""
         inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
-        return self.model(**inputs, use_cache=False)
+        if self._packed_flash(inputs):
+            kwargs.update(flash_varlen_kwargs(inputs["position_ids"]))
+        return self.model(**inputs, **kwargs, use_cache=False)
+
+    def _packed_flash(self, inputs: dict[str, torch.Tensor]) -> bool:
+        """Flash attention on a packed batch: it needs the varlen arguments to keep documents apart."""
+        packed = "position_ids" in inputs and "attention_mask" not in inputs
+        return packed and is_flash_attention(getattr(self.model.config, "_attn_implementation", None))
 
     def _real_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         pad = self.hparams.pad_token_id
         return int(count_real_tokens(batch, pad))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self(batch).loss
         rows = batch["input_ids"].shape[0]
+        if self.hparams.loss_normalization == "token":
+            # sum of token losses / a fixed scale; on_before_optimizer_step turns the step into the per-token mean
+            loss = self(batch, num_items_in_batch=self._token_loss.add(batch["labels"])).loss
+            self._token_loss.add_loss(loss)
+        else:
+            loss = self(batch).loss
+            self._log_train_loss(loss, batch_size=rows)
         real = self._real_tokens(batch)
         slots = batch["input_ids"].numel()
         self.real_tokens_seen += real
         self.slots_seen += slots
-        self.log("train/loss", loss, prog_bar=True, batch_size=rows)
-        self.log("train/ppl", torch.exp(loss.detach().clamp(max=50)), batch_size=rows)
         self.token_efficiency.update(batch)
         self.log("train/token_efficiency", self.token_efficiency, batch_size=rows, on_step=False, on_epoch=True)
         self.log("train/real_token_fraction", real / max(slots, 1), batch_size=rows)
@@ -173,6 +221,23 @@ class CausalLM(LightningModule):
             self.log("train/real_tokens_per_sec", self.real_tokens_seen / self._train_time, prog_bar=True,
                      batch_size=rows)
         return loss
+
+    def _log_train_loss(self, loss: torch.Tensor, batch_size: int | None = None) -> None:
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
+        self.log("train/ppl", torch.exp(loss.detach().clamp(max=50)), batch_size=batch_size)
+
+    @override
+    def on_train_start(self) -> None:
+        self._token_loss.reset()  # a fit stopped mid-step must not carry its tokens over
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Token loss: rescale the step's gradients to the per-token mean over micro-batches and ranks (after the
+        fp16 scaler unscaled them, before clipping) and log the step's true per-token loss."""
+        if self.hparams.loss_normalization == "token":
+            loss = self._token_loss.rescale_gradients(self)
+            if loss is not None:
+                self._log_train_loss(loss, batch_size=1)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
@@ -217,6 +282,33 @@ class CausalLM(LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda s: lr_factor(s, warmup, total,
                                                                                             hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def max_positions(config: Any) -> tuple[str, int] | None:
+    """``(field, value)``: the number of positions a transformers config declares (``max_position_embeddings`` or
+    ``n_positions``), or ``None``."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return getattr(config, "attribute_map", {}).get(name, name), value  # GPT-2 aliases it to n_positions
+    return None
+
+
+def has_learned_positions(model: torch.nn.Module, limit: int) -> bool:
+    """Whether the model looks positions up in a table of ``limit`` rows (GPT-2's ``wpe``): a longer row is an
+    IndexError, not just an untrained position."""
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return any(isinstance(m, torch.nn.Embedding) and m is not inputs and m.num_embeddings == limit
+               for m in model.modules())
+
+
+def datamodule_max_length(dm: Any) -> int | None:
+    """The longest row a DataModule yields: ``max_batch_shape()[1]`` when it has one, else its ``max_length``."""
+    shape = getattr(dm, "max_batch_shape", None)
+    if callable(shape):
+        return int(shape()[1])
+    length = getattr(dm, "max_length", None)
+    return int(length) if isinstance(length, numbers.Integral) and not isinstance(length, bool) else None
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

@@ -18,6 +18,7 @@ CASES = {
     "fp16_packing": dict(precision="16-true", packing=True, attn_implementation="sdpa"),
     "fp8_compile": dict(precision="transformer-engine"),
     "packing_attention": dict(packing=True, attn_implementation="my_custom_attention"),
+    "flash_varlen": dict(packing=True, attn_implementation="flash_attention_2"),
     "dynamic_shapes": dict(on_cuda=True, dynamic_shapes=True),
 }
 QUIET = RunFacts(micro_batch_size=8, eval_batch_size=8, attn_implementation="sdpa")
@@ -39,7 +40,9 @@ def test_each_check_fires_on_its_case_only(name):
         dict(micro_batch_size=8, eval_batch_size=8),  # eval_batch_size
         dict(batch_size=32, micro_batch_size=8, accumulate_grad_batches=2, world_size=2),  # batch_size consistent
         dict(precision="bf16-mixed", packing=True, attn_implementation="sdpa"),  # fp16_packing: mixed precision
-        dict(precision="16-true", packing=True, attn_implementation="flash_attention_2"),  # ... or flash
+        dict(precision="16-true", packing=True, attn_implementation="flash_attention_2", flash_varlen=True),  # flash
+        dict(packing=True, attn_implementation="kernels-community/flash-attn2", flash_varlen=True),  # varlen passed
+        dict(packing=True, attn_implementation="flash_attention_2", micro_batch_size=1, eval_batch_size=1),  # 1 row
         dict(precision="transformer-engine", compiled=True),  # fp8 with compile
         dict(packing=True, attn_implementation="eager"),  # eager keeps documents apart in current transformers
         dict(on_cuda=True, dynamic_shapes=True, preallocating=True),
@@ -54,6 +57,22 @@ def test_quiet_when_fixed(fix):
 def test_batch_size_without_micro_batch_size_under_accumulation():
     problems = find_problems(RunFacts(batch_size=64, accumulate_grad_batches=4), SAFE)
     assert list(problems) == ["batch_size"] and "effective batch is 256" in problems["batch_size"]
+
+
+def test_flash_varlen_reads_the_module_and_says_the_fix(tmp_path):
+    problems = find_problems(RunFacts(packing=True, attn_implementation="flash_attention_3", micro_batch_size=1,
+                                      eval_batch_size=1, dynamic_shapes=True), SAFE)  # warmup may reshape rows
+    assert list(problems) == ["flash_varlen"]
+    assert "flash_varlen_kwargs(batch['position_ids'])" in problems["flash_varlen"]
+    model, dm = TinyLM(), TinyData()
+    model.model.config._attn_implementation = "flash_attention_2"
+    dm.strategy = "pack"
+    t = trainer(tmp_path, [], max_steps=1)
+    t.strategy.connect(model)
+    t.datamodule = dm
+    assert not checks.gather_facts(t, model).flash_varlen
+    model.passes_flash_varlen_kwargs = True  # what CausalLM declares
+    assert checks.gather_facts(t, model).flash_varlen
 
 
 def test_installed_transformers_keeps_packed_documents_apart_in_sdpa():

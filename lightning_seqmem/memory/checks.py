@@ -17,8 +17,10 @@ from typing_extensions import override
 from lightning_seqmem.memory.allocator import allocator_settings
 from lightning_seqmem.memory.preallocate import CachePreallocator
 from lightning_seqmem.protocols import GivesWarmupShape
+from lightning_seqmem.varlen import PassesFlashVarlen, is_flash_attention
 
-CHECKS = ("eval_batch_size", "batch_size", "fp16_packing", "fp8_compile", "packing_attention", "dynamic_shapes")
+CHECKS = ("eval_batch_size", "batch_size", "fp16_packing", "fp8_compile", "packing_attention", "flash_varlen",
+          "dynamic_shapes")
 
 
 def resolve_precision(precision: str = "auto") -> str:
@@ -40,10 +42,13 @@ def resolve_precision(precision: str = "auto") -> str:
 
 
 def packed_safe_attention() -> frozenset[str]:
-    """Attention implementations that keep packed documents apart given ``position_ids`` and no ``attention_mask``.
+    """Attention implementations that can keep packed documents apart given ``position_ids`` and no
+    ``attention_mask``.
 
-    Flash attention always has (varlen from ``position_ids``); ``transformers`` with
-    ``masking_utils.find_packed_sequence_indices`` also builds a block-diagonal mask for eager, sdpa and flex.
+    ``transformers`` with ``masking_utils.find_packed_sequence_indices`` builds a block-diagonal mask for eager,
+    sdpa and flex from ``position_ids``, whatever the batch size. Flash attention infers documents from
+    ``position_ids`` only in one-row batches; with more rows it needs the varlen arguments
+    (:func:`~lightning_seqmem.varlen.flash_varlen_kwargs`), which the ``flash_varlen`` check asks for.
     """
     safe = {"flash_attention_2", "flash_attention_3"}
     try:
@@ -70,6 +75,7 @@ class RunFacts:
     packing: bool = False
     dynamic_shapes: bool = False
     attn_implementation: str | None = None
+    flash_varlen: bool = False
     fp16_weights: bool = False
     compiled: bool = False
     preallocating: bool = False
@@ -111,7 +117,7 @@ def find_problems(facts: RunFacts, safe_attention: frozenset[str] | None = None)
                 f"{facts.accumulate_grad_batches} the effective batch is {effective}. If {facts.batch_size} was meant "
                 "as the effective batch, give micro_batch_size = batch_size / (accumulate_grad_batches x world_size)."
             )
-    flash = facts.attn_implementation is not None and "flash" in facts.attn_implementation
+    flash = is_flash_attention(facts.attn_implementation)
     fp16_full = facts.precision.startswith("16-true") or facts.fp16_weights
     if fp16_full and facts.packing and facts.attn_implementation is not None and not flash:
         problems["fp16_packing"] = (
@@ -131,6 +137,16 @@ def find_problems(facts: RunFacts, safe_attention: frozenset[str] | None = None)
         problems["packing_attention"] = (
             f"packing with attn_implementation={facts.attn_implementation!r}, which cannot keep the documents in a "
             f"packed row apart (they would attend to each other). Use one of {sorted(safe)}, or strategy='pad'."
+        )
+    several_rows = micro is None or micro > 1 or (eval_bs or 1) > 1 or facts.dynamic_shapes
+    if facts.packing and flash and several_rows and not facts.flash_varlen:
+        problems["flash_varlen"] = (
+            f"packing with attn_implementation={facts.attn_implementation!r} and batches of more than one row "
+            f"(micro_batch_size={micro}, or eval_batch_size, or a warmup that reshapes rows): transformers separates "
+            "packed documents for flash attention only in one-row batches, so without the varlen arguments the "
+            "documents of a row attend to each other. In the module's step call "
+            "model(**batch, **flash_varlen_kwargs(batch['position_ids'])) (lightning_seqmem.varlen; CausalLM "
+            "does) and set `passes_flash_varlen_kwargs = True` on the module, or use attn_implementation='sdpa'."
         )
     if facts.on_cuda and facts.dynamic_shapes and not (facts.preallocating or facts.expandable_segments):
         problems["dynamic_shapes"] = (
@@ -189,6 +205,7 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
         packing=strategy == "pack",
         dynamic_shapes=dynamic,
         attn_implementation=attn if isinstance(attn, str) else None,
+        flash_varlen=isinstance(pl_module, PassesFlashVarlen) and pl_module.passes_flash_varlen_kwargs is True,
         fp16_weights=bool(trainable) and all(p.dtype == torch.float16 for p in trainable),
         compiled=_is_compiled(pl_module),
         preallocating=any(isinstance(cb, CachePreallocator) for cb in trainer.callbacks),
@@ -202,7 +219,9 @@ class ConfigChecks(Callback):
     Checks (names for ``skip``): ``eval_batch_size`` differs from ``micro_batch_size``; ``batch_size`` given instead
     of ``micro_batch_size`` x ``accumulate_grad_batches``; ``fp16_packing``: fp16 weights (``16-true``) with packing
     and no flash attention; ``fp8_compile``: Transformer Engine fp8 without ``torch.compile``; ``packing_attention``:
-    packing with an attention implementation that cannot keep documents apart; ``dynamic_shapes``: changing shapes on
+    packing with an attention implementation that cannot keep documents apart; ``flash_varlen``: packing with flash
+    attention and several rows per batch, from a module that does not say it passes the varlen arguments
+    (``passes_flash_varlen_kwargs = True``; ``CausalLM`` does); ``dynamic_shapes``: changing shapes on
     CUDA without ``CachePreallocator`` or expandable segments. Facts are read defensively (DataModule attributes or
     ``hparams``, ``pl_module.model.config._attn_implementation``), so any model and DataModule work; an unknown fact
     keeps its check quiet. The warnings found are in :attr:`problems`.

@@ -1,0 +1,84 @@
+"""Flash-attention varlen arguments for packed batches, computed from ``position_ids``.
+
+transformers infers packed-document boundaries from ``position_ids`` only when a batch has ONE row; a packed
+``[rows > 1, seq]`` batch runs plain causal flash attention over each whole row, so documents sharing a row attend
+to each other. Passing ``cu_seq_lens_q/k`` and ``max_length_q/k`` (over the flattened ``[rows * seq]`` batch)
+makes every flash path (``flash_attention_2``, ``flash_attention_3``, hub kernels) run varlen attention, one
+segment per document, with no reshaping: transformers flattens the rows itself. SDPA and eager need nothing: they
+build a block-diagonal mask from the same ``position_ids``.
+
+One line in a LightningModule's step::
+
+    out = model(**batch, **flash_varlen_kwargs(batch["position_ids"]))
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+@runtime_checkable
+class PassesFlashVarlen(Protocol):
+    """A module that passes :func:`flash_varlen_kwargs` to its model on packed batches (``CausalLM`` does); a
+    user's own LightningModule says so with the class attribute ``passes_flash_varlen_kwargs = True``, which
+    ``ConfigChecks`` reads."""
+
+    passes_flash_varlen_kwargs: bool
+
+
+def is_flash_attention(attn_implementation: str | None) -> bool:
+    """Whether an ``attn_implementation`` name is a flash-attention kernel (``flash_attention_2``/``_3``/``_4``,
+    or a hub kernel such as ``"kernels-community/flash-attn2"``)."""
+    return isinstance(attn_implementation, str) and "flash" in attn_implementation.lower()
+
+
+def segment_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` bool: where a segment (document) starts.
+
+    A segment starts at every row start and wherever the position does not follow the previous one by 1: the rule
+    transformers' SDPA/eager masks use (``masking_utils.find_packed_sequence_indices``), so flash attention
+    separates exactly the same documents. For packed batches that is where ``position_ids == 0``.
+    """
+    if position_ids.ndim != 2:
+        raise ValueError(f"position_ids must be [batch, seq]; got shape {tuple(position_ids.shape)}.")
+    start = torch.ones_like(position_ids, dtype=torch.bool)
+    start[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    return start
+
+
+def cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[segments + 1]`` int32 cumulative segment offsets over the flattened ``[batch * seq]`` batch.
+
+    Example::
+
+        cu_seqlens(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]))  # tensor([0, 3, 5, 7, 10], dtype=int32)
+    """
+    starts = torch.nonzero(segment_starts(position_ids).reshape(-1)).squeeze(1)
+    total = torch.tensor([position_ids.numel()], device=position_ids.device)
+    return torch.cat([starts, total]).to(torch.int32)
+
+
+def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    """The varlen keyword arguments a Hugging Face model passes to its flash-attention kernels.
+
+    Computed from the batch's own ``position_ids``, so they stay right after anything that reshapes the batch
+    (the warmup callback). ``max_length_*`` is a python int (flash kernels take it as a host integer; one device
+    sync per step, not one per layer).
+
+    Args:
+        position_ids: ``[batch, seq]`` positions restarting at 0 for every packed document.
+
+    Returns:
+        ``{"cu_seq_lens_q", "cu_seq_lens_k"}``: ``[segments + 1]`` int32; ``{"max_length_q", "max_length_k"}``: int.
+
+    Example::
+
+        out = model(**batch, **flash_varlen_kwargs(batch["position_ids"]))
+    """
+    cu = cu_seqlens(position_ids)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}

@@ -1,0 +1,65 @@
+"""Exact CPU reference kernels behind transformers' real flash-attention dispatch (no flash-attn on CPU).
+
+``use_reference_flash(monkeypatch)`` installs fake ``flash_attn`` (FA2), ``flash_attn_interface`` (FA3) and hub
+``kernels`` packages whose functions are SDPA loops that honour ``cu_seqlens`` and ``causal``; transformers then
+imports them through ``_lazy_imports`` exactly as it would the CUDA kernels. Only the environment checks (package
+installed, CUDA device) are bypassed.
+"""
+
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+
+def _attend(q, k, v, softmax_scale, causal):
+    """``[seq, heads, dim]`` -> ``[seq, heads, dim]``; GQA like flash (query heads share key/value heads)."""
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
+                                         enable_gqa=k.shape[0] != q.shape[0])
+    return out.transpose(0, 1)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    deterministic=False):
+    """``[batch, seq, heads, dim]``: every row is one sequence."""
+    return torch.stack([_attend(q[b], k[b], v[b], softmax_scale, causal) for b in range(q.shape[0])])
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False):
+    """``[total, heads, dim]``: sequence i is ``cu_seqlens[i]:cu_seqlens[i + 1]``."""
+    assert torch.equal(cu_seqlens_q, cu_seqlens_k) and cu_seqlens_q.dtype == torch.int32
+    assert int(cu_seqlens_q[-1]) == q.shape[0]
+    lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    assert max(lengths) == max_seqlen_q == max_seqlen_k
+    out = torch.empty_like(q)
+    for start, n in zip(cu_seqlens_q[:-1].tolist(), lengths):
+        out[start : start + n] = _attend(q[start : start + n], k[start : start + n], v[start : start + n],
+                                         softmax_scale, causal)
+    return out
+
+
+def use_reference_flash(monkeypatch) -> None:
+    """Make ``flash_attention_2``, ``flash_attention_3`` and ``kernels-community/...`` run the reference kernels."""
+    from transformers import modeling_flash_attention_utils as fa_utils
+    from transformers import modeling_utils
+    from transformers.integrations import hub_kernels
+
+    fa2 = types.ModuleType("flash_attn")
+    fa2.flash_attn_func, fa2.flash_attn_varlen_func, fa2.flash_attn_with_kvcache = (
+        flash_attn_func, flash_attn_varlen_func, None)
+    padding = types.ModuleType("flash_attn.bert_padding")
+    padding.pad_input, padding.unpad_input = fa_utils._pad_input, fa_utils._unpad_input
+    fa3 = types.ModuleType("flash_attn_interface")
+    fa3.flash_attn_func, fa3.flash_attn_varlen_func, fa3.flash_attn_with_kvcache = fa2.flash_attn_func, \
+        fa2.flash_attn_varlen_func, None
+    for name, module in (("flash_attn", fa2), ("flash_attn.bert_padding", padding), ("flash_attn_interface", fa3)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(fa_utils, "is_flash_attn_2_available", lambda *a, **k: True)
+    monkeypatch.setattr(fa_utils, "_loaded_implementation", None)  # forget any earlier import
+    monkeypatch.setattr(modeling_utils.PreTrainedModel, "_flash_attn_can_dispatch", lambda *a, **k: True)
+    # Hub kernels: transformers' own loader, with the download replaced by the reference module.
+    monkeypatch.setattr(hub_kernels, "is_kernels_available", lambda: True)
+    monkeypatch.setattr(hub_kernels, "get_kernel", lambda *a, **k: fa2)
