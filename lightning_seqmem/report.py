@@ -311,7 +311,7 @@ def build_report(jobs: list[Job], target_loss: float | None = None, baseline: st
             "time_s": final.get(time_key),
             "tokens_seen": int(final["tokens_seen"]) if "tokens_seen" in final else None,
             "time_to_target_s": t,
-            "tokens_to_target": int(n) if n is not None else None,
+            "tokens_to_target": round(n) if n is not None else None,
             "speedup_time": base_time / t if base_time and t else None,
             "speedup_tokens": base_tokens / n if base_tokens and n else None,
         })
