@@ -2,17 +2,39 @@
 
 Accepted datasets: ``"builtin"`` (the standard-library corpus), a ``datasets.Dataset``/``DatasetDict``, a
 directory saved with ``save_to_disk``, local ``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
-a glob or a list), or a hub name (loaded with ``datasets.load_dataset``; only when the user asks for it).
+a glob or a list), a hub name (loaded with ``datasets.load_dataset``; only when the user asks for it), or the
+data itself: a list of strings (documents) or of dicts (rows).
+
+A list is files when every item is an existing file or directory or a glob that matches files; otherwise it is
+documents (strings) or rows (dicts). A list that mixes existing files with strings that are not, or whose items
+all look like file names (no whitespace, a known extension) that do not exist, is an error, not documents.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
-from collections.abc import Sequence
+import reprlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxlevel = 80, 80, 3, 3, 2
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to about 80 characters and 3 items: user data in a message stays bounded."""
+    return _SHORT.repr(value)
+
+
+def _matches(item: str) -> list[str]:
+    """The files one path or glob names (a directory counts as itself); empty when it names nothing."""
+    if any(c in item for c in "*?["):
+        return sorted(glob.glob(item))
+    return [item] if os.path.exists(item) else []
 
 
 def _local_files(spec: str | Sequence[str]) -> list[str] | None:
@@ -20,18 +42,69 @@ def _local_files(spec: str | Sequence[str]) -> list[str] | None:
     items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     files: list[str] = []
     for item in items:
-        item = os.fspath(item)
-        matches = sorted(glob.glob(item)) if any(c in item for c in "*?[") else ([item] if os.path.isfile(item) else [])
-        files.extend(matches)
+        for match in _matches(os.fspath(item)):
+            if os.path.isdir(match):  # a folder in a list: its files of the known kinds
+                files.extend(sorted(f for ext in _LOCAL_BUILDERS for f in glob.glob(os.path.join(match, f"*{ext}"))))
+            elif os.path.isfile(match):
+                files.append(match)
     return files or None
+
+
+def _looks_like_file_name(item: str) -> bool:
+    return not any(c.isspace() for c in item) and os.path.splitext(item)[1].lower() in _LOCAL_BUILDERS
+
+
+def _dataset_from_items(items: Sequence[Any]):
+    """A list given as ``dataset=``: files (every item names existing files), else documents or rows.
+
+    Raises:
+        ValueError: an empty list; a list mixing existing files with strings that are not; file names none of
+            which exist; items that are neither strings nor dicts, or both.
+    """
+    import datasets
+
+    items = list(items)
+    if not items:
+        raise ValueError("dataset is an empty list: pass documents (strings), rows (dicts) or file paths.")
+    if all(isinstance(x, Mapping) for x in items):
+        rows = [dict(x) for x in items]
+        try:
+            return datasets.DatasetDict(train=datasets.Dataset.from_list(rows))
+        except Exception as err:  # ragged or mixed-type rows
+            raise ValueError(f"dataset is a list of {len(rows)} dicts that do not form a table: {type(err).__name__}: "
+                             f"{short_repr(str(err))}. Give every row the same keys with values of one type.") from err
+    if not all(isinstance(x, (str, os.PathLike)) for x in items):
+        kinds = sorted({type(x).__name__ for x in items})
+        raise TypeError(f"dataset is a list of {', '.join(kinds)}: pass strings (documents or file paths) or "
+                        "dicts (rows), not a mix.")
+    items = [os.fspath(x) for x in items]
+    missing = [x for x in items if not _matches(x)]
+    if not missing:
+        return None  # every item names files: the caller loads them
+    if len(missing) < len(items):
+        raise FileNotFoundError(
+            f"dataset is a list of {len(items)} strings: {len(items) - len(missing)} of them name existing files, "
+            f"{len(missing)} do not (first: {short_repr(missing[0])}). Fix the paths, or pass documents only."
+        )
+    if all(_looks_like_file_name(x) for x in items):
+        raise FileNotFoundError(
+            f"dataset is a list of file names, none of which exists (first: {short_repr(items[0])}). Check the "
+            "paths (relative to the directory you run from); documents are taken as documents only when they are "
+            "not all bare file names."
+        )
+    return datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": items}))
 
 
 def load_text_dataset(dataset: Any = "builtin"):
     """Resolve ``dataset`` to a ``DatasetDict`` with (at least) a non-empty ``train`` split.
 
+    A list of strings is documents (a ``text`` column) unless every item names existing files; a list of dicts
+    is rows (see the module docstring for the rule).
+
     Raises:
         FileNotFoundError: a path that does not exist and is not a dataset name.
-        ValueError: an empty dataset, or a file type we cannot read.
+        ValueError: an empty dataset or file, a malformed file (the message names the file and line), or a file
+            type we cannot read.
     """
     import datasets
 
@@ -48,15 +121,22 @@ def load_text_dataset(dataset: Any = "builtin"):
             "Streaming (iterable) datasets are accepted only with strategy='pack' and a token budget; "
             "for other strategies pass a map-style dataset (load_dataset(..., streaming=False))."
         )
-    elif isinstance(dataset, (str, os.PathLike, list, tuple)):
+    elif dataset is None:
+        raise ValueError("No dataset given (dataset=None): pass 'builtin', a path, a glob, a list of documents, "
+                         "a datasets.Dataset or a hub name (seqmem-train: data.dataset=<path or name>).")
+    elif isinstance(dataset, (str, os.PathLike)):
         dsd = _load_path_or_name(dataset)
+    elif isinstance(dataset, Sequence):  # list, tuple, OmegaConf ListConfig
+        dsd = _dataset_from_items(dataset)
+        if dsd is None:
+            dsd = _load_path_or_name([os.fspath(x) for x in dataset])
     else:
         raise TypeError(
-            f"dataset must be 'builtin', a datasets.Dataset/DatasetDict, a path, a list of files or a hub name; "
-            f"got {type(dataset).__name__}."
+            f"dataset must be 'builtin', a datasets.Dataset/DatasetDict, a path, a list of files, documents or "
+            f"rows, or a hub name; got {type(dataset).__name__}."
         )
     if "train" not in dsd:
-        raise ValueError(f"The dataset has splits {sorted(dsd)}, but no 'train' split; rename one to 'train'.")
+        raise ValueError(f"The dataset has splits {short_repr(sorted(dsd))}, but no 'train' split; rename one to 'train'.")
     if len(dsd["train"]) == 0:
         raise ValueError("The dataset's train split is empty: there is nothing to train on. Check the path or filter.")
     return dsd
@@ -87,33 +167,105 @@ def _load_path_or_name(spec):
             return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
         files = _local_files([os.path.join(spec, f"*{ext}") for ext in _LOCAL_BUILDERS])
         if not files:
-            raise ValueError(f"Directory {os.fspath(spec)!r} holds no {'/'.join(_LOCAL_BUILDERS)} files.")
+            raise ValueError(f"Directory {short_repr(os.fspath(spec))} holds no {'/'.join(_LOCAL_BUILDERS)} files.")
     else:
         files = _local_files(spec)
     if files is not None:
-        exts = {os.path.splitext(f)[1].lower() for f in files}
-        unknown = exts - set(_LOCAL_BUILDERS)
-        if unknown or len({_LOCAL_BUILDERS[e] for e in exts}) != 1:
-            raise ValueError(
-                f"Cannot read files with extensions {sorted(exts)} together; use one of "
-                f"{sorted(_LOCAL_BUILDERS)} (all files of one kind)."
-            )
-        builder = _LOCAL_BUILDERS[exts.pop()]
-        return datasets.load_dataset(builder, data_files={"train": files})
+        return load_local_files(files)
     name = os.fspath(spec) if not isinstance(spec, (list, tuple)) else None
     looks_like_path = name is None or name.startswith((".", "/", "~")) or os.sep in name.rstrip("/").split("/", 1)[-1]
     if name is None or looks_like_path or os.path.splitext(name)[1].lower() in _LOCAL_BUILDERS:
         raise FileNotFoundError(
-            f"Dataset path {spec!r} does not exist. Pass an existing file, glob, directory or list of "
+            f"Dataset path {short_repr(spec)} does not exist. Pass an existing file, glob, directory or list of "
             f"{'/'.join(_LOCAL_BUILDERS)} files, a datasets.Dataset, or dataset='builtin'."
         )
     try:
         return datasets.load_dataset(name)
     except Exception as err:
         raise FileNotFoundError(
-            f"Could not load dataset {name!r}: it is not a local path, and loading it by name failed "
-            f"({type(err).__name__}: {err}). Check the name, or download it and pass the local path."
+            f"Could not load dataset {short_repr(name)}: it is not a local path, and loading it by name failed "
+            f"({type(err).__name__}: {short_repr(str(err))}). Check the name, or download it and pass the local path."
         ) from err
+
+
+def load_local_files(files: Sequence[str]):
+    """Local files of one kind as ``DatasetDict(train=...)``.
+
+    Raises:
+        ValueError: mixed or unknown extensions; an empty file; a file ``datasets`` cannot read (the message names
+            the file and, for JSON, the line and what is wrong with it).
+    """
+    import datasets
+
+    exts = {os.path.splitext(f)[1].lower() for f in files}
+    unknown = exts - set(_LOCAL_BUILDERS)
+    if unknown or len({_LOCAL_BUILDERS[e] for e in exts}) != 1:
+        raise ValueError(
+            f"Cannot read files with extensions {sorted(exts)} together; use one of "
+            f"{sorted(_LOCAL_BUILDERS)} (all files of one kind)."
+        )
+    for path in files:
+        if _is_blank(path):
+            raise ValueError(f"{path} is empty: there are no rows to read. Remove it from the dataset or fill it.")
+    builder = _LOCAL_BUILDERS[exts.pop()]
+    try:
+        return datasets.load_dataset(builder, data_files={"train": list(files)})
+    except Exception as err:
+        raise ValueError(_read_error(files, builder, err)) from err
+
+
+def _is_blank(path: str, probe: int = 1 << 16) -> bool:
+    """True for an empty or whitespace-only file (reads at most the first 64 KiB unless they are all blank)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(probe):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _read_error(files: Sequence[str], builder: str, err: Exception) -> str:
+    """Say which file (and line) ``datasets`` could not read, and what is wrong; only called after a failure."""
+    if builder == "json":
+        for path in files:
+            problem = json_problem(path)
+            if problem:
+                return problem
+    cause = err.__cause__ or err.__context__ or err
+    where = files[0] if len(files) == 1 else f"one of {len(files)} {builder} files (first: {files[0]})"
+    return (f"Could not read {where}: {type(cause).__name__}: {short_repr(str(cause))}. Check that every file is "
+            f"valid {builder}.")
+
+
+def json_problem(path: str) -> str | None:
+    """The first problem in a JSON (array) or JSON Lines file: file, line and what is wrong; None when it parses.
+
+    Every row must be a JSON object (``{"text": ...}``).
+    """
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = f.read(1 << 16).lstrip()
+        f.seek(0)
+        if head.startswith("["):  # one JSON array of rows
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as err:
+                return f"{path}, line {err.lineno}, column {err.colno}: invalid JSON ({err.msg})."
+            bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+            if bad is not None:
+                return (f"{path}: item {bad} of the JSON array is a {type(rows[bad]).__name__}, not an object; "
+                        'every row must be an object such as {"text": "..."}.')
+            return None
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                return (f"{path}, line {number}, column {err.colno}: invalid JSON ({err.msg}): "
+                        f"{short_repr(line.rstrip())}. JSON Lines needs one complete object per line.")
+            if not isinstance(row, dict):
+                return (f"{path}, line {number}: a JSON {type(row).__name__}, not an object; every line must be "
+                        'an object such as {"text": "..."}.')
+    return None
 
 
 def check_columns(dsd, text_column: str = "text", prompt_column: str = "prompt",

@@ -3,7 +3,8 @@
 
 ``JobRecord`` appends one row per validation to ``<run dir>/progress.csv``: optimizer step, training wall-clock,
 real tokens trained on and validation loss. That is all ``seqmem-report`` needs to compare the jobs of a sweep by
-time and by tokens, whatever the sweep varied.
+time and by tokens, whatever the sweep varied. The training loss goes, on the same clocks, to
+``<run dir>/train_progress.csv`` (one row every ``train_every_n_steps`` optimizer steps).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from typing_extensions import override
 from lightning_seqmem.batch import count_real_tokens
 from lightning_seqmem.protocols import find_pad_token_id
 
-__all__ = ["FIELDS", "JobRecord"]
+__all__ = ["FIELDS", "TRAIN_FIELDS", "JobRecord"]
 
 FIELDS = ("step", "wall_clock_s", "elapsed_s", "cpu_s", "tokens_seen", "val_loss")
+TRAIN_FIELDS = ("step", "wall_clock_s", "cpu_s", "tokens_seen", "train_loss")
+TRAIN_FILE = "train_progress.csv"
 
 
 class JobRecord(Callback):
@@ -34,19 +37,33 @@ class JobRecord(Callback):
     over the same span (all threads), a steadier clock than wall-clock on a shared machine. ``tokens_seen`` counts the real (non-pad)
     tokens of the batches the model trained on, after any in-place cut by ``SeqLengthWarmup``, summed over ranks.
 
+    ``train_progress.csv`` (next to ``path``) holds the mean of the logged ``train_monitor`` over the micro-batches
+    since its previous row (rank 0's), with the same clocks and the same token count.
+
     Args:
         path: the CSV file; default ``<trainer.default_root_dir>/progress.csv``.
         monitor: the logged validation metric to record.
+        train_monitor: the logged training metric to record in ``train_progress.csv``.
+        train_every_n_steps: a training row every N optimizer steps; None = ``trainer.log_every_n_steps``; 0 = none.
 
     Example::
 
         Trainer(callbacks=[SeqLengthWarmup(duration=0.3), JobRecord()], val_check_interval=25)
     """
 
-    def __init__(self, path: str | None = None, monitor: str = "val/loss") -> None:
+    def __init__(self, path: str | None = None, monitor: str = "val/loss", train_monitor: str = "train/loss",
+                 train_every_n_steps: int | None = None) -> None:
         super().__init__()
+        if train_every_n_steps is not None and (not isinstance(train_every_n_steps, int) or train_every_n_steps < 0):
+            raise ValueError(f"train_every_n_steps must be an int >= 0 (0 = no training rows) or None, "
+                             f"got {train_every_n_steps!r}.")
         self.path = path
         self.monitor = monitor
+        self.train_monitor = train_monitor
+        self.train_every_n_steps = train_every_n_steps
+        self._train_sum = 0.0
+        self._train_count = 0
+        self._train_recorded_step = -1
         self._tokens = 0
         self._start = 0.0
         self._val_time = 0.0
@@ -67,14 +84,18 @@ class JobRecord(Callback):
         self._val_time = 0.0
         self._cpu_start = time.process_time()
         self._val_cpu = 0.0
+        self._train_sum, self._train_count, self._train_recorded_step = 0.0, 0, trainer.global_step
         if trainer.global_step == 0:
             self._reset_file(trainer)
 
+    def _train_file(self, trainer: Trainer) -> str:
+        return os.path.join(os.path.dirname(self._file(trainer)) or ".", TRAIN_FILE)
+
     @rank_zero_only
     def _reset_file(self, trainer: Trainer) -> None:
-        path = self._file(trainer)
-        if os.path.exists(path):
-            os.remove(path)
+        for path in (self._file(trainer), self._train_file(trainer)):
+            if os.path.exists(path):
+                os.remove(path)
 
     @override
     def on_train_batch_end(
@@ -84,6 +105,30 @@ class JobRecord(Callback):
         if not isinstance(batch, dict) or "input_ids" not in batch:
             return
         self._tokens += int(count_real_tokens(batch, self._pad_token_id))
+
+        self._record_train_loss(trainer, pl_module)
+
+    def _record_train_loss(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Average the logged training loss per micro-batch; write a row every ``train_every_n_steps`` steps."""
+        value = trainer.callback_metrics.get(self.train_monitor)
+        if value is not None:
+            self._train_sum += float(value)
+            self._train_count += 1
+        every = trainer.log_every_n_steps if self.train_every_n_steps is None else self.train_every_n_steps
+        step = trainer.global_step
+        if not every or step % every or step == self._train_recorded_step or not self._train_count:
+            return
+        # Every rank reaches this step together (global_step is shared), so the all-reduce below is matched.
+        tokens = trainer.strategy.reduce(torch.tensor(float(self._tokens), device=pl_module.device), reduce_op="sum")
+        now = time.perf_counter()
+        self._append_train(trainer, {
+            "step": step,
+            "wall_clock_s": round(now - self._start - self._val_time, 4),
+            "cpu_s": round(time.process_time() - self._cpu_start - self._val_cpu, 4),
+            "tokens_seen": int(tokens.item()),
+            "train_loss": self._train_sum / self._train_count,
+        })
+        self._train_sum, self._train_count, self._train_recorded_step = 0.0, 0, step
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -120,11 +165,18 @@ class JobRecord(Callback):
 
     @rank_zero_only
     def _append(self, trainer: Trainer, row: dict[str, Any]) -> None:
-        path = self._file(trainer)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        new = not os.path.exists(path)
-        with open(path, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
+        _append_row(self._file(trainer), FIELDS, row)
+
+    @rank_zero_only
+    def _append_train(self, trainer: Trainer, row: dict[str, Any]) -> None:
+        _append_row(self._train_file(trainer), TRAIN_FIELDS, row)
+
+
+def _append_row(path: str, fields: tuple[str, ...], row: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)

@@ -5,6 +5,12 @@ validation: step, wall-clock, real tokens seen, val loss; written by ``JobRecord
 report compares every job with a baseline job: the wall-clock and tokens each needs to reach a target validation
 loss (by default the loss the baseline ends at), and the speed-up that gives. It works for a sweep over any
 parameter; jobs that failed or never validated are listed, not fatal. Plain Python: no torch, no Lightning.
+
+Seeds: when the sweep varies ``seed`` (or any ``*.seed``), the jobs that differ only by it form a group, and a
+second table gives each group's mean ± sd over seeds of the final loss, time to target and tokens to target, with
+the speed-up of the means and whether the gain is beyond the noise of the seeds. The default target is then the
+highest final loss among the baseline's seeds (a loss every baseline seed reaches), and each job's own speed-up
+is against the baseline job of the same seed.
 """
 
 from __future__ import annotations
@@ -14,12 +20,14 @@ import csv
 import json
 import math
 import os
+import statistics
 import sys
 from dataclasses import dataclass, field
 
-__all__ = ["Job", "ReportError", "build_report", "load_jobs", "main", "reach", "write_report"]
+__all__ = ["Job", "ReportError", "build_report", "load_jobs", "main", "reach", "seed_groups", "write_report"]
 
 PROGRESS_FILE = "progress.csv"
+TRAIN_PROGRESS_FILE = "train_progress.csv"  # JobRecord's training-loss rows
 CLOCKS = {"wall": "wall_clock_s", "cpu": "cpu_s"}  # --clock choice -> progress.csv column
 
 
@@ -37,6 +45,7 @@ class Job:
     status: str
     error: str | None = None
     rows: list[dict[str, float]] = field(default_factory=list)
+    train_rows: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -60,8 +69,8 @@ def _read_overrides(job_dir: str) -> dict[str, str]:
     return overrides
 
 
-def _read_progress(job_dir: str) -> list[dict[str, float]]:
-    path = os.path.join(job_dir, PROGRESS_FILE)
+def _read_progress(job_dir: str, name: str = PROGRESS_FILE, loss: str = "val_loss") -> list[dict[str, float]]:
+    path = os.path.join(job_dir, name)
     if not os.path.exists(path):
         return []
     rows = []
@@ -71,7 +80,7 @@ def _read_progress(job_dir: str) -> list[dict[str, float]]:
                 rows.append({k: float(v) for k, v in row.items() if v not in (None, "")})
             except ValueError:  # a half-written last line of a killed job
                 continue
-    return sorted((r for r in rows if "val_loss" in r and "wall_clock_s" in r), key=lambda r: r.get("step", 0))
+    return sorted((r for r in rows if loss in r and "wall_clock_s" in r), key=lambda r: r.get("step", 0))
 
 
 def _read_status(job_dir: str) -> tuple[str, str | None]:
@@ -123,7 +132,8 @@ def load_jobs(sweep_dir: str) -> list[Job]:
         status, error = _read_status(path)
         name = os.path.relpath(path, sweep_dir)
         jobs.append(Job(path=path, name="." if name == "." else name, overrides=_read_overrides(path),
-                        status=status, error=error, rows=_read_progress(path)))
+                        status=status, error=error, rows=_read_progress(path),
+                        train_rows=_read_progress(path, TRAIN_PROGRESS_FILE, "train_loss")))
     return jobs
 
 
@@ -164,6 +174,59 @@ def varying_keys(jobs: list[Job]) -> list[str]:
 def label(job: Job, keys: list[str]) -> str:
     shown = [f"{k}={job.overrides[k]}" for k in keys if k in job.overrides]
     return ", ".join(shown) if shown else f"job {job.name}"
+
+
+def seed_key(keys: list[str]) -> str | None:
+    """The varying override that is a seed (``seed``, ``data.seed``, ...), if any."""
+    return next((k for k in keys if k.split(".")[-1] == "seed"), None)
+
+
+def seed_groups(jobs: list[Job], keys: list[str]) -> dict[str, list[Job]]:
+    """Jobs keyed by their label without the seed: the seeds of one configuration, in sweep order."""
+    other = [k for k in keys if k != seed_key(keys)]
+    groups: dict[str, list[Job]] = {}
+    for job in jobs:
+        groups.setdefault(label(job, other), []).append(job)
+    return groups
+
+
+def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def _beyond_noise(base: list[float], other: list[float]) -> str:
+    """Whether two sets of per-seed figures differ by more than twice the standard error of the difference."""
+    if len(base) < 2 or len(other) < 2:
+        return "one seed: no spread"
+    se = math.sqrt(statistics.variance(base) / len(base) + statistics.variance(other) / len(other))
+    diff = abs(statistics.fmean(base) - statistics.fmean(other))
+    if se == 0:
+        return "beyond noise" if diff > 0 else "no difference"
+    return "beyond noise" if diff > 2 * se else "within noise"
+
+
+def _group_rows(groups: dict[str, list[Job]], rows: dict[str, dict], base_label: str, time_key: str) -> list[dict]:
+    """Mean ± sd over seeds of each group's final loss and time / tokens to target."""
+    def figures(members: list[Job], key: str) -> list[float]:
+        return [rows[j.name][key] for j in members if rows[j.name][key] is not None]
+
+    base = groups[base_label]
+    out = []
+    for name, members in groups.items():
+        entry: dict = {"group": name, "baseline": name == base_label, "seeds": len(members),
+                       "finished": sum(j.finished for j in members)}
+        for key, column in (("final_val_loss", "final_val_loss"), ("time_to_target_s", "time_to_target_s"),
+                            ("tokens_to_target", "tokens_to_target")):
+            entry[f"{column}_mean"], entry[f"{column}_sd"] = _mean_sd(figures(members, key))
+        entry["reached"] = len(figures(members, "time_to_target_s"))
+        for what, key in (("time", "time_to_target_s"), ("tokens", "tokens_to_target")):
+            mine, theirs = entry[f"{key}_mean"], statistics.fmean(figures(base, key)) if figures(base, key) else None
+            entry[f"speedup_{what}"] = theirs / mine if theirs and mine else None
+            entry[f"{what}_noise"] = None if name == base_label else _beyond_noise(figures(base, key), figures(members, key))
+        out.append(entry)
+    return out
 
 
 def pick_baseline(jobs: list[Job], baseline: str | None) -> Job:
@@ -214,29 +277,45 @@ def build_report(jobs: list[Job], target_loss: float | None = None, baseline: st
     if not all(time_key in job.rows[0] for job in jobs if job.rows):
         raise ReportError(f"Some jobs' {PROGRESS_FILE} have no {time_key} column; use --clock wall.")
     base = pick_baseline(jobs, baseline)
-    target = float(target_loss) if target_loss is not None else base.final["val_loss"]
     keys = varying_keys(jobs)
-    base_time = reach(base.rows, target, time_key)
-    base_tokens = reach(base.rows, target, "tokens_seen") if "tokens_seen" in base.final else None
+    skey = seed_key(keys)
+    groups = seed_groups(jobs, keys) if skey else {}
+    base_label = label(base, [k for k in keys if k != skey])
+    base_seeds = [j for j in groups.get(base_label, [base]) if j.rows]
+    finished_seeds = [j for j in base_seeds if j.finished] or base_seeds
+    # A loss every baseline seed reaches: the highest of their final losses (one seed: the baseline's final loss).
+    target = float(target_loss) if target_loss is not None else max(j.final["val_loss"] for j in finished_seeds)
+
+    def paired_base(job: Job) -> Job:
+        """The baseline job to compare with: of the same seed when the sweep has seeds."""
+        if skey is None:
+            return base
+        same = [j for j in base_seeds if j.overrides.get(skey) == job.overrides.get(skey)]
+        return same[0] if same else base
+
     rows = []
     for job in jobs:
         final = job.final or {}
         t = reach(job.rows, target, time_key) if job.rows else None
         n = reach(job.rows, target, "tokens_seen") if job.rows and "tokens_seen" in final else None
+        ref = paired_base(job)
+        base_time = reach(ref.rows, target, time_key)
+        base_tokens = reach(ref.rows, target, "tokens_seen") if "tokens_seen" in ref.final else None
         rows.append({
             "job": job.name,
             "overrides": label(job, keys),
-            "baseline": job is base,
+            "baseline": job is base or (skey is not None and job in base_seeds),
             "status": job.status,
             "steps": int(final["step"]) if "step" in final else None,
             "final_val_loss": final.get("val_loss"),
             "time_s": final.get(time_key),
             "tokens_seen": int(final["tokens_seen"]) if "tokens_seen" in final else None,
             "time_to_target_s": t,
-            "tokens_to_target": int(n) if n is not None else None,
+            "tokens_to_target": round(n) if n is not None else None,
             "speedup_time": base_time / t if base_time and t else None,
             "speedup_tokens": base_tokens / n if base_tokens and n else None,
         })
+    group_rows = _group_rows(groups, {r["job"]: r for r in rows}, base_label, time_key) if skey else []
     notes = []
     common = {k: v for k, v in jobs[0].overrides.items() if k not in keys}
     if common:
@@ -244,10 +323,12 @@ def build_report(jobs: list[Job], target_loss: float | None = None, baseline: st
     unfinished = [job for job in jobs if not job.finished]
     for job in unfinished:
         what = f"{len(job.rows)} validation point(s) kept" if job.rows else "no metrics"
-        notes.append(f"Job {job.name} ({label(job, keys)}) did not finish: {job.status}"
+        status = "" if job.status == "did not finish" else f": {job.status}"
+        notes.append(f"Job {job.name} ({label(job, keys)}) did not finish{status}"
                      + (f" — {job.error}" if job.error else "") + f"; {what}.")
     return {"rows": rows, "baseline": base, "target": target, "keys": keys, "notes": notes,
-            "target_given": target_loss is not None, "clock": clock, "time_key": time_key}
+            "target_given": target_loss is not None, "clock": clock, "time_key": time_key,
+            "seed_key": skey, "groups": group_rows}
 
 
 # ------------------------------------------------------------------------------------------------------- output
@@ -265,16 +346,66 @@ def _fmt(value, kind: str = "") -> str:
     return str(value)
 
 
+def _pm(mean, sd, kind: str = "") -> str:
+    if mean is None:
+        return "—"
+    if kind == "int":
+        return f"{mean:,.0f}" + (f" ± {sd:,.0f}" if sd is not None else "")
+    digits = 4 if kind == "loss" else 1
+    return f"{mean:.{digits}f}" + (f" ± {sd:.{digits}f}" if sd is not None else "")
+
+
+def seeds_markdown(report: dict) -> str:
+    """The per-group table (mean ± sd over seeds); empty when the sweep has no seed dimension."""
+    if not report["groups"]:
+        return ""
+    clock = "wall-clock" if report["clock"] == "wall" else "CPU time"
+    head = ["configuration", "seeds", "final val loss", f"{clock} to target (s)", "tokens to target",
+            "speed-up (time)", "speed-up (tokens)"]
+    lines = [f"Mean ± sd over {report['seed_key']} (sample sd; n = seeds that reached the target, shown as k/n). "
+             "A gain is *beyond noise* when the means differ by more than twice the standard error of the "
+             "difference, else *within noise*.", "",
+             "| " + " | ".join(head) + " |", "|" + "|".join("---" if i < 1 else "---:" for i in range(len(head))) + "|"]
+    for g in report["groups"]:
+        reached = f" ({g['reached']}/{g['seeds']})" if g["reached"] < g["seeds"] else ""
+
+        def speed(what: str) -> str:
+            value = g[f"speedup_{what}"]
+            if g["baseline"]:
+                return "1.00× (baseline)"
+            return _fmt(value, "x") + (f" ({g[f'{what}_noise']})" if value is not None else "")
+
+        cells = [g["group"] + (" (baseline)" if g["baseline"] else ""), f"{g['finished']}/{g['seeds']} finished",
+                 _pm(g["final_val_loss_mean"], g["final_val_loss_sd"], "loss"),
+                 _pm(g["time_to_target_s_mean"], g["time_to_target_s_sd"]) + reached,
+                 _pm(g["tokens_to_target_mean"], g["tokens_to_target_sd"], "int") + reached,
+                 speed("time"), speed("tokens")]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(report: dict) -> str:
     base = report["baseline"]
-    source = "given" if report["target_given"] else "baseline's final val loss"
+    if report["target_given"]:
+        source = "given"
+    elif report["groups"]:
+        source = f"the highest final val loss among the baseline's {report['seed_key']}s"
+    else:
+        source = "baseline's final val loss"
     clock = "wall-clock" if report["clock"] == "wall" else "CPU time"
     head = ["job", "overrides", "status", "steps", "final val loss", f"{clock} (s)", "tokens seen",
             "time to target (s)", "tokens to target", "speed-up (time)", "speed-up (tokens)"]
+    baseline_text = (f"baseline: {next(g['group'] for g in report['groups'] if g['baseline'])}, each job against "
+                     f"the baseline job of its {report['seed_key']}" if report["groups"]
+                     else f"baseline: job {base.name} ({label(base, report['keys'])})")
     lines = [
-        f"Target val loss: **{report['target']:.4f}** ({source}); baseline: job {base.name} "
-        f"({label(base, report['keys'])}). Times are training {clock}, validation excluded.",
+        f"Target val loss: **{report['target']:.4f}** ({source}); {baseline_text}. Times are training {clock}, "
+        "validation excluded.",
         "",
+    ]
+    if report["groups"]:
+        lines += [seeds_markdown(report), "Every job:", ""]
+    lines += [
         "| " + " | ".join(head) + " |",
         "|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|",
     ]
@@ -291,7 +422,9 @@ def markdown(report: dict) -> str:
 
 
 def plot(jobs: list[Job], report: dict, path: str) -> bool:
-    """Validation loss against wall-clock (and against tokens), one curve per job. False without matplotlib."""
+    """Loss against wall-clock and against tokens, one curve per job: validation loss on the top row, training
+    loss (``train_progress.csv``) below when the jobs recorded it. Seeds of one configuration share a colour.
+    False without matplotlib."""
     try:
         import matplotlib
 
@@ -299,23 +432,32 @@ def plot(jobs: list[Job], report: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    with_train = any(job.train_rows for job in jobs)
+    fig, axes = plt.subplots(2 if with_train else 1, 2, figsize=(12, 9 if with_train else 4.5), squeeze=False)
+    skey = report["seed_key"]
+    other = [k for k in report["keys"] if k != skey]
+    colours: dict[str, str] = {}
     for job in jobs:
-        if not job.rows:
-            continue
-        name = label(job, report["keys"]) + ("" if job.finished else f" ({job.status})")
+        group = label(job, other)
+        first = group not in colours
+        colours.setdefault(group, f"C{len(colours) % 10}")
+        name = (group if skey else label(job, report["keys"])) + ("" if job.finished else f" ({job.status})")
         style = "-" if job.finished else ":"
-        for ax, key in zip(axes, (report["time_key"], "tokens_seen")):
-            if key in job.rows[0]:
-                ax.plot([r[key] for r in job.rows], [r["val_loss"] for r in job.rows], style, marker="o",
-                        markersize=3, label=name)
+        for row, (curve, loss) in enumerate(((job.rows, "val_loss"), (job.train_rows, "train_loss"))[:len(axes)]):
+            for ax, key in zip(axes[row], (report["time_key"], "tokens_seen")):
+                if curve and key in curve[0]:
+                    ax.plot([r[key] for r in curve], [r[loss] for r in curve], style, color=colours[group],
+                            marker="o" if loss == "val_loss" else None, markersize=3, linewidth=1,
+                            alpha=0.8 if skey else 1.0, label=name if (first or not skey) else None)
     clock = "wall-clock" if report["clock"] == "wall" else "CPU time"
-    for ax, xlabel in zip(axes, (f"training {clock} (s, validation excluded)", "real tokens trained on")):
-        ax.axhline(report["target"], color="grey", linestyle="--", linewidth=0.8, label="target")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("validation loss")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    for row, what in enumerate(("validation loss", "training loss")[:len(axes)]):
+        for ax, xlabel in zip(axes[row], (f"training {clock} (s, validation excluded)", "real tokens trained on")):
+            if row == 0:
+                ax.axhline(report["target"], color="grey", linestyle="--", linewidth=0.8, label="target")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(what)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -324,7 +466,8 @@ def plot(jobs: list[Job], report: dict, path: str) -> bool:
 
 def write_report(sweep_dir: str, out_dir: str | None = None, target_loss: float | None = None,
                  baseline: str | None = None, name: str = "report", clock: str = "wall") -> dict:
-    """Build the report for ``sweep_dir`` and write ``<name>.md``, ``<name>.csv`` and ``<name>.png`` to ``out_dir``.
+    """Build the report for ``sweep_dir`` and write ``<name>.md``, ``<name>.csv`` (one row per job),
+    ``<name>_seeds.csv`` (one row per configuration, when the sweep varies a seed) and ``<name>.png`` to ``out_dir``.
 
     Returns the report dict plus ``markdown`` and the ``files`` written.
 
@@ -346,11 +489,19 @@ def write_report(sweep_dir: str, out_dir: str | None = None, target_loss: float 
         for job, row in zip(jobs, report["rows"]):
             writer.writerow({**row, "clock": report["time_key"], "all_overrides": " ".join(f"{k}={v}" for k, v in job.overrides.items()),
                              "target_val_loss": report["target"]})
+    if report["groups"]:
+        files.append(os.path.join(out_dir, f"{name}_seeds.csv"))
+        with open(files[-1], "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(report["groups"][0]) + ["seed_key", "clock", "target_val_loss"])
+            writer.writeheader()
+            for group in report["groups"]:
+                writer.writerow({**group, "seed_key": report["seed_key"], "clock": report["time_key"],
+                                 "target_val_loss": report["target"]})
     png = os.path.join(out_dir, f"{name}.png")
     if plot(jobs, report, png):
         files.append(png)
         with open(files[0], "a") as f:
-            f.write(f"\n![validation loss against wall-clock and tokens]({os.path.basename(png)})\n")
+            f.write(f"\n![loss against wall-clock and tokens]({os.path.basename(png)})\n")
     report["files"] = files
     return report
 

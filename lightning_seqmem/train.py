@@ -1,7 +1,8 @@
 """``seqmem-train``: the main job, a Hydra app over ``conf/`` (shipped in the wheel as ``lightning_seqmem.conf``).
 
 Builds the DataModule, the model, the callbacks, the loggers and the Trainer from the config with
-``hydra.utils.instantiate``, in that order, and fits. The CUDA allocator is configured before torch is imported.
+``hydra.utils.instantiate``, in that order, and fits. The CUDA allocator is configured before torch is imported;
+each log line is printed once and upstream deprecation noise is silenced (``console``), in this process only.
 """
 
 from __future__ import annotations
@@ -42,6 +43,33 @@ def _instantiate_all(group: Any) -> list[Any]:
     return objects
 
 
+def _check_required(cfg) -> None:
+    """Values that a group option leaves to the user (``dataset: null`` in ``data=local``/``data=hf``).
+
+    Raises:
+        ValueError: ``data.dataset`` is null; the message says which ``data=`` option needs it and how to give it.
+    """
+    data = cfg.get("data")
+    if data is None or "dataset" not in data or data.dataset is not None:
+        return
+    from hydra.core.hydra_config import HydraConfig
+
+    choice = HydraConfig.get().runtime.choices.get("data") if HydraConfig.initialized() else None
+    example = "roneneldan/TinyStories" if choice == "hf" else "'data/*.jsonl'"
+    raise ValueError(
+        f"data.dataset is required{f' with data={choice}' if choice else ''}: say what to train on, e.g. "
+        f"seqmem-train data={choice or 'local'} data.dataset={example} (a file, glob or directory; data=hf: a "
+        "hub name). data=builtin trains on the built-in corpus."
+    )
+
+
+def _progress_bar_allowed(callback: Any, trainer_cfg: Any) -> bool:
+    # Lightning refuses a progress-bar callback with enable_progress_bar=False; that switch wins.
+    from lightning.pytorch.callbacks import ProgressBar
+
+    return not (isinstance(callback, ProgressBar) and trainer_cfg.get("enable_progress_bar") is False)
+
+
 def train(cfg) -> dict[str, Any]:
     """Fit with the composed config; returns the run summary (final validation loss included)."""
     import lightning.pytorch as L
@@ -49,10 +77,11 @@ def train(cfg) -> dict[str, Any]:
 
     from lightning_seqmem.summary import RunSummary
 
+    _check_required(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
-    callbacks = _instantiate_all(cfg.get("callbacks"))
+    callbacks = [cb for cb in _instantiate_all(cfg.get("callbacks")) if _progress_bar_allowed(cb, cfg.trainer)]
     loggers = _instantiate_all(cfg.get("logger"))
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     trainer.fit(model, datamodule=datamodule)
@@ -85,6 +114,10 @@ def _hydra_entry() -> None:
     def _main(cfg) -> float | None:
         from hydra.core.hydra_config import HydraConfig
 
+        from lightning_seqmem.console import log_each_line_once, quiet_upstream_noise
+
+        quiet_upstream_noise()
+        log_each_line_once()  # after Hydra has set up the job's logging
         output_dir = HydraConfig.get().runtime.output_dir
         if _is_rank_zero():
             _write_status(output_dir, "running")

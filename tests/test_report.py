@@ -117,3 +117,56 @@ def test_bad_baseline(sweep, capsys):
     assert "recorded no validation loss" in capsys.readouterr().err
     assert report.main([str(sweep), "--baseline", "nonsense"]) == 2
     assert "key=value" in capsys.readouterr().err
+
+
+def seeded_sweep(root):
+    """Two durations x three seeds. Baseline seeds end at 4.0, 4.2, 4.4 (target: 4.4, the highest); warmup
+    reaches 4.4 with 1000 fewer tokens than its own seed's baseline (deterministic gain) and in times that
+    straddle the baseline's (timing noise)."""
+    tokens_base, tokens_warm = [3000, 3100, 2900], [2000, 2100, 1900]
+    times_base, times_warm = [30.0, 20.0, 40.0], [25.0, 35.0, 20.0]
+    job = 0
+    for seed in range(3):
+        for duration, tokens, times in (("0.0", tokens_base, times_base), ("0.3", tokens_warm, times_warm)):
+            final = 4.0 + 0.2 * seed if duration == "0.0" else 3.9
+            # Two validations: 5.0 half-way, then the final loss.
+            rows = [(10, times[seed] / 2, tokens[seed] // 2, 5.0), (20, times[seed], tokens[seed], final)]
+            make_job(root, str(job), [f"seed={seed}", f"callbacks.seq_warmup.duration={duration}"], rows)
+            job += 1
+    return root
+
+
+def test_seeds_group_into_mean_and_sd(tmp_path):
+    rep = report.write_report(str(seeded_sweep(tmp_path)))
+    assert rep["seed_key"] == "seed" and rep["target"] == 4.4
+    groups = {g["group"]: g for g in rep["groups"]}
+    assert set(groups) == {"callbacks.seq_warmup.duration=0.0", "callbacks.seq_warmup.duration=0.3"}
+    base, warm = groups["callbacks.seq_warmup.duration=0.0"], groups["callbacks.seq_warmup.duration=0.3"]
+    assert base["baseline"] and base["seeds"] == 3 and base["reached"] == 3
+    assert base["final_val_loss_mean"] == pytest.approx(4.2) and base["final_val_loss_sd"] == pytest.approx(0.2)
+    # Each job's own figures, by linear interpolation between (5.0 at half) and the final loss.
+    rows = {r["job"]: r for r in rep["rows"]}
+    # seed 0: 1500 + 1500 * 0.6 / 1.0; seed 1: 1550 + 1550 * 0.6 / 0.8; seed 2 ends exactly at the target.
+    assert [rows[str(j)]["tokens_to_target"] for j in (0, 2, 4)] == [2400, 2712, 2900]
+    assert warm["tokens_to_target_mean"] < base["tokens_to_target_mean"]
+    assert warm["speedup_tokens"] == pytest.approx(base["tokens_to_target_mean"] / warm["tokens_to_target_mean"])
+    assert warm["tokens_noise"] == "beyond noise"  # every seed gains about the same
+    assert warm["time_noise"] == "within noise"  # the times straddle the baseline's
+    # Job speed-ups are against the baseline of the same seed.
+    assert rows["1"]["speedup_tokens"] == pytest.approx(rows["0"]["tokens_to_target"] / rows["1"]["tokens_to_target"],
+                                                        rel=1e-3)
+    md = (tmp_path / "report.md").read_text()
+    assert "Mean ± sd over seed" in md and "3/3 finished" in md and "(within noise)" in md
+    with open(tmp_path / "report_seeds.csv") as f:
+        assert len(list(csv.DictReader(f))) == 2
+
+
+def test_training_loss_is_plotted(tmp_path):
+    job = make_job(tmp_path, "0", ["a=1"], [(10, 10.0, 100, 5.0)])
+    with open(job / "train_progress.csv", "w") as f:
+        f.write("step,wall_clock_s,cpu_s,tokens_seen,train_loss\n5,5.0,5.0,50,6.0\n10,10.0,10.0,100,5.5\n")
+    make_job(tmp_path, "1", ["a=2"], [(10, 10.0, 100, 4.0)])
+    jobs = report.load_jobs(str(tmp_path))
+    assert [r["train_loss"] for r in jobs[0].train_rows] == [6.0, 5.5] and jobs[1].train_rows == []
+    rep = report.write_report(str(tmp_path))
+    assert rep["groups"] == [] and str(tmp_path / "report.png") in rep["files"]
