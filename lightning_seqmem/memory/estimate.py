@@ -310,6 +310,15 @@ def _traced_attention(attn_implementation: str) -> str:
     )
 
 
+def _enable_checkpointing(model) -> None:
+    """Recompute each layer in backward (transformers 5 renamed the method; the older name warns)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def fake_batch(rows: int, length: int, keys: Sequence[str], vocab_size: int) -> dict[str, torch.Tensor]:
     """A ``[rows, length]`` batch in the batch contract (call under ``FakeTensorMode``: no data is made)."""
     batch = {}
@@ -342,7 +351,7 @@ def build_fake_model(model_config, attn_implementation: str = "sdpa", precision:
         model = AutoModelForCausalLM.from_config(model_config, attn_implementation=implementation, **extra)
     model.train()
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)
     return mode, model
 
 
@@ -494,7 +503,7 @@ def measured_training_peak(
         model = AutoModelForCausalLM.from_config(model_config, attn_implementation=implementation, **extra)
         model.train()
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _enable_checkpointing(model)
         lightning_steps(model, adamw(model, "cpu"), batch, precision)
 
     return measured_peak_bytes(run)
