@@ -224,9 +224,12 @@ def plan_strategies(lengths, strategies, max_lengths, settings=DataSettings(), d
             for s in check_strategies(strategies) for m in check_max_lengths(max_lengths)]
 
 
-def recommend_data(plans: Sequence[StrategyPlan]) -> tuple[StrategyPlan, str]:
-    """The plan that loses the fewest tokens, then wastes the fewest slots, then has the shortest rows."""
-    best = min(plans, key=lambda p: (p.tokens_lost, -round(p.token_efficiency, 3), p.max_length))
+def recommend_data(plans: Sequence[StrategyPlan], max_length: int | None = None) -> tuple[StrategyPlan, str]:
+    """The plan that loses the fewest tokens, then wastes the fewest slots (to 1%), then has the max_length
+    closest to ``max_length`` (the configured one: packing is ~100% efficient at any length, and shorter rows cut
+    more documents); ties go to the earlier strategy (``pack_bfd`` keeps documents whole, ``pack_wrapped`` not)."""
+    target = max_length or max(p.max_length for p in plans)
+    best = min(plans, key=lambda p: (p.tokens_lost, -round(p.token_efficiency, 2), abs(math.log2(p.max_length / target))))
     lost = "no token lost" if best.tokens_lost == 0 else f"{best.lost_share:.2%} of tokens lost (the least of all)"
     return best, (f"strategy={best.strategy} max_length={best.max_length}: {lost}, "
                   f"{best.token_efficiency:.1%} of the slots hold real tokens")
@@ -318,9 +321,10 @@ class Plan:
     recommended: dict[str, Any]
 
 
-def recommend(plans: Sequence[StrategyPlan], memory: MemoryPlan | None, micro_batch_size: int) -> tuple[dict, str]:
+def recommend(plans: Sequence[StrategyPlan], memory: MemoryPlan | None, micro_batch_size: int,
+              max_length: int | None = None) -> tuple[dict, str]:
     """``({strategy, max_length, micro_batch_size, gradient_checkpointing}, one-line reason)``."""
-    best, reason = recommend_data(plans)
+    best, reason = recommend_data(plans, max_length)
     choice = {"strategy": best.strategy, "max_length": best.max_length, "micro_batch_size": micro_batch_size,
               "gradient_checkpointing": False}
     if memory is not None and memory.usable is not None:
@@ -357,13 +361,13 @@ def format_plan(plan: Plan) -> str:
         lines += ["", f"Peak training memory at length {memory.length} (worst case of the configured run)"
                   + (f"; budget {format_bytes(memory.budget)}, {format_bytes(memory.usable)} usable after a "
                      f"{memory.margin:.0%} allocator margin" if memory.budget else ""),
-                  "micro_batch_size  checkpointing  parameters  gradients  optimizer  activations  peak"]
+                  "micro_batch_size  checkpointing  parameters  gradients  optimizer  activations  peak (in)"]
         for checkpointing, by_rows in memory.estimates.items():
             for rows, e in by_rows.items():
                 fit = "" if memory.usable is None else ("  fits" if e.peak <= memory.usable else "  too big")
                 lines.append(f"{rows:>16}  {'yes' if checkpointing else 'no':>13}  {format_bytes(e.parameters):>10}  "
                              f"{format_bytes(e.gradients):>9}  {format_bytes(e.optimizer_state):>9}  "
-                             f"{format_bytes(e.activations):>11}  {format_bytes(e.peak)}{fit}")
+                             f"{format_bytes(e.activations):>11}  {format_bytes(e.peak)} ({e.peak_phase}){fit}")
         if memory.advice:
             lines.append(memory.advice)
     lines += ["", "Recommended: " + " ".join(f"{k}={v}" for k, v in plan.recommended.items()),
@@ -420,12 +424,12 @@ def build_plan(
     memory = None
     if estimate is not None:
         memory = plan_memory(estimate, current.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
-    recommended, reason = recommend(plans, memory, settings.micro_batch_size)
+    recommended, reason = recommend(plans, memory, settings.micro_batch_size, config_length)
     best = _with_config(plans, recommended["strategy"], recommended["max_length"])
     if memory is not None and best is not None and best.max_batch_shape[1] != memory.length and budget is not None:
         # The recommended rows are longer or shorter than the configured run's: size its micro-batch on its own.
         other = plan_memory(estimate, best.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
-        recommended, reason = recommend(plans, other, settings.micro_batch_size)
+        recommended, reason = recommend(plans, other, settings.micro_batch_size, config_length)
     return Plan(distribution=length_distribution(lengths["train"], max_lengths), strategies=plans,
                 configured=current, memory=memory, recommendation=reason, recommended=recommended)
 
