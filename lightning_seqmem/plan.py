@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from lightning_seqmem.collate import PadCollator
+from lightning_seqmem.memory.estimate import largest_fitting
 from lightning_seqmem.packing import pack_lengths
 from lightning_seqmem.sampling import LengthGroupedSampler, ShuffledBatchSampler, TokenBudgetBatchSampler
 from lightning_seqmem.truncation import count_truncated
@@ -276,15 +277,11 @@ def plan_memory(
     if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
         raise ValueError(f"micro_batch_sizes must be ints >= 1, got {list(micro_batch_sizes)[:8]}.")
     out = MemoryPlan(length=length, budget=budget, margin=margin)
+    limit = out.usable if out.usable is not None else math.inf
     for checkpointing in (False, True):
-        out.estimates[checkpointing], out.fits[checkpointing] = {}, None
-        for rows in sizes:
-            est = estimate(rows, length, checkpointing)
-            out.estimates[checkpointing][rows] = est
-            if out.usable is not None and est.peak > out.usable:
-                break
-            if out.usable is not None:
-                out.fits[checkpointing] = rows
+        fits, out.estimates[checkpointing] = largest_fitting(lambda rows: estimate(rows, length, checkpointing),
+                                                             limit, sizes)
+        out.fits[checkpointing] = fits if out.usable is not None else None
     if out.usable is not None and out.fits[False] is None:
         out.advice = _no_fit_advice(estimate, out, shorter_lengths)
     return out

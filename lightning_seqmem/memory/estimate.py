@@ -507,3 +507,70 @@ def measured_training_peak(
         lightning_steps(model, adamw(model, "cpu"), batch, precision)
 
     return measured_peak_bytes(run)
+
+
+_ESTIMATES: dict[tuple, MemoryEstimate] = {}
+
+
+def cached_estimate(model_config, rows: int, length: int, keys: Sequence[str], precision: str = "32-true",
+                    device: str = "cuda", attn_implementation: str = "sdpa",
+                    gradient_checkpointing: bool = False) -> MemoryEstimate:
+    """:func:`estimate_training_memory`, remembered per (config, shape, settings) for this process, so the
+    callbacks that ask the same question (``ConfigChecks``, ``CachePreallocator``) trace once."""
+    key = (model_config.to_json_string(), rows, length, tuple(keys), normalize_precision(precision), device,
+           attn_implementation, gradient_checkpointing)
+    if key not in _ESTIMATES:
+        _ESTIMATES[key] = estimate_training_memory(model_config, rows, length, keys, precision, device,
+                                                   attn_implementation, gradient_checkpointing)
+    return _ESTIMATES[key]
+
+
+def module_facts(pl_module: torch.nn.Module) -> dict[str, Any] | None:
+    """``model_config``, ``attn_implementation`` and ``gradient_checkpointing`` of a LightningModule wrapping a
+    Hugging Face model as ``.model`` (like ``CausalLM``); ``None`` for anything else (nothing to trace)."""
+    model = getattr(pl_module, "model", None)
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string") or not hasattr(config, "vocab_size"):
+        return None
+    return {"model_config": config, "attn_implementation": getattr(config, "_attn_implementation", None) or "sdpa",
+            "gradient_checkpointing": bool(getattr(model, "is_activation_checkpointing", None)
+                                           if hasattr(model, "is_activation_checkpointing")
+                                           else getattr(model, "is_gradient_checkpointing", False))}
+
+
+def shortfall_message(
+    model_config,
+    shape: tuple[int, int],
+    keys: Sequence[str],
+    available: int,
+    precision: str = "32-true",
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+    device: str = "cuda",
+) -> str | None:
+    """When the traced peak of a ``shape`` training step exceeds ``available`` bytes: a message with the peak, its
+    split and the largest ``micro_batch_size`` (rows) that fits; ``None`` when it fits.
+
+    Args:
+        model_config: the ``transformers`` config of the model.
+        shape: the worst-case ``(rows, length)``.
+        keys: the batch keys.
+        available: bytes the step may use (free device memory plus what the model already holds there).
+        precision, attn_implementation, gradient_checkpointing, device: as in :func:`estimate_training_memory`.
+    """
+    from lightning_seqmem.memory.stats import format_bytes
+
+    rows, length = shape
+    settings = (keys, precision, device, attn_implementation, gradient_checkpointing)
+    est = cached_estimate(model_config, rows, length, *settings)
+    if est.peak <= available:
+        return None
+    smaller = [2**i for i in range(rows.bit_length()) if 2**i < rows]
+    best, _ = largest_fitting(lambda r: cached_estimate(model_config, r, length, *settings), available, smaller)
+    fix = (f"micro_batch_size={best} fits" if best is not None else
+           "not even micro_batch_size=1 fits: use gradient checkpointing, a shorter max_length or bf16")
+    return (f"Predicted peak training memory for the worst-case batch {rows} x {length} is {format_bytes(est.peak)} "
+            f"(parameters {format_bytes(est.parameters)}, gradients {format_bytes(est.gradients)}, optimizer state "
+            f"{format_bytes(est.optimizer_state)}, activations {format_bytes(est.activations)}; traced, "
+            f"{precision}, {attn_implementation}), more than the {format_bytes(available)} available: {fix}. "
+            "seqmem-plan prints the whole table.")
