@@ -21,6 +21,9 @@ _EXPORTS: dict[str, str] = {
     "RunFacts": "lightning_seqmem.memory.checks",
     "find_problems": "lightning_seqmem.memory.checks",
     "resolve_precision": "lightning_seqmem.memory.checks",
+    "estimate_training_memory": "lightning_seqmem.memory.estimate",
+    "MemoryEstimate": "lightning_seqmem.memory.estimate",
+    "TraceError": "lightning_seqmem.memory.estimate",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -21,6 +21,7 @@ from lightning_seqmem.varlen import PassesFlashVarlen, is_flash_attention
 
 CHECKS = ("eval_batch_size", "batch_size", "fp16_packing", "fp8_compile", "packing_attention", "flash_varlen",
           "dynamic_shapes")
+ALL_CHECKS = CHECKS + ("memory",)  # find_problems' checks on RunFacts, and ConfigChecks' traced memory estimate
 
 
 def resolve_precision(precision: str = "auto") -> str:
@@ -213,6 +214,11 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
     )
 
 
+def _cuda_free_memory(device: torch.device) -> int | None:
+    """Free bytes on a CUDA device, ``None`` for other devices (tests simulate a GPU by replacing this)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 class ConfigChecks(Callback):
     """Warn once, at ``setup(stage="fit")``, about configurations known to waste memory or fail, with the fix.
 
@@ -222,8 +228,10 @@ class ConfigChecks(Callback):
     packing with an attention implementation that cannot keep documents apart; ``flash_varlen``: packing with flash
     attention and several rows per batch, from a module that does not say it passes the varlen arguments
     (``passes_flash_varlen_kwargs = True``; ``CausalLM`` does); ``dynamic_shapes``: changing shapes on
-    CUDA without ``CachePreallocator`` or expandable segments. Facts are read defensively (DataModule attributes or
-    ``hparams``, ``pl_module.model.config._attn_implementation``), so any model and DataModule work; an unknown fact
+    CUDA without ``CachePreallocator`` or expandable segments; ``memory``: on CUDA, the traced peak of the worst-case
+    step (``memory/estimate.py``) exceeds the free device memory (the message names the micro_batch_size that fits).
+    Facts are read defensively (DataModule attributes or ``hparams``,
+    ``pl_module.model.config._attn_implementation``), so any model and DataModule work; an unknown fact
     keeps its check quiet. The warnings found are in :attr:`problems`.
 
     Args:
@@ -238,9 +246,9 @@ class ConfigChecks(Callback):
     """
 
     def __init__(self, skip: tuple[str, ...] | list[str] = ()) -> None:
-        unknown = set(skip) - set(CHECKS)
+        unknown = set(skip) - set(ALL_CHECKS)
         if unknown:
-            raise ValueError(f"Unknown checks {sorted(unknown)} in skip; the checks are {list(CHECKS)}.")
+            raise ValueError(f"Unknown checks {sorted(unknown)} in skip; the checks are {list(ALL_CHECKS)}.")
         self.skip = tuple(skip)
         self.problems: dict[str, str] = {}
         self._warned: set[str] = set()
@@ -250,8 +258,30 @@ class ConfigChecks(Callback):
         if stage != "fit":
             return
         found = find_problems(gather_facts(trainer, pl_module))
+        found.update(self._memory_problem(trainer, pl_module) if "memory" not in self.skip else {})
         self.problems = {name: text for name, text in found.items() if name not in self.skip}
         for name, text in self.problems.items():
             if name not in self._warned:
                 self._warned.add(name)
                 rank_zero_warn(f"ConfigChecks [{name}]: {text}")
+
+    @staticmethod
+    def _memory_problem(trainer: Trainer, pl_module: LightningModule) -> dict[str, str]:
+        """``memory``: on CUDA, the traced estimate of the worst-case step (the numbers ``seqmem-plan`` prints)
+        against the device's free memory, before anything is allocated; names the micro_batch_size that fits."""
+        from lightning_seqmem.memory.estimate import module_facts, shortfall_message
+
+        dm, facts = trainer.datamodule, module_facts(pl_module)
+        if facts is None or not callable(getattr(dm, "max_batch_shape", None)):
+            return {}
+        try:
+            free = _cuda_free_memory(trainer.strategy.root_device)
+            if free is None:
+                return {}
+            shape = tuple(int(x) for x in dm.max_batch_shape())
+            keys = tuple(dm.batch_keys()) if callable(getattr(dm, "batch_keys", None)) else ("input_ids", "labels")
+            message = shortfall_message(shape=shape, keys=keys, available=free,
+                                        precision=str(trainer.precision), **facts)
+        except Exception:  # an estimate we cannot make is no problem of the config
+            return {}
+        return {"memory": message} if message else {}

@@ -325,8 +325,29 @@ class CachePreallocator(Callback):
         self.report = PreallocationReport(
             shapes=self.worst_case_shapes(trainer), keys=self._batch_keys(trainer), device=str(pl_module.device)
         )
+        self._warn_if_predicted_oom(trainer, pl_module)
         self._run(trainer, pl_module, "fit_start")
         rank_zero_info(self.report.summary())
+
+    def _warn_if_predicted_oom(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """CUDA, before the pass allocates anything: warn when the traced estimate of the worst-case step
+        (``memory/estimate.py``, the numbers ``seqmem-plan`` prints) exceeds the free memory, with the
+        micro_batch_size that fits. Only a warning: the pass itself then measures."""
+        from lightning_seqmem.memory.estimate import module_facts, shortfall_message
+
+        facts = module_facts(pl_module)
+        if facts is None or not _is_cuda(pl_module.device):
+            return
+        try:
+            free, _ = _cuda_mem_get_info(pl_module.device)
+            available = free + _cuda_allocated(pl_module.device)  # weights already there are part of the estimate
+            message = shortfall_message(shape=self.report.shapes[0], keys=self.report.keys, available=available,
+                                        precision=str(trainer.precision), **facts)
+        except Exception as error:  # an estimate we cannot make must never stop the run
+            rank_zero_info(f"CachePreallocator: no memory estimate ({type(error).__name__}: {str(error)[:200]}).")
+            return
+        if message:
+            rank_zero_warn(f"CachePreallocator: {message}")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -1,0 +1,459 @@
+"""Plan a run before training: padding waste per strategy and max_length, and peak memory per micro_batch_size.
+
+The data half reads document lengths only (the ``length`` column that tokenization writes) and runs them through
+the functions the DataModule itself uses: ``truncation.count_truncated``, ``packing.pack_lengths``, the batch
+samplers' ``batches(0)`` and ``PadCollator.padded_length``. So token efficiency, tokens lost, rows, batches and the
+largest batch shape equal what ``SeqMemDataModule.stats()`` and ``max_batch_shape()`` report on the same data.
+The memory half traces training steps on fake tensors (``memory/estimate.py``). No Lightning import.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lightning_seqmem.collate import PadCollator
+from lightning_seqmem.memory.estimate import largest_fitting
+from lightning_seqmem.packing import pack_lengths
+from lightning_seqmem.sampling import LengthGroupedSampler, ShuffledBatchSampler, TokenBudgetBatchSampler
+from lightning_seqmem.truncation import count_truncated
+
+# Planner strategy names -> the SeqMemDataModule arguments that select them.
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "pad": {"strategy": "pad", "pad_to_max_length": False},
+    "pad_to_max_length": {"strategy": "pad", "pad_to_max_length": True},
+    "truncate": {"strategy": "truncate"},
+    "pack_bfd": {"strategy": "pack", "packing": "bfd"},
+    "pack_wrapped": {"strategy": "pack", "packing": "wrapped"},
+}
+PERCENTILES = (50, 90, 95, 99, 100)
+DEFAULT_MARGIN = 0.10  # of the budget, held back for the caching allocator's fragmentation and the CUDA context
+
+
+def check_strategies(strategies: Sequence[str]) -> tuple[str, ...]:
+    """Raise a ``ValueError`` naming the choices for an empty list or an unknown strategy."""
+    strategies = tuple(strategies)
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if not strategies or unknown:
+        raise ValueError(f"Unknown or no strategies {unknown[:5] or '[]'}; choose from {list(STRATEGIES)}.")
+    return strategies
+
+
+def check_max_lengths(max_lengths: Sequence[int]) -> tuple[int, ...]:
+    """Raise a ``ValueError`` for an empty list or a ``max_length`` below 2 (a row needs an input and a target)."""
+    values = tuple(max_lengths)
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 2]
+    if not values or bad:
+        raise ValueError(
+            f"max_lengths must be a non-empty list of ints >= 2, got {list(values)[:8]}; e.g. [512, 1024, 2048]."
+        )
+    return tuple(sorted(set(values)))
+
+
+def strategy_name(strategy: str, packing: str = "bfd", pad_to_max_length: bool = False) -> str:
+    """The planner's name for a DataModule configuration (``strategy="pack", packing="bfd"`` -> ``"pack_bfd"``)."""
+    if strategy == "pack":
+        return f"pack_{packing}"
+    if strategy == "pad" and pad_to_max_length:
+        return "pad_to_max_length"
+    return strategy
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """``"80GiB"``, ``"80 GB"``, ``"512MiB"`` or a number of bytes -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B|B)?\s*", str(value), flags=re.IGNORECASE)
+    if not match:
+        raise ValueError(f"Cannot read a memory size from {str(value)[:40]!r}; write e.g. 80GiB, 40GB or 512MiB.")
+    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    return int(float(match.group(1)) * units[(match.group(2) or "B").lower()])
+
+
+# --------------------------------------------------------------------------------------------------- data half
+@dataclass(frozen=True)
+class DataSettings:
+    """The DataModule arguments the numbers depend on (besides strategy and max_length)."""
+
+    micro_batch_size: int = 8
+    eval_batch_size: int | None = None
+    pad_to_multiple_of: int | None = 8
+    seed: int = 42
+    overflow: str = "split"
+    group_by_length: bool = False
+    max_tokens_per_batch: int | None = None
+    drop_last: bool = False
+
+    @classmethod
+    def from_datamodule(cls, dm: Any) -> DataSettings:
+        """Read the settings from a ``SeqMemDataModule`` (or anything with the same attributes)."""
+        return cls(**{name: getattr(dm, name) for name in cls.__dataclass_fields__})
+
+
+def length_distribution(lengths: np.ndarray, max_lengths: Sequence[int]) -> dict[str, Any]:
+    """Percentiles of ``[documents]`` token counts and the share of documents and tokens over each max_length."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = max(int(lengths.sum()), 1)
+    return {
+        "documents": int(lengths.size),
+        "tokens": int(lengths.sum()),
+        "mean": float(lengths.mean()) if lengths.size else 0.0,
+        "percentiles": {p: int(np.percentile(lengths, p, method="higher")) if lengths.size else 0
+                        for p in PERCENTILES},
+        "over": {m: {"documents": float((lengths > m).mean()) if lengths.size else 0.0,
+                     "tokens": count_truncated(lengths, m) / total} for m in max_lengths},
+    }
+
+
+def _rows(lengths: np.ndarray, strategy: str, max_length: int, settings: DataSettings) -> tuple[np.ndarray, int]:
+    """``([rows] real tokens per row fed to the model, tokens lost)`` for one split, as the DataModule builds them."""
+    args = STRATEGIES[strategy]
+    if args["strategy"] == "pack":
+        packed = pack_lengths(lengths, max_length, args["packing"], settings.overflow)
+        return np.diff(packed.row_offsets), packed.tokens_truncated + packed.tokens_dropped
+    return np.minimum(lengths, max_length), count_truncated(lengths, max_length)
+
+
+def _collator(strategy: str, max_length: int, settings: DataSettings) -> PadCollator:
+    """The pad collator's length rule (pad id 0: only its ``padded_length`` is used)."""
+    if strategy == "truncate":
+        return PadCollator(0, max_length=max_length, pad_to_multiple_of=None, pad_to_max_length=True)
+    return PadCollator(0, max_length=max_length, pad_to_multiple_of=settings.pad_to_multiple_of,
+                       pad_to_max_length=STRATEGIES[strategy].get("pad_to_max_length", False))
+
+
+def _sampler(rows: np.ndarray, strategy: str, max_length: int, settings: DataSettings, train: bool,
+             num_replicas: int = 1):
+    """The batch sampler the DataModule would use for these rows (rank 0 of ``num_replicas``)."""
+    common = dict(shuffle=train, seed=settings.seed, num_replicas=num_replicas, rank=0,
+                  drop_last=settings.drop_last and train)
+    padded = STRATEGIES[strategy]["strategy"] == "pad"
+    if padded and settings.max_tokens_per_batch is not None:
+        return TokenBudgetBatchSampler(rows, settings.max_tokens_per_batch,
+                                       padded_length=_collator(strategy, max_length, settings).padded_length, **common)
+    if settings.max_tokens_per_batch is not None:
+        batch_size = settings.max_tokens_per_batch // max_length
+    else:
+        batch_size = settings.micro_batch_size if train else (settings.eval_batch_size or settings.micro_batch_size)
+    if padded and settings.group_by_length:
+        return LengthGroupedSampler(rows, batch_size, **common)
+    return ShuffledBatchSampler(len(rows), batch_size, **common)
+
+
+def _shapes(rows: np.ndarray, batches: list[list[int]], strategy: str, max_length: int,
+            settings: DataSettings) -> list[tuple[int, int]]:
+    if STRATEGIES[strategy]["strategy"] == "pad":
+        collator = _collator(strategy, max_length, settings)
+        return [(len(b), collator.padded_length(int(rows[b].max()))) for b in batches]
+    return [(len(b), max_length) for b in batches]
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    """One strategy at one max_length, on the train split (``max_batch_shape`` over train and validation)."""
+
+    strategy: str
+    max_length: int
+    token_efficiency: float  # real tokens / slots fed to the model in one epoch
+    tokens: int  # tokens of the train documents
+    tokens_lost: int  # truncated or dropped: never reach the model
+    rows: int  # rows per epoch (documents, or packed rows)
+    batches: int  # micro-batches per epoch, one process
+    optimizer_steps: int  # per epoch, per the devices and accumulate_grad_batches given
+    max_batch_shape: tuple[int, int]  # (rows, length), the largest batch of any split
+    rows_dropped_per_epoch: int = 0
+
+    @property
+    def lost_share(self) -> float:
+        return self.tokens_lost / max(self.tokens, 1)
+
+
+def plan_strategy(
+    lengths: Mapping[str, np.ndarray],
+    strategy: str,
+    max_length: int,
+    settings: DataSettings = DataSettings(),
+    devices: int = 1,
+    accumulate_grad_batches: int = 1,
+) -> StrategyPlan:
+    """What ``SeqMemDataModule`` would measure with ``strategy`` and ``max_length`` on documents of ``lengths``.
+
+    Args:
+        lengths: split name -> ``[documents]`` token counts (empty documents already left out), with ``"train"``.
+        strategy: a key of :data:`STRATEGIES`.
+        max_length: row capacity.
+        settings: the other DataModule arguments.
+        devices: data-parallel processes (optimizer steps count each rank's batches).
+        accumulate_grad_batches: micro-batches per optimizer step.
+    """
+    check_strategies([strategy])
+    check_max_lengths([max_length])
+    shapes: list[tuple[int, int]] = []
+    train = None
+    for split, docs in lengths.items():
+        rows, lost = _rows(np.asarray(docs, dtype=np.int64), strategy, max_length, settings)
+        sampler = _sampler(rows, strategy, max_length, settings, train=split == "train")
+        batches = sampler.batches(0)
+        split_shapes = _shapes(rows, batches, strategy, max_length, settings)
+        shapes += split_shapes
+        if split == "train":
+            fed = sum(int(rows[b].sum()) for b in batches)
+            per_rank = len(_sampler(rows, strategy, max_length, settings, train=True, num_replicas=devices))
+            train = dict(token_efficiency=fed / max(sum(r * n for r, n in split_shapes), 1),
+                         tokens=int(np.asarray(docs).sum()), tokens_lost=int(lost), rows=len(rows),
+                         batches=len(batches), optimizer_steps=math.ceil(per_rank / accumulate_grad_batches),
+                         rows_dropped_per_epoch=sampler.num_dropped)
+    if train is None:
+        raise ValueError(f"lengths needs a 'train' split, got {sorted(lengths)}.")
+    if STRATEGIES[strategy]["strategy"] == "pad" and settings.max_tokens_per_batch is not None:
+        largest = max(shapes, key=lambda s: (s[0] * s[1], s[1]))
+    else:
+        largest = (max(s[0] for s in shapes), max(s[1] for s in shapes))
+    return StrategyPlan(strategy=strategy, max_length=max_length, max_batch_shape=largest, **train)
+
+
+def plan_strategies(lengths, strategies, max_lengths, settings=DataSettings(), devices=1,
+                    accumulate_grad_batches=1) -> list[StrategyPlan]:
+    """:func:`plan_strategy` for every strategy x max_length."""
+    return [plan_strategy(lengths, s, m, settings, devices, accumulate_grad_batches)
+            for s in check_strategies(strategies) for m in check_max_lengths(max_lengths)]
+
+
+def recommend_data(plans: Sequence[StrategyPlan], max_length: int | None = None) -> tuple[StrategyPlan, str]:
+    """The plan that loses the fewest tokens, then wastes the fewest slots (to 1%), then has the max_length
+    closest to ``max_length`` (the configured one: packing is ~100% efficient at any length, and shorter rows cut
+    more documents); ties go to the earlier strategy (``pack_bfd`` keeps documents whole, ``pack_wrapped`` not)."""
+    target = max_length or max(p.max_length for p in plans)
+    best = min(plans, key=lambda p: (p.tokens_lost, -round(p.token_efficiency, 2), abs(math.log2(p.max_length / target))))
+    lost = "no token lost" if best.tokens_lost == 0 else f"{best.lost_share:.2%} of tokens lost (the least of all)"
+    return best, (f"strategy={best.strategy} max_length={best.max_length}: {lost}, "
+                  f"{best.token_efficiency:.1%} of the slots hold real tokens")
+
+
+# ------------------------------------------------------------------------------------------------- memory half
+@dataclass
+class MemoryPlan:
+    """Predicted peak memory per micro_batch_size at one worst-case length, with and without checkpointing."""
+
+    length: int
+    budget: int | None
+    margin: float
+    estimates: dict[bool, dict[int, Any]] = field(default_factory=dict)  # checkpointing -> rows -> MemoryEstimate
+    fits: dict[bool, int | None] = field(default_factory=dict)  # checkpointing -> largest rows within budget
+    advice: str = ""
+
+    @property
+    def usable(self) -> int | None:
+        return None if self.budget is None else int(self.budget * (1 - self.margin))
+
+
+def plan_memory(
+    estimate: Callable[[int, int, bool], Any],
+    length: int,
+    micro_batch_sizes: Sequence[int],
+    budget: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    shorter_lengths: Sequence[int] = (),
+) -> MemoryPlan:
+    """Peak memory for each micro_batch_size, with and without gradient checkpointing, and what fits ``budget``.
+
+    Args:
+        estimate: ``(rows, length, gradient_checkpointing) -> MemoryEstimate``.
+        length: the worst-case row length.
+        micro_batch_sizes: candidates; with a budget the search stops at the first that does not fit.
+        budget: device memory in bytes (``None``: no fitting, every candidate estimated).
+        margin: share of ``budget`` held back for allocator overhead.
+        shorter_lengths: max_lengths to suggest when not even one row fits.
+    """
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin={margin} must be in [0, 1): the share of the budget kept for the allocator.")
+    sizes = sorted(set(micro_batch_sizes))
+    if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"micro_batch_sizes must be ints >= 1, got {list(micro_batch_sizes)[:8]}.")
+    out = MemoryPlan(length=length, budget=budget, margin=margin)
+    limit = out.usable if out.usable is not None else math.inf
+    for checkpointing in (False, True):
+        fits, out.estimates[checkpointing] = largest_fitting(lambda rows: estimate(rows, length, checkpointing),
+                                                             limit, sizes)
+        out.fits[checkpointing] = fits if out.usable is not None else None
+    if out.usable is not None and out.fits[False] is None:
+        out.advice = _no_fit_advice(estimate, out, shorter_lengths)
+    return out
+
+
+def _no_fit_advice(estimate, memory: MemoryPlan, shorter_lengths: Sequence[int]) -> str:
+    from lightning_seqmem.memory.stats import format_bytes
+
+    one = memory.estimates[False][min(memory.estimates[False])]
+    ways = []
+    if memory.fits[True] is not None:
+        ways.append(f"gradient checkpointing (model.gradient_checkpointing=true) fits micro_batch_size="
+                    f"{memory.fits[True]}")
+    for length in sorted((m for m in shorter_lengths if m < memory.length), reverse=True):
+        if estimate(1, length, False).peak <= memory.usable:
+            ways.append(f"data.max_length={length} fits micro_batch_size=1")
+            break
+    ways = ways or ["a smaller model, bf16 weights (trainer.precision=bf16-true) or a bigger device"]
+    return (f"No micro_batch_size fits {format_bytes(memory.budget)} ({format_bytes(memory.usable)} usable after a "
+            f"{memory.margin:.0%} allocator margin) at length {memory.length}: one row needs {format_bytes(one.peak)}. "
+            "What would fit: " + "; ".join(ways) + ".")
+
+
+# ------------------------------------------------------------------------------------------------------ report
+@dataclass
+class Plan:
+    """Everything ``seqmem-plan`` prints."""
+
+    distribution: dict[str, Any]
+    strategies: list[StrategyPlan]
+    configured: StrategyPlan | None
+    memory: MemoryPlan | None
+    recommendation: str
+    recommended: dict[str, Any]
+
+
+def recommend(plans: Sequence[StrategyPlan], memory: MemoryPlan | None, micro_batch_size: int,
+              max_length: int | None = None) -> tuple[dict, str]:
+    """``({strategy, max_length, micro_batch_size, gradient_checkpointing}, one-line reason)``."""
+    best, reason = recommend_data(plans, max_length)
+    choice = {"strategy": best.strategy, "max_length": best.max_length, "micro_batch_size": micro_batch_size,
+              "gradient_checkpointing": False}
+    if memory is not None and memory.usable is not None:
+        if memory.fits[False] is not None:
+            choice["micro_batch_size"] = memory.fits[False]
+            reason += f"; micro_batch_size={memory.fits[False]} is the largest that fits"
+        elif memory.fits[True] is not None:
+            choice.update(micro_batch_size=memory.fits[True], gradient_checkpointing=True)
+            reason += f"; only gradient checkpointing fits, with micro_batch_size={memory.fits[True]}"
+        else:
+            choice["micro_batch_size"] = None
+            reason += "; but nothing fits the memory budget (see above)"
+    return choice, reason
+
+
+def format_plan(plan: Plan) -> str:
+    """The report as text tables."""
+    from lightning_seqmem.memory.stats import format_bytes
+
+    d = plan.distribution
+    pct = "  ".join(f"p{p}={v}" for p, v in d["percentiles"].items())
+    lines = [f"Train documents: {d['documents']:,}, {d['tokens']:,} tokens, mean {d['mean']:.1f} tokens; {pct}",
+             "max_length | documents longer | tokens beyond it"]
+    lines += [f"{m:>10} | {o['documents']:>16.2%} | {o['tokens']:>16.2%}" for m, o in d["over"].items()]
+    lines += ["", "strategy           max_length  efficiency  tokens lost     rows  batches  steps  largest batch"]
+    for s in plan.strategies:
+        mark = " <- config" if plan.configured is not None and (s.strategy, s.max_length) == (
+            plan.configured.strategy, plan.configured.max_length) else ""
+        lines.append(f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}  {s.tokens_lost:>7,} "
+                     f"({s.lost_share:.1%}) {s.rows:>7,} {s.batches:>8,} {s.optimizer_steps:>6,}  "
+                     f"{s.max_batch_shape[0]} x {s.max_batch_shape[1]}{mark}")
+    memory = plan.memory
+    if memory is not None:
+        lines += ["", f"Peak training memory at length {memory.length} (worst case of the configured run)"
+                  + (f"; budget {format_bytes(memory.budget)}, {format_bytes(memory.usable)} usable after a "
+                     f"{memory.margin:.0%} allocator margin" if memory.budget else ""),
+                  "micro_batch_size  checkpointing  parameters  gradients  optimizer  activations  peak (in)"]
+        for checkpointing, by_rows in memory.estimates.items():
+            for rows, e in by_rows.items():
+                fit = "" if memory.usable is None else ("  fits" if e.peak <= memory.usable else "  too big")
+                lines.append(f"{rows:>16}  {'yes' if checkpointing else 'no':>13}  {format_bytes(e.parameters):>10}  "
+                             f"{format_bytes(e.gradients):>9}  {format_bytes(e.optimizer_state):>9}  "
+                             f"{format_bytes(e.activations):>11}  {format_bytes(e.peak)} ({e.peak_phase}){fit}")
+        if memory.advice:
+            lines.append(memory.advice)
+    lines += ["", "Recommended: " + " ".join(f"{k}={v}" for k, v in plan.recommended.items()),
+              "Why: " + plan.recommendation]
+    return "\n".join(lines)
+
+
+def save_histogram(lengths: np.ndarray, max_lengths: Sequence[int], path: str) -> str:
+    """A PNG histogram of document lengths with each candidate max_length marked (needs matplotlib: ``[plot]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError("The histogram needs matplotlib: pip install 'lightning_seqmem[plot]'.") from error
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.hist(np.asarray(lengths), bins=min(100, max(10, int(np.sqrt(len(lengths))))), color="#4c72b0")
+    for m in max_lengths:
+        ax.axvline(m, color="#c44e52", linestyle="--", linewidth=1)
+        ax.text(m, ax.get_ylim()[1] * 0.95, f" {m}", color="#c44e52", fontsize=8, va="top")
+    ax.set_xlabel("tokens per document")
+    ax.set_ylabel("documents")
+    ax.set_title("Train document lengths and candidate max_length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _with_config(plans: Sequence[StrategyPlan], strategy: str, max_length: int) -> StrategyPlan | None:
+    return next((p for p in plans if (p.strategy, p.max_length) == (strategy, max_length)), None)
+
+
+def build_plan(
+    lengths: Mapping[str, np.ndarray],
+    strategies: Sequence[str],
+    max_lengths: Sequence[int],
+    settings: DataSettings,
+    configured: tuple[str, int],
+    estimate: Callable[[int, int, bool], Any] | None = None,
+    micro_batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    budget: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    devices: int = 1,
+    accumulate_grad_batches: int = 1,
+) -> Plan:
+    """The whole plan from document lengths (``estimate`` ``None``: data half only)."""
+    strategies, max_lengths = check_strategies(strategies), check_max_lengths(max_lengths)
+    config_strategy, config_length = configured
+    plans = plan_strategies(lengths, strategies, max_lengths, settings, devices, accumulate_grad_batches)
+    current = _with_config(plans, config_strategy, config_length) or plan_strategy(
+        lengths, config_strategy, config_length, settings, devices, accumulate_grad_batches)
+    memory = None
+    if estimate is not None:
+        memory = plan_memory(estimate, current.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
+    recommended, reason = recommend(plans, memory, settings.micro_batch_size, config_length)
+    best = _with_config(plans, recommended["strategy"], recommended["max_length"])
+    if memory is not None and best is not None and best.max_batch_shape[1] != memory.length and budget is not None:
+        # The recommended rows are longer or shorter than the configured run's: size its micro-batch on its own.
+        other = plan_memory(estimate, best.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
+        recommended, reason = recommend(plans, other, settings.micro_batch_size, config_length)
+    return Plan(distribution=length_distribution(lengths["train"], max_lengths), strategies=plans,
+                configured=current, memory=memory, recommendation=reason, recommended=recommended)
+
+
+def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
+    """Per split, the token count of every non-empty document, as ``SeqMemDataModule(...)`` tokenizes them.
+
+    Only the ``length`` column is read (Arrow, no token lists). Tokenization goes through ``datasets.map`` and is
+    cached by fingerprint, so the training run that follows reuses it.
+    """
+    from lightning_seqmem.data_source import check_columns, ensure_validation_split, load_text_dataset
+    from lightning_seqmem.data_source import tokenize_dataset
+
+    raw = load_text_dataset(dm.dataset)
+    kind = check_columns(raw, dm.text_column)
+    if kind != "text":
+        raise ValueError("seqmem-plan plans text datasets; prompt/completion data is not supported yet.")
+    tokenized = ensure_validation_split(tokenize_dataset(raw, dm.tokenizer, kind=kind, text_column=dm.text_column),
+                                        seed=dm.seed)
+    out = {}
+    for split in ("train", "validation"):
+        # the column only, through the split's index mapping (a carved-out validation split is a view of train)
+        lengths = np.asarray(tokenized[split].with_format("numpy", columns=["length"])["length"], dtype=np.int64)
+        out[split] = lengths[lengths > 0]
+    return out
+
+
+__all__ = ["STRATEGIES", "DataSettings", "StrategyPlan", "MemoryPlan", "Plan", "plan_strategy", "plan_strategies",
+           "plan_memory", "build_plan", "format_plan", "save_histogram", "datamodule_lengths", "length_distribution",
+           "parse_bytes", "recommend", "recommend_data", "strategy_name"]

@@ -1,0 +1,149 @@
+"""``seqmem-plan``: the planner as a Hydra app over the same ``conf/`` as ``seqmem-train``.
+
+``conf/plan.yaml`` composes ``config.yaml`` and adds a ``plan`` node, so ``seqmem-plan data=... model=... trainer=...``
+reads the DataModule, model and Trainer settings of exactly the run ``seqmem-train`` with the same overrides would
+launch. Only the DataModule is instantiated (for its tokenizer and settings); the model is traced on fake tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from lightning_seqmem.train import CONFIG_PATH
+
+AUTO_PRECISION_WITHOUT_GPU = "bf16-mixed"  # what resolve_precision("auto") picks on any GPU made since 2020
+
+
+def _precision(cfg) -> tuple[str, str]:
+    """``(precision, note)`` of the run: ``plan.precision``, else ``trainer.precision`` (``auto`` resolved)."""
+    from omegaconf import DictConfig
+
+    value = cfg.plan.get("precision") or cfg.trainer.get("precision", "32-true")
+    if isinstance(value, DictConfig):  # {_target_: resolve_precision, precision: auto}
+        value = value.get("precision", "auto")
+    if str(value) != "auto":
+        return str(value), ""
+    import torch
+
+    if torch.cuda.is_available():
+        from lightning_seqmem.memory.checks import resolve_precision
+
+        return resolve_precision("auto"), ""
+    return AUTO_PRECISION_WITHOUT_GPU, f"precision auto planned as {AUTO_PRECISION_WITHOUT_GPU} (no GPU here)"
+
+
+def _devices(cfg) -> tuple[int, str]:
+    value = cfg.plan.get("devices") or cfg.trainer.get("devices", 1)
+    if isinstance(value, int) and value >= 1:
+        return value, ""
+    if isinstance(value, (list, tuple)) or hasattr(value, "__len__") and not isinstance(value, str):
+        return len(value), ""
+    import torch
+
+    count = torch.cuda.device_count() if str(cfg.trainer.get("accelerator")) != "cpu" else 0
+    if count:
+        return count, ""
+    return 1, f"trainer.devices={value} planned as 1 device; set plan.devices=N for N GPUs"
+
+
+def _model_config(cfg, vocab_size: int, pad_token_id: int | None):
+    from lightning_seqmem.model import build_model_config
+
+    model = cfg.model
+    if model.get("pretrained_path"):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model.pretrained_path, local_files_only=True)
+    spec = model.get("model_config", "tiny_llama")
+    if not isinstance(spec, str):
+        from omegaconf import OmegaConf
+
+        spec = OmegaConf.to_container(spec, resolve=True)
+    return build_model_config(spec, model.get("vocab_size") or vocab_size, pad_token_id)
+
+
+def plan_from_config(cfg, output_dir: str | None = None):
+    """Build the :class:`~lightning_seqmem.plan.Plan` for a composed ``plan.yaml`` config; returns ``(plan, notes)``."""
+    from hydra.utils import instantiate
+
+    from lightning_seqmem.memory.estimate import estimate_training_memory
+    from lightning_seqmem.plan import DataSettings, build_plan, datamodule_lengths, parse_bytes, strategy_name
+
+    p = cfg.plan
+    dm = instantiate(cfg.data)
+    configured = (strategy_name(dm.strategy, dm.packing, dm.pad_to_max_length), dm.max_length)
+    max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else sorted(
+        {m for m in (dm.max_length // 4, dm.max_length // 2, dm.max_length, 2 * dm.max_length) if m >= 2})
+    precision, note_precision = _precision(cfg)
+    devices, note_devices = _devices(cfg)
+    notes = [n for n in (note_precision, note_devices) if n]
+    lengths = datamodule_lengths(dm)
+    estimate = None
+    if p.get("memory", True):
+        model_config = _model_config(cfg, len(dm.tokenizer), dm.pad_token_id)
+        device = p.get("device") or ("cpu" if str(cfg.trainer.get("accelerator")) == "cpu" else "cuda")
+        keys, attention = dm.batch_keys(), cfg.model.get("attn_implementation", "sdpa")
+
+        def estimate(rows: int, length: int, checkpointing: bool):
+            return estimate_training_memory(model_config, rows, length, keys, precision, device, attention,
+                                            checkpointing, weight_decay=cfg.model.get("weight_decay", 0.1))
+
+        notes.append(f"memory for {getattr(model_config, 'model_type', '?')} on {device}, precision {precision}, "
+                     f"attention {attention}, AdamW")
+    budget = parse_bytes(p.gpu_memory) if p.get("gpu_memory") else None
+    plan = build_plan(lengths, list(p.strategies), max_lengths, DataSettings.from_datamodule(dm), configured,
+                      estimate, list(p.micro_batch_sizes), budget, float(p.margin), devices,
+                      int(cfg.trainer.get("accumulate_grad_batches", 1)))
+    if output_dir is not None:
+        _write(plan, lengths["train"], max_lengths, output_dir, p.get("histogram"), notes)
+    return plan, notes
+
+
+def _write(plan, lengths, max_lengths, output_dir: str, histogram: str | None, notes: list[str]) -> None:
+    from lightning_seqmem.plan import save_histogram
+
+    os.makedirs(output_dir, exist_ok=True)
+    record: dict[str, Any] = {"recommended": plan.recommended, "reason": plan.recommendation,
+                              "distribution": plan.distribution, "strategies": [asdict(s) for s in plan.strategies]}
+    if plan.memory is not None:
+        record["memory"] = {"length": plan.memory.length, "budget": plan.memory.budget, "margin": plan.memory.margin,
+                            "fits": {str(k): v for k, v in plan.memory.fits.items()}, "advice": plan.memory.advice,
+                            "estimates": [e.as_dict() for by_rows in plan.memory.estimates.values()
+                                          for e in by_rows.values()]}
+    with open(os.path.join(output_dir, "plan.json"), "w") as f:
+        json.dump(record, f, indent=2, default=str)
+    if histogram:
+        try:
+            notes.append(f"histogram: {save_histogram(lengths, max_lengths, os.path.join(output_dir, histogram))}")
+        except ImportError as error:
+            notes.append(str(error))
+
+
+def _hydra_entry() -> None:
+    import hydra
+
+    @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="plan")
+    def _main(cfg) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        from lightning_seqmem.plan import format_plan
+
+        plan, notes = plan_from_config(cfg, HydraConfig.get().runtime.output_dir)
+        print(format_plan(plan))
+        for note in notes:
+            print(f"Note: {note}")
+
+    _main()
+
+
+def main() -> None:
+    """Console-script entry point (``seqmem-plan``)."""
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The fake-tensor memory estimate: closed-form state bytes, agreement with a real CPU step, monotone, clear errors."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_seqmem.memory.estimate import (
+    TraceError,
+    closed_form_state_bytes,
+    estimate_training_memory,
+    measured_training_peak,
+    normalize_precision,
+)
+from lightning_seqmem.model import build_model_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from plan_accuracy import PACK_KEYS, PAD_KEYS, real_batch  # noqa: E402
+
+VOCAB = 512
+SMALL = {"tiny_llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+         "tiny_gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=1024)}
+
+
+def config(arch: str):
+    return build_model_config(SMALL[arch], VOCAB, 0)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true"])
+def test_parameter_gradient_and_adamw_bytes_match_the_closed_form(precision):
+    est = estimate_training_memory(config("tiny_llama"), 2, 32, precision=precision, device="cpu")
+    n = len(list(_real_model("tiny_llama").parameters()))
+    expected = closed_form_state_bytes(est.num_parameters, n, precision)
+    assert dict(est.state) == expected
+    per_param = 16 if precision.endswith("mixed") or precision == "32-true" else 8
+    assert sum(expected.values()) - 4 * n == per_param * est.num_parameters
+    # in the steady state the peak falls in the forward, with every gradient and all optimizer state alive
+    assert est.peak_phase == "forward"
+    assert (est.parameters, est.gradients, est.optimizer_state) == tuple(expected.values())
+    assert est.parameters + est.gradients + est.optimizer_state + est.activations == est.peak
+
+
+def _real_model(arch):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config(arch))
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+@pytest.mark.parametrize("rows,length", [(1, 64), (2, 128), (4, 96)])
+def test_estimate_is_within_5_percent_of_a_real_cpu_step(arch, rows, length):
+    est = estimate_training_memory(config(arch), rows, length, PAD_KEYS, device="cpu")
+    real = measured_training_peak(config(arch), real_batch(rows, length, PAD_KEYS, VOCAB))
+    assert abs(est.peak - real) <= 0.05 * real, (est.peak, real)
+
+
+def test_packed_eager_mixed_and_checkpointed_steps_agree_with_reality_too():
+    cases = [dict(keys=PACK_KEYS), dict(attn_implementation="eager"), dict(precision="bf16-mixed"),
+             dict(gradient_checkpointing=True)]
+    for case in cases:
+        keys = case.pop("keys", PAD_KEYS)
+        est = estimate_training_memory(config("tiny_llama"), 2, 128, keys, device="cpu", **case)
+        real = measured_training_peak(config("tiny_llama"), real_batch(2, 128, keys, VOCAB), **case)
+        assert abs(est.peak - real) <= 0.05 * real, (case, est.peak, real)
+
+
+def test_memory_grows_with_rows_and_length_and_checkpointing_saves_activations():
+    cfg = config("tiny_gpt2")
+    by_rows = [estimate_training_memory(cfg, r, 64, device="cpu").peak for r in (1, 2, 4)]
+    by_length = [estimate_training_memory(cfg, 2, n, device="cpu").peak for n in (32, 64, 128)]
+    assert by_rows == sorted(by_rows) and len(set(by_rows)) == 3
+    assert by_length == sorted(by_length) and len(set(by_length)) == 3
+    plain = estimate_training_memory(cfg, 4, 256, device="cpu")
+    ckpt = estimate_training_memory(cfg, 4, 256, device="cpu", gradient_checkpointing=True)
+    assert ckpt.activations < plain.activations and ckpt.state == plain.state
+
+
+def test_eager_attention_keeps_the_length_by_length_scores_and_sdpa_does_not():
+    cfg = config("tiny_llama")
+    rows, heads = 2, SMALL["tiny_llama"]["num_attention_heads"]
+
+    def extra(length):
+        eager = estimate_training_memory(cfg, rows, length, device="cuda", attn_implementation="eager").activations
+        sdpa = estimate_training_memory(cfg, rows, length, device="cuda").activations
+        return eager - sdpa
+
+    # eager keeps fp32 attention probabilities [rows, heads, length, length] (at least one layer's at the peak)
+    assert extra(256) >= rows * heads * 256 * 256 * 4
+    assert extra(256) > 3 * extra(128)  # quadratic, not linear
+    flash = estimate_training_memory(cfg, rows, 256, device="cuda", attn_implementation="flash_attention_2")
+    sdpa = estimate_training_memory(cfg, rows, 256, device="cuda")
+    assert flash.activations < sdpa.activations  # no [rows, 1, length, length] mask at all
+
+
+def test_cuda_estimate_rounds_to_the_allocator_granule_and_uses_foreach_adamw():
+    cfg = config("tiny_llama")
+    cpu = estimate_training_memory(cfg, 2, 64, device="cpu")
+    cuda = estimate_training_memory(cfg, 2, 64, device="cuda")
+    assert cuda.state["parameters"] % 512 == 0 and cuda.state["parameters"] >= cpu.state["parameters"]
+    assert cuda.peak > cpu.peak
+
+
+def test_bad_arguments_say_what_is_wrong():
+    cfg = config("tiny_llama")
+    with pytest.raises(ValueError, match="rows and length"):
+        estimate_training_memory(cfg, 0, 64)
+    with pytest.raises(ValueError, match="precision"):
+        normalize_precision("transformer-engine")
+    with pytest.raises(ValueError, match="attn_implementation"):
+        estimate_training_memory(cfg, 1, 8, attn_implementation="flex_magic")
+    with pytest.raises(ValueError, match="device"):
+        estimate_training_memory(cfg, 1, 8, device="tpu")
+
+
+class _ValueDependent(torch.nn.Module):
+    """A model whose forward needs tensor values (the tracer has shapes only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.vocab_size = VOCAB
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+
+    def forward(self, input_ids, labels, use_cache=False, **kwargs):
+        kept = self.embed(input_ids)[input_ids > 0]  # a data-dependent shape
+        return type("Out", (), {"loss": kept.sum()})()
+
+
+def test_a_model_the_tracer_cannot_run_raises_naming_the_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+    with mode:
+        module = _ValueDependent()
+    cfg = config("tiny_llama")
+    with pytest.raises(TraceError, match=r"op aten\.\w+"):
+        estimate_training_memory(cfg, 2, 8, ("input_ids", "labels"), device="cpu", model=(mode, module))
+
+
+@pytest.mark.slow
+def test_a_7b_llama_is_estimated_in_seconds_without_allocating_it():
+    import psutil
+
+    cfg = build_model_config(dict(model_type="llama", hidden_size=4096, intermediate_size=11008,
+                                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32), 32000, 0)
+    rss = psutil.Process().memory_info().rss
+    est = estimate_training_memory(cfg, 1, 512, precision="bf16-mixed", device="cuda")
+    assert 6.7e9 < est.num_parameters < 6.8e9
+    assert est.state["parameters"] >= 4 * est.num_parameters and est.peak > 16 * est.num_parameters
+    assert psutil.Process().memory_info().rss - rss < 2 * 2**30  # 100+ GiB estimated, nothing like it allocated

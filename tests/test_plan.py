@@ -1,0 +1,114 @@
+"""The planner's numbers equal what SeqMemDataModule measures; memory fitting, advice and bad input."""
+
+import math
+
+import numpy as np
+import pytest
+
+from lightning_seqmem import SeqMemDataModule
+from lightning_seqmem.memory.estimate import estimate_training_memory
+from lightning_seqmem.model import build_model_config
+from lightning_seqmem.plan import (
+    STRATEGIES,
+    DataSettings,
+    build_plan,
+    datamodule_lengths,
+    format_plan,
+    parse_bytes,
+    plan_memory,
+    plan_strategy,
+    save_histogram,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*")
+
+
+def _check_equal(dm, lengths, strategy, max_length):
+    stats, shape = dm.stats()["train"], dm.max_batch_shape()
+    got = plan_strategy(lengths, strategy, max_length, DataSettings.from_datamodule(dm))
+    assert got.token_efficiency == stats["token_efficiency"]
+    assert (got.rows, got.batches, got.tokens) == (stats["rows"], stats["batches"], stats["tokens"])
+    assert got.tokens_lost == stats["tokens_truncated"] + stats["tokens_dropped"]
+    assert got.rows_dropped_per_epoch == stats["rows_dropped_per_epoch"]
+    assert got.max_batch_shape == tuple(shape)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("max_length", [64, 256])
+def test_every_strategy_matches_the_datamodule_on_the_builtin_corpus(strategy, max_length):
+    lengths = datamodule_lengths(SeqMemDataModule(micro_batch_size=4, seed=3))
+    dm = SeqMemDataModule(max_length=max_length, micro_batch_size=4, seed=3, **STRATEGIES[strategy])
+    _check_equal(dm, lengths, strategy, max_length)
+
+
+@pytest.mark.parametrize("extra", [dict(drop_last=True, micro_batch_size=3), dict(group_by_length=True),
+                                   dict(max_tokens_per_batch=256), dict(pad_to_multiple_of=None, eval_batch_size=5),
+                                   dict(overflow="truncate"), dict(overflow="drop")])
+@pytest.mark.parametrize("strategy", ["pad", "truncate", "pack_bfd"])
+def test_settings_are_honoured_on_a_small_dataset(small_text_dataset, strategy, extra):
+    if extra.get("group_by_length") and strategy != "pad":
+        pytest.skip("group_by_length is a pad option")
+    base = dict(dataset=small_text_dataset, max_length=64, seed=1, **{"micro_batch_size": 4, **extra})
+    lengths = datamodule_lengths(SeqMemDataModule(**base))
+    _check_equal(SeqMemDataModule(**base, **STRATEGIES[strategy]), lengths, strategy, 64)
+
+
+def test_optimizer_steps_follow_devices_and_accumulation(small_text_dataset):
+    lengths = datamodule_lengths(SeqMemDataModule(dataset=small_text_dataset))
+    one = plan_strategy(lengths, "pad", 64, DataSettings(micro_batch_size=2))
+    four = plan_strategy(lengths, "pad", 64, DataSettings(micro_batch_size=2), devices=2, accumulate_grad_batches=3)
+    assert one.optimizer_steps == one.batches == math.ceil(one.rows / 2)
+    assert four.optimizer_steps == math.ceil(math.ceil(one.rows / 4) / 3)
+
+
+def test_bad_input_says_what_is_wrong():
+    lengths = {"train": np.array([3, 5, 9]), "validation": np.array([4])}
+    settings = DataSettings()
+    with pytest.raises(ValueError, match="choose from"):
+        build_plan(lengths, ["pad", "paddington"], [64], settings, ("pad", 64))
+    with pytest.raises(ValueError, match="non-empty list of ints >= 2"):
+        build_plan(lengths, ["pad"], [], settings, ("pad", 64))
+    with pytest.raises(ValueError, match="non-empty list of ints >= 2"):
+        build_plan(lengths, ["pad"], [64, 0], settings, ("pad", 64))
+    with pytest.raises(ValueError, match="80GiB"):
+        parse_bytes("eighty gigs")
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5 GB") == 1_500_000_000
+
+
+def _tiny_estimate(arch="tiny_llama"):
+    cfg = build_model_config(arch, 512, 0)
+    return lambda rows, length, ckpt: estimate_training_memory(cfg, rows, length, device="cuda",
+                                                              gradient_checkpointing=ckpt)
+
+
+def test_largest_micro_batch_that_fits_the_budget_with_a_margin():
+    estimate = _tiny_estimate()
+    budget = estimate(4, 128, False).peak / 0.9 + 1  # 4 rows fit exactly inside the 10% margin
+    memory = plan_memory(estimate, 128, [1, 2, 4, 8, 16], budget=int(budget), margin=0.1)
+    assert memory.fits[False] == 4
+    assert memory.fits[True] >= 4  # checkpointing never needs more
+    assert memory.estimates[False][8].peak > memory.usable  # the search stopped at the first that does not fit
+    assert 16 not in memory.estimates[False]
+
+
+def test_no_micro_batch_fits_says_what_would():
+    estimate = _tiny_estimate()
+    one_row = estimate(1, 512, False).peak
+    memory = plan_memory(estimate, 512, [1, 2, 4], budget=int(one_row * 0.95), margin=0.0,
+                         shorter_lengths=[64, 128, 512])
+    assert memory.fits[False] is None
+    assert "No micro_batch_size fits" in memory.advice
+    assert "gradient checkpointing" in memory.advice or "max_length=" in memory.advice
+
+
+def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset, tmp_path):
+    lengths = datamodule_lengths(SeqMemDataModule(dataset=small_text_dataset))
+    plan = build_plan(lengths, list(STRATEGIES), [32, 128], DataSettings(micro_batch_size=4), ("pad", 128),
+                      estimate=_tiny_estimate(), micro_batch_sizes=[1, 2, 4], budget=2**30)
+    text = format_plan(plan)
+    assert len(plan.strategies) == 10 and "<- config" in text and "Recommended:" in text
+    assert plan.recommended["strategy"].startswith("pack")  # packing loses nothing and wastes the least
+    assert plan.recommended["micro_batch_size"] == 4  # everything fits 1 GiB
+    assert plan.distribution["percentiles"][100] == int(lengths["train"].max())
+    png = save_histogram(lengths["train"], [32, 128], str(tmp_path / "lengths.png"))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

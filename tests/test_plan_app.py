@@ -1,0 +1,57 @@
+"""seqmem-plan: composes the same groups as seqmem-train and plans exactly that run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
+
+from lightning_seqmem.plan_app import plan_from_config
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*")
+
+
+def _compose(name, overrides):
+    with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
+        return compose(name, overrides=overrides, return_hydra_config=False)
+
+
+def test_plan_composes_the_run_seqmem_train_would_launch_and_matches_its_datamodule():
+    overrides = ["data=pack_wrapped", "data.max_length=128", "data.micro_batch_size=4", "model=tiny_gpt2",
+                 "trainer.accumulate_grad_batches=2"]
+    plan_cfg = _compose("plan", overrides + ["plan.memory=false", "plan.max_lengths=[64,128]"])
+    train_cfg = _compose("config", overrides)
+    for group in ("data", "model", "trainer", "callbacks"):
+        assert plan_cfg[group] == train_cfg[group]
+    plan, _ = plan_from_config(plan_cfg)
+    dm = instantiate(train_cfg.data)
+    configured = plan.configured
+    assert (configured.strategy, configured.max_length) == ("pack_wrapped", 128)
+    assert configured.token_efficiency == dm.stats()["train"]["token_efficiency"]
+    assert configured.max_batch_shape == dm.max_batch_shape()
+    assert configured.optimizer_steps == -(-dm.stats()["train"]["batches"] // 2)
+
+
+def test_seqmem_plan_command_prints_the_tables_and_writes_plan_json_and_histogram(tmp_path):
+    cmd = [sys.executable, "-m", "lightning_seqmem.plan_app", "data=pad", "model=tiny_llama", "data.max_length=128",
+           "plan.max_lengths=[64,128]", "plan.micro_batch_sizes=[1,2]", "plan.gpu_memory=2GiB",
+           f"hydra.run.dir={tmp_path}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert out.returncode == 0, out.stderr[-2000:]
+    for text in ("pack_bfd", "token", "Peak training memory", "Recommended: strategy=", "Why: "):
+        assert text in out.stdout
+    record = json.loads((tmp_path / "plan.json").read_text())
+    assert record["recommended"]["micro_batch_size"] == 2 and len(record["strategies"]) == 10
+    assert (tmp_path / "lengths.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_plan_settings_fail_with_a_clear_message():
+    cfg = _compose("plan", ["plan.strategies=[pad,zip]", "plan.memory=false"])
+    with pytest.raises(ValueError, match="choose from"):
+        plan_from_config(cfg)
+    cfg = _compose("plan", ["plan.max_lengths=[]", "plan.memory=false"])
+    with pytest.raises(ValueError, match="non-empty list"):
+        plan_from_config(cfg)
