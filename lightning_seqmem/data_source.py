@@ -240,7 +240,9 @@ def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", 
     prefix, suffix = document_frame(tokenizer, add_bos, add_eos)
 
     def encode(texts: list[str]) -> list[list[int]]:
-        return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        # Only the ids: an attention mask would be one more Python int per token, thrown away.
+        return tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False,
+                         return_token_type_ids=False)["input_ids"]
 
     if kind == "text":
         def fn(batch, indices, split):

@@ -85,6 +85,7 @@ class PadStrategy:
 
     def __init__(self, options: BatchingOptions) -> None:
         self.options = options
+        self._shape_collator = None
 
     def prompt_completion_limits(self, limits: PromptCompletionLimits) -> PromptCompletionLimits:
         """The limits applied at dataset level to prompt/completion rows (all of them: rows fit ``max_length``)."""
@@ -101,7 +102,10 @@ class PadStrategy:
                            pad_to_max_length=o.pad_to_max_length, truncation_side=o.truncation_side)
 
     def padded_length(self, longest: int) -> int:
-        return self.collator(0).padded_length(longest)
+        """The ``seq`` of a batch whose longest row has ``longest`` tokens (asked once per batch by samplers)."""
+        if self._shape_collator is None:
+            self._shape_collator = self.collator(0)
+        return self._shape_collator.padded_length(longest)
 
     def rows_per_batch(self, batch_size: int) -> int:
         return batch_size
