@@ -9,10 +9,42 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from lightning_seqmem.batch import IGNORE_INDEX, real_token_mask  # noqa: F401  (old import path kept)
-from lightning_seqmem.truncation import check_max_length, check_truncation_side, truncate_ids
+from lightning_seqmem.tokens import as_token_source
+from lightning_seqmem.truncation import check_max_length, check_truncation_side
+
+
+def as_examples(examples: Any) -> Sequence[Mapping[str, Any]]:
+    """A batch in any accepted form to a list of examples (mappings of token arrays or lists).
+
+    Besides a list of mappings, a collator takes a ``datasets.Dataset`` (its ``input_ids`` and, if present,
+    ``labels``), a ``pyarrow`` ``ListArray``/``ChunkedArray`` or a ``(flat, offsets)`` pair of numpy arrays:
+    rows are numpy views of the Arrow buffers, never Python lists.
+    """
+    if isinstance(examples, (list, tuple)) and (not examples or isinstance(examples[0], Mapping)):
+        return examples
+    ids = as_token_source(examples)
+    has_labels = hasattr(examples, "column_names") and "labels" in examples.column_names
+    labels = as_token_source(examples, column="labels") if has_labels else None
+    return [{"input_ids": ids.row(i), **({"labels": labels.row(i)} if labels is not None else {})}
+            for i in range(len(ids))]
+
+
+def _cut(row: Any, max_length: int | None, side: str) -> np.ndarray:
+    """``row`` as an array of at most ``max_length`` tokens (keep the start for ``"right"``, the end for ``"left"``)."""
+    row = np.asarray(row, dtype=np.int64)
+    if max_length is None or len(row) <= max_length:
+        return row
+    return row[:max_length] if side == "right" else row[len(row) - max_length :]
+
+
+def _fill(rows: Sequence[np.ndarray], lengths: np.ndarray, out: np.ndarray) -> None:
+    """Write ``rows`` left-aligned into ``out`` ``[batch, seq]`` (one bulk copy; row-major mask order)."""
+    if len(rows) and lengths.sum():
+        out[np.arange(out.shape[1]) < lengths[:, None]] = np.concatenate(rows)
 
 
 def _round_up(n: int, multiple: int | None) -> int:
@@ -72,24 +104,23 @@ class PadCollator:
             length = min(length, max(self.max_length, longest))
         return length
 
-    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        ids = [truncate_ids(ex["input_ids"], self.max_length, self.truncation_side) for ex in examples]
+    def __call__(self, examples: Sequence[Mapping[str, Any]] | Any) -> dict[str, torch.Tensor]:
+        examples = as_examples(examples)
+        ids = [_cut(ex["input_ids"], self.max_length, self.truncation_side) for ex in examples]
         labels = [
-            truncate_ids(ex["labels"], self.max_length, self.truncation_side) if ex.get("labels") is not None else row
+            _cut(ex["labels"], self.max_length, self.truncation_side) if ex.get("labels") is not None else row
             for ex, row in zip(examples, ids)
         ]
-        length = self.padded_length(max((len(r) for r in ids), default=1))
+        lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=len(ids))
+        length = self.padded_length(int(lengths.max(initial=1)))
         batch = len(ids)
-        input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, length), dtype=torch.long)
-        out_labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
-        for i, (row, lab) in enumerate(zip(ids, labels)):
-            n = len(row)
-            if n:
-                input_ids[i, :n] = torch.as_tensor(row, dtype=torch.long)
-                out_labels[i, :n] = torch.as_tensor(lab, dtype=torch.long)
-                attention_mask[i, :n] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": out_labels}
+        input_ids = np.full((batch, length), self.pad_token_id, dtype=np.int64)
+        out_labels = np.full((batch, length), IGNORE_INDEX, dtype=np.int64)
+        _fill(ids, lengths, input_ids)
+        _fill(labels, lengths, out_labels)
+        attention_mask = (np.arange(length) < lengths[:, None]).astype(np.int64)
+        return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
+                "labels": torch.from_numpy(out_labels)}
 
 
 class TruncateCollator(PadCollator):
@@ -126,8 +157,9 @@ class PackCollator:
         return_cu_seqlens: also return ``cu_seqlens`` (1-D int32, cumulative segment lengths over the flattened
             batch, padding segments included) for custom varlen attention.
 
-    Each example is ``{"input_ids": list[int], "seq_lengths": list[int]}`` (``PackResult.row``), with optional
-    ``labels`` (e.g. -100 on prompts; default: the tokens). Every segment
+    Each example is ``{"input_ids": list[int], "seq_lengths": list[int]}`` (``PackResult.row``; without
+    ``seq_lengths`` the row is one document), with optional ``labels`` (e.g. -100 on prompts; default: the
+    tokens); arrays work as well as lists, and so does a batch given as Arrow (see ``as_examples``). Every segment
     gets ``position_ids`` 0, 1, 2, ... and label -100 on its first token, so no document predicts another;
     padding is one more segment (``pad_token_id``, labels -100). Returns ``LongTensor[batch, seq]`` tensors.
 
@@ -153,8 +185,11 @@ class PackCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.return_cu_seqlens = return_cu_seqlens
 
-    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        longest = max((len(ex["input_ids"]) for ex in examples), default=1)
+    def __call__(self, examples: Sequence[Mapping[str, Any]] | Any) -> dict[str, torch.Tensor]:
+        examples = as_examples(examples)
+        ids = [np.asarray(ex["input_ids"], dtype=np.int64) for ex in examples]
+        lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=len(ids))
+        longest = int(lengths.max(initial=1))
         if longest > self.max_length:
             raise ValueError(
                 f"a packed row has {longest} tokens > max_length={self.max_length}; pack with the same max_length."
@@ -163,26 +198,29 @@ class PackCollator:
         if self.pad_to_longest:
             length = min(_round_up(longest, self.pad_to_multiple_of), self.max_length)
         batch = len(examples)
-        input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
-        position_ids = torch.empty((batch, length), dtype=torch.long)
-        cu = [0]
+        segments = []  # every segment of the flattened batch, padding included, row by row
         for i, ex in enumerate(examples):
-            seg = [int(n) for n in ex["seq_lengths"] if n > 0]
-            n = sum(seg)
-            if n != len(ex["input_ids"]):
-                raise ValueError(f"row {i}: seq_lengths sum to {n} but the row has {len(ex['input_ids'])} tokens.")
-            if n < length:
-                seg.append(length - n)  # padding: its own segment, so it never touches a document
-            row = torch.as_tensor(ex["input_ids"], dtype=torch.long)
-            input_ids[i, :n] = row
-            labels[i, :n] = torch.as_tensor(ex["labels"], dtype=torch.long) if "labels" in ex else row
-            starts = torch.tensor([0] + seg[:-1]).cumsum(0)
-            lens = torch.tensor(seg)
-            position_ids[i] = torch.arange(length) - torch.repeat_interleave(starts, lens)
-            labels[i, starts] = IGNORE_INDEX
-            cu.extend((i * length + starts[1:]).tolist() + [(i + 1) * length])
-        out = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+            seg = np.asarray(ex["seq_lengths"] if "seq_lengths" in ex else [lengths[i]], dtype=np.int64)
+            seg = seg[seg > 0]
+            if int(seg.sum()) != lengths[i]:
+                raise ValueError(f"row {i}: seq_lengths sum to {int(seg.sum())} but the row has {lengths[i]} tokens.")
+            segments.append(seg)
+            if lengths[i] < length:
+                segments.append(np.asarray([length - lengths[i]]))  # padding: its own segment, never a document
+        input_ids = np.full((batch, length), self.pad_token_id, dtype=np.int64)
+        _fill(ids, lengths, input_ids)
+        labels = input_ids.copy()
+        with_labels = [np.asarray(ex["labels"], dtype=np.int64) if "labels" in ex else row
+                       for ex, row in zip(examples, ids)]
+        _fill(with_labels, lengths, labels)
+        labels[np.arange(length) >= lengths[:, None]] = IGNORE_INDEX
+        seg_lengths = np.concatenate(segments) if segments else np.zeros(0, np.int64)
+        seg_starts = np.cumsum(seg_lengths) - seg_lengths  # over the flattened [batch * seq]
+        position_ids = np.arange(batch * length) - np.repeat(seg_starts, seg_lengths)
+        labels.reshape(-1)[seg_starts] = IGNORE_INDEX  # no document predicts another
+        out = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+               "position_ids": torch.from_numpy(position_ids.reshape(batch, length))}
         if self.return_cu_seqlens:
-            out["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+            cu = np.concatenate([[0], np.cumsum(seg_lengths)])
+            out["cu_seqlens"] = torch.from_numpy(cu.astype(np.int32))
         return out

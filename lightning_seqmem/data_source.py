@@ -19,6 +19,8 @@ import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
 
 _SHORT = reprlib.Repr()
@@ -152,8 +154,13 @@ def ensure_validation_split(dsd, validation_fraction: float = 0.05, seed: int = 
         return datasets.DatasetDict(train=dsd["train"], validation=dsd["test"])
     if len(dsd["train"]) < 2:
         return datasets.DatasetDict(train=dsd["train"], validation=dsd["train"])
-    parts = dsd["train"].train_test_split(test_size=validation_fraction, seed=seed)
-    return datasets.DatasetDict(train=parts["train"], validation=parts["test"])
+    # The same seeded permutation ``train_test_split`` draws, kept as in-memory index arrays: no index files
+    # written next to a shared cache by every rank at once, and no tokens copied.
+    train = dsd["train"]
+    order = np.random.default_rng(seed).permutation(len(train))
+    n_test = int(np.ceil(validation_fraction * len(train)))
+    return datasets.DatasetDict(train=train.select(order[n_test:], keep_in_memory=True),
+                                validation=train.select(order[:n_test], keep_in_memory=True))
 
 
 def _load_path_or_name(spec):
@@ -268,23 +275,83 @@ def json_problem(path: str) -> str | None:
     return None
 
 
+PRETOKENIZED_KINDS = {"tokens": "text", "prompt_completion_tokens": "prompt_completion"}
+"""Pre-tokenized kinds and the rows they give: ``input_ids`` [+ ``labels``]; ``prompt_ids`` + ``completion_ids``."""
+
+
 def check_columns(dsd, text_column: str = "text", prompt_column: str = "prompt",
                   completion_column: str = "completion") -> str:
-    """Which kind of data this is: ``"text"`` or ``"prompt_completion"``.
+    """Which kind of data this is: ``"text"``, ``"prompt_completion"``, or pre-tokenized ``"tokens"``
+    (``input_ids``, optionally ``labels``) or ``"prompt_completion_tokens"`` (``prompt_ids``, ``completion_ids``).
+    Token columns win over text columns: a dataset that carries its tokens is used as it is.
 
     Raises:
-        ValueError: neither a text column nor prompt and completion columns exist; the message lists what does.
+        ValueError: none of these columns exist; the message lists what does.
     """
     columns = set(dsd["train"].column_names)
+    if "input_ids" in columns:
+        return "tokens"
+    if {"prompt_ids", "completion_ids"} <= columns:
+        return "prompt_completion_tokens"
     if text_column in columns:
         return "text"
     if {prompt_column, completion_column} <= columns:
         return "prompt_completion"
     raise ValueError(
-        f"The dataset has no usable column: expected {text_column!r} (plain text) or {prompt_column!r} and "
-        f"{completion_column!r} (prompt/completion); it has {sorted(columns)}. Pass text_column=<name> to "
-        "SeqMemDataModule, or rename a column with dataset.rename_column()."
+        f"The dataset has no usable column: expected {text_column!r} (plain text), {prompt_column!r} and "
+        f"{completion_column!r} (prompt/completion), or token ids ('input_ids', or 'prompt_ids' and "
+        f"'completion_ids'); it has {sorted(columns)}. Pass text_column=<name> to SeqMemDataModule, or rename a "
+        "column with dataset.rename_column()."
     )
+
+
+def check_token_values(ds, kind: str, split: str, vocab_size: int | None = None) -> None:
+    """Pre-tokenized data: every token id an integer in ``[0, vocab_size)`` (labels may also be -100).
+
+    Vectorised: a min/max per Arrow chunk, and only where that fails, the offending row (``searchsorted``).
+
+    Raises:
+        ValueError: a non-integer column, or an out-of-range id; the message names the split, column and row.
+    """
+    import pyarrow as pa
+
+    from lightning_seqmem.tokens import dataset_indices, view_of_arrow
+
+    columns = ["input_ids", "labels"] if kind == "tokens" else ["prompt_ids", "completion_ids"]
+    indices = dataset_indices(ds)
+    for column in columns:
+        if column not in ds.column_names:
+            continue
+        arrow = ds.data.column(column)
+        value_type = getattr(arrow.type, "value_type", None)
+        if value_type is None or not pa.types.is_integer(value_type):
+            raise ValueError(
+                f"Split {split!r}, column {column!r} holds {value_type or arrow.type} values: token ids must be lists "
+                "of integers (row 0 onward). "
+                f"Cast it (dataset.cast_column({column!r}, datasets.List(datasets.Value('int32')))) or tokenize again."
+            )
+        view = view_of_arrow(arrow)  # table rows, in order: starts are sorted
+        for chunk, base in zip(view.chunks, view.chunk_base[:-1].tolist()):
+            if not chunk.size:
+                continue
+            lo, hi = int(chunk.min()), int(chunk.max())
+            if lo >= 0 and (vocab_size is None or hi < vocab_size):
+                continue
+            bad = chunk < 0
+            if column == "labels":
+                bad &= chunk != -100  # the ignored label is the one negative value allowed
+            if vocab_size is not None:
+                bad |= chunk >= vocab_size
+            rows = np.unique(np.searchsorted(view.starts, base + np.flatnonzero(bad), side="right") - 1)
+            if indices is not None:  # table rows to the dataset's rows (rows it does not select are not ours)
+                rows = np.flatnonzero(np.isin(indices, rows))
+            if rows.size:
+                limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise ValueError(
+                    f"Row {int(rows[0])} of split {split!r}, column {column!r} holds a token id outside {limit}"
+                    f"{' (or -100)' if column == 'labels' else ''} ({rows.size} such rows). Token ids must index the "
+                    "tokenizer's vocabulary: re-tokenize with the tokenizer you pass, or pass the one used."
+                )
 
 
 def _check_strings(batch: dict, columns: Sequence[str], indices: Sequence[int], split: str) -> None:
@@ -309,20 +376,25 @@ def document_frame(tokenizer, add_bos: bool | None = None, add_eos: bool = True)
     return ([bos] if add_bos and bos is not None else []), ([eos] if add_eos and eos is not None else [])
 
 
-def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
-                     completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
-                     num_proc: int | None = None):
-    """Tokenize every split with ``datasets.map`` (batched, cached by fingerprint).
+def token_features(kind: str):
+    """The ``datasets.Features`` of tokenized rows: int32 ids (half the disk and page cache of int64)."""
+    import datasets
 
-    Text rows become ``input_ids = [bos] + tokens + [eos]`` (bos only where the tokenizer has one and it differs
-    from eos, unless ``add_bos`` says otherwise), plus a ``length`` column. Prompt/completion rows become
-    ``prompt_ids`` and ``completion_ids`` (the EOS goes at the end of the completion), plus ``length``.
-    Empty documents are kept (length 0 after special tokens are stripped) so that the DataModule can count them.
-    """
+    sequence = datasets.List if hasattr(datasets, "List") else datasets.Sequence
+    ids = sequence(datasets.Value("int32"))
+    names = ["input_ids"] if kind == "text" else ["prompt_ids", "completion_ids"]
+    return datasets.Features({**{n: ids for n in names}, "length": datasets.Value("int64")})
+
+
+def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
+                      completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True):
+    """The batched ``datasets.map`` function of ``tokenize_dataset``: ``fn(batch, indices, split) -> columns``."""
     prefix, suffix = document_frame(tokenizer, add_bos, add_eos)
 
     def encode(texts: list[str]) -> list[list[int]]:
-        return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        # Only the ids: an attention mask would be one more Python int per token, thrown away.
+        return tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False,
+                         return_token_type_ids=False)["input_ids"]
 
     if kind == "text":
         def fn(batch, indices, split):
@@ -336,11 +408,26 @@ def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "tex
             completions = [t + suffix if t else [] for t in encode(batch[completion_column])]
             return {"prompt_ids": prompts, "completion_ids": completions,
                     "length": [len(p) + len(c) for p, c in zip(prompts, completions)]}
+    return fn
+
+
+def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
+                     completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
+                     num_proc: int | None = None):
+    """Tokenize every split with ``datasets.map`` (batched, cached by fingerprint).
+
+    Text rows become ``input_ids = [bos] + tokens + [eos]`` (bos only where the tokenizer has one and it differs
+    from eos, unless ``add_bos`` says otherwise), plus a ``length`` column. Prompt/completion rows become
+    ``prompt_ids`` and ``completion_ids`` (the EOS goes at the end of the completion), plus ``length``.
+    Empty documents are kept (length 0 after special tokens are stripped) so that the DataModule can count them.
+    ``token_cache.tokenize_cached`` does the same once per node, cached under a directory of ours.
+    """
+    fn = tokenize_function(tokenizer, kind, text_column, prompt_column, completion_column, add_bos, add_eos)
 
     import datasets
 
     return datasets.DatasetDict({
         split: ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names, num_proc=num_proc,
-                      fn_kwargs={"split": split}, desc=f"Tokenizing {split}")
+                      fn_kwargs={"split": split}, features=token_features(kind), desc=f"Tokenizing {split}")
         for split, ds in dsd.items()
     })

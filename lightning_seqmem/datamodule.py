@@ -6,59 +6,53 @@ this class only wires them to Lightning's ``prepare_data``/``setup``/``*_dataloa
 
 from __future__ import annotations
 
-import itertools
+import numbers
+import os
 from typing import Any
+
+from typing_extensions import override
 
 import numpy as np
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from lightning_seqmem.collate import PackCollator, PadCollator, TruncateCollator
 from lightning_seqmem.data_source import (
     check_columns,
     document_frame,
     ensure_validation_split,
     load_text_dataset,
-    tokenize_dataset,
 )
-from lightning_seqmem.packing import PackResult, StreamingPacker, check_packing, pack_sequences
-from lightning_seqmem.sampling import (
-    BatchFetcher,
-    LengthGroupedSampler,
-    ShuffledBatchSampler,
-    TokenBudgetBatchSampler,
+from lightning_seqmem.packing import OVERFLOWS, StreamingPacker, check_packing
+from lightning_seqmem.sampling import BatchFetcher
+from lightning_seqmem.strategies import (  # noqa: F401  (PAD_KEYS, PACK_KEYS, STRATEGIES: public names)
+    PACK_KEYS,
+    PAD_KEYS,
+    STRATEGIES,
+    BatchingOptions,
+    PackedRows,
+    make_strategy,
 )
 from lightning_seqmem.tokenizer import load_tokenizer
-from lightning_seqmem.truncation import (
-    PromptCompletionLimits,
-    check_truncation_side,
-    count_truncated,
-    prompt_completion_example,
-)
+from lightning_seqmem.tokens import ConcatView, ConstantView, view_of_dataset
+from lightning_seqmem.truncation import PromptCompletionLimits, check_truncation_side, prompt_completion_spans
 
 try:  # exact mid-epoch resume through Lightning checkpoints when torchdata is installed
     from torchdata.stateful_dataloader import StatefulDataLoader as _Loader
 except ImportError:  # pragma: no cover - the samplers still resume through their own state_dict
     _Loader = DataLoader
 
-STRATEGIES = ("pad", "truncate", "pack")
-PAD_KEYS = ("input_ids", "attention_mask", "labels")
-PACK_KEYS = ("input_ids", "labels", "position_ids")
+_PackedRows = PackedRows  # the old private name
 
 
-class _PackedRows(Dataset):
-    """Row ``i`` of a ``PackResult`` as ``{"input_ids", "seq_lengths"[, "labels"]}`` (what ``PackCollator`` takes)."""
-
-    def __init__(self, packed: PackResult, labels: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        self.packed, self.labels = packed, labels
-
-    def __len__(self) -> int:
-        return self.packed.num_rows
-
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
-        return self.packed.row(i, self.labels)
+def _integer(name: str, value: Any, minimum: int, hint: str = "", optional: bool = False) -> int | None:
+    """Any integral number (``int``, ``np.int64``, ...) as an ``int >= minimum``; else a ``ValueError``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{hint}, got {value!r}.")
+    return int(value)
 
 
 class _StreamingRows(IterableDataset):
@@ -86,10 +80,15 @@ class _StreamingRows(IterableDataset):
 class SeqMemDataModule(LightningDataModule):
     """Variable-length text for causal-LM training.
 
+    Map-style data lives in the Arrow tables ``datasets`` keeps memory-mapped: tokens are read as numpy views,
+    rows are planned from lengths and gathered when served, so memory grows with documents, not tokens.
+    Tokenization runs once per node (``prepare_data``) and is cached under ``cache_dir``.
+
     Args:
         dataset: ``"builtin"`` (the standard-library corpus), a ``datasets.Dataset``/``DatasetDict``, local
             json/jsonl/parquet/txt/csv files (path, glob or list), a ``save_to_disk`` directory, or a hub name.
-            A ``text`` column, or ``prompt`` and ``completion`` columns.
+            A ``text`` column, or ``prompt`` and ``completion`` columns; or pre-tokenized: ``input_ids``
+            (optionally ``labels``), or ``prompt_ids`` and ``completion_ids``, used as they are.
         tokenizer: ``None`` for the built-in BPE tokenizer, a name or local path for ``AutoTokenizer``, or a
             tokenizer object.
         max_length: longest row fed to the model, in tokens.
@@ -97,18 +96,25 @@ class SeqMemDataModule(LightningDataModule):
         eval_batch_size: rows per validation batch; defaults to ``micro_batch_size`` (same memory profile).
         strategy: ``"pad"`` (pad each batch to its longest row), ``"truncate"`` (every row cut and padded to
             ``max_length``) or ``"pack"`` (documents packed into ``max_length`` rows, no padding between them).
+        eval_strategy: the strategy of the validation loader; ``None`` (default) is the training strategy. E.g.
+            ``strategy="pack", eval_strategy="pad"`` trains packed and validates one document per row.
         pad_to_multiple_of: padded length rounded up to this (8 suits tensor cores); ``None`` to disable.
         text_column: the column holding the text.
         num_workers: DataLoader worker processes.
         seed: seeds shuffling and the validation split; epoch ``e`` uses ``seed + e`` on every rank.
         packing: ``"bfd"`` (best-fit decreasing over the whole split) or ``"wrapped"`` (concatenate, cut).
-        overflow: ``pack``/``bfd`` with a document longer than ``max_length``: ``"split"`` (pieces, nothing lost),
-            ``"truncate"``, ``"drop"`` or ``"error"``.
+        overflow: ``pack`` with a row longer than ``max_length``: ``"split"`` (pieces, nothing lost),
+            ``"truncate"``, ``"drop"`` or ``"error"``. ``None`` (default): ``"split"`` for plain text,
+            ``"truncate"`` for prompt/completion rows (the prompt/completion limits below, with ``max_length``:
+            a piece of an SFT example without its prompt would train on an answer to nothing).
+        allow_split_prompt_completion: with ``overflow="split"``, also split prompt/completion rows (later
+            pieces then lose their prompt); refused without this explicit opt-in.
         group_by_length: ``pad`` only: batches of similar lengths (mega-batches), the longest batch first.
         pad_to_max_length: ``pad`` only: always ``[rows, max_length]`` so the CUDA allocator reuses its blocks.
         max_tokens_per_batch: token budget (rows x padded length) per batch; ``pad`` gets a variable number of
             rows, ``truncate``/``pack`` get ``max_tokens_per_batch // max_length`` rows.
-        truncation_side: ``"right"`` keeps the start of a long document, ``"left"`` its end.
+        truncation_side: ``"right"`` keeps the start of a long document, ``"left"`` its end. Prompt/completion
+            rows over ``max_length``: ``"right"`` cuts the completion's end first, ``"left"`` the prompt's start.
         max_prompt_length: prompt/completion data: keep the last ``max_prompt_length`` prompt tokens.
         max_completion_length: prompt/completion data: keep the first ``max_completion_length`` completion tokens.
         completion_only_loss: prompt/completion data: labels -100 on the prompt.
@@ -118,6 +124,11 @@ class SeqMemDataModule(LightningDataModule):
             documents held in the best-fit window; memory does not grow with the dataset.
         streaming_validation_documents: a stream without a ``validation`` split gives its first this many
             documents to validation (and training skips them).
+        num_proc: processes for tokenization; ``None``: 1 for small datasets, else ``min(8, cpus // 2)``.
+        cache_dir: where tokenized datasets are cached (keyed by the data, the tokenizer's content and the
+            framing); ``None``: ``$XDG_CACHE_HOME/lightning_seqmem`` (or ``~/.cache/lightning_seqmem``).
+        pad_token_id, eos_token_id: pre-tokenized data: the special ids, when no tokenizer gives them (then the
+            tokenizer is never loaded).
 
     Example::
 
@@ -134,12 +145,14 @@ class SeqMemDataModule(LightningDataModule):
         micro_batch_size: int = 8,
         eval_batch_size: int | None = None,
         strategy: str = "pad",
+        eval_strategy: str | None = None,
         pad_to_multiple_of: int | None = 8,
         text_column: str = "text",
         num_workers: int = 0,
         seed: int = 42,
         packing: str = "bfd",
-        overflow: str = "split",
+        overflow: str | None = None,
+        allow_split_prompt_completion: bool = False,
         group_by_length: bool = False,
         pad_to_max_length: bool = False,
         max_tokens_per_batch: int | None = None,
@@ -151,22 +164,39 @@ class SeqMemDataModule(LightningDataModule):
         drop_last: bool = False,
         streaming_buffer_size: int = 1000,
         streaming_validation_documents: int = 100,
+        num_proc: int | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        pad_token_id: int | None = None,
+        eos_token_id: int | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(max_length, int) or max_length < 2:
-            raise ValueError(f"max_length must be an int >= 2 (a row needs an input and a target), got {max_length!r}.")
-        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}.")
-        if eval_batch_size is not None and (not isinstance(eval_batch_size, int) or eval_batch_size < 1):
-            raise ValueError(f"eval_batch_size must be an int >= 1 or None (= micro_batch_size), got {eval_batch_size!r}.")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"Unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}.")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}.")
-        check_packing(packing, overflow)
+        max_length = _integer("max_length", max_length, 2, " (a row needs an input and a target)")
+        micro_batch_size = _integer("micro_batch_size", micro_batch_size, 1)
+        eval_batch_size = _integer("eval_batch_size", eval_batch_size, 1, " or None (= micro_batch_size)", True)
+        num_workers = _integer("num_workers", num_workers, 0)
+        seed = _integer("seed", seed, 0)
+        pad_to_multiple_of = _integer("pad_to_multiple_of", pad_to_multiple_of, 1, " or None", True)
+        max_tokens_per_batch = _integer("max_tokens_per_batch", max_tokens_per_batch, 1, " or None", True)
+        max_prompt_length = _integer("max_prompt_length", max_prompt_length, 1, " or None", True)
+        max_completion_length = _integer("max_completion_length", max_completion_length, 1, " or None", True)
+        streaming_buffer_size = _integer("streaming_buffer_size", streaming_buffer_size, 1)
+        streaming_validation_documents = _integer("streaming_validation_documents", streaming_validation_documents, 0)
+        num_proc = _integer("num_proc", num_proc, 1, " or None (automatic)", True)
+        pad_token_id = _integer("pad_token_id", pad_token_id, 0, " or None (from the tokenizer)", True)
+        eos_token_id = _integer("eos_token_id", eos_token_id, 0, " or None (from the tokenizer)", True)
+        eval_strategy = eval_strategy or strategy
+        for name, value in (("strategy", strategy), ("eval_strategy", eval_strategy)):
+            if value not in STRATEGIES:
+                raise ValueError(f"Unknown {name} {value!r}; choose one of {list(STRATEGIES)}.")
+        if overflow is not None and overflow not in OVERFLOWS:
+            raise ValueError(f"overflow={overflow!r} is not valid; use one of {OVERFLOWS} (or None: split text, "
+                             "truncate prompt/completion rows).")
+        check_packing(packing, overflow or "split")
         check_truncation_side(truncation_side)
         self._limits = PromptCompletionLimits(max_length, max_prompt_length, max_completion_length, truncation_side)
-        if max_tokens_per_batch is not None and strategy != "pad" and max_tokens_per_batch < max_length:
+        if max_tokens_per_batch is not None and max_tokens_per_batch < max_length and (
+            {strategy, eval_strategy} - {"pad"}
+        ):
             raise ValueError(
                 f"max_tokens_per_batch={max_tokens_per_batch} is smaller than one row of max_length={max_length} "
                 f"tokens (strategy={strategy!r} rows are always max_length long); set it to at least {max_length}."
@@ -177,12 +207,14 @@ class SeqMemDataModule(LightningDataModule):
         self.micro_batch_size = micro_batch_size
         self.eval_batch_size = eval_batch_size or micro_batch_size
         self.strategy = strategy
+        self.eval_strategy = eval_strategy
         self.pad_to_multiple_of = pad_to_multiple_of
         self.text_column = text_column
         self.num_workers = num_workers
         self.seed = seed
         self.packing = packing
         self.overflow = overflow
+        self.allow_split_prompt_completion = allow_split_prompt_completion
         self.group_by_length = group_by_length
         self.pad_to_max_length = pad_to_max_length
         self.max_tokens_per_batch = max_tokens_per_batch
@@ -192,11 +224,22 @@ class SeqMemDataModule(LightningDataModule):
         self.drop_last = drop_last
         self.streaming_buffer_size = streaming_buffer_size
         self.streaming_validation_documents = streaming_validation_documents
+        self.num_proc = num_proc
+        self.cache_dir = cache_dir
         self.streaming = False
         self._tokenizer_arg = tokenizer
         self._tokenizer = None
+        self._special_ids = {"pad": pad_token_id, "eos": eos_token_id}
+        self._options = BatchingOptions(
+            max_length, pad_to_multiple_of, pad_to_max_length, truncation_side, group_by_length,
+            max_tokens_per_batch, packing, overflow or "split", return_cu_seqlens,
+        )
+        # Chosen once: every question about batches of a split goes to its strategy object.
+        self._strategies = {"train": make_strategy(strategy, self._options),
+                            "validation": make_strategy(eval_strategy, self._options)}
         self.datasets: dict[str, Any] | None = None
-        self._rows: dict[str, Dataset] = {}
+        self._rows: dict[str, Any] = {}
+        self._labels: dict[str, Any] = {}  # per split: the token source of labels, where rows carry their own
         self._lengths: dict[str, np.ndarray] = {}  # per row fed to the model, after truncation
         self._stats: dict[str, dict[str, float]] = {}
 
@@ -210,16 +253,42 @@ class SeqMemDataModule(LightningDataModule):
 
     @property
     def pad_token_id(self) -> int:
+        if self._special_ids["pad"] is not None:
+            return self._special_ids["pad"]
         return int(self.tokenizer.pad_token_id)
 
     def prepare_data(self) -> None:
-        """Build (once, on one process) what is cached on disk: the built-in corpus and the default tokenizer."""
+        """Build what is cached on disk, once per node (Lightning calls this on local rank 0 only): the built-in
+        corpus, the default tokenizer and the tokenized dataset; ``setup`` on every rank then only reads them."""
+        import datasets
+
         if isinstance(self.dataset, str) and self.dataset == "builtin":
             from lightning_seqmem.corpus import load_builtin_corpus
 
             load_builtin_corpus()
-        _ = self.tokenizer
+        if isinstance(self.dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+            _ = self.tokenizer
+            return
+        self._tokenized()
 
+    def _tokenized(self):
+        """``(DatasetDict of token columns, kind)``: tokenized through the cache, or pre-tokenized data as is."""
+        from lightning_seqmem.data_source import PRETOKENIZED_KINDS, check_token_values
+        from lightning_seqmem.token_cache import tokenize_cached
+
+        raw = load_text_dataset(self.dataset)
+        kind = check_columns(raw, self.text_column)
+        if kind in PRETOKENIZED_KINDS:
+            explicit = self._tokenizer_arg is not None
+            vocab = len(self.tokenizer) if explicit else None
+            for split, ds in raw.items():
+                check_token_values(ds, kind, split, vocab)
+            return raw, PRETOKENIZED_KINDS[kind]
+        tokenized = tokenize_cached(raw, self.tokenizer, kind, self.text_column, num_proc=self.num_proc,
+                                    cache_dir=self.cache_dir)
+        return tokenized, kind
+
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.datasets is not None:
             return
@@ -227,10 +296,19 @@ class SeqMemDataModule(LightningDataModule):
 
         if isinstance(self.dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
             return self._setup_streaming()
-        raw = load_text_dataset(self.dataset)
-        kind = check_columns(raw, self.text_column)
-        # Tokenize before carving out a validation split, so errors name rows of the dataset the user passed.
-        tokenized = tokenize_dataset(raw, self.tokenizer, kind=kind, text_column=self.text_column)
+        # Tokenize (or load the cache prepare_data wrote) before carving out a validation split, so errors name
+        # rows of the dataset the user passed.
+        tokenized, kind = self._tokenized()
+        if kind == "prompt_completion" and self.overflow is None:
+            self._options.overflow = "truncate"  # an SFT example is never cut into pieces without its prompt
+        if kind == "prompt_completion" and self.overflow == "split" and not self.allow_split_prompt_completion \
+                and "pack" in (self.strategy, self.eval_strategy):
+            raise ValueError(
+                "overflow='split' would cut long prompt/completion rows into pieces, and every piece after the "
+                "first would train on completion tokens without their prompt. Leave overflow=None (truncate: keep "
+                "the prompt's end and the completion's start), or pass allow_split_prompt_completion=True to "
+                "split anyway."
+            )
         tokenized = ensure_validation_split(tokenized, seed=self.seed)
         self.datasets = {}
         for split in ("train", "validation"):
@@ -239,42 +317,73 @@ class SeqMemDataModule(LightningDataModule):
             self._stats[split].update(self._loader_stats(split))
 
     def _setup_split(self, split: str, ds, kind: str) -> None:
-        """Skip empty documents, truncate or pack, and count every token that will not reach the model."""
-        lengths = ds["length"]
-        lengths = lengths.to_pylist() if hasattr(lengths, "to_pylist") else list(lengths)
-        keep = [i for i, n in enumerate(lengths) if n > 0]
+        """Skip empty documents, truncate or pack, and count every token that will not reach the model.
+
+        Works on numpy views of the Arrow columns and on lengths: no token is copied here.
+        """
+        if kind == "prompt_completion":
+            prompt, completion = view_of_dataset(ds, "prompt_ids"), view_of_dataset(ds, "completion_ids")
+            lengths = prompt.lengths + completion.lengths
+        else:
+            source = view_of_dataset(ds, "input_ids")
+            labels = view_of_dataset(ds, "labels") if "labels" in ds.column_names else None
+            lengths = source.lengths
+        keep = np.flatnonzero(lengths > 0)
         empty = len(lengths) - len(keep)
         if empty:
-            ds = ds.select(keep)
-            lengths = [lengths[i] for i in keep]
-        if split == "train" and len(ds) == 0:
+            ds = ds.select(keep, keep_in_memory=True)  # an index array: no tokens copied
+            lengths = lengths[keep]
+            if kind == "prompt_completion":
+                prompt, completion = prompt.select(keep), completion.select(keep)
+            else:
+                source = source.select(keep)
+                labels = labels.select(keep) if labels is not None else None
+        if split == "train" and len(keep) == 0:
             raise ValueError("Every training document is empty after tokenization: there is nothing to train on.")
         stats = {
-            "documents": len(lengths), "empty_documents_skipped": empty, "tokens": sum(lengths),
+            "documents": len(lengths), "empty_documents_skipped": empty, "tokens": int(lengths.sum()),
             "tokens_truncated": 0, "tokens_dropped": 0, "documents_split": 0,
-            "documents_over_max_length": sum(1 for n in lengths if n > self.max_length),
-            "longest_document": max(lengths, default=0),
+            "documents_over_max_length": int((lengths > self.max_length).sum()),
+            "longest_document": int(lengths.max(initial=0)),
         }
+        strategy = self._strategies[split]
         if kind == "prompt_completion":
-            ds, stats = self._prompt_completion_rows(ds, stats, split)
-        else:
-            ds = ds.select_columns(["input_ids"])
+            source, labels = self._prompt_completion_rows(prompt, completion, stats, split)
         self.datasets[split] = ds
+        plan = strategy.plan(source, labels)
+        for key, value in plan.stats.items():
+            stats[key] += value  # adds to any prompt/completion truncation
+        self._rows[split], self._lengths[split], self._labels[split] = plan.rows, plan.lengths, labels
         self._stats[split] = stats
-        if self.strategy == "pack":
-            self._pack_split(split)
-        else:
-            self._rows[split] = ds
-            if kind == "text":
-                stats["tokens_truncated"] = count_truncated(lengths, self.max_length)
-                self._lengths[split] = np.minimum(np.asarray(lengths, dtype=np.int64), self.max_length)
         self._report(split, stats)
 
+    def _prompt_completion_rows(self, prompt, completion, stats: dict, split: str):
+        """Truncate prompt/completion pairs once, at dataset level and on lengths, so every cut token is counted
+        exactly; rows are views (the kept part of the prompt, then of the completion), gathered when served."""
+        limits = self._strategies[split].prompt_completion_limits(self._limits)
+        p_off, p_keep, c_keep = prompt_completion_spans(prompt.lengths, completion.lengths, limits)
+        truncated = int((prompt.lengths + completion.lengths - p_keep - c_keep).sum())
+        kept = np.flatnonzero(c_keep > 0)
+        emptied = len(c_keep) - len(kept)  # nothing to learn from: reported below, never trained on silently
+        truncated += int((p_keep[c_keep == 0]).sum())
+        prompt = prompt.trim(p_off, p_keep).select(kept)
+        completion = completion.trim(np.zeros_like(c_keep), c_keep).select(kept)
+        source = ConcatView(prompt, completion)
+        labels = ConcatView(ConstantView(-100, prompt.lengths) if self.completion_only_loss else prompt, completion)
+        stats.update(tokens_truncated=truncated, rows_without_completion=emptied)
+        if emptied:
+            rank_zero_warn(
+                f"{split}: {emptied} prompt/completion rows have no completion left after truncation and are "
+                "skipped. Lower max_prompt_length or raise max_length to keep them."
+            )
+        return source, labels
+
     def _setup_streaming(self) -> None:
-        if self.strategy != "pack":
+        if self.strategy != "pack" or self.eval_strategy != "pack":
             raise ValueError(
-                f"A streaming dataset is packed on the fly: use strategy='pack' (strategy={self.strategy!r} needs the "
-                "whole dataset), or load it without streaming=True."
+                f"A streaming dataset is packed on the fly: use strategy='pack' (strategy={self.strategy!r}, "
+                f"eval_strategy={self.eval_strategy!r}; the others need the whole dataset), or load it without "
+                "streaming=True."
             )
         ds = self.dataset
         train, val = (ds["train"], ds.get("validation")) if isinstance(ds, dict) else (ds, None)
@@ -303,65 +412,27 @@ class SeqMemDataModule(LightningDataModule):
         world, rank = (dist.get_world_size(), dist.get_rank()) if initialised else (1, 0)
         if world > 1 and split == "train":
             rank_zero_warn("Streaming under DDP: the train stream repeats so no rank runs out first; set max_steps.")
-        packer = StreamingPacker(self.max_length, self.streaming_buffer_size, self.overflow)
+        packer = StreamingPacker(self.max_length, self.streaming_buffer_size, self._options.overflow)
         cycle = world > 1 and split == "train"
         rows = _StreamingRows(self.datasets[split], self._encode, packer, rank, world, cycle=cycle)
-        return DataLoader(rows, batch_size=self._rows_per_batch(split), collate_fn=self._collator(),
+        return DataLoader(rows, batch_size=self._rows_per_batch(split), collate_fn=self._collator(split),
                           num_workers=self.num_workers)
-
-    def _prompt_completion_rows(self, ds, stats: dict, split: str):
-        """Truncate prompt/completion pairs once, at dataset level, so every cut token is counted exactly."""
-        rows, truncated, emptied = [], 0, 0
-        limits = self._limits
-        if self.strategy == "pack":  # packing keeps long rows (overflow decides): only the per-part limits apply
-            limits = PromptCompletionLimits(None, limits.max_prompt_length, limits.max_completion_length)
-        for p, c in zip(ds["prompt_ids"], ds["completion_ids"]):
-            ex = prompt_completion_example(p, c, limits, self.completion_only_loss)
-            truncated += ex["num_truncated"]
-            if ex["completion_length"] == 0:
-                emptied += 1  # nothing to learn from: reported below, never trained on silently
-                truncated += len(ex["input_ids"])
-                continue
-            rows.append({"input_ids": ex["input_ids"], "labels": ex["labels"]})
-        import datasets
-
-        columns = {"input_ids": [r["input_ids"] for r in rows], "labels": [r["labels"] for r in rows]}
-        self._lengths[split] = np.asarray([len(r) for r in columns["input_ids"]], dtype=np.int64)
-        stats.update(tokens_truncated=truncated, rows_without_completion=emptied)
-        if emptied:
-            rank_zero_warn(
-                f"{split}: {emptied} prompt/completion rows have no completion left after truncation and are "
-                "skipped. Lower max_prompt_length or raise max_length to keep them."
-            )
-        return datasets.Dataset.from_dict(columns), stats
-
-    def _pack_split(self, split: str) -> None:
-        """Pack the whole split once; epochs reshuffle the packed rows, they never re-pack."""
-        # Tokenized documents already end with EOS, so ``wrapped`` needs no extra separator.
-        ds = self.datasets[split]
-        packed = pack_sequences(list(ds["input_ids"]), self.max_length, self.packing, self.overflow)
-        labels = None
-        if "labels" in ds.column_names:  # prompt/completion: labels follow their tokens into the same slots
-            labels = (np.fromiter(itertools.chain.from_iterable(ds["labels"]), dtype=np.int64), packed.source[1])
-        self._rows[split] = _PackedRows(packed, labels)
-        self._lengths[split] = np.diff(packed.row_offsets)
-        s = packed.stats()
-        stats = self._stats[split]
-        stats["tokens_truncated"] += s["tokens_truncated"]  # adds to any prompt/completion truncation
-        stats.update(tokens_dropped=s["tokens_dropped"], documents_split=s["documents_split"])
 
     def _report(self, split: str, stats: dict) -> None:
         truncated, dropped = stats["tokens_truncated"], stats["tokens_dropped"]
+        strategy = self._strategies[split].name
         if truncated + dropped:
-            if self.strategy != "pack":
+            if strategy != "pack":
                 fix = "Raise max_length, or use strategy='pack' (overflow='split') to keep them."
-            elif self.overflow != "split":
+            elif "rows_without_completion" in stats:
+                fix = "Raise max_length, or max_prompt_length / max_completion_length, to keep them."
+            elif self._options.overflow != "split":
                 fix = "Use overflow='split' to keep them (a long document becomes max_length pieces)."
             else:
                 fix = "Raise max_prompt_length / max_completion_length to keep them."
             rank_zero_warn(
                 f"{split}: {stats['documents_over_max_length']} documents are longer than max_length={self.max_length}; "
-                f"with strategy={self.strategy!r}, {truncated + dropped:,} of {stats['tokens']:,} tokens "
+                f"with strategy={strategy!r}, {truncated + dropped:,} of {stats['tokens']:,} tokens "
                 f"({100 * (truncated + dropped) / max(stats['tokens'], 1):.2f}%) never reach the model "
                 f"({truncated:,} truncated, {dropped:,} dropped). {fix}"
             )
@@ -369,33 +440,21 @@ class SeqMemDataModule(LightningDataModule):
             rank_zero_info(f"[lightning_seqmem] {split}: skipped {stats['empty_documents_skipped']} empty documents.")
 
     # ------------------------------------------------------------------------------------------------ loaders
-    def _collator(self):
-        if self.strategy == "pack":
-            return PackCollator(self.pad_token_id, self.max_length, return_cu_seqlens=self.return_cu_seqlens)
-        if self.strategy == "truncate":
-            return TruncateCollator(self.pad_token_id, self.max_length, truncation_side=self.truncation_side)
-        return PadCollator(
-            self.pad_token_id, max_length=self.max_length, pad_to_multiple_of=self.pad_to_multiple_of,
-            pad_to_max_length=self.pad_to_max_length, truncation_side=self.truncation_side,
-        )
+    def _collator(self, split: str = "train"):
+        return self._strategies[split].collator(self.pad_token_id)
 
     def _rows_per_batch(self, split: str) -> int:
-        if self.max_tokens_per_batch is not None:  # constant-shape strategies: the budget fixes the rows
-            return self.max_tokens_per_batch // self.max_length
-        return self.micro_batch_size if split == "train" else self.eval_batch_size
+        batch_size = self.micro_batch_size if split == "train" else self.eval_batch_size
+        return self._strategies[split].rows_per_batch(batch_size)
 
     def _sampler(self, split: str, num_replicas: int | None = None, rank: int | None = None):
         """This rank's batch sampler for ``split`` (train shuffles with ``seed + epoch``)."""
         shuffle = split == "train"
-        common = dict(shuffle=shuffle, seed=self.seed, num_replicas=num_replicas, rank=rank,
-                      drop_last=self.drop_last and shuffle)
-        n = len(self._rows[split])
-        if self.strategy == "pad" and self.max_tokens_per_batch is not None:
-            return TokenBudgetBatchSampler(self._lengths[split], self.max_tokens_per_batch,
-                                           padded_length=self._collator().padded_length, **common)
-        if self.strategy == "pad" and self.group_by_length:
-            return LengthGroupedSampler(self._lengths[split], self._rows_per_batch(split), **common)
-        return ShuffledBatchSampler(n, self._rows_per_batch(split), **common)
+        batch_size = self.micro_batch_size if split == "train" else self.eval_batch_size
+        return self._strategies[split].sampler(
+            self._lengths[split], batch_size, shuffle=shuffle, seed=self.seed, num_replicas=num_replicas, rank=rank,
+            drop_last=self.drop_last and shuffle,
+        )
 
     def _loader(self, split: str) -> DataLoader:
         if self.datasets is None:
@@ -404,56 +463,54 @@ class SeqMemDataModule(LightningDataModule):
             return self._streaming_loader(split)
         return _Loader(
             BatchFetcher(self._rows[split]), sampler=self._sampler(split), batch_size=None,
-            collate_fn=self._collator(), num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+            collate_fn=self._collator(split), num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
         )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation")
 
     # ---------------------------------------------------------------------------------------------- reporting
     def batch_keys(self) -> tuple[str, ...]:
-        """The keys of the batches the train loader yields."""
-        if self.strategy == "pack":
-            return PACK_KEYS + (("cu_seqlens",) if self.return_cu_seqlens else ())
-        return PAD_KEYS
+        """The keys of the batches the train loader yields (``eval_strategy`` may differ: see its loader)."""
+        return tuple(self._strategies["train"].keys)
 
     def _shapes(self, split: str) -> list[tuple[int, int]]:
         """``(rows, length)`` of every batch of ``split`` in epoch 0, on a single process."""
-        sampler = self._sampler(split, num_replicas=1, rank=0)
-        lengths = self._lengths[split]
-        if self.strategy == "pad":
-            collator = self._collator()
-            return [(len(b), collator.padded_length(int(lengths[b].max()))) for b in sampler.batches(0)]
-        return [(len(b), self.max_length) for b in sampler.batches(0)]
+        batches = self._sampler(split, num_replicas=1, rank=0).batches(0)
+        return self._strategies[split].shapes(batches, self._lengths[split])
 
     def max_batch_shape(self) -> tuple[int, int]:
-        """The largest ``(rows, length)`` any loader yields (for pre-allocation).
-
-        With a token budget, rows and length vary together: this is the shape of the batch with the most slots.
-        """
+        """The largest ``(rows, length)`` any loader (train or validation, whatever its strategy) yields, for
+        pre-allocation. With a token budget, rows and length vary together: the shape with the most slots."""
         if self.datasets is None:
             self.setup("fit")
         if self.streaming:
             return max(self._rows_per_batch("train"), self._rows_per_batch("validation")), self.max_length
-        shapes = [s for split in self._rows for s in self._shapes(split)]
-        if self.strategy == "pad" and self.max_tokens_per_batch is not None:
-            return max(shapes, key=lambda s: (s[0] * s[1], s[1]))
-        return max(s[0] for s in shapes), max(s[1] for s in shapes)
+        largest = [self._strategies[split].largest(self._shapes(split))
+                   for split in self._rows if len(self._rows[split])]
+        if self.max_tokens_per_batch is not None and "pad" in (self.strategy, self.eval_strategy):
+            return max(largest, key=lambda s: (s[0] * s[1], s[1]))
+        return max(s[0] for s in largest), max(s[1] for s in largest)
 
     def _loader_stats(self, split: str) -> dict[str, float]:
         """One epoch on one process: batches, rows ``drop_last`` leaves out, real tokens / slots."""
         sampler = self._sampler(split, num_replicas=1, rank=0)
-        shapes = self._shapes(split)
-        fed = sum(int(self._lengths[split][b].sum()) for b in sampler.batches(0))
+        batches = sampler.batches(0)
+        shapes = self._strategies[split].shapes(batches, self._lengths[split])
+        lengths = self._lengths[split]
+        fed = int(sum(int(lengths[b].sum()) for b in batches))
         return {"rows": len(self._rows[split]), "batches": len(shapes), "rows_dropped_per_epoch": sampler.num_dropped,
                 "token_efficiency": fed / max(sum(r * n for r, n in shapes), 1)}
 
     def stats(self) -> dict[str, Any]:
         """Per split: documents, tokens, tokens truncated/dropped, documents split, empty documents skipped,
-        rows, batches, rows ``drop_last`` leaves out, and token efficiency (real tokens / slots in one epoch)."""
+        rows, batches, rows ``drop_last`` leaves out, and token efficiency (real tokens / slots in one epoch);
+        for prompt/completion data also the rows skipped because no completion was left."""
         if self.datasets is None:
             self.setup("fit")
         return {split: dict(values) for split, values in self._stats.items()}

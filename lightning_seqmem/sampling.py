@@ -250,18 +250,13 @@ class TokenBudgetBatchSampler(_ShardedBatchSampler):
     def _make_batches(self) -> list[list[int]]:
         tie_break = np.random.default_rng(self.seed).permutation(self.num_items)
         order = tie_break[np.argsort(-self.lengths[tie_break], kind="stable")]
+        longest_first = self.lengths[order]
         batches: list[list[int]] = []
-        current: list[int] = []
-        width = 0
-        for i in order.tolist():
-            if current and (len(current) + 1) * width > self.max_tokens_per_batch:
-                batches.append(current)
-                current = []
-            if not current:
-                width = self.padded_length(int(self.lengths[i]))  # longest first: the first row sets the width
-            current.append(i)
-        if current:
-            batches.append(current)
+        start = 0
+        while start < len(order):  # one step per batch: longest first, so its first row sets the width
+            rows = max(1, self.max_tokens_per_batch // self.padded_length(int(longest_first[start])))
+            batches.append(order[start : start + rows].tolist())
+            start += rows
         return self._balance(batches)
 
     def _balance(self, batches: list[list[int]]) -> list[list[int]]:

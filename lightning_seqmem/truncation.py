@@ -150,3 +150,39 @@ def prompt_completion_example(
         "num_truncated": len(prompt) + len(completion) - len(ids),
         "completion_length": len(c),
     }
+
+
+def prompt_completion_spans(
+    prompt_lengths: np.ndarray, completion_lengths: np.ndarray, limits: PromptCompletionLimits
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``truncate_prompt_completion`` for every row at once, on lengths only (numpy, no tokens touched).
+
+    Args:
+        prompt_lengths, completion_lengths: ``[rows]`` token counts.
+        limits: the same limits, with the same meaning.
+
+    Returns:
+        ``(prompt_offset, prompt_kept, completion_kept)`` ``[rows]`` each: row ``i`` keeps prompt tokens
+        ``prompt_offset[i] : prompt_offset[i] + prompt_kept[i]`` and the first ``completion_kept[i]`` completion
+        tokens. Tokens cut: ``prompt_lengths + completion_lengths - prompt_kept - completion_kept``.
+
+    Example::
+
+        >>> lim = PromptCompletionLimits(max_length=5, max_prompt_length=3, max_completion_length=2)
+        >>> [a.tolist() for a in prompt_completion_spans(np.array([4]), np.array([3]), lim)]
+        [[1], [3], [2]]
+    """
+    plen = np.asarray(prompt_lengths, dtype=np.int64)
+    clen = np.asarray(completion_lengths, dtype=np.int64)
+    p_keep = plen if limits.max_prompt_length is None else np.minimum(plen, limits.max_prompt_length)
+    p_off = plen - p_keep  # the prompt limit keeps the prompt's end
+    c_keep = clen if limits.max_completion_length is None else np.minimum(clen, limits.max_completion_length)
+    if limits.max_length is not None:
+        excess = np.maximum(p_keep + c_keep - limits.max_length, 0)
+        if limits.truncation_side == "right":  # the completion's end first, then the prompt's end
+            cut_first = np.minimum(excess, c_keep)
+            c_keep, p_keep = c_keep - cut_first, p_keep - (excess - cut_first)
+        else:  # the prompt's start first, then the completion's end
+            cut_first = np.minimum(excess, p_keep)
+            p_off, p_keep, c_keep = p_off + cut_first, p_keep - cut_first, c_keep - (excess - cut_first)
+    return p_off, p_keep, c_keep

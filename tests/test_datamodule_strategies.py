@@ -106,8 +106,9 @@ def test_prompt_completion_truncation_and_completion_only_labels(tokenizer):
     with pytest.warns(UserWarning, match="no completion left"):
         packed.setup("fit")
     learned = sorted(t for b in packed.train_dataloader() for t in b["labels"][b["labels"] != -100].tolist())
-    rows = packed.datasets["train"]
-    expected = sorted(t for lab in rows["labels"] for t in lab[1:] if t != -100)  # a segment's first never learns
+    labels = packed._labels["train"]  # per row: -100 on the kept prompt, then the kept completion
+    rows = [labels.row(i).tolist() for i in range(len(labels))]
+    expected = sorted(t for lab in rows for t in lab[1:] if t != -100)  # a segment's first never learns
     assert learned == expected and len(learned) > 0
 
 

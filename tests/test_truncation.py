@@ -1,5 +1,6 @@
 """Truncation: counting, sides, and prompt/completion truncation on hand-worked examples."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,6 +9,7 @@ from lightning_seqmem.truncation import (
     PromptCompletionLimits,
     count_truncated,
     prompt_completion_example,
+    prompt_completion_spans,
     truncate_ids,
     truncate_prompt_completion,
 )
@@ -84,3 +86,24 @@ def test_prompt_completion_conserves_tokens(prompt, completion, max_length, mp, 
     assert completion[: len(c)] == c
     ex = prompt_completion_example(prompt, completion, lim)
     assert ex["num_truncated"] == len(prompt) + len(completion) - len(p) - len(c)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30)), min_size=1, max_size=20),
+    max_length=st.one_of(st.none(), st.integers(2, 40)),
+    max_prompt=st.one_of(st.none(), st.integers(1, 20)),
+    max_completion=st.one_of(st.none(), st.integers(1, 20)),
+    side=st.sampled_from(["right", "left"]),
+)
+def test_vectorised_spans_match_the_per_row_truncation(rows, max_length, max_prompt, max_completion, side):
+    try:
+        lim = PromptCompletionLimits(max_length, max_prompt, max_completion, side)
+    except ValueError:
+        return  # limits that cannot fit: rejected before any row is seen
+    plen, clen = (np.asarray(x) for x in zip(*rows))
+    offset, p_kept, c_kept = prompt_completion_spans(plen, clen, lim)
+    for i, (p, c) in enumerate(rows):
+        prompt, completion = list(range(100, 100 + p)), list(range(200, 200 + c))
+        want_p, want_c = truncate_prompt_completion(prompt, completion, lim)
+        assert prompt[offset[i] : offset[i] + p_kept[i]] == want_p and completion[: c_kept[i]] == want_c

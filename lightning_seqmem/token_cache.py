@@ -1,0 +1,108 @@
+"""Tokenize once per node: a ``datasets.map`` written under a cache directory of ours, keyed by what matters.
+
+The key is a hash of the split's data (its ``datasets`` fingerprint), the tokenizer's *content* (its serialised
+vocabulary and rules, not its name), the framing (BOS/EOS) and the columns, so changing any of them tokenizes
+again. ``prepare_data`` (local rank 0) writes the Arrow files and then a small manifest; ``setup`` on every rank
+finds the manifest and memory-maps the files. In-memory datasets, which ``datasets`` does not cache, get the same
+treatment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning_seqmem.data_source import document_frame, token_features, tokenize_function
+
+_FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
+SMALL_DATASET_ROWS = 20_000  # below this, extra processes cost more than they save
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/lightning_seqmem``, else ``~/.cache/lightning_seqmem``."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "lightning_seqmem"
+
+
+def default_num_proc(rows: int) -> int:
+    """1 for small datasets; else a fair share of the CPUs (at most 8: tokenizers are fast, disks are not)."""
+    if rows < SMALL_DATASET_ROWS:
+        return 1
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of what the tokenizer does: its serialised backend (vocabulary, merges, normaliser, added tokens)
+    and special tokens for fast tokenizers; ``datasets``' pickling hash for anything else."""
+    h = hashlib.sha256(type(tokenizer).__qualname__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        h.update(backend.to_str().encode())
+        h.update(repr(sorted((k, str(v)) for k, v in getattr(tokenizer, "special_tokens_map", {}).items())).encode())
+    else:
+        from datasets.fingerprint import Hasher
+
+        h.update(Hasher.hash(tokenizer).encode())
+    return h.hexdigest()
+
+
+def _load(directory: Path):
+    """The cached split, memory-mapped, or ``None`` when its manifest is missing (not written yet)."""
+    manifest = directory / "manifest.json"
+    if not manifest.exists():
+        return None
+    import datasets
+
+    files = json.loads(manifest.read_text())["files"]
+    parts = [datasets.Dataset.from_file(str(directory / f)) for f in files]
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
+                    completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
+                    num_proc: int | None = None, cache_dir: str | os.PathLike | None = None):
+    """``data_source.tokenize_dataset``, cached under ``cache_dir``: tokenize a split only the first time.
+
+    Args:
+        dsd: ``DatasetDict`` of text (or prompt/completion) splits.
+        tokenizer, kind, text_column, prompt_column, completion_column, add_bos, add_eos: as in
+            ``tokenize_dataset``.
+        num_proc: tokenization processes; ``None``: ``default_num_proc``.
+        cache_dir: root of the cache; ``None``: ``default_cache_dir()``.
+
+    Returns:
+        ``DatasetDict`` of memory-mapped token columns (``input_ids`` or ``prompt_ids``/``completion_ids``, and
+        ``length``).
+    """
+    import datasets
+
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    frame = document_frame(tokenizer, add_bos, add_eos)
+    columns = [text_column] if kind == "text" else [prompt_column, completion_column]
+    common = json.dumps([_FORMAT, tokenizer_fingerprint(tokenizer), frame, kind, columns], default=str)
+    fn = tokenize_function(tokenizer, kind, text_column, prompt_column, completion_column, add_bos, add_eos)
+    out = {}
+    for split, ds in dsd.items():
+        key = hashlib.sha256((common + ds._fingerprint).encode()).hexdigest()[:32]
+        directory = root / "tokenized" / key
+        cached = _load(directory)
+        if cached is None:
+            directory.mkdir(parents=True, exist_ok=True)
+            procs = num_proc if num_proc is not None else default_num_proc(len(ds))
+            procs = max(1, min(procs, len(ds)))
+            mapped = ds.map(
+                fn, batched=True, with_indices=True, remove_columns=ds.column_names,
+                num_proc=procs if procs > 1 else None,
+                fn_kwargs={"split": split}, features=token_features(kind), desc=f"Tokenizing {split}",
+                cache_file_name=str(directory / "tokens.arrow"), new_fingerprint=key, load_from_cache_file=False,
+            )
+            files = [os.path.basename(f["filename"]) for f in mapped.cache_files]
+            tmp = directory / f"manifest.json.{os.getpid()}"
+            tmp.write_text(json.dumps({"files": files, "split": split, "rows": len(mapped)}))
+            os.replace(tmp, directory / "manifest.json")  # atomic: a reader sees all of it or nothing
+            cached = _load(directory)
+        out[split] = cached
+    return datasets.DatasetDict(out)

@@ -1,0 +1,73 @@
+"""Token views of Arrow columns: zero-copy, multi-chunk, through indices; every input form packs and collates alike."""
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from lightning_seqmem.collate import PackCollator, PadCollator
+from lightning_seqmem.packing import pack_sequences
+from lightning_seqmem.tokens import ConcatView, ConstantView, TokenView, as_token_source, view_of_dataset
+
+DOCS = [[5, 6, 7], [], [8], [9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19]]
+
+
+def _multi_chunk():
+    """Three Arrow chunks (concatenate_datasets keeps each table's chunks)."""
+    parts = [datasets.Dataset.from_dict({"input_ids": DOCS[i : i + 2]}) for i in range(0, len(DOCS), 2)]
+    return datasets.concatenate_datasets(parts)
+
+
+def test_views_are_zero_copy_and_read_every_chunk():
+    ds = _multi_chunk()
+    assert ds.data.column("input_ids").num_chunks == 3
+    view = view_of_dataset(ds)
+    assert view.lengths.tolist() == [len(d) for d in DOCS] and len(view.chunks) == 3
+    assert [view.row(i).tolist() for i in range(len(DOCS))] == DOCS
+    arrow_values = ds.data.column("input_ids").chunk(0).values
+    assert np.shares_memory(view.chunks[0], np.frombuffer(arrow_values.buffers()[1], dtype=view.chunks[0].dtype))
+    # rows of a later chunk, in bulk, as segments (doc, start, length)
+    assert view.gather(np.array([3, 5, 0]), np.array([1, 2, 0]), np.array([3, 2, 1])).tolist() == [10, 11, 12, 18, 19, 5]
+
+
+def test_views_follow_a_datasets_indices_mapping():
+    ds = _multi_chunk().shuffle(seed=3)  # an indices mapping over the table, no tokens moved
+    view = view_of_dataset(ds)
+    assert [view.row(i).tolist() for i in range(len(ds))] == [list(r) for r in ds["input_ids"]]
+
+
+def test_concat_and_constant_views_gather_across_their_parts():
+    first, second = TokenView.from_flat(np.array([1, 2, 3, 4]), np.array([0, 2, 4])), as_token_source([[7], [8, 9]])
+    both = ConcatView(first, second)
+    assert [both.row(i).tolist() for i in range(2)] == [[1, 2, 7], [3, 4, 8, 9]]
+    assert both.gather(np.array([1, 0]), np.array([1, 1]), np.array([3, 2])).tolist() == [4, 8, 9, 2, 7]
+    labels = ConcatView(ConstantView(-100, first.lengths), second)
+    assert labels.row(1).tolist() == [-100, -100, 8, 9]
+
+
+@pytest.mark.parametrize("form", ["lists", "dataset", "column", "chunked", "list_array", "flat_offsets"])
+def test_pack_sequences_takes_every_form_without_python_lists(form):
+    ds = _multi_chunk()
+    flat = np.array([t for d in DOCS for t in d])
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in DOCS])])
+    inputs = {
+        "lists": DOCS, "dataset": ds, "column": ds["input_ids"], "chunked": ds.data.column("input_ids"),
+        "list_array": pa.array(DOCS), "flat_offsets": (flat, offsets),
+    }[form]
+    res = pack_sequences(inputs, max_length=6)
+    ref = pack_sequences(DOCS, max_length=6)
+    assert res.rows == ref.rows and res.seq_lengths == ref.seq_lengths
+    assert res.input_ids.tolist() == [t for row in ref.rows for t in row]
+    assert res.as_arrow().to_pylist() == ref.rows
+
+
+def test_collators_take_arrow_batches():
+    ds = datasets.Dataset.from_dict({"input_ids": DOCS[:3], "labels": [[-100, 6, 7], [], [8]]})
+    from_lists = PadCollator(0, pad_to_multiple_of=None)([{"input_ids": d} for d in DOCS[:3]])
+    from_arrow = PadCollator(0, pad_to_multiple_of=None)(pa.array(DOCS[:3]))
+    assert all(torch.equal(from_lists[k], from_arrow[k]) for k in from_lists)
+    with_labels = PadCollator(0, pad_to_multiple_of=None)(ds)
+    assert with_labels["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100], [8, -100, -100]]
+    packed = PackCollator(0, max_length=8)(pa.array([[1, 2, 3]]))
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
