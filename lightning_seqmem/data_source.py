@@ -315,6 +315,7 @@ def check_token_values(ds, kind: str, split: str, vocab_size: int | None = None)
     """
     import pyarrow as pa
 
+    from lightning_seqmem.batch import IGNORE_INDEX
     from lightning_seqmem.tokens import dataset_indices, view_of_arrow
 
     columns = ["input_ids", "labels"] if kind == "tokens" else ["prompt_ids", "completion_ids"]
@@ -339,7 +340,7 @@ def check_token_values(ds, kind: str, split: str, vocab_size: int | None = None)
                 continue
             bad = chunk < 0
             if column == "labels":
-                bad &= chunk != -100  # the ignored label is the one negative value allowed
+                bad &= chunk != IGNORE_INDEX  # the ignored label is the one negative value allowed
             if vocab_size is not None:
                 bad |= chunk >= vocab_size
             rows = np.unique(np.searchsorted(view.starts, base + np.flatnonzero(bad), side="right") - 1)

@@ -26,9 +26,8 @@ from lightning_seqmem.data_source import (
 )
 from lightning_seqmem.packing import OVERFLOWS, StreamingPacker, check_packing
 from lightning_seqmem.sampling import BatchFetcher
-from lightning_seqmem.strategies import (  # noqa: F401  (PAD_KEYS, PACK_KEYS, STRATEGIES: public names)
-    PACK_KEYS,
-    PAD_KEYS,
+from lightning_seqmem.batch import IGNORE_INDEX, PACK_KEYS, PAD_KEYS  # noqa: F401  (old import path kept)
+from lightning_seqmem.strategies import (  # noqa: F401  (STRATEGIES: public name)
     STRATEGIES,
     BatchingOptions,
     PackedRows,
@@ -369,7 +368,7 @@ class SeqMemDataModule(LightningDataModule):
         prompt = prompt.trim(p_off, p_keep).select(kept)
         completion = completion.trim(np.zeros_like(c_keep), c_keep).select(kept)
         source = ConcatView(prompt, completion)
-        labels = ConcatView(ConstantView(-100, prompt.lengths) if self.completion_only_loss else prompt, completion)
+        labels = ConcatView(ConstantView(IGNORE_INDEX, prompt.lengths) if self.completion_only_loss else prompt, completion)
         stats.update(tokens_truncated=truncated, rows_without_completion=emptied)
         if emptied:
             rank_zero_warn(

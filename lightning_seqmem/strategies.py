@@ -14,14 +14,13 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
+from lightning_seqmem.batch import CU_SEQLENS, PACK_KEYS, PAD_KEYS
 from lightning_seqmem.collate import PackCollator, PadCollator, TruncateCollator
 from lightning_seqmem.packed_rows import PackResult, pack_sequences
 from lightning_seqmem.sampling import LengthGroupedSampler, ShuffledBatchSampler, TokenBudgetBatchSampler
 from lightning_seqmem.truncation import PromptCompletionLimits, count_truncated
 
 STRATEGIES = ("pad", "truncate", "pack")
-PAD_KEYS = ("input_ids", "attention_mask", "labels")
-PACK_KEYS = ("input_ids", "labels", "position_ids")
 
 
 class DocumentRows(Dataset):
@@ -159,7 +158,7 @@ class PackStrategy(TruncateStrategy):
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return PACK_KEYS + (("cu_seqlens",) if self.options.return_cu_seqlens else ())
+        return PACK_KEYS + ((CU_SEQLENS,) if self.options.return_cu_seqlens else ())
 
     def prompt_completion_limits(self, limits: PromptCompletionLimits) -> PromptCompletionLimits:
         """``overflow="truncate"`` (the prompt/completion default): the full limits, so every row fits a row and

@@ -143,7 +143,9 @@ def prompt_completion_example(
     """
     p, c = truncate_prompt_completion(prompt, completion, limits)
     ids = p + c
-    labels = ([-100] * len(p) if completion_only_loss else list(p)) + c
+    from lightning_seqmem.batch import IGNORE_INDEX
+
+    labels = ([IGNORE_INDEX] * len(p) if completion_only_loss else list(p)) + c
     return {
         "input_ids": ids,
         "labels": labels,
