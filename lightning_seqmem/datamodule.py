@@ -44,6 +44,19 @@ except ImportError:  # pragma: no cover - the samplers still resume through thei
 
 _PackedRows = PackedRows  # the old private name
 
+RESUME_MISMATCH = ("error", "restart_epoch")
+
+
+class _ResumableLoader(_Loader):
+    """The map-style loader; ``skip_resume_state`` makes it start its epoch afresh instead of loading a saved
+    position (set when the checkpoint's data differ from this run's: the old position would point at other rows)."""
+
+    skip_resume_state = False
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self.skip_resume_state and hasattr(_Loader, "load_state_dict"):
+            super().load_state_dict(state_dict)
+
 
 def _integer(name: str, value: Any, minimum: int, hint: str = "", optional: bool = False) -> int | None:
     """Any integral number (``int``, ``np.int64``, ...) as an ``int >= minimum``; else a ``ValueError``."""
@@ -128,6 +141,10 @@ class SeqMemDataModule(LightningDataModule):
             framing); ``None``: ``$XDG_CACHE_HOME/lightning_seqmem`` (or ``~/.cache/lightning_seqmem``).
         pad_token_id, eos_token_id: pre-tokenized data: the special ids, when no tokenizer gives them (then the
             tokenizer is never loaded).
+        on_resume_mismatch: a checkpoint whose data position was saved with other rows (another ``max_length``,
+            strategy, dataset, batch size or seed): ``"error"`` (default) refuses to resume and names what
+            changed; ``"restart_epoch"`` keeps the checkpoint's model and optimizer but starts the current epoch
+            from its first batch.
 
     Example::
 
@@ -167,6 +184,7 @@ class SeqMemDataModule(LightningDataModule):
         cache_dir: str | os.PathLike | None = None,
         pad_token_id: int | None = None,
         eos_token_id: int | None = None,
+        on_resume_mismatch: str = "error",
     ) -> None:
         super().__init__()
         max_length = _integer("max_length", max_length, 2, " (a row needs an input and a target)")
@@ -184,6 +202,8 @@ class SeqMemDataModule(LightningDataModule):
         pad_token_id = _integer("pad_token_id", pad_token_id, 0, " or None (from the tokenizer)", True)
         eos_token_id = _integer("eos_token_id", eos_token_id, 0, " or None (from the tokenizer)", True)
         eval_strategy = eval_strategy or strategy
+        if on_resume_mismatch not in RESUME_MISMATCH:
+            raise ValueError(f"on_resume_mismatch={on_resume_mismatch!r} is not valid; use one of {RESUME_MISMATCH}.")
         for name, value in (("strategy", strategy), ("eval_strategy", eval_strategy)):
             if value not in STRATEGIES:
                 raise ValueError(f"Unknown {name} {value!r}; choose one of {list(STRATEGIES)}.")
@@ -225,6 +245,8 @@ class SeqMemDataModule(LightningDataModule):
         self.streaming_validation_documents = streaming_validation_documents
         self.num_proc = num_proc
         self.cache_dir = cache_dir
+        self.on_resume_mismatch = on_resume_mismatch
+        self._skip_resume_state = False
         self.streaming = False
         self._tokenizer_arg = tokenizer
         self._tokenizer = None
@@ -460,10 +482,12 @@ class SeqMemDataModule(LightningDataModule):
             self.setup("fit")
         if self.streaming:
             return self._streaming_loader(split)
-        return _Loader(
+        loader = _ResumableLoader(
             BatchFetcher(self._rows[split]), sampler=self._sampler(split), batch_size=None,
             collate_fn=self._collator(split), num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
         )
+        loader.skip_resume_state = self._skip_resume_state
+        return loader
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -513,3 +537,54 @@ class SeqMemDataModule(LightningDataModule):
         if self.datasets is None:
             self.setup("fit")
         return {split: dict(values) for split, values in self._stats.items()}
+
+    # ------------------------------------------------------------------------------------------------ resume
+    def data_signature(self) -> dict[str, Any]:
+        """What a saved loader position refers to: the settings that decide the train rows and their batches, and a
+        checksum of the train row lengths (so another dataset or tokenizer shows too)."""
+        import zlib
+
+        if self.datasets is None:
+            self.setup("fit")
+        lengths = np.ascontiguousarray(self._lengths.get("train", np.zeros(0)), dtype=np.int64)
+        return {
+            "strategy": self.strategy, "max_length": self.max_length, "micro_batch_size": self.micro_batch_size,
+            "seed": self.seed, "packing": self.packing, "overflow": self._options.overflow,
+            "group_by_length": self.group_by_length, "max_tokens_per_batch": self.max_tokens_per_batch,
+            "drop_last": self.drop_last, "train_rows": int(lengths.size), "train_lengths_crc32": zlib.crc32(lengths),
+        }
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in Lightning checkpoints: the data signature, checked when a run resumes from it."""
+        if self.streaming or self.datasets is None:
+            return {}
+        return {"data_signature": self.data_signature()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Compare the checkpoint's data signature with this run's before the loader position is restored
+        (Lightning restores the DataModule first): a changed dataset or batching makes that position meaningless."""
+        saved = state_dict.get("data_signature")
+        if not saved or self.streaming:
+            return
+        now = self.data_signature()
+        changed = {k: (saved.get(k), now.get(k)) for k in now if saved.get(k) != now.get(k)}
+        self._skip_resume_state = False
+        if not changed:
+            return
+        if "train_lengths_crc32" in changed and "train_rows" not in changed and len(changed) == 1:
+            what = "the train rows have other lengths (another dataset, tokenizer or packing)"
+        else:
+            what = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()
+                             if k != "train_lengths_crc32")
+        if self.on_resume_mismatch == "error":
+            raise ValueError(
+                f"Cannot resume the data position of this checkpoint: it was saved with other data ({what}), so the "
+                "batches it had already yielded are not this run's. Resume with the same data settings, or pass "
+                "on_resume_mismatch='restart_epoch' to keep the checkpoint's model and optimizer and start the "
+                "current epoch from its first batch (or start a new run without ckpt_path)."
+            )
+        rank_zero_warn(f"The checkpoint's data differ from this run's ({what}): the current epoch restarts from its "
+                       "first batch (on_resume_mismatch='restart_epoch'); model and optimizer state are resumed.")
+        self._skip_resume_state = True
