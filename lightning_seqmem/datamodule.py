@@ -153,6 +153,8 @@ class SeqMemDataModule(LightningDataModule):
         print(dm.stats())
     """
 
+    _skip_resume_state = False  # set by load_state_dict when the checkpoint's data differ (restart_epoch)
+
     def __init__(
         self,
         dataset: Any = "builtin",
@@ -246,7 +248,6 @@ class SeqMemDataModule(LightningDataModule):
         self.num_proc = num_proc
         self.cache_dir = cache_dir
         self.on_resume_mismatch = on_resume_mismatch
-        self._skip_resume_state = False
         self.streaming = False
         self._tokenizer_arg = tokenizer
         self._tokenizer = None
