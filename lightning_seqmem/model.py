@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
 from lightning_seqmem.loss import TokenLossNormalizer
 from lightning_seqmem.metrics import TokenEfficiency
+from lightning_seqmem.protocols import GivesMaxBatchShape
 from lightning_seqmem.varlen import flash_varlen_kwargs, is_flash_attention
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
@@ -304,9 +305,8 @@ def has_learned_positions(model: torch.nn.Module, limit: int) -> bool:
 
 def datamodule_max_length(dm: Any) -> int | None:
     """The longest row a DataModule yields: ``max_batch_shape()[1]`` when it has one, else its ``max_length``."""
-    shape = getattr(dm, "max_batch_shape", None)
-    if callable(shape):
-        return int(shape()[1])
+    if isinstance(dm, GivesMaxBatchShape):
+        return int(dm.max_batch_shape()[1])
     length = getattr(dm, "max_length", None)
     return int(length) if isinstance(length, numbers.Integral) and not isinstance(length, bool) else None
 

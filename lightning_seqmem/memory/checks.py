@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_seqmem.memory.allocator import allocator_settings
 from lightning_seqmem.memory.preallocate import CachePreallocator
-from lightning_seqmem.protocols import GivesWarmupShape
+from lightning_seqmem.protocols import GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape
 from lightning_seqmem.varlen import PassesFlashVarlen, is_flash_attention
 
 CHECKS = ("eval_batch_size", "batch_size", "fp16_packing", "fp8_compile", "packing_attention", "flash_varlen",
@@ -272,14 +272,14 @@ class ConfigChecks(Callback):
         from lightning_seqmem.memory.estimate import module_facts, shortfall_message
 
         dm, facts = trainer.datamodule, module_facts(pl_module)
-        if facts is None or not callable(getattr(dm, "max_batch_shape", None)):
+        if facts is None or not isinstance(dm, GivesMaxBatchShape):
             return {}
         try:
             free = _cuda_free_memory(trainer.strategy.root_device)
             if free is None:
                 return {}
             shape = tuple(int(x) for x in dm.max_batch_shape())
-            keys = tuple(dm.batch_keys()) if callable(getattr(dm, "batch_keys", None)) else ("input_ids", "labels")
+            keys = tuple(dm.batch_keys()) if isinstance(dm, GivesBatchKeys) else ("input_ids", "labels")
             message = shortfall_message(shape=shape, keys=keys, available=free,
                                         precision=str(trainer.precision), **facts)
         except Exception:  # an estimate we cannot make is no problem of the config
