@@ -16,6 +16,7 @@ from collections.abc import MutableMapping
 import torch
 
 from lightning_seqmem.batch import CU_SEQLENS, IGNORE_INDEX, count_real_tokens, real_token_mask
+from lightning_seqmem.varlen import cu_seqlens
 
 __all__ = [
     "apply_seq_length_warmup",
@@ -227,13 +228,8 @@ def _fix_cu_seqlens(batch: MutableMapping[str, torch.Tensor]) -> None:
     old = batch.pop(CU_SEQLENS)
     if "position_ids" not in batch:
         return
-    positions = batch["position_ids"]
-    start = torch.ones_like(positions, dtype=torch.bool)
-    start[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
-    starts = torch.nonzero(start.reshape(-1)).squeeze(1)
-    total = torch.tensor([positions.numel()], device=positions.device)
     dtype = old.dtype if isinstance(old, torch.Tensor) else torch.int32
-    batch[CU_SEQLENS] = torch.cat([starts, total]).to(dtype)
+    batch[CU_SEQLENS] = cu_seqlens(batch["position_ids"]).to(dtype)  # the rule flash varlen and the masks use
 
 
 # ------------------------------------------------------------------------------------------------- helpers
