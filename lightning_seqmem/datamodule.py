@@ -10,13 +10,12 @@ import numbers
 import os
 from typing import Any
 
-from typing_extensions import override
-
 import numpy as np
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from typing_extensions import override
 
 from lightning_seqmem.data_source import (
     check_columns,
@@ -139,8 +138,8 @@ class SeqMemDataModule(LightningDataModule):
         num_proc: processes for tokenization; ``None``: 1 for small datasets, else ``min(8, cpus // 2)``.
         cache_dir: where tokenized datasets are cached (keyed by the data, the tokenizer's content and the
             framing); ``None``: ``$XDG_CACHE_HOME/lightning_seqmem`` (or ``~/.cache/lightning_seqmem``).
-        pad_token_id, eos_token_id: pre-tokenized data: the special ids, when no tokenizer gives them (then the
-            tokenizer is never loaded).
+        pad_token_id, eos_token_id: pre-tokenized data: the special ids, when no tokenizer gives them (with
+            ``pad_token_id`` given, the data path never loads a tokenizer); ``dm.pad_token_id``/``dm.eos_token_id``.
         on_resume_mismatch: a checkpoint whose data position was saved with other rows (another ``max_length``,
             strategy, dataset, batch size or seed): ``"error"`` (default) refuses to resume and names what
             changed; ``"restart_epoch"`` keeps the checkpoint's model and optimizer but starts the current epoch
@@ -275,10 +274,20 @@ class SeqMemDataModule(LightningDataModule):
 
     @property
     def pad_token_id(self) -> int:
+        """The pad id: the ``pad_token_id`` argument, else the tokenizer's."""
         if self._special_ids["pad"] is not None:
             return self._special_ids["pad"]
         return int(self.tokenizer.pad_token_id)
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The EOS id: the ``eos_token_id`` argument, else the tokenizer's (pre-tokenized rows are used as given,
+        so this is for the model's config and generation, not added to rows)."""
+        if self._special_ids["eos"] is not None:
+            return self._special_ids["eos"]
+        return self.tokenizer.eos_token_id
+
+    @override
     def prepare_data(self) -> None:
         """Build what is cached on disk, once per node (Lightning calls this on local rank 0 only): the built-in
         corpus, the default tokenizer and the tokenized dataset; ``setup`` on every rank then only reads them."""
