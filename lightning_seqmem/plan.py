@@ -93,7 +93,10 @@ class DataSettings:
     @classmethod
     def from_datamodule(cls, dm: Any) -> DataSettings:
         """Read the settings from a ``SeqMemDataModule`` (or anything with the same attributes)."""
-        return cls(**{name: getattr(dm, name) for name in cls.__dataclass_fields__})
+        values = {name: getattr(dm, name) for name in cls.__dataclass_fields__}
+        if values["overflow"] is None:  # the DataModule's default: split plain text (prompt/completion truncates)
+            values["overflow"] = "split"
+        return cls(**values)
 
 
 def length_distribution(lengths: np.ndarray, max_lengths: Sequence[int]) -> dict[str, Any]:
