@@ -36,7 +36,8 @@ def test_warmup_sweep_example_then_report(tmp_path):
     env = {**os.environ, "SWEEP_DIR": str(sweep),
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     # duration=1.5 is invalid: that job fails at instantiation; the other two must still run and be reported.
-    cmd = ["bash", str(EXAMPLES / "warmup_sweep.sh"), *SHRINK, "callbacks.seq_warmup.duration=0.0,0.5,1.5"]
+    # seed=1 replaces the preset's three seeds: one job per duration.
+    cmd = ["bash", str(EXAMPLES / "warmup_sweep.sh"), *SHRINK, "callbacks.seq_warmup.duration=0.0,0.5,1.5", "seed=1"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0  # Hydra re-raises the failed job after running all of them; the script keeps it
     assert "duration" in proc.stderr
