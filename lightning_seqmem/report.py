@@ -207,7 +207,7 @@ def _beyond_noise(base: list[float], other: list[float]) -> str:
     return "beyond noise" if diff > 2 * se else "within noise"
 
 
-def _group_rows(groups: dict[str, list[Job]], rows: dict[str, dict], base_label: str, time_key: str) -> list[dict]:
+def _group_rows(groups: dict[str, list[Job]], rows: dict[str, dict], base_label: str) -> list[dict]:
     """Mean ± sd over seeds of each group's final loss and time / tokens to target (finished jobs only: a killed
     job's last validation is not its final loss)."""
     def figures(members: list[Job], key: str) -> list[float]:
@@ -316,7 +316,7 @@ def build_report(jobs: list[Job], target_loss: float | None = None, baseline: st
             "speedup_time": base_time / t if base_time and t else None,
             "speedup_tokens": base_tokens / n if base_tokens and n else None,
         })
-    group_rows = _group_rows(groups, {r["job"]: r for r in rows}, base_label, time_key) if skey else []
+    group_rows = _group_rows(groups, {r["job"]: r for r in rows}, base_label) if skey else []
     notes = []
     common = {k: v for k, v in jobs[0].overrides.items() if k not in keys}
     if common:
