@@ -9,7 +9,9 @@ LightningModule/LightningDataModule; without one, ``lightning_seqmem.CausalLM`` 
         --trainer.callbacks+=lightning_seqmem.warmup.SeqLengthWarmup --trainer.callbacks.duration=0.3
     seqmem-cli fit --config examples/cli.yaml --print_config > full.yaml && seqmem-cli fit --config full.yaml
 
-The CUDA allocator is configured before torch is imported.
+The CUDA allocator is configured before torch is imported. The progress bar counts optimizer steps
+(``StepProgressBar``) unless the config names another or turns it off, and upstream deprecation noise is
+silenced in this process (``lightning_seqmem.console``).
 """
 
 from __future__ import annotations
@@ -31,14 +33,26 @@ def _configure_allocator_early() -> None:
 
 def build_cli_class():
     """The LightningCLI subclass (built lazily so that importing this module does not import torch)."""
-    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+    from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+    from lightning_seqmem.progress import StepProgressBar
+
     class SeqMemCLI(LightningCLI):
-        """LightningCLI with our model and DataModule as defaults and the tokenizer's vocabulary wired in."""
+        """LightningCLI with our model and DataModule as defaults and a progress bar over optimizer steps."""
 
         def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
             parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+
+        def instantiate_trainer(self, **kwargs) -> Trainer:
+            config = self._get(self.config_init, "trainer", default={})
+            callbacks = config.get("callbacks") or []
+            callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+            wants_bar = config.get("enable_progress_bar") is not False and "callbacks" not in kwargs
+            if wants_bar and not any(isinstance(cb, ProgressBar) for cb in callbacks):
+                kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+            return super().instantiate_trainer(**kwargs)
 
     def run(args: list[str] | None = None, run: bool = True) -> LightningCLI:
         return SeqMemCLI(
@@ -63,6 +77,9 @@ def cli_main(args: list[str] | None = None, run: bool = True):
 def main() -> None:
     """Console-script entry point (``seqmem-cli``)."""
     _configure_allocator_early()
+    from lightning_seqmem.console import quiet_upstream_noise
+
+    quiet_upstream_noise()
     cli_main()
 
 

@@ -30,13 +30,16 @@ _NO_TIPS = _NoTips()
 
 
 def quiet_upstream_noise() -> None:
-    """Silence upstream deprecation warnings and Lightning's product tips for this process (entry points only)."""
+    """Silence upstream deprecation warnings, Lightning's product tips and matplotlib's cache notice for this
+    process (entry points only)."""
     for pattern in UPSTREAM_NOISE:
         warnings.filterwarnings("ignore", message=pattern)
     for name in _TIP_LOGGERS:
         logger = logging.getLogger(name)
         if _NO_TIPS not in logger.filters:
             logger.addFilter(_NO_TIPS)
+    # Hydra's job logging puts the root logger at INFO: matplotlib's "generated new fontManager" on a fresh cache.
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
 
 def log_each_line_once() -> None:

@@ -182,9 +182,11 @@ def _load_path_or_name(spec):
     name = os.fspath(spec) if not isinstance(spec, (list, tuple)) else None
     looks_like_path = name is None or name.startswith((".", "/", "~")) or os.sep in name.rstrip("/").split("/", 1)[-1]
     if name is None or looks_like_path or os.path.splitext(name)[1].lower() in _LOCAL_BUILDERS:
+        what = "matches no file" if name is not None and any(c in name for c in "*?[") else "does not exist"
         raise FileNotFoundError(
-            f"Dataset path {short_repr(spec)} does not exist. Pass an existing file, glob, directory or list of "
-            f"{'/'.join(_LOCAL_BUILDERS)} files, a datasets.Dataset, or dataset='builtin'."
+            f"Dataset path {short_repr(spec)} {what} (relative paths start at {short_repr(os.getcwd())}). Pass an "
+            f"existing file, glob, directory or list of {'/'.join(_LOCAL_BUILDERS)} files, a datasets.Dataset, or "
+            "dataset='builtin'."
         )
     try:
         return datasets.load_dataset(name)

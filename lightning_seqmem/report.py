@@ -207,10 +207,11 @@ def _beyond_noise(base: list[float], other: list[float]) -> str:
     return "beyond noise" if diff > 2 * se else "within noise"
 
 
-def _group_rows(groups: dict[str, list[Job]], rows: dict[str, dict], base_label: str, time_key: str) -> list[dict]:
-    """Mean ± sd over seeds of each group's final loss and time / tokens to target."""
+def _group_rows(groups: dict[str, list[Job]], rows: dict[str, dict], base_label: str) -> list[dict]:
+    """Mean ± sd over seeds of each group's final loss and time / tokens to target (finished jobs only: a killed
+    job's last validation is not its final loss)."""
     def figures(members: list[Job], key: str) -> list[float]:
-        return [rows[j.name][key] for j in members if rows[j.name][key] is not None]
+        return [rows[j.name][key] for j in members if j.finished and rows[j.name][key] is not None]
 
     base = groups[base_label]
     out = []
@@ -220,7 +221,7 @@ def _group_rows(groups: dict[str, list[Job]], rows: dict[str, dict], base_label:
         for key, column in (("final_val_loss", "final_val_loss"), ("time_to_target_s", "time_to_target_s"),
                             ("tokens_to_target", "tokens_to_target")):
             entry[f"{column}_mean"], entry[f"{column}_sd"] = _mean_sd(figures(members, key))
-        entry["reached"] = len(figures(members, "time_to_target_s"))
+        entry["reached"] = len(figures(members, "time_to_target_s"))  # of the finished seeds
         for what, key in (("time", "time_to_target_s"), ("tokens", "tokens_to_target")):
             mine, theirs = entry[f"{key}_mean"], statistics.fmean(figures(base, key)) if figures(base, key) else None
             entry[f"speedup_{what}"] = theirs / mine if theirs and mine else None
@@ -315,7 +316,7 @@ def build_report(jobs: list[Job], target_loss: float | None = None, baseline: st
             "speedup_time": base_time / t if base_time and t else None,
             "speedup_tokens": base_tokens / n if base_tokens and n else None,
         })
-    group_rows = _group_rows(groups, {r["job"]: r for r in rows}, base_label, time_key) if skey else []
+    group_rows = _group_rows(groups, {r["job"]: r for r in rows}, base_label) if skey else []
     notes = []
     common = {k: v for k, v in jobs[0].overrides.items() if k not in keys}
     if common:
@@ -362,12 +363,13 @@ def seeds_markdown(report: dict) -> str:
     clock = "wall-clock" if report["clock"] == "wall" else "CPU time"
     head = ["configuration", "seeds", "final val loss", f"{clock} to target (s)", "tokens to target",
             "speed-up (time)", "speed-up (tokens)"]
-    lines = [f"Mean ± sd over {report['seed_key']} (sample sd; n = seeds that reached the target, shown as k/n). "
+    lines = [f"Mean ± sd over {report['seed_key']} (sample sd) of the finished jobs; times and tokens to target over "
+             "those that reached it (k/n reached when not all did). "
              "A gain is *beyond noise* when the means differ by more than twice the standard error of the "
              "difference, else *within noise*.", "",
              "| " + " | ".join(head) + " |", "|" + "|".join("---" if i < 1 else "---:" for i in range(len(head))) + "|"]
     for g in report["groups"]:
-        reached = f" ({g['reached']}/{g['seeds']})" if g["reached"] < g["seeds"] else ""
+        reached = f" ({g['reached']}/{g['finished']} reached)" if g["reached"] < g["finished"] else ""
 
         def speed(what: str) -> str:
             value = g[f"speedup_{what}"]

@@ -90,3 +90,14 @@ def test_bad_class_path_in_yaml_via_console_script(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "my_missing_pkg.MyLM" in proc.stderr and "No module named 'my_missing_pkg'" in proc.stderr
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_progress_bar_counts_steps_unless_turned_off(enabled):
+    from lightning_seqmem.progress import StepProgressBar
+
+    args = [a for a in SMALL if "enable_progress_bar" not in a] + [f"--trainer.enable_progress_bar={enabled}"]
+    cli = cli_main(args, run=False)
+    bars = [cb for cb in cli.trainer.callbacks if isinstance(cb, StepProgressBar)]
+    assert len(bars) == (1 if enabled else 0)
+    assert cli.trainer.progress_bar_callback is (bars[0] if enabled else None)

@@ -36,7 +36,8 @@ def test_warmup_sweep_example_then_report(tmp_path):
     env = {**os.environ, "SWEEP_DIR": str(sweep),
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     # duration=1.5 is invalid: that job fails at instantiation; the other two must still run and be reported.
-    cmd = ["bash", str(EXAMPLES / "warmup_sweep.sh"), *SHRINK, "callbacks.seq_warmup.duration=0.0,0.5,1.5"]
+    # seed=1 replaces the preset's three seeds: one job per duration.
+    cmd = ["bash", str(EXAMPLES / "warmup_sweep.sh"), *SHRINK, "callbacks.seq_warmup.duration=0.0,0.5,1.5", "seed=1"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0  # Hydra re-raises the failed job after running all of them; the script keeps it
     assert "duration" in proc.stderr
@@ -87,3 +88,24 @@ def test_ddp_single_run(tmp_path):
     assert summary["optimizer_steps"] == 2 and summary["slots_fed_to_model"] > 2 * 8 * 16
     assert json.load(open(run_dir / "job_status.json")) == {"status": "finished"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 wrote nowhere else
+
+
+@pytest.mark.slow
+def test_short_sweep_validates_at_the_last_step_and_reports(tmp_path):
+    """12 steps with validation scheduled every 50: only the final validation runs, and the report has numbers."""
+    sweep = tmp_path / "sweep"
+    shrink = [o for o in SHRINK if "val_check_interval" not in o and "max_steps" not in o]
+    cmd = [sys.executable, "-m", "lightning_seqmem.train", "-m", *shrink, "data.micro_batch_size=4",
+           "callbacks.seq_warmup.duration=0.0,0.3", "trainer.max_steps=12", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job in ("0", "1"):
+        with open(sweep / job / "progress.csv") as f:
+            assert [r["step"] for r in csv.DictReader(f)] == ["12"]  # the final validation, and only it
+    report = subprocess.run([sys.executable, "-m", "lightning_seqmem.report", str(sweep)], capture_output=True,
+                            text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    with open(sweep / "report.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["steps"] for r in rows] == ["12", "12"] and all(float(r["final_val_loss"]) > 0 for r in rows)
+    assert (sweep / "0" / "train_progress.csv").exists() and (sweep / "report.png").stat().st_size > 1000

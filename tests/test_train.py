@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -58,18 +59,67 @@ def test_train_in_process_writes_metrics(tmp_path):
 
 
 def test_console_script_run(tmp_path):
-    """The real `seqmem-train` in a subprocess, other group options picked on the command line."""
+    """The real `seqmem-train` in a subprocess, other group options picked on the command line, progress bar on:
+    each log line once, the bar counts steps out of max_steps, no upstream deprecation noise, a final validation."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "lightning_seqmem.train", *SHRINK, "model=tiny_gpt2", "data=pack_bfd",
-           "logger=[csv,tensorboard]", "~callbacks.preallocate", f"hydra.run.dir={run_dir}"]
+    shrink = [o for o in SHRINK if "enable_progress_bar" not in o and "max_steps" not in o]
+    cmd = [sys.executable, "-m", "lightning_seqmem.train", *shrink, "trainer.max_steps=5", "model=tiny_gpt2",
+           "data=pack_bfd", "logger=[csv,tensorboard]", "~callbacks.preallocate", f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.load(open(run_dir / "job_status.json")) == {"status": "finished"}
     assert json.load(open(run_dir / "summary.json"))["strategy"].startswith("pack")
-    assert len(read_csv(run_dir / "progress.csv")) == 2
+    assert [int(r["step"]) for r in read_csv(run_dir / "progress.csv")] == [2, 4, 5]  # 5: the final validation
+    assert [int(r["step"]) for r in read_csv(run_dir / "train_progress.csv")] == [1, 2, 3, 4, 5]
     assert os.listdir(run_dir / "tensorboard" / "version_0")
     assert (run_dir / ".hydra" / "overrides.yaml").exists()
     assert not (tmp_path / "outputs").exists()
+
+    output = proc.stdout + proc.stderr
+    lines = [line.strip() for line in output.replace("\r", "\n").splitlines()]
+    logged = [line.split("] - ", 1)[1] for line in lines if "][INFO] - " in line]
+    assert any(m.startswith("Seed set to") for m in logged)
+    assert len(logged) == len(set(logged)), "a log line printed twice"
+    assert not [line for line in lines if line.startswith("INFO: ")]  # Lightning's own handler is gone
+    assert re.search(r"Training \(epoch 0\):.* 5/5 ", output)  # steps out of max_steps, not "Epoch 0/-2"
+    for noise in ("set_vital", "LeafSpec", "Tip:", "litlogger"):
+        assert noise not in output
+    assert "Epoch 0/-2" not in output
+
+
+def test_noise_is_silenced_at_entry_points_only():
+    """Importing the library (and Lightning) leaves warning filters alone; the entry point's call adds them."""
+    code = (
+        "import warnings, logging\n"
+        "import lightning.pytorch, lightning_seqmem, lightning_seqmem.train, lightning_seqmem.cli\n"
+        "from lightning_seqmem import console\n"
+        "def ours():\n"
+        "    return [f for f in warnings.filters if f[1] is not None and f[1].pattern in console.UPSTREAM_NOISE]\n"
+        "logger = logging.getLogger('lightning.pytorch.utilities.rank_zero')\n"
+        "assert not ours() and not logger.filters, 'silenced on import'\n"
+        "console.quiet_upstream_noise(); console.quiet_upstream_noise()\n"
+        "assert len(ours()) == len(console.UPSTREAM_NOISE) and len(logger.filters) == 1\n"
+        "record = logging.LogRecord('x', logging.INFO, '', 0, '💡 Tip: try litlogger', None, None)\n"
+        "assert not logger.filter(record)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("option", ["local", "hf"])
+def test_data_option_without_dataset_fails_clearly(tmp_path, option):
+    with pytest.raises(ValueError, match=f"data.dataset is required with data={option}: .*seqmem-train data={option} "
+                                         "data.dataset="):
+        run_in_process(tmp_path, [f"data={option}"])
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_data_local_trains_on_the_given_file(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} " + "words " * (i % 9)}) + "\n" for i in range(60)))
+    summary = run_in_process(tmp_path, ["data=local", f"data.dataset={data}", "trainer.max_steps=2",
+                                        "trainer.val_check_interval=2", "~callbacks.preallocate"])
+    assert summary["optimizer_steps"] == 2 and summary["final_val_loss"] > 0
 
 
 def test_bad_input_fails_clearly_and_records_it(tmp_path):

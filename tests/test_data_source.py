@@ -1,0 +1,99 @@
+"""Loading datasets: files, globs, lists of files, documents or rows; bad files named with their line."""
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_seqmem.data_source import json_problem, load_text_dataset, short_repr
+
+
+def write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def test_malformed_jsonl_line_names_file_line_and_problem(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "no closing brace"\n{"text": "fine"}\n')
+    with pytest.raises(ValueError, match=r"train\.jsonl, line 2, column \d+: invalid JSON") as err:
+        load_text_dataset(str(path))
+    assert "one complete object per line" in str(err.value)
+
+
+def test_jsonl_line_that_is_not_an_object(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "fine"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"rows\.jsonl, line 2: a JSON list, not an object"):
+        load_text_dataset(str(path))
+    assert json_problem(str(write_jsonl(tmp_path / "ok.jsonl", ["a", "b"]))) is None
+
+
+@pytest.mark.parametrize("content", ["", "  \n\n"])
+def test_empty_file_is_named(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=r"empty\.jsonl is empty: there are no rows"):
+        load_text_dataset(str(path))
+
+
+def test_malformed_csv_names_the_file(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text('text\n"a"\n"b","extra","fields"\n')
+    with pytest.raises(ValueError, match=r"Could not read .*bad\.csv: "):
+        load_text_dataset(str(path))
+
+
+def test_list_of_strings_is_documents(tmp_path):
+    texts = [f"document {i}: " + "words " * i for i in range(50)]
+    dsd = load_text_dataset(texts)
+    assert dsd["train"]["text"] == texts
+    rows = load_text_dataset([{"text": "a", "id": 1}, {"text": "b", "id": 2}])  # dicts are rows
+    assert rows["train"].column_names == ["text", "id"] and rows["train"]["text"] == ["a", "b"]
+
+
+def test_list_of_existing_paths_and_globs_is_files(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", ["one", "two"])
+    write_jsonl(tmp_path / "b.jsonl", ["three"])
+    assert len(load_text_dataset([str(a), str(tmp_path / "b.jsonl")])["train"]) == 3
+    assert len(load_text_dataset([str(tmp_path / "*.jsonl")])["train"]) == 3
+    assert len(load_text_dataset(OmegaConf.create([str(a)]))["train"]) == 2  # data.dataset=[...] from Hydra
+
+
+def test_missing_files_in_a_list_are_an_error_not_documents(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", ["one"])
+    with pytest.raises(FileNotFoundError, match=r"1 of them name existing files, 1 do not \(first: '.*typo\.jsonl'\)"):
+        load_text_dataset([str(a), str(tmp_path / "typo.jsonl")])
+    with pytest.raises(FileNotFoundError, match="list of file names, none of which exists"):
+        load_text_dataset(["data/train.jsonl", "data/valid.jsonl"])
+
+
+def test_messages_never_echo_unbounded_data(tmp_path):
+    names = [f"missing_{i:05d}_" + "x" * 200 + ".jsonl" for i in range(2000)]  # ~420 KB of file names
+    with pytest.raises(FileNotFoundError) as err:
+        load_text_dataset(names)
+    assert len(str(err.value)) < 400
+    with pytest.raises(FileNotFoundError) as err:
+        load_text_dataset("/no/such/" + "y" * 5000 + ".jsonl")
+    assert len(str(err.value)) < 400
+    assert len(short_repr(["z" * 10_000] * 1000)) < 300
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    ([], ValueError, "empty list"),
+    ([1, "a"], TypeError, "list of int, str"),
+    (None, ValueError, "No dataset given"),
+])
+def test_bad_lists_and_none(bad, error, match):
+    with pytest.raises(error, match=match):
+        load_text_dataset(bad)
+
+
+def test_datamodule_trains_on_a_list_of_documents():
+    from lightning_seqmem import SeqMemDataModule
+
+    texts = [f"document {i}: " + "lorem ipsum " * (1 + i % 5) for i in range(40)]
+    dm = SeqMemDataModule(dataset=texts, max_length=32, micro_batch_size=4)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape[0] == 4
