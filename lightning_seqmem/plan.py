@@ -346,12 +346,12 @@ def format_plan(plan: Plan) -> str:
     lines = [f"Train documents: {d['documents']:,}, {d['tokens']:,} tokens, mean {d['mean']:.1f} tokens; {pct}",
              "max_length | documents longer | tokens beyond it"]
     lines += [f"{m:>10} | {o['documents']:>16.2%} | {o['tokens']:>16.2%}" for m, o in d["over"].items()]
-    lines += ["", "strategy           max_length  efficiency  tokens lost     rows  batches  steps  largest batch"]
+    lines += ["", "strategy           max_length  efficiency        tokens lost     rows  batches   steps  largest batch"]
     for s in plan.strategies:
         mark = " <- config" if plan.configured is not None and (s.strategy, s.max_length) == (
             plan.configured.strategy, plan.configured.max_length) else ""
-        lines.append(f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}  {s.tokens_lost:>7,} "
-                     f"({s.lost_share:.1%}) {s.rows:>7,} {s.batches:>8,} {s.optimizer_steps:>6,}  "
+        lines.append(f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}  {s.tokens_lost:>9,} "
+                     f"({s.lost_share:>5.1%}) {s.rows:>8,} {s.batches:>8,} {s.optimizer_steps:>7,}  "
                      f"{s.max_batch_shape[0]} x {s.max_batch_shape[1]}{mark}")
     memory = plan.memory
     if memory is not None:
