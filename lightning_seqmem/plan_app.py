@@ -90,7 +90,7 @@ def plan_from_config(cfg, output_dir: str | None = None):
 
         def estimate(rows: int, length: int, checkpointing: bool):
             return estimate_training_memory(model_config, rows, length, keys, precision, device, attention,
-                                            checkpointing, weight_decay=cfg.model.get("weight_decay", 0.1))
+                                            checkpointing)
 
         notes.append(f"memory for {getattr(model_config, 'model_type', '?')} on {device}, precision {precision}, "
                      f"attention {attention}, AdamW")
