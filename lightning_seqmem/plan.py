@@ -273,9 +273,9 @@ def plan_memory(
     """
     if not 0 <= margin < 1:
         raise ValueError(f"margin={margin} must be in [0, 1): the share of the budget kept for the allocator.")
+    if not micro_batch_sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in micro_batch_sizes):
+        raise ValueError(f"micro_batch_sizes must be a non-empty list of ints >= 1, got {list(micro_batch_sizes)[:8]}.")
     sizes = sorted(set(micro_batch_sizes))
-    if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
-        raise ValueError(f"micro_batch_sizes must be ints >= 1, got {list(micro_batch_sizes)[:8]}.")
     out = MemoryPlan(length=length, budget=budget, margin=margin)
     limit = out.usable if out.usable is not None else math.inf
     for checkpointing in (False, True):
