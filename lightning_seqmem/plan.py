@@ -276,9 +276,9 @@ def plan_memory(
     """
     if not 0 <= margin < 1:
         raise ValueError(f"margin={margin} must be in [0, 1): the share of the budget kept for the allocator.")
+    if not micro_batch_sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in micro_batch_sizes):
+        raise ValueError(f"micro_batch_sizes must be a non-empty list of ints >= 1, got {list(micro_batch_sizes)[:8]}.")
     sizes = sorted(set(micro_batch_sizes))
-    if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
-        raise ValueError(f"micro_batch_sizes must be ints >= 1, got {list(micro_batch_sizes)[:8]}.")
     out = MemoryPlan(length=length, budget=budget, margin=margin)
     limit = out.usable if out.usable is not None else math.inf
     for checkpointing in (False, True):
@@ -319,6 +319,7 @@ class Plan:
     memory: MemoryPlan | None
     recommendation: str
     recommended: dict[str, Any]
+    train_lengths: np.ndarray = field(default=None, repr=False)  # [documents], for the histogram
 
 
 def recommend(plans: Sequence[StrategyPlan], memory: MemoryPlan | None, micro_batch_size: int,
@@ -349,12 +350,12 @@ def format_plan(plan: Plan) -> str:
     lines = [f"Train documents: {d['documents']:,}, {d['tokens']:,} tokens, mean {d['mean']:.1f} tokens; {pct}",
              "max_length | documents longer | tokens beyond it"]
     lines += [f"{m:>10} | {o['documents']:>16.2%} | {o['tokens']:>16.2%}" for m, o in d["over"].items()]
-    lines += ["", "strategy           max_length  efficiency  tokens lost     rows  batches  steps  largest batch"]
+    lines += ["", "strategy           max_length  efficiency        tokens lost     rows  batches   steps  largest batch"]
     for s in plan.strategies:
         mark = " <- config" if plan.configured is not None and (s.strategy, s.max_length) == (
             plan.configured.strategy, plan.configured.max_length) else ""
-        lines.append(f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}  {s.tokens_lost:>7,} "
-                     f"({s.lost_share:.1%}) {s.rows:>7,} {s.batches:>8,} {s.optimizer_steps:>6,}  "
+        lines.append(f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}  {s.tokens_lost:>9,} "
+                     f"({s.lost_share:>5.1%}) {s.rows:>8,} {s.batches:>8,} {s.optimizer_steps:>7,}  "
                      f"{s.max_batch_shape[0]} x {s.max_batch_shape[1]}{mark}")
     memory = plan.memory
     if memory is not None:
@@ -431,7 +432,64 @@ def build_plan(
         other = plan_memory(estimate, best.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
         recommended, reason = recommend(plans, other, settings.micro_batch_size, config_length)
     return Plan(distribution=length_distribution(lengths["train"], max_lengths), strategies=plans,
-                configured=current, memory=memory, recommendation=reason, recommended=recommended)
+                configured=current, memory=memory, recommendation=reason, recommended=recommended,
+                train_lengths=np.asarray(lengths["train"]))
+
+
+def default_max_lengths(max_length: int) -> list[int]:
+    """Candidates around the configured ``max_length``: a quarter, a half, itself and double."""
+    return sorted({m for m in (max_length // 4, max_length // 2, max_length, 2 * max_length) if m >= 2})
+
+
+def plan(
+    datamodule: Any,
+    model_config: Any = None,
+    strategies: Sequence[str] = tuple(STRATEGIES),
+    max_lengths: Sequence[int] | None = None,
+    micro_batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    gpu_memory: str | int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    precision: str = "bf16-mixed",
+    device: str = "cuda",
+    attn_implementation: str = "sdpa",
+    devices: int = 1,
+    accumulate_grad_batches: int = 1,
+) -> Plan:
+    """Plan the run of ``datamodule`` (a ``SeqMemDataModule``, not set up) with a model of ``model_config``.
+
+    Args:
+        datamodule: its tokenizer, strategy, max_length and batch settings are what is planned.
+        model_config: a ``transformers`` config (``model.build_model_config``); ``None`` plans the data only.
+        strategies: keys of :data:`STRATEGIES` to compare.
+        max_lengths: candidates; ``None`` = :func:`default_max_lengths` of the DataModule's.
+        micro_batch_sizes: candidates for the memory table.
+        gpu_memory: device memory to fit (``"80GiB"`` or bytes); ``None`` = no fitting.
+        margin: share of ``gpu_memory`` kept back for the allocator.
+        precision, device, attn_implementation: as in ``memory.estimate.estimate_training_memory``.
+        devices, accumulate_grad_batches: for optimizer steps per epoch.
+
+    Example::
+
+        from lightning_seqmem.model import build_model_config
+        dm = SeqMemDataModule(max_length=2048, strategy="pack")
+        print(format_plan(plan(dm, build_model_config("tiny_llama", len(dm.tokenizer), 0), gpu_memory="24GiB")))
+    """
+    from lightning_seqmem.memory.estimate import estimate_training_memory
+
+    dm = datamodule
+    configured = (strategy_name(dm.strategy, dm.packing, dm.pad_to_max_length), dm.max_length)
+    max_lengths = default_max_lengths(dm.max_length) if max_lengths is None else list(max_lengths)
+    estimate = None
+    if model_config is not None:
+        keys = dm.batch_keys()
+
+        def estimate(rows: int, length: int, checkpointing: bool):
+            return estimate_training_memory(model_config, rows, length, keys, precision, device, attn_implementation,
+                                            checkpointing)
+
+    budget = parse_bytes(gpu_memory) if gpu_memory is not None else None
+    return build_plan(datamodule_lengths(dm), strategies, max_lengths, DataSettings.from_datamodule(dm), configured,
+                      estimate, micro_batch_sizes, budget, margin, devices, accumulate_grad_batches)
 
 
 def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
@@ -457,6 +515,6 @@ def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
     return out
 
 
-__all__ = ["STRATEGIES", "DataSettings", "StrategyPlan", "MemoryPlan", "Plan", "plan_strategy", "plan_strategies",
+__all__ = ["STRATEGIES", "plan", "default_max_lengths", "DataSettings", "StrategyPlan", "MemoryPlan", "Plan", "plan_strategy", "plan_strategies",
            "plan_memory", "build_plan", "format_plan", "save_histogram", "datamodule_lengths", "length_distribution",
            "parse_bytes", "recommend", "recommend_data", "strategy_name"]

@@ -70,40 +70,29 @@ def plan_from_config(cfg, output_dir: str | None = None):
     """Build the :class:`~lightning_seqmem.plan.Plan` for a composed ``plan.yaml`` config; returns ``(plan, notes)``."""
     from hydra.utils import instantiate
 
-    from lightning_seqmem.memory.estimate import estimate_training_memory
-    from lightning_seqmem.plan import DataSettings, build_plan, datamodule_lengths, parse_bytes, strategy_name
+    from lightning_seqmem.plan import default_max_lengths, plan
 
     p = cfg.plan
     dm = instantiate(cfg.data)
-    configured = (strategy_name(dm.strategy, dm.packing, dm.pad_to_max_length), dm.max_length)
-    max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else sorted(
-        {m for m in (dm.max_length // 4, dm.max_length // 2, dm.max_length, 2 * dm.max_length) if m >= 2})
+    max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else default_max_lengths(dm.max_length)
     precision, note_precision = _precision(cfg)
     devices, note_devices = _devices(cfg)
     notes = [n for n in (note_precision, note_devices) if n]
-    lengths = datamodule_lengths(dm)
-    estimate = None
+    model_config, device = None, p.get("device") or ("cpu" if str(cfg.trainer.get("accelerator")) == "cpu" else "cuda")
+    attention = cfg.model.get("attn_implementation", "sdpa")
     if p.get("memory", True):
         model_config = _model_config(cfg, len(dm.tokenizer), dm.pad_token_id)
-        device = p.get("device") or ("cpu" if str(cfg.trainer.get("accelerator")) == "cpu" else "cuda")
-        keys, attention = dm.batch_keys(), cfg.model.get("attn_implementation", "sdpa")
-
-        def estimate(rows: int, length: int, checkpointing: bool):
-            return estimate_training_memory(model_config, rows, length, keys, precision, device, attention,
-                                            checkpointing, weight_decay=cfg.model.get("weight_decay", 0.1))
-
         notes.append(f"memory for {getattr(model_config, 'model_type', '?')} on {device}, precision {precision}, "
                      f"attention {attention}, AdamW")
-    budget = parse_bytes(p.gpu_memory) if p.get("gpu_memory") else None
-    plan = build_plan(lengths, list(p.strategies), max_lengths, DataSettings.from_datamodule(dm), configured,
-                      estimate, list(p.micro_batch_sizes), budget, float(p.margin), devices,
-                      int(cfg.trainer.get("accumulate_grad_batches", 1)))
+    result = plan(dm, model_config, list(p.strategies), max_lengths, list(p.micro_batch_sizes), p.get("gpu_memory"),
+                  float(p.margin), precision, device, attention, devices,
+                  int(cfg.trainer.get("accumulate_grad_batches", 1)))
     if output_dir is not None:
-        _write(plan, lengths["train"], max_lengths, output_dir, p.get("histogram"), notes)
-    return plan, notes
+        _write(result, max_lengths, output_dir, p.get("histogram"), notes)
+    return result, notes
 
 
-def _write(plan, lengths, max_lengths, output_dir: str, histogram: str | None, notes: list[str]) -> None:
+def _write(plan, max_lengths, output_dir: str, histogram: str | None, notes: list[str]) -> None:
     from lightning_seqmem.plan import save_histogram
 
     os.makedirs(output_dir, exist_ok=True)
@@ -118,7 +107,8 @@ def _write(plan, lengths, max_lengths, output_dir: str, histogram: str | None, n
         json.dump(record, f, indent=2, default=str)
     if histogram:
         try:
-            notes.append(f"histogram: {save_histogram(lengths, max_lengths, os.path.join(output_dir, histogram))}")
+            path = save_histogram(plan.train_lengths, max_lengths, os.path.join(output_dir, histogram))
+            notes.append(f"histogram: {path}")
         except ImportError as error:
             notes.append(str(error))
 

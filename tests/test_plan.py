@@ -112,3 +112,15 @@ def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset, tmp_p
     assert plan.distribution["percentiles"][100] == int(lengths["train"].max())
     png = save_histogram(lengths["train"], [32, 128], str(tmp_path / "lengths.png"))
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_api_from_a_datamodule_and_a_model_config(small_text_dataset):
+    from lightning_seqmem.plan import plan
+
+    dm = SeqMemDataModule(small_text_dataset, max_length=64, micro_batch_size=2, strategy="pack")
+    result = plan(dm, build_model_config("tiny_gpt2", len(dm.tokenizer), 0), max_lengths=[32, 64],
+                  micro_batch_sizes=[1, 2], gpu_memory="1GiB", device="cpu", precision="32-true")
+    assert (result.configured.strategy, result.configured.max_length) == ("pack_bfd", 64)
+    assert result.configured.max_batch_shape == dm.max_batch_shape()
+    assert result.memory.fits == {False: 2, True: 2}
+    assert result.recommended["micro_batch_size"] == 2

@@ -208,14 +208,10 @@ def _tensors(out: Any) -> Iterable[torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------------- the step
-def adamw(model: torch.nn.Module, device: str, weight_decay: float = 0.1) -> torch.optim.Optimizer:
-    """AdamW with ``CausalLM``'s two parameter groups; ``foreach`` as torch picks it on ``device``."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-3, foreach=device == "cuda")
+def adamw(model: torch.nn.Module, device: str) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, ``foreach`` as torch picks it on ``device`` (parameter groups, such as
+    ``CausalLM``'s weight-decay split, change no memory: the state is per parameter)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=device == "cuda")
 
 
 def trace_training_steps(
@@ -385,7 +381,6 @@ def estimate_training_memory(
     device: str = "cuda",
     attn_implementation: str = "sdpa",
     gradient_checkpointing: bool = False,
-    weight_decay: float = 0.1,
     model: tuple[Any, torch.nn.Module] | None = None,
 ) -> MemoryEstimate:
     """Peak live tensor bytes of training ``model_config`` on ``[rows, length]`` batches, traced on fake tensors.
@@ -400,7 +395,6 @@ def estimate_training_memory(
         device: ``"cuda"`` (foreach AdamW, 512-byte allocator granule) or ``"cpu"``.
         attn_implementation: ``"sdpa"``, ``"eager"`` or ``"flash_attention_2"``.
         gradient_checkpointing: recompute each layer's activations in backward.
-        weight_decay: AdamW weight decay (no memory effect; kept for ``CausalLM``'s parameter groups).
         model: a ``(mode, model)`` pair from :func:`build_fake_model` to reuse (its parameters must have no
             gradients and its optimizer no state: pass a fresh one per estimate, or leave ``None``).
 
@@ -423,7 +417,7 @@ def estimate_training_memory(
     granule = CUDA_GRANULE if device == "cuda" else 1
     with _trace_errors(model_config), mode:
         batch = fake_batch(rows, length, keys, int(model_config.vocab_size))
-        optimizer = adamw(module, device, weight_decay)
+        optimizer = adamw(module, device)
         tracker = trace_training_steps(module, optimizer, batch, precision, granule=granule)
     split = tracker.split()
     state = tracker.live_split()
