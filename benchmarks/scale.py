@@ -11,15 +11,17 @@ a fresh process:
   batch of ``train_dataloader()``.
 
 Each side runs twice: cold (map caches removed, fresh cache dirs) and warm (the caches the cold run left). Wall is
-the child process from start to exit (imports included); peak RSS is the largest single process of the child's
-tree (``wait4`` ``ru_maxrss``) and the polled sum over the tree (``num_proc`` workers included, shared pages counted
-once per process). Also: ``pack_sequences`` on a ``datasets.Dataset`` column (packed tokens materialised) against
+the child process from start to exit (imports included). Peak RSS is that of the largest single process of the
+child's tree (``wait4`` ``ru_maxrss``, exact); peak anonymous RSS (polled every 50 ms) leaves out the pages of
+memory-mapped Arrow files, which the kernel can drop; the tree figures sum over the ``num_proc`` workers too
+(shared pages counted once per process). Also: ``pack_sequences`` on a ``datasets.Dataset`` column (packed tokens materialised) against
 ``pack_dataset`` on the same Dataset, lengths drawn from a published length histogram; and the RSS growth of ours
 per extra million tokens, fitted over the sizes run.
 
     python benchmarks/scale.py                    # 150 k and 300 k documents, TRL and ours, cold and warm
     python benchmarks/scale.py --quick            # 5 k documents: a smoke test (about a minute, mostly imports)
     python benchmarks/scale.py --big              # 2.5 M documents (~1 B tokens), ours only: stages, peak RSS
+    python benchmarks/scale.py --big --pretokenized   # the same corpus as input_ids: no tokenizer call
     python benchmarks/scale.py --ours-path /work/wt9 --sizes 150000 --num-proc 2
 
 ``--ours-path`` puts another checkout first on ``PYTHONPATH`` for the "ours" processes only. A child whose tree
@@ -81,6 +83,24 @@ def document_texts(lengths: np.ndarray, vocabulary: list[str], seed: int, chunk:
     return pc.binary_join(pa.LargeListArray.from_arrays(pa.array(offsets), words), " ")
 
 
+def document_tokens(lengths: np.ndarray, vocab_size: int, seed: int, chunk: int):
+    """What the tokenizer makes of :func:`document_texts` (same seed, same chunk), ``[BOS] words [EOS]`` per document,
+    as a pyarrow ``ListArray`` of int32: the pre-tokenized corpus, built without a tokenizer call."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng([seed, 3, chunk])
+    n_words = int(lengths.sum())
+    ids = rng.integers(0, vocab_size, n_words, dtype=np.int32) + len(SPECIALS)  # word i has id i + 4
+    offsets = np.concatenate([[0], np.cumsum(lengths + 2)]).astype(np.int32)
+    flat = np.empty(int(offsets[-1]), dtype=np.int32)
+    flat[offsets[:-1]] = 1  # [BOS]
+    flat[offsets[1:] - 1] = 2  # [EOS]
+    inside = np.ones(len(flat), dtype=bool)
+    inside[offsets[:-1]] = inside[offsets[1:] - 1] = False
+    flat[inside] = ids
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+
+
 def build_tokenizer(vocabulary: list[str]):
     """A word-level ``PreTrainedTokenizerFast`` over ``vocabulary`` (specials first: pad 0, bos 1, eos 2, unk 3),
     built offline: no training, no download."""
@@ -97,14 +117,16 @@ def build_tokenizer(vocabulary: list[str]):
 
 
 def write_corpus(n_docs: int, data_dir: Path, seed: int = 0, vocab_size: int = 32000,
-                 chunk_docs: int = 10_000) -> Path:
+                 chunk_docs: int = 10_000, pretokenized: bool = False) -> Path:
     """Write ``corpus.arrow`` (one ``text`` column, Arrow stream format, read memory-mapped by
     ``datasets.Dataset.from_file``) and ``tokenizer/`` under ``data_dir/docs-<n>-seed-<seed>``; reuse them if present.
+    With ``pretokenized``, ``corpus.arrow`` holds the ``input_ids`` the tokenizer would make instead (folder name
+    ending ``-tokens``).
 
     Returns the folder; ``meta.json`` in it has the document and word counts."""
     import pyarrow as pa
 
-    folder = data_dir / f"docs-{n_docs}-seed-{seed}"
+    folder = data_dir / f"docs-{n_docs}-seed-{seed}{'-tokens' if pretokenized else ''}"
     meta_path = folder / "meta.json"
     if meta_path.exists():
         return folder
@@ -114,13 +136,15 @@ def write_corpus(n_docs: int, data_dir: Path, seed: int = 0, vocab_size: int = 3
     vocabulary = word_vocabulary(vocab_size, seed)
     build_tokenizer(vocabulary).save_pretrained(tmp / "tokenizer")
     lengths = document_lengths(n_docs, seed)
-    schema = pa.schema([("text", pa.large_string())])
+    schema = pa.schema([("input_ids", pa.list_(pa.int32()))] if pretokenized else [("text", pa.large_string())])
     with pa.OSFile(str(tmp / "corpus.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for chunk, start in enumerate(range(0, n_docs, chunk_docs)):
-            texts = document_texts(lengths[start:start + chunk_docs], vocabulary, seed, chunk)
-            writer.write_batch(pa.record_batch([texts], schema=schema))
+            part = lengths[start:start + chunk_docs]
+            column = (document_tokens(part, vocab_size, seed, chunk) if pretokenized
+                      else document_texts(part, vocabulary, seed, chunk))
+            writer.write_batch(pa.record_batch([column], schema=schema))
     meta = {"documents": n_docs, "words": int(lengths.sum()), "seed": seed, "vocab_size": vocab_size,
-            "longest_document_words": int(lengths.max())}
+            "longest_document_words": int(lengths.max()), "pretokenized": pretokenized}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
@@ -159,7 +183,10 @@ def child_trl(task: dict) -> dict:
         return {"input_ids": [[bos, *x, eos] for x in ids]}
 
     num_proc = task["num_proc"] if task["num_proc"] > 1 else None
-    tokenized = ds.map(tokenize, batched=True, num_proc=num_proc, remove_columns=ds.column_names)
+    if "input_ids" in ds.column_names:  # a pre-tokenized corpus: nothing to tokenize
+        tokenized = ds
+    else:
+        tokenized = ds.map(tokenize, batched=True, num_proc=num_proc, remove_columns=ds.column_names)
     t_tok = time.perf_counter()
     packed = pack_dataset(tokenized, task["max_length"], strategy="bfd_split", map_kwargs={"num_proc": num_proc})
     t_pack = time.perf_counter()
@@ -258,25 +285,29 @@ CHILDREN = {"trl": child_trl, "ours": child_ours, "pack": child_pack}
 # ------------------------------------------------------------------------------------------------ the parent
 
 
-def _tree_memory(pid: int) -> tuple[int, int]:
-    """``(sum of RSS, sum of anonymous RSS)`` in bytes over ``pid`` and its descendants (Linux ``/proc``)."""
+def _tree_memory(pid: int) -> tuple[int, int, int]:
+    """``(sum of RSS, sum of anonymous RSS, largest anonymous RSS of one process)`` in bytes over ``pid`` and its
+    descendants (Linux ``/proc``). Anonymous RSS leaves out the pages of memory-mapped files, which the kernel can
+    drop and re-read at will."""
     import psutil
 
     try:
         procs = [psutil.Process(pid)]
         procs += procs[0].children(recursive=True)
     except psutil.Error:
-        return 0, 0
-    rss = anon = 0
+        return 0, 0, 0
+    rss = anon = largest_anon = 0
     for proc in procs:
         try:
             with open(f"/proc/{proc.pid}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
             rss += int(fields["VmRSS"].split()[0]) * 1024
-            anon += int(fields["RssAnon"].split()[0]) * 1024
+            own_anon = int(fields["RssAnon"].split()[0]) * 1024
         except (OSError, KeyError, ValueError):
             continue
-    return rss, anon
+        anon += own_anon
+        largest_anon = max(largest_anon, own_anon)
+    return rss, anon, largest_anon
 
 
 def run_child(kind: str, task: dict, env: dict[str, str], rss_limit: int, log: Path) -> dict:
@@ -289,22 +320,22 @@ def run_child(kind: str, task: dict, env: dict[str, str], rss_limit: int, log: P
         log_file.write(f"\n=== {kind} {json.dumps(task)}\n")
         log_file.flush()
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        peak_rss = peak_anon = 0
+        peak_rss = peak_anon = peak_own_anon = 0
         killed = False
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
-            rss, anon = _tree_memory(proc.pid)
-            peak_rss, peak_anon = max(peak_rss, rss), max(peak_anon, anon)
+            rss, anon, own_anon = _tree_memory(proc.pid)
+            peak_rss, peak_anon, peak_own_anon = max(peak_rss, rss), max(peak_anon, anon), max(peak_own_anon, own_anon)
             if rss > rss_limit and not killed:
                 killed = True
                 os.killpg(proc.pid, 9)  # the child's own session: it and its workers, nothing else
             time.sleep(0.05)
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
-    result = {"wall_s": wall, "peak_rss": usage.ru_maxrss * 1024, "tree_rss": peak_rss, "tree_anon": peak_anon,
-              "ok": proc.returncode == 0 and not killed, "killed": killed}
+    result = {"wall_s": wall, "peak_rss": usage.ru_maxrss * 1024, "peak_anon": peak_own_anon, "tree_rss": peak_rss,
+              "tree_anon": peak_anon, "ok": proc.returncode == 0 and not killed, "killed": killed}
     try:
         with open(result_path) as f:
             result.update(json.load(f))
@@ -358,8 +389,8 @@ def _gib(n) -> str:
 
 
 def print_runs(runs: list[dict]) -> None:
-    print("\n| docs | tokens | side | run | wall (s) | peak RSS, largest process (GiB) | peak RSS, tree (GiB) | "
-          "anon RSS, tree (GiB) | tokens lost | token efficiency | tokenize / plan / first batch (s) |")
+    print("\n| docs | tokens | side | run | wall (s) | peak RSS (GiB) | peak anon RSS (GiB) | tree: RSS / anon (GiB) | "
+          "tokens lost | token efficiency | tokenize / plan / first batch (s) |")
     print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
     for r in runs:
         stages = r.get("stages", {})
@@ -370,7 +401,7 @@ def print_runs(runs: list[dict]) -> None:
         eff = f"{r['token_efficiency']:.5f}" if "token_efficiency" in r else "-"
         tokens = f"{r['tokens'] / 1e6:.1f} M" if "tokens" in r else "-"
         print(f"| {r['docs']:,} | {tokens} | {r['side']} | {r['run']} | {r['wall_s']:.1f} | {_gib(r['peak_rss'])} | "
-              f"{_gib(r['tree_rss'])} | {_gib(r['tree_anon'])} | {lost} | {eff} | {staged} |")
+              f"{_gib(r.get('peak_anon'))} | {_gib(r['tree_rss'])} / {_gib(r['tree_anon'])} | {lost} | {eff} | {staged} |")
 
 
 def print_ratios(runs: list[dict]) -> None:
@@ -381,19 +412,20 @@ def print_ratios(runs: list[dict]) -> None:
     rows = [(key, p) for key, p in pairs.items() if {"ours", "trl"} <= p.keys()]
     if not rows:
         return
-    print("\n| docs | run | wall ours / TRL | peak RSS ours / TRL (largest process) | peak RSS ours / TRL (tree) |")
-    print("|---:|---|---:|---:|---:|")
+    print("\n| docs | run | wall ours / TRL | peak RSS ours / TRL | peak anon RSS ours / TRL | tree RSS ours / TRL |")
+    print("|---:|---|---:|---:|---:|---:|")
     for (docs, run), p in rows:
         o, t = p["ours"], p["trl"]
         print(f"| {docs:,} | {run} | {o['wall_s'] / t['wall_s']:.2f}x | {o['peak_rss'] / t['peak_rss']:.2f}x | "
-              f"{o['tree_rss'] / max(t['tree_rss'], 1):.2f}x |")
+              f"{o['peak_anon'] / max(t['peak_anon'], 1):.2f}x | {o['tree_rss'] / max(t['tree_rss'], 1):.2f}x |")
 
 
-def rss_growth(runs: list[dict]) -> dict[str, float] | None:
-    """Least-squares slope of ours' peak RSS (largest process) over tokens, per run kind: MiB per million tokens."""
+def rss_growth(runs: list[dict], key: str = "peak_rss") -> dict[str, float] | None:
+    """Least-squares slope of ours' ``key`` (``peak_rss`` or ``peak_anon``, largest process) over tokens, per run
+    kind (cold, warm): MiB per extra million tokens; ``None`` with fewer than two sizes."""
     out = {}
     for run in ("cold", "warm"):
-        points = [(r["tokens"], r["peak_rss"]) for r in runs if r["side"] == "ours" and r["run"] == run and r["ok"]]
+        points = [(r["tokens"], r[key]) for r in runs if r["side"] == "ours" and r["run"] == run and r["ok"]]
         if len({tokens for tokens, _ in points}) >= 2:
             tokens, rss = np.array(points, dtype=np.float64).T
             out[run] = float(np.polyfit(tokens / 1e6, rss / 2**20, 1)[0])
@@ -410,6 +442,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-pack", action="store_true", help="no pack_sequences vs pack_dataset figure")
     parser.add_argument("--quick", action="store_true", help="5 k documents, a smaller packing figure (smoke test)")
     parser.add_argument("--big", action="store_true", help="2.5 M documents (~1 B tokens), ours only")
+    parser.add_argument("--pretokenized", action="store_true",
+                        help="corpora of input_ids (what the tokenizer would make): both sides skip tokenization")
     parser.add_argument("--ours-path", default=str(REPO), help="checkout put first on PYTHONPATH for ours")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="where corpora are written")
     parser.add_argument("--pack-documents", type=int, default=None, help="documents in the packing figure (200 k)")
@@ -428,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for n_docs in sizes:
             start = time.perf_counter()
-            corpus = write_corpus(n_docs, args.data_dir, args.seed)
+            corpus = write_corpus(n_docs, args.data_dir, args.seed, pretokenized=args.pretokenized)
             meta = json.loads((corpus / "meta.json").read_text())
             print(f"{n_docs:,} documents, {meta['words'] / 1e6:.1f} M words ({corpus}, "
                   f"{time.perf_counter() - start:.0f} s)", flush=True)
@@ -446,10 +480,11 @@ def main(argv: list[str] | None = None) -> None:
 
     print_runs(runs)
     print_ratios(runs)
-    growth = rss_growth(runs)
-    if growth:
-        print("\nRSS growth of ours (peak RSS of the largest process, least squares over the sizes): " +
-              ", ".join(f"{run} {mib:.1f} MiB per extra million tokens" for run, mib in growth.items()))
+    for key, what in (("peak_rss", "peak RSS"), ("peak_anon", "peak anonymous RSS")):
+        growth = rss_growth(runs, key)
+        if growth:
+            print(f"\nGrowth of ours' {what} (largest process, least squares over the sizes), MiB per extra million "
+                  "tokens: " + ", ".join(f"{run} {mib:.2f}" for run, mib in growth.items()))
     if pack is not None:
         if pack["ok"]:
             print(f"\n| packing, {pack['documents']:,} documents from {args.histogram} ({pack['tokens'] / 1e6:.1f} M "

@@ -45,6 +45,17 @@ def test_corpus_is_deterministic_and_tokenizes_word_for_word(scale, tmp_path):
     assert sum(len(t.split()) for t in ds["text"]) == meta["words"]
 
 
+def test_pretokenized_corpus_is_what_the_tokenizer_makes(scale, tmp_path):
+    import datasets
+
+    text = scale.write_corpus(200, tmp_path, seed=2, vocab_size=300, chunk_docs=64)
+    tokens = scale.write_corpus(200, tmp_path, seed=2, vocab_size=300, chunk_docs=64, pretokenized=True)
+    texts = datasets.Dataset.from_file(str(text / "corpus.arrow"))["text"]
+    tok = scale.build_tokenizer(scale.word_vocabulary(300, seed=2))
+    framed = [[tok.bos_token_id, *x, tok.eos_token_id] for x in tok(list(texts), add_special_tokens=False)["input_ids"]]
+    assert datasets.Dataset.from_file(str(tokens / "corpus.arrow"))["input_ids"][:] == framed
+
+
 def test_rss_growth_fits_a_slope_over_sizes(scale):
     gib = 2**30
     runs = [{"side": "ours", "run": "warm", "ok": True, "tokens": t, "peak_rss": gib + 10 * 2**20 * t / 1e6}
