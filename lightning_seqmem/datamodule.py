@@ -304,8 +304,8 @@ class SeqMemDataModule(LightningDataModule):
 
     def _tokenized(self):
         """``(DatasetDict of token columns, kind)``: tokenized through the cache, or pre-tokenized data as is."""
-        from lightning_seqmem.data_source import PRETOKENIZED_KINDS, check_token_values
-        from lightning_seqmem.token_cache import tokenize_cached
+        from lightning_seqmem.data_source import PRETOKENIZED_KINDS
+        from lightning_seqmem.token_cache import check_values_once, tokenize_cached
 
         raw = load_text_dataset(self.dataset)
         kind = check_columns(raw, self.text_column)
@@ -313,7 +313,7 @@ class SeqMemDataModule(LightningDataModule):
             explicit = self._tokenizer_arg is not None
             vocab = len(self.tokenizer) if explicit else None
             for split, ds in raw.items():
-                check_token_values(ds, kind, split, vocab)
+                check_values_once(ds, kind, split, vocab, cache_dir=self.cache_dir)
             return raw, PRETOKENIZED_KINDS[kind]
         tokenized = tokenize_cached(raw, self.tokenizer, kind, self.text_column, num_proc=self.num_proc,
                                     cache_dir=self.cache_dir)

@@ -106,3 +106,27 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
             cached = _load(directory)
         out[split] = cached
     return datasets.DatasetDict(out)
+
+
+def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, cache_dir: Any = None) -> bool:
+    """Check pre-tokenized token values (``data_source.check_token_values``) once per dataset version, then
+    remember it by the data's fingerprint, so later runs and every rank skip it: the check reads every token, and
+    on a memory-mapped billion-token file that touches every page (4 GB of resident memory) on each run.
+
+    Returns:
+        Whether the check ran (``False``: an earlier run checked this data against the same vocabulary).
+    """
+    from lightning_seqmem.data_source import check_token_values
+
+    fingerprint = getattr(ds, "_fingerprint", None)
+    if fingerprint is None or not getattr(ds, "cache_files", None):  # in memory: no stable version to remember
+        check_token_values(ds, kind, split, vocab_size)
+        return True
+    key = hashlib.sha256(json.dumps([_FORMAT, "values-checked", fingerprint, kind, vocab_size]).encode()).hexdigest()
+    marker = Path(cache_dir or default_cache_dir()) / "checked" / key
+    if marker.exists():
+        return False
+    check_token_values(ds, kind, split, vocab_size)  # raises on bad ids: no marker is written then
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    return True

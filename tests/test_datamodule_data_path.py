@@ -170,3 +170,25 @@ def test_padded_and_packed_validation_give_the_same_per_token_loss(tmp_path, tok
                             default_root_dir=tmp_path)
         losses[eval_strategy] = trainer.validate(model, datamodule=dm, verbose=False)[0]["val/loss"]
     assert losses["pack"] == pytest.approx(losses["pad"], abs=1e-5)
+
+
+def test_pretokenized_values_are_checked_once_per_dataset_version(tmp_path, tokenizer, monkeypatch):
+    """A file-backed pre-tokenized dataset is checked in the first run only; a bad one never gets a pass."""
+    import lightning_seqmem.data_source as data_source
+
+    calls = []
+    real_check = data_source.check_token_values
+    monkeypatch.setattr(data_source, "check_token_values", lambda *a, **k: calls.append(a[2]) or real_check(*a, **k))
+    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]] * 4}).save_to_disk(tmp_path / "good")
+    for run in range(2):
+        dm = SeqMemDataModule(dataset=str(tmp_path / "good"), tokenizer=tokenizer, max_length=8,
+                              cache_dir=tmp_path / "cache")
+        dm.setup("fit")
+        assert dm.stats()["train"]["tokens"] + dm.stats()["validation"]["tokens"] == 36
+    assert calls == ["train"]  # the second run trusted the first run's check of the same data
+
+    datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, -4]] * 4}).save_to_disk(tmp_path / "bad")
+    for run in range(2):  # a failed check leaves nothing behind: the error comes every time
+        with pytest.raises(ValueError, match="holds a token id outside"):
+            SeqMemDataModule(dataset=str(tmp_path / "bad"), tokenizer=tokenizer, max_length=8,
+                             cache_dir=tmp_path / "cache").setup("fit")
