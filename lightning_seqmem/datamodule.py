@@ -30,6 +30,7 @@ from lightning_seqmem.strategies import (  # noqa: F401  (STRATEGIES: public nam
     STRATEGIES,
     BatchingOptions,
     PackedRows,
+    largest_shape,
     make_strategy,
 )
 from lightning_seqmem.tokenizer import load_tokenizer
@@ -480,12 +481,9 @@ class SeqMemDataModule(LightningDataModule):
 
     def _sampler(self, split: str, num_replicas: int | None = None, rank: int | None = None):
         """This rank's batch sampler for ``split`` (train shuffles with ``seed + epoch``)."""
-        shuffle = split == "train"
         batch_size = self.micro_batch_size if split == "train" else self.eval_batch_size
-        return self._strategies[split].sampler(
-            self._lengths[split], batch_size, shuffle=shuffle, seed=self.seed, num_replicas=num_replicas, rank=rank,
-            drop_last=self.drop_last and shuffle,
-        )
+        return self._strategies[split].split_sampler(self._lengths[split], batch_size, split == "train", self.seed,
+                                                     self.drop_last, num_replicas, rank)
 
     def _loader(self, split: str) -> DataLoader:
         if self.datasets is None:
@@ -512,10 +510,9 @@ class SeqMemDataModule(LightningDataModule):
         """The keys of the batches the train loader yields (``eval_strategy`` may differ: see its loader)."""
         return tuple(self._strategies["train"].keys)
 
-    def _shapes(self, split: str) -> list[tuple[int, int]]:
-        """``(rows, length)`` of every batch of ``split`` in epoch 0, on a single process."""
-        batches = self._sampler(split, num_replicas=1, rank=0).batches(0)
-        return self._strategies[split].shapes(batches, self._lengths[split])
+    def _epoch_stats(self, split: str):
+        """Epoch 0 of ``split`` on one process (``strategies.EpochStats``)."""
+        return self._strategies[split].epoch_stats(self._lengths[split], self._sampler(split, num_replicas=1, rank=0))
 
     def max_batch_shape(self) -> tuple[int, int]:
         """The largest ``(rows, length)`` any loader (train or validation, whatever its strategy) yields, for
@@ -524,21 +521,12 @@ class SeqMemDataModule(LightningDataModule):
             self.setup("fit")
         if self.streaming:
             return max(self._rows_per_batch("train"), self._rows_per_batch("validation")), self.max_length
-        largest = [self._strategies[split].largest(self._shapes(split))
-                   for split in self._rows if len(self._rows[split])]
-        if self.max_tokens_per_batch is not None and "pad" in (self.strategy, self.eval_strategy):
-            return max(largest, key=lambda s: (s[0] * s[1], s[1]))
-        return max(s[0] for s in largest), max(s[1] for s in largest)
+        largest = [self._epoch_stats(split).largest for split in self._rows if len(self._rows[split])]
+        return largest_shape(list(self._strategies.values()), [s for s in largest if s is not None])
 
     def _loader_stats(self, split: str) -> dict[str, float]:
-        """One epoch on one process: batches, rows ``drop_last`` leaves out, real tokens / slots."""
-        sampler = self._sampler(split, num_replicas=1, rank=0)
-        batches = sampler.batches(0)
-        shapes = self._strategies[split].shapes(batches, self._lengths[split])
-        lengths = self._lengths[split]
-        fed = int(sum(int(lengths[b].sum()) for b in batches))
-        return {"rows": len(self._rows[split]), "batches": len(shapes), "rows_dropped_per_epoch": sampler.num_dropped,
-                "token_efficiency": fed / max(sum(r * n for r, n in shapes), 1)}
+        """One epoch on one process: rows, batches, rows ``drop_last`` leaves out, real tokens / slots."""
+        return self._epoch_stats(split).counts()
 
     def stats(self) -> dict[str, Any]:
         """Per split: documents, tokens, tokens truncated/dropped, documents split, empty documents skipped,

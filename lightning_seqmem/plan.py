@@ -1,9 +1,9 @@
 """Plan a run before training: padding waste per strategy and max_length, and peak memory per micro_batch_size.
 
-The data half reads document lengths only (the ``length`` column that tokenization writes) and runs them through
-the functions the DataModule itself uses: ``truncation.count_truncated``, ``packing.pack_lengths``, the batch
-samplers' ``batches(0)`` and ``PadCollator.padded_length``. So token efficiency, tokens lost, rows, batches and the
-largest batch shape equal what ``SeqMemDataModule.stats()`` and ``max_batch_shape()`` report on the same data.
+The data half reads document lengths only (the ``length`` column that tokenization writes) and asks the strategy
+objects the DataModule itself holds (``strategies.make_strategy``): ``plan_lengths``, ``split_sampler``,
+``epoch_stats`` and ``largest_shape``. So token efficiency, tokens lost, rows, batches and the largest batch shape
+are what ``SeqMemDataModule.stats()`` and ``max_batch_shape()`` report on the same data, by construction.
 The memory half traces training steps on fake tensors (``memory/estimate.py``). No Lightning import.
 """
 
@@ -17,10 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from lightning_seqmem.collate import PadCollator
 from lightning_seqmem.memory.estimate import largest_fitting
-from lightning_seqmem.packing import pack_lengths
-from lightning_seqmem.sampling import LengthGroupedSampler, ShuffledBatchSampler, TokenBudgetBatchSampler
+from lightning_seqmem.strategies import BatchingOptions, PadStrategy, largest_shape, make_strategy
 from lightning_seqmem.truncation import count_truncated
 
 # Planner strategy names -> the SeqMemDataModule arguments that select them.
@@ -114,47 +112,13 @@ def length_distribution(lengths: np.ndarray, max_lengths: Sequence[int]) -> dict
     }
 
 
-def _rows(lengths: np.ndarray, strategy: str, max_length: int, settings: DataSettings) -> tuple[np.ndarray, int]:
-    """``([rows] real tokens per row fed to the model, tokens lost)`` for one split, as the DataModule builds them."""
+def _strategy(strategy: str, max_length: int, settings: DataSettings) -> PadStrategy:
+    """The strategy object a ``SeqMemDataModule`` with these settings would hold."""
     args = STRATEGIES[strategy]
-    if args["strategy"] == "pack":
-        packed = pack_lengths(lengths, max_length, args["packing"], settings.overflow)
-        return np.diff(packed.row_offsets), packed.tokens_truncated + packed.tokens_dropped
-    return np.minimum(lengths, max_length), count_truncated(lengths, max_length)
-
-
-def _collator(strategy: str, max_length: int, settings: DataSettings) -> PadCollator:
-    """The pad collator's length rule (pad id 0: only its ``padded_length`` is used)."""
-    if strategy == "truncate":
-        return PadCollator(0, max_length=max_length, pad_to_multiple_of=None, pad_to_max_length=True)
-    return PadCollator(0, max_length=max_length, pad_to_multiple_of=settings.pad_to_multiple_of,
-                       pad_to_max_length=STRATEGIES[strategy].get("pad_to_max_length", False))
-
-
-def _sampler(rows: np.ndarray, strategy: str, max_length: int, settings: DataSettings, train: bool,
-             num_replicas: int = 1):
-    """The batch sampler the DataModule would use for these rows (rank 0 of ``num_replicas``)."""
-    common = dict(shuffle=train, seed=settings.seed, num_replicas=num_replicas, rank=0,
-                  drop_last=settings.drop_last and train)
-    padded = STRATEGIES[strategy]["strategy"] == "pad"
-    if padded and settings.max_tokens_per_batch is not None:
-        return TokenBudgetBatchSampler(rows, settings.max_tokens_per_batch,
-                                       padded_length=_collator(strategy, max_length, settings).padded_length, **common)
-    if settings.max_tokens_per_batch is not None:
-        batch_size = settings.max_tokens_per_batch // max_length
-    else:
-        batch_size = settings.micro_batch_size if train else (settings.eval_batch_size or settings.micro_batch_size)
-    if padded and settings.group_by_length:
-        return LengthGroupedSampler(rows, batch_size, **common)
-    return ShuffledBatchSampler(len(rows), batch_size, **common)
-
-
-def _shapes(rows: np.ndarray, batches: list[list[int]], strategy: str, max_length: int,
-            settings: DataSettings) -> list[tuple[int, int]]:
-    if STRATEGIES[strategy]["strategy"] == "pad":
-        collator = _collator(strategy, max_length, settings)
-        return [(len(b), collator.padded_length(int(rows[b].max()))) for b in batches]
-    return [(len(b), max_length) for b in batches]
+    return make_strategy(args["strategy"], BatchingOptions(
+        max_length, settings.pad_to_multiple_of, args.get("pad_to_max_length", False),
+        group_by_length=settings.group_by_length, max_tokens_per_batch=settings.max_tokens_per_batch,
+        packing=args.get("packing", "bfd"), overflow=settings.overflow))
 
 
 @dataclass(frozen=True)
@@ -197,28 +161,23 @@ def plan_strategy(
     """
     check_strategies([strategy])
     check_max_lengths([max_length])
-    shapes: list[tuple[int, int]] = []
-    train = None
-    for split, docs in lengths.items():
-        rows, lost = _rows(np.asarray(docs, dtype=np.int64), strategy, max_length, settings)
-        sampler = _sampler(rows, strategy, max_length, settings, train=split == "train")
-        batches = sampler.batches(0)
-        split_shapes = _shapes(rows, batches, strategy, max_length, settings)
-        shapes += split_shapes
-        if split == "train":
-            fed = sum(int(rows[b].sum()) for b in batches)
-            per_rank = len(_sampler(rows, strategy, max_length, settings, train=True, num_replicas=devices))
-            train = dict(token_efficiency=fed / max(sum(r * n for r, n in split_shapes), 1),
-                         tokens=int(np.asarray(docs).sum()), tokens_lost=int(lost), rows=len(rows),
-                         batches=len(batches), optimizer_steps=math.ceil(per_rank / accumulate_grad_batches),
-                         rows_dropped_per_epoch=sampler.num_dropped)
-    if train is None:
+    if "train" not in lengths:
         raise ValueError(f"lengths needs a 'train' split, got {sorted(lengths)}.")
-    if STRATEGIES[strategy]["strategy"] == "pad" and settings.max_tokens_per_batch is not None:
-        largest = max(shapes, key=lambda s: (s[0] * s[1], s[1]))
-    else:
-        largest = (max(s[0] for s in shapes), max(s[1] for s in shapes))
-    return StrategyPlan(strategy=strategy, max_length=max_length, max_batch_shape=largest, **train)
+    batcher, largest = _strategy(strategy, max_length, settings), []
+    for split, docs in lengths.items():
+        train = split == "train"
+        rows, cut = batcher.plan_lengths(np.asarray(docs, dtype=np.int64))
+        batch_size = settings.micro_batch_size if train else (settings.eval_batch_size or settings.micro_batch_size)
+        epoch = batcher.epoch_stats(rows, batcher.split_sampler(rows, batch_size, train, settings.seed,
+                                                                settings.drop_last, 1, 0))
+        largest += [epoch.largest] if epoch.largest is not None else []
+        if train:
+            per_rank = len(batcher.split_sampler(rows, batch_size, True, settings.seed, settings.drop_last, devices, 0))
+            counts = dict(epoch.counts(), tokens=int(np.asarray(docs).sum()),
+                          tokens_lost=cut["tokens_truncated"] + cut.get("tokens_dropped", 0),
+                          optimizer_steps=math.ceil(per_rank / accumulate_grad_batches))
+    return StrategyPlan(strategy=strategy, max_length=max_length, max_batch_shape=largest_shape([batcher], largest),
+                        **counts)
 
 
 def plan_strategies(lengths, strategies, max_lengths, settings=DataSettings(), devices=1,

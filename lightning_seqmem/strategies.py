@@ -1,9 +1,11 @@
 """Batching strategies: pad, truncate, pack. Chosen once; each owns its rows, collator, sampler, keys and shapes.
 
 A strategy turns a split's documents (a ``tokens.TokenSource`` plus optional per-token labels) into rows the
-model sees, and says how to batch them: ``plan`` (rows, real tokens per row, what was cut), ``collator``,
-``sampler``, ``keys`` and ``shapes`` (``(rows, length)`` of every batch, from lengths alone). No Lightning import;
-``SeqMemDataModule`` holds one strategy per split (``eval_strategy`` may differ from training).
+model sees, and says how to batch them: ``plan`` (rows, real tokens per row, what was cut; ``plan_lengths`` the
+same from document lengths alone), ``collator``, ``sampler``/``split_sampler``, ``keys``, ``shapes`` (``(rows,
+length)`` of every batch, from lengths alone) and ``epoch_stats``. No Lightning import; ``SeqMemDataModule`` holds one
+strategy per split (``eval_strategy`` may differ from training) and ``seqmem-plan`` asks the same objects, so the
+planner's numbers are the DataModule's by construction.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch.utils.data import Dataset
 
 from lightning_seqmem.batch import CU_SEQLENS, PACK_KEYS, PAD_KEYS
 from lightning_seqmem.collate import PackCollator, PadCollator, TruncateCollator
-from lightning_seqmem.packed_rows import PackResult, pack_sequences
+from lightning_seqmem.packed_rows import PackResult, pack_lengths, pack_sequences
 from lightning_seqmem.sampling import LengthGroupedSampler, ShuffledBatchSampler, TokenBudgetBatchSampler
 from lightning_seqmem.truncation import PromptCompletionLimits, count_truncated
 
@@ -61,6 +63,22 @@ class Plan:
     stats: dict[str, int]
 
 
+@dataclass(frozen=True)
+class EpochStats:
+    """Epoch 0 of a split on one process, from its row lengths: what ``SeqMemDataModule.stats()`` reports per split
+    (``counts()``) and the batch shape to pre-allocate for."""
+
+    rows: int
+    batches: int
+    rows_dropped_per_epoch: int  # left out by ``drop_last``
+    token_efficiency: float  # real tokens / slots fed to the model
+    largest: tuple[int, int] | None  # (rows, length) of the largest batch (``strategy.largest``); None: no batch
+
+    def counts(self) -> dict[str, float]:
+        return {"rows": self.rows, "batches": self.batches, "rows_dropped_per_epoch": self.rows_dropped_per_epoch,
+                "token_efficiency": self.token_efficiency}
+
+
 @dataclass
 class BatchingOptions:
     """Options shared by every strategy (the DataModule's arguments)."""
@@ -91,9 +109,12 @@ class PadStrategy:
         return limits
 
     def plan(self, source: Any, labels: Any = None) -> Plan:
+        return Plan(DocumentRows(source, labels), *self.plan_lengths(source.lengths))
+
+    def plan_lengths(self, lengths: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
+        """``([rows] real tokens per row, counts of what was cut)`` from ``[documents]`` lengths alone."""
         m = self.options.max_length
-        return Plan(DocumentRows(source, labels), np.minimum(source.lengths, m),
-                    {"tokens_truncated": count_truncated(source.lengths, m)})
+        return np.minimum(lengths, m), {"tokens_truncated": count_truncated(lengths, m)}
 
     def collator(self, pad_token_id: int):
         o = self.options
@@ -117,15 +138,30 @@ class PadStrategy:
             return LengthGroupedSampler(lengths, batch_size, **common)
         return ShuffledBatchSampler(len(lengths), batch_size, **common)
 
+    def split_sampler(self, lengths: np.ndarray, batch_size: int, train: bool, seed: int, drop_last: bool,
+                      num_replicas: int | None = None, rank: int | None = None):
+        """A split's sampler: train shuffles (``seed + epoch``) and honours ``drop_last``; validation keeps order
+        and every row."""
+        return self.sampler(lengths, batch_size, shuffle=train, seed=seed, num_replicas=num_replicas, rank=rank,
+                            drop_last=drop_last and train)
+
     def shapes(self, batches: list[list[int]], lengths: np.ndarray) -> list[tuple[int, int]]:
         """``(rows, length)`` of each batch."""
         return [(len(b), self.padded_length(int(lengths[b].max()))) for b in batches]
 
+    def epoch_stats(self, lengths: np.ndarray, sampler) -> EpochStats:
+        """Epoch 0 of ``sampler`` (one process) over rows of ``[rows]`` real tokens: batches, rows dropped, real
+        tokens / slots and the largest batch. ``SeqMemDataModule`` and ``seqmem-plan`` both report this."""
+        batches = sampler.batches(0)
+        shapes = self.shapes(batches, lengths)
+        fed = int(sum(int(lengths[b].sum()) for b in batches))
+        return EpochStats(rows=len(lengths), batches=len(shapes), rows_dropped_per_epoch=sampler.num_dropped,
+                          token_efficiency=fed / max(sum(r * n for r, n in shapes), 1),
+                          largest=self.largest(shapes) if shapes else None)
+
     def largest(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
         """The shape to pre-allocate for: with a token budget rows and length vary together (most slots)."""
-        if self.options.max_tokens_per_batch is not None:
-            return max(shapes, key=lambda s: (s[0] * s[1], s[1]))
-        return max(s[0] for s in shapes), max(s[1] for s in shapes)
+        return largest_shape([self], shapes)
 
 
 class TruncateStrategy(PadStrategy):
@@ -147,9 +183,6 @@ class TruncateStrategy(PadStrategy):
     def shapes(self, batches: list[list[int]], lengths: np.ndarray) -> list[tuple[int, int]]:
         return [(len(b), self.options.max_length) for b in batches]
 
-    def largest(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
-        return max(s[0] for s in shapes), self.options.max_length
-
 
 class PackStrategy(TruncateStrategy):
     """Documents packed into ``max_length`` rows once per split (epochs reshuffle rows, never re-pack)."""
@@ -170,9 +203,16 @@ class PackStrategy(TruncateStrategy):
     def plan(self, source: Any, labels: Any = None) -> Plan:
         o = self.options
         packed = pack_sequences(source, o.max_length, o.packing, o.overflow)
+        return Plan(PackedRows(packed, labels), *self._rows_and_cuts(packed))
+
+    def plan_lengths(self, lengths: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
+        o = self.options
+        return self._rows_and_cuts(pack_lengths(lengths, o.max_length, o.packing, o.overflow))
+
+    @staticmethod
+    def _rows_and_cuts(packed: PackResult) -> tuple[np.ndarray, dict[str, int]]:
         s = packed.stats()
-        return Plan(PackedRows(packed, labels), np.diff(packed.row_offsets),
-                    {k: s[k] for k in ("tokens_truncated", "tokens_dropped", "documents_split")})
+        return np.diff(packed.row_offsets), {k: s[k] for k in ("tokens_truncated", "tokens_dropped", "documents_split")}
 
     def collator(self, pad_token_id: int):
         return PackCollator(pad_token_id, self.options.max_length, return_cu_seqlens=self.options.return_cu_seqlens)
@@ -186,3 +226,11 @@ def make_strategy(name: str, options: BatchingOptions) -> PadStrategy:
     if name not in _BY_NAME:
         raise ValueError(f"Unknown strategy {name!r}; choose one of {list(STRATEGIES)}.")
     return _BY_NAME[name](options)
+
+
+def largest_shape(strategies: list[PadStrategy], largest: list[tuple[int, int]]) -> tuple[int, int]:
+    """The shape to pre-allocate for across splits, from each split's ``largest``: with a token budget on a ``pad``
+    split rows and length vary together (the shape with the most slots), else the largest rows and length."""
+    if any(s.name == "pad" and s.options.max_tokens_per_batch is not None for s in strategies):
+        return max(largest, key=lambda s: (s[0] * s[1], s[1]))
+    return max(s[0] for s in largest), max(s[1] for s in largest)

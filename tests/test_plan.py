@@ -124,3 +124,20 @@ def test_plan_api_from_a_datamodule_and_a_model_config(small_text_dataset):
     assert result.configured.max_batch_shape == dm.max_batch_shape()
     assert result.memory.fits == {False: 2, True: 2}
     assert result.recommended["micro_batch_size"] == 2
+
+
+@pytest.mark.parametrize("name,packing,overflow", [("pad", "bfd", "split"), ("truncate", "bfd", "split"),
+                                                   ("pack", "bfd", "split"), ("pack", "bfd", "drop"),
+                                                   ("pack", "bfd", "truncate"), ("pack", "wrapped", "split")])
+def test_lengths_only_plan_equals_the_token_plan(name, packing, overflow):
+    from lightning_seqmem.strategies import BatchingOptions, make_strategy
+    from lightning_seqmem.tokens import as_token_source
+
+    docs = [list(range(n)) for n in np.random.default_rng(0).integers(1, 40, 50)]
+    strategy = make_strategy(name, BatchingOptions(16, packing=packing, overflow=overflow))
+    source = as_token_source(docs)
+    full = strategy.plan(source)
+    lengths, cut = strategy.plan_lengths(source.lengths)
+    assert np.array_equal(lengths, full.lengths) and cut == full.stats and len(full.rows) == len(lengths)
+    lost = sum(cut.get(k, 0) for k in ("tokens_truncated", "tokens_dropped"))
+    assert lost + int(lengths.sum()) == sum(map(len, docs))  # every token fed or counted
