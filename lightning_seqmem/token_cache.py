@@ -126,7 +126,39 @@ def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, 
     marker = Path(cache_dir or default_cache_dir()) / "checked" / key
     if marker.exists():
         return False
-    check_token_values(ds, kind, split, vocab_size)  # raises on bad ids: no marker is written then
+    columns = ["input_ids", "labels"] if kind == "tokens" else ["prompt_ids", "completion_ids"]
+    if not _streamed_values_ok([f["filename"] for f in ds.cache_files], columns, vocab_size):
+        check_token_values(ds, kind, split, vocab_size)  # the exact check names the bad row; raises: no marker
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
+    return True
+
+
+def _streamed_values_ok(files: list[str], columns: list[str], vocab_size: int | None) -> bool:
+    """Whether every id in the Arrow files is an integer in ``[0, vocab_size)`` (labels may be -100).
+
+    The files are read record batch by record batch, not memory-mapped, so resident memory stays one batch
+    however large the data. ``False`` means "not shown clean" (a bad id, a non-integer column, or a file that is
+    not an Arrow stream): the caller then runs the exact check, which names the row.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        for path in files:
+            with pa.OSFile(path) as source:
+                for batch in pa.ipc.open_stream(source):
+                    for column in columns:
+                        if column not in batch.schema.names:
+                            continue
+                        values = pc.list_flatten(batch.column(column))
+                        if not pa.types.is_integer(values.type):
+                            return False
+                        if column == "labels":
+                            values = pc.filter(values, pc.not_equal(values, -100))
+                        low, high = pc.min_max(values).values()
+                        if low.is_valid and (low.as_py() < 0 or (vocab_size is not None and high.as_py() >= vocab_size)):
+                            return False
+    except (OSError, pa.ArrowInvalid):
+        return False
     return True

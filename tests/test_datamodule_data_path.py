@@ -173,22 +173,26 @@ def test_padded_and_packed_validation_give_the_same_per_token_loss(tmp_path, tok
 
 
 def test_pretokenized_values_are_checked_once_per_dataset_version(tmp_path, tokenizer, monkeypatch):
-    """A file-backed pre-tokenized dataset is checked in the first run only; a bad one never gets a pass."""
+    """A file-backed pre-tokenized dataset is checked in the first run only (streamed from the files, not
+    memory-mapped); a bad one never gets a pass and the exact check names its row."""
     import lightning_seqmem.data_source as data_source
+    import lightning_seqmem.token_cache as token_cache
 
     calls = []
-    real_check = data_source.check_token_values
-    monkeypatch.setattr(data_source, "check_token_values", lambda *a, **k: calls.append(a[2]) or real_check(*a, **k))
+    streamed, exact = token_cache._streamed_values_ok, data_source.check_token_values
+    monkeypatch.setattr(token_cache, "_streamed_values_ok", lambda *a: calls.append("streamed") or streamed(*a))
+    monkeypatch.setattr(data_source, "check_token_values", lambda *a, **k: calls.append("exact") or exact(*a, **k))
     datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]] * 4}).save_to_disk(tmp_path / "good")
     for run in range(2):
         dm = SeqMemDataModule(dataset=str(tmp_path / "good"), tokenizer=tokenizer, max_length=8,
                               cache_dir=tmp_path / "cache")
         dm.setup("fit")
         assert dm.stats()["train"]["tokens"] + dm.stats()["validation"]["tokens"] == 36
-    assert calls == ["train"]  # the second run trusted the first run's check of the same data
+    assert calls == ["streamed"]  # clean in the stream: no exact pass; the second run trusted the first
 
     datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, -4]] * 4}).save_to_disk(tmp_path / "bad")
     for run in range(2):  # a failed check leaves nothing behind: the error comes every time
-        with pytest.raises(ValueError, match="holds a token id outside"):
+        with pytest.raises(ValueError, match="Row 1 of split 'train', column 'input_ids' holds a token id outside"):
             SeqMemDataModule(dataset=str(tmp_path / "bad"), tokenizer=tokenizer, max_length=8,
                              cache_dir=tmp_path / "cache").setup("fit")
+    assert calls[1:] == ["streamed", "exact"] * 2
