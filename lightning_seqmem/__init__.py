@@ -50,6 +50,8 @@ _EXPORTS: dict[str, str] = {
     "TokenLossNormalizer": "lightning_seqmem.loss",
     # composition: per-job progress records for sweeps
     "JobRecord": "lightning_seqmem.job_record",
+    "FinalValidation": "lightning_seqmem.final_validation",
+    "StepProgressBar": "lightning_seqmem.progress",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -15,22 +15,14 @@ from __future__ import annotations
 import glob
 import json
 import os
-import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from lightning_seqmem.messages import short_repr  # noqa: F401  (also imported from here)
+
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
-
-_SHORT = reprlib.Repr()
-_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxlevel = 80, 80, 3, 3, 2
-
-
-def short_repr(value: Any) -> str:
-    """``repr(value)`` cut to about 80 characters and 3 items: user data in a message stays bounded."""
-    return _SHORT.repr(value)
-
 
 def _matches(item: str) -> list[str]:
     """The files one path or glob names (a directory counts as itself); empty when it names nothing."""

@@ -23,6 +23,7 @@ from lightning_seqmem.data_source import (
     ensure_validation_split,
     load_text_dataset,
 )
+from lightning_seqmem.messages import short_repr
 from lightning_seqmem.packing import OVERFLOWS, StreamingPacker, check_packing
 from lightning_seqmem.sampling import BatchFetcher
 from lightning_seqmem.batch import IGNORE_INDEX, PACK_KEYS, PAD_KEYS  # noqa: F401  (old import path kept)
@@ -63,7 +64,7 @@ def _integer(name: str, value: Any, minimum: int, hint: str = "", optional: bool
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}{hint}, got {value!r}.")
+        raise ValueError(f"{name} must be an int >= {minimum}{hint}, got {short_repr(value)}.")
     return int(value)
 
 

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
 from lightning_seqmem.loss import TokenLossNormalizer
+from lightning_seqmem.messages import short_repr
 from lightning_seqmem.metrics import TokenEfficiency
 from lightning_seqmem.protocols import GivesMaxBatchShape
 from lightning_seqmem.varlen import flash_varlen_kwargs, is_flash_attention
@@ -44,7 +45,7 @@ def build_model_config(model_config: str | dict[str, Any], vocab_size: int, pad_
     if isinstance(model_config, str):
         if model_config not in MODEL_PRESETS:
             raise ValueError(
-                f"Unknown model_config {model_config!r}; choose one of {sorted(MODEL_PRESETS)}, pass a dict with "
+                f"Unknown model_config {short_repr(model_config)}; choose one of {sorted(MODEL_PRESETS)}, pass a dict with "
                 "'model_type' and config fields, or pass pretrained_path=<local directory>."
             )
         fields = dict(MODEL_PRESETS[model_config])

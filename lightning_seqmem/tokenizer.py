@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_seqmem.corpus import cache_dir, load_builtin_corpus
+from lightning_seqmem.messages import short_repr
 
 DEFAULT_VOCAB_SIZE = 4096
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -75,7 +76,7 @@ def load_tokenizer(tokenizer: Any = None):
             tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=offline or os.path.isdir(tokenizer))
         except Exception as err:  # transformers raises OSError, ValueError or hub errors depending on version
             raise ValueError(
-                f"Could not load tokenizer {str(tokenizer)!r}: {type(err).__name__}: {err}. "
+                f"Could not load tokenizer {short_repr(str(tokenizer))}: {type(err).__name__}: {err}. "
                 "Pass a local directory that holds tokenizer files (tokenizer.json or vocab files), a "
                 "tokenizer object, or tokenizer=None for the built-in BPE tokenizer. On an offline machine, "
                 "download it once elsewhere and point to the saved directory."

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_seqmem.batch import CU_SEQLENS, PAD_KEYS
 from lightning_seqmem.memory import stats
+from lightning_seqmem.messages import short_repr
 from lightning_seqmem.protocols import GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape
 
 DEFAULT_KEYS = PAD_KEYS
@@ -267,9 +268,9 @@ class CachePreallocator(Callback):
             )
         for name, value in (("rows", rows), ("length", length), ("vocab_size", vocab_size)):
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+                raise ValueError(f"{name} must be a positive int or None, got {short_repr(value)}.")
         if keys is not None and (isinstance(keys, str) or not all(isinstance(k, str) for k in keys)):
-            raise TypeError(f"keys must be a sequence of str such as ('input_ids', 'labels'), got {keys!r}.")
+            raise TypeError(f"keys must be a sequence of str such as ('input_ids', 'labels'), got {short_repr(keys)}.")
         self.rows = rows
         self.length = length
         self.keys = tuple(keys) if keys is not None else None
