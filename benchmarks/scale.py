@@ -450,8 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--histogram", default="wikipedia-512.tsv", help="length histogram for the packing figure")
     parser.add_argument("--rss-limit-gib", type=float, default=12.0, help="kill a child tree above this RSS")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pack-only", action="store_true", help="only the pack_sequences vs pack_dataset figure")
     args = parser.parse_args(argv)
-    sizes = args.sizes or ([2_500_000] if args.big else [5_000] if args.quick else [150_000, 300_000])
+    sizes = [] if args.pack_only else args.sizes or ([2_500_000] if args.big else [5_000] if args.quick else [150_000, 300_000])
     skip_trl = args.skip_trl or args.big
 
     scratch = Path(tempfile.mkdtemp(prefix="seqmem-scale-"))

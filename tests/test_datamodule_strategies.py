@@ -3,9 +3,10 @@
 import contextlib
 
 import datasets
-import lightning.pytorch as L
 import pytest
 import torch
+
+from _recorder import fit_recording
 
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.collate import real_token_mask
@@ -139,38 +140,12 @@ def test_bad_data(small_text_dataset):
     assert s["train"]["empty_documents_skipped"] + s["validation"]["empty_documents_skipped"] >= 2
 
 
-class _Recorder(L.LightningModule):
-    """A one-parameter model: enough for Lightning to run steps and checkpoint, and it records what it saw."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.seen = []
-
-    def training_step(self, batch, batch_idx):
-        self.seen.append(batch["input_ids"].tolist())
-        return (self.w * batch["input_ids"].float().mean()).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
-
-
 def test_lightning_mid_epoch_resume_replays_exactly_the_remaining_batches(small_text_dataset, tmp_path):
-    def run(max_steps, ckpt=None, save=False):
-        dm = SeqMemDataModule(dataset=small_text_dataset, max_length=32, micro_batch_size=8, strategy="pack")
-        model = _Recorder()
-        callbacks = [L.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)] if save else []
-        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, limit_val_batches=0, callbacks=callbacks,
-                            enable_checkpointing=save, default_root_dir=tmp_path)
-        trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
-        return model.seen, len(dm.train_dataloader())
-
-    full, per_epoch = run(40)
-    assert per_epoch < 37  # the resumed part crosses an epoch boundary (so epoch reshuffles resume too)
-    partial, _ = run(3, save=True)
+    full, dm = fit_recording(tmp_path, 40, dataset=small_text_dataset)
+    assert len(dm.train_dataloader()) < 37  # the resumed part crosses an epoch boundary (epoch reshuffles resume too)
+    partial, _ = fit_recording(tmp_path, 3, save=True, dataset=small_text_dataset)
     assert partial == full[:3]
-    resumed, _ = run(40, ckpt=str(tmp_path / "epoch=0-step=3.ckpt"))
+    resumed, _ = fit_recording(tmp_path, 40, ckpt=str(tmp_path / "epoch=0-step=3.ckpt"), dataset=small_text_dataset)
     assert resumed == full[3:]
 
 
