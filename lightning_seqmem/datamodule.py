@@ -154,6 +154,7 @@ class SeqMemDataModule(LightningDataModule):
         print(dm.stats())
     """
 
+    _pretokenized = False  # set when the dataset already holds token ids
     _skip_resume_state = False  # set by load_state_dict when the checkpoint's data differ (restart_epoch)
 
     def __init__(
@@ -269,8 +270,12 @@ class SeqMemDataModule(LightningDataModule):
     # --------------------------------------------------------------------------------------------- resources
     @property
     def tokenizer(self):
-        """The tokenizer, loaded on first access (so ``CausalLM`` can read the vocabulary size at setup)."""
+        """The tokenizer, loaded on first access (so ``CausalLM`` can read the vocabulary size at setup); ``None``
+        for pre-tokenized data given with its ``pad_token_id`` and no tokenizer: the built-in one would not match
+        its ids (a model sized from it would index past its embeddings)."""
         if self._tokenizer is None:
+            if self._tokenizer_arg is None and self._special_ids["pad"] is not None and self._pretokenized:
+                return None
             self._tokenizer = load_tokenizer(self._tokenizer_arg)
         return self._tokenizer
 
@@ -287,7 +292,7 @@ class SeqMemDataModule(LightningDataModule):
         so this is for the model's config and generation, not added to rows)."""
         if self._special_ids["eos"] is not None:
             return self._special_ids["eos"]
-        return self.tokenizer.eos_token_id
+        return None if self.tokenizer is None else self.tokenizer.eos_token_id
 
     @override
     def prepare_data(self) -> None:
@@ -302,16 +307,19 @@ class SeqMemDataModule(LightningDataModule):
         if isinstance(self.dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
             _ = self.tokenizer
             return
-        self._tokenized()
+        self.tokenized_documents()
 
-    def _tokenized(self):
-        """``(DatasetDict of token columns, kind)``: tokenized through the cache, or pre-tokenized data as is."""
+    def tokenized_documents(self):
+        """``(DatasetDict of token columns, kind)``: the documents tokenized through the tokenize-once cache, or
+        pre-tokenized data as is; ``kind`` is ``"text"`` or ``"prompt_completion"``. What ``setup`` and
+        ``seqmem-plan`` read (the planner only the lengths)."""
         from lightning_seqmem.data_source import PRETOKENIZED_KINDS
         from lightning_seqmem.token_cache import check_values_once, tokenize_cached
 
         raw = load_text_dataset(self.dataset)
         kind = check_columns(raw, self.text_column)
         if kind in PRETOKENIZED_KINDS:
+            self._pretokenized = True
             explicit = self._tokenizer_arg is not None
             vocab = len(self.tokenizer) if explicit else None
             for split, ds in raw.items():
@@ -331,7 +339,7 @@ class SeqMemDataModule(LightningDataModule):
             return self._setup_streaming()
         # Tokenize (or load the cache prepare_data wrote) before carving out a validation split, so errors name
         # rows of the dataset the user passed.
-        tokenized, kind = self._tokenized()
+        tokenized, kind = self.tokenized_documents()
         if kind == "prompt_completion" and self.overflow is None:
             self._options.overflow = "truncate"  # an SFT example is never cut into pieces without its prompt
         if kind == "prompt_completion" and self.overflow == "split" and not self.allow_split_prompt_completion \

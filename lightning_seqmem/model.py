@@ -22,7 +22,7 @@ from lightning_seqmem.batch import count_label_tokens, count_real_tokens
 from lightning_seqmem.loss import TokenLossNormalizer
 from lightning_seqmem.messages import short_repr
 from lightning_seqmem.metrics import TokenEfficiency
-from lightning_seqmem.protocols import GivesMaxBatchShape
+from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
 from lightning_seqmem.varlen import flash_varlen_kwargs, is_flash_attention
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
@@ -157,6 +157,8 @@ class CausalLM(LightningModule):
                 self.hparams.vocab_size = len(tok)
             if self.hparams.pad_token_id is None:
                 self.hparams.pad_token_id = tok.pad_token_id
+        elif self.hparams.pad_token_id is None and dm is not None:  # pre-tokenized data with its own special ids
+            self.hparams.pad_token_id = find_pad_token_id(dm)
         if self.hparams.pad_token_id is not None:
             self.token_efficiency.pad_token_id = self.hparams.pad_token_id
         if self.model is None:

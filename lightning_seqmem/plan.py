@@ -452,24 +452,21 @@ def plan(
 
 
 def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
-    """Per split, the token count of every non-empty document, as ``SeqMemDataModule(...)`` tokenizes them.
+    """Per split, the token count of every non-empty document, as ``SeqMemDataModule(...)`` sees them.
 
-    Only the ``length`` column is read (Arrow, no token lists). Tokenization goes through ``datasets.map`` and is
-    cached by fingerprint, so the training run that follows reuses it.
+    The documents come through the DataModule's own tokenize-once cache (so the training run that follows reuses
+    it) or are pre-tokenized; only the Arrow offsets of ``input_ids`` are read, never the tokens.
     """
-    from lightning_seqmem.data_source import check_columns, ensure_validation_split, load_text_dataset
-    from lightning_seqmem.data_source import tokenize_dataset
+    from lightning_seqmem.data_source import ensure_validation_split
+    from lightning_seqmem.tokens import view_of_dataset
 
-    raw = load_text_dataset(dm.dataset)
-    kind = check_columns(raw, dm.text_column)
+    tokenized, kind = dm.tokenized_documents()
     if kind != "text":
         raise ValueError("seqmem-plan plans text datasets; prompt/completion data is not supported yet.")
-    tokenized = ensure_validation_split(tokenize_dataset(raw, dm.tokenizer, kind=kind, text_column=dm.text_column),
-                                        seed=dm.seed)
+    tokenized = ensure_validation_split(tokenized, seed=dm.seed)
     out = {}
     for split in ("train", "validation"):
-        # the column only, through the split's index mapping (a carved-out validation split is a view of train)
-        lengths = np.asarray(tokenized[split].with_format("numpy", columns=["length"])["length"], dtype=np.int64)
+        lengths = view_of_dataset(tokenized[split], "input_ids").lengths  # through a carved-out split's indices
         out[split] = lengths[lengths > 0]
     return out
 

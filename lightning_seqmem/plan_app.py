@@ -74,6 +74,7 @@ def plan_from_config(cfg, output_dir: str | None = None):
 
     p = cfg.plan
     dm = instantiate(cfg.data)
+    dm.prepare_data()  # tokenize once (cached: the planner and the training run after it read the same tokens)
     max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else default_max_lengths(dm.max_length)
     precision, note_precision = _precision(cfg)
     devices, note_devices = _devices(cfg)
@@ -81,7 +82,11 @@ def plan_from_config(cfg, output_dir: str | None = None):
     model_config, device = None, p.get("device") or ("cpu" if str(cfg.trainer.get("accelerator")) == "cpu" else "cuda")
     attention = cfg.model.get("attn_implementation", "sdpa")
     if p.get("memory", True):
-        model_config = _model_config(cfg, len(dm.tokenizer), dm.pad_token_id)
+        vocab_size = cfg.model.get("vocab_size") or (len(dm.tokenizer) if dm.tokenizer is not None else None)
+        if vocab_size is None:
+            raise ValueError("Pre-tokenized data without a tokenizer: give the model's vocabulary size "
+                             "(model.vocab_size=<n>), or plan without memory (plan.memory=false).")
+        model_config = _model_config(cfg, vocab_size, dm.pad_token_id)
         notes.append(f"memory for {getattr(model_config, 'model_type', '?')} on {device}, precision {precision}, "
                      f"attention {attention}, AdamW")
     result = plan(dm, model_config, list(p.strategies), max_lengths, list(p.micro_batch_sizes), p.get("gpu_memory"),

@@ -196,3 +196,31 @@ def test_pretokenized_values_are_checked_once_per_dataset_version(tmp_path, toke
             SeqMemDataModule(dataset=str(tmp_path / "bad"), tokenizer=tokenizer, max_length=8,
                              cache_dir=tmp_path / "cache").setup("fit")
     assert calls[1:] == ["streamed", "exact"] * 2
+
+
+def test_pretokenized_ids_with_their_own_special_ids_never_size_a_model_from_the_builtin_tokenizer(tmp_path):
+    """Ids beyond the built-in vocabulary: the DataModule offers no tokenizer, so CausalLM asks for vocab_size
+    (instead of building a 4,096-token model that would index past its embeddings); with it, training runs."""
+    import lightning.pytorch as L
+
+    from lightning_seqmem import CausalLM
+
+    rows = [[9000 + (i * 7 + j) % 900 for j in range(5 + i % 9)] for i in range(40)]
+    data = datasets.Dataset.from_dict({"input_ids": rows})
+
+    def fit(model):
+        dm = SeqMemDataModule(dataset=data, pad_token_id=0, eos_token_id=1, strategy="pack", max_length=16,
+                              micro_batch_size=4, cache_dir=tmp_path)
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False, limit_val_batches=1,
+                            default_root_dir=tmp_path)
+        trainer.fit(model, datamodule=dm)
+        return dm, trainer
+
+    with pytest.raises(ValueError, match="CausalLM needs a vocabulary size: pass vocab_size"):
+        fit(CausalLM())
+    model = CausalLM(vocab_size=10_000)
+    dm, trainer = fit(model)
+    assert dm.tokenizer is None and dm.eos_token_id == 1
+    assert model.hparams.pad_token_id == 0 and trainer.global_step == 2
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])

@@ -53,6 +53,20 @@ def test_settings_are_honoured_on_a_small_dataset(small_text_dataset, strategy, 
     _check_equal(SeqMemDataModule(**base, **STRATEGIES[strategy]), lengths, strategy, 64)
 
 
+@pytest.mark.parametrize("strategy", ["pad", "pack_bfd"])
+def test_pretokenized_data_without_a_tokenizer_is_planned_from_its_offsets(tmp_path, strategy):
+    """Pre-tokenized ids given with their own pad id: no tokenizer is loaded, the plan equals the DataModule."""
+    import datasets
+
+    rows = [[9000 + (i * 7 + j) % 900 for j in range(1 + (i * 13) % 70)] for i in range(60)]
+    base = dict(dataset=datasets.Dataset.from_dict({"input_ids": rows}), pad_token_id=0, max_length=32,
+                micro_batch_size=4, cache_dir=tmp_path)
+    probe = SeqMemDataModule(**base)
+    lengths = datamodule_lengths(probe)
+    assert probe.tokenizer is None and sum(map(sum, (lengths["train"], lengths["validation"]))) == sum(map(len, rows))
+    _check_equal(SeqMemDataModule(**base, **STRATEGIES[strategy]), lengths, strategy, 32)
+
+
 def test_optimizer_steps_follow_devices_and_accumulation(small_text_dataset):
     lengths = datamodule_lengths(SeqMemDataModule(dataset=small_text_dataset))
     one = plan_strategy(lengths, "pad", 64, DataSettings(micro_batch_size=2))
