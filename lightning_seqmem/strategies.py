@@ -159,6 +159,12 @@ class PadStrategy:
                           token_efficiency=fed / max(sum(r * n for r, n in shapes), 1),
                           largest=self.largest(shapes) if shapes else None)
 
+    @property
+    def budget_shapes(self) -> bool:
+        """Whether rows and length vary together (a token budget on padded batches): the largest batch is then the
+        one with the most slots, not the largest rows and the largest length apart."""
+        return self.options.max_tokens_per_batch is not None
+
     def largest(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
         """The shape to pre-allocate for: with a token budget rows and length vary together (most slots)."""
         return largest_shape([self], shapes)
@@ -179,6 +185,8 @@ class TruncateStrategy(PadStrategy):
 
     def sampler(self, lengths: np.ndarray, batch_size: int, **common):
         return ShuffledBatchSampler(len(lengths), self.rows_per_batch(batch_size), **common)
+
+    budget_shapes = False  # a budget fixes the rows: every batch is [rows, max_length]
 
     def shapes(self, batches: list[list[int]], lengths: np.ndarray) -> list[tuple[int, int]]:
         return [(len(b), self.options.max_length) for b in batches]
@@ -231,6 +239,6 @@ def make_strategy(name: str, options: BatchingOptions) -> PadStrategy:
 def largest_shape(strategies: list[PadStrategy], largest: list[tuple[int, int]]) -> tuple[int, int]:
     """The shape to pre-allocate for across splits, from each split's ``largest``: with a token budget on a ``pad``
     split rows and length vary together (the shape with the most slots), else the largest rows and length."""
-    if any(s.name == "pad" and s.options.max_tokens_per_batch is not None for s in strategies):
+    if any(s.budget_shapes for s in strategies):
         return max(largest, key=lambda s: (s[0] * s[1], s[1]))
     return max(s[0] for s in largest), max(s[1] for s in largest)
