@@ -56,10 +56,6 @@ class _SourceMixin:
         """A source over documents ``docs`` (no tokens copied)."""
         raise NotImplementedError
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
-
 
 class TokenView(_SourceMixin):
     """Documents stored in flat numpy chunks: document ``i`` is ``tokens[starts[i] : starts[i] + lengths[i]]``.
@@ -113,12 +109,6 @@ class TokenView(_SourceMixin):
         return (len(self.chunks) == 1 and len(self.starts) > 0 and int(self.starts[0]) == 0
                 and int(self.lengths.sum()) == len(self.chunks[0])
                 and bool(np.all(self.starts[1:] == np.cumsum(self.lengths)[:-1])))
-
-    def flat_values(self) -> np.ndarray:
-        """All values as one array (the flat chunk itself when contiguous); used for vectorised checks."""
-        if self.is_contiguous:
-            return self.chunks[0]
-        return np.concatenate(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
 
 
 class ConcatView(_SourceMixin):
