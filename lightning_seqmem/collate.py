@@ -14,7 +14,7 @@ import torch
 
 from lightning_seqmem.batch import IGNORE_INDEX, real_token_mask  # noqa: F401  (old import path kept)
 from lightning_seqmem.tokens import as_token_source
-from lightning_seqmem.truncation import check_max_length, check_truncation_side
+from lightning_seqmem.truncation import check_max_length, check_truncation_side, cut_tokens
 
 
 def as_examples(examples: Any) -> Sequence[Mapping[str, Any]]:
@@ -34,11 +34,8 @@ def as_examples(examples: Any) -> Sequence[Mapping[str, Any]]:
 
 
 def _cut(row: Any, max_length: int | None, side: str) -> np.ndarray:
-    """``row`` as an array of at most ``max_length`` tokens (keep the start for ``"right"``, the end for ``"left"``)."""
-    row = np.asarray(row, dtype=np.int64)
-    if max_length is None or len(row) <= max_length:
-        return row
-    return row[:max_length] if side == "right" else row[len(row) - max_length :]
+    """``row`` as an array of at most ``max_length`` tokens (``truncation.cut_tokens`` on a view)."""
+    return cut_tokens(np.asarray(row, dtype=np.int64), max_length, side)
 
 
 def _fill(rows: Sequence[np.ndarray], lengths: np.ndarray, out: np.ndarray) -> None:

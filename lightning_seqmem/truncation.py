@@ -47,12 +47,17 @@ def count_truncated(lengths: Sequence[int] | np.ndarray, max_length: int | None)
     return int(np.clip(arr - max_length, 0, None).sum())
 
 
-def truncate_ids(ids: Sequence[int], max_length: int | None, side: str = "right") -> list[int]:
-    """Cut ``ids`` to at most ``max_length`` tokens, keeping the start (``"right"``) or the end (``"left"``)."""
-    ids = list(ids)
+def cut_tokens(ids, max_length: int | None, side: str = "right"):
+    """``ids`` (a list or an array, returned as the same kind) cut to at most ``max_length`` tokens, keeping the
+    start (``"right"``) or the end (``"left"``); a slice, so an array stays a view."""
     if max_length is None or len(ids) <= max_length:
         return ids
     return ids[:max_length] if side == "right" else ids[len(ids) - max_length :]
+
+
+def truncate_ids(ids: Sequence[int], max_length: int | None, side: str = "right") -> list[int]:
+    """Cut ``ids`` to at most ``max_length`` tokens, keeping the start (``"right"``) or the end (``"left"``)."""
+    return cut_tokens(list(ids), max_length, side)
 
 
 @dataclass(frozen=True)
