@@ -118,16 +118,10 @@ class JobRecord(Callback):
         step = trainer.global_step
         if not every or step % every or step == self._train_recorded_step or not self._train_count:
             return
-        # Every rank reaches this step together (global_step is shared), so the all-reduce below is matched.
-        tokens = trainer.strategy.reduce(torch.tensor(float(self._tokens), device=pl_module.device), reduce_op="sum")
+        # Every rank reaches this step together (global_step is shared), so the all-reduce in _progress is matched.
         now = time.perf_counter()
-        self._append_train(trainer, {
-            "step": step,
-            "wall_clock_s": round(now - self._start - self._val_time, 4),
-            "cpu_s": round(time.process_time() - self._cpu_start - self._val_cpu, 4),
-            "tokens_seen": int(tokens.item()),
-            "train_loss": self._train_sum / self._train_count,
-        })
+        self._append_train(trainer, {"step": step, **self._progress(trainer, pl_module, now, time.process_time()),
+                                     "train_loss": self._train_sum / self._train_count})
         self._train_sum, self._train_count, self._train_recorded_step = 0.0, 0, step
 
     @override
@@ -145,23 +139,23 @@ class JobRecord(Callback):
         cpu_now = time.process_time()
         self._val_cpu += cpu_now - self._val_cpu_start
         self._val_start = None
-        # Every rank validates, so this all-reduce is matched on all of them.
-        tokens = trainer.strategy.reduce(torch.tensor(float(self._tokens), device=pl_module.device), reduce_op="sum")
+        # Every rank validates, so the all-reduce in _progress is matched on all of them.
+        progress = self._progress(trainer, pl_module, now, cpu_now)
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
             if not self._warned:
                 self._warned = True
                 rank_zero_warn(f"JobRecord: no logged metric {self.monitor!r}; logged: {sorted(trainer.callback_metrics)}.")
             return
-        elapsed = now - self._start
-        self._append(trainer, {
-            "step": trainer.global_step,
-            "wall_clock_s": round(elapsed - self._val_time, 4),
-            "elapsed_s": round(elapsed, 4),
-            "cpu_s": round(cpu_now - self._cpu_start - self._val_cpu, 4),
-            "tokens_seen": int(tokens.item()),
-            "val_loss": float(value),
-        })
+        self._append(trainer, {"step": trainer.global_step, **progress, "elapsed_s": round(now - self._start, 4),
+                               "val_loss": float(value)})
+
+    def _progress(self, trainer: Trainer, pl_module: LightningModule, now: float, cpu_now: float) -> dict[str, Any]:
+        """Training wall-clock and CPU time (validation left out) and real tokens summed over ranks (an
+        all-reduce: every rank must call it at the same point)."""
+        tokens = trainer.strategy.reduce(torch.tensor(float(self._tokens), device=pl_module.device), reduce_op="sum")
+        return {"wall_clock_s": round(now - self._start - self._val_time, 4),
+                "cpu_s": round(cpu_now - self._cpu_start - self._val_cpu, 4), "tokens_seen": int(tokens.item())}
 
     @rank_zero_only
     def _append(self, trainer: Trainer, row: dict[str, Any]) -> None:
