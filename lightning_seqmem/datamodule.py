@@ -155,6 +155,7 @@ class SeqMemDataModule(LightningDataModule):
     """
 
     _pretokenized = False  # set when the dataset already holds token ids
+    _documents = None  # (tokenized DatasetDict, kind), once per process
     _skip_resume_state = False  # set by load_state_dict when the checkpoint's data differ (restart_epoch)
 
     def __init__(
@@ -312,7 +313,13 @@ class SeqMemDataModule(LightningDataModule):
     def tokenized_documents(self):
         """``(DatasetDict of token columns, kind)``: the documents tokenized through the tokenize-once cache, or
         pre-tokenized data as is; ``kind`` is ``"text"`` or ``"prompt_completion"``. What ``setup`` and
-        ``seqmem-plan`` read (the planner only the lengths)."""
+        ``seqmem-plan`` read (the planner only the lengths). Computed once per process: ``prepare_data`` and
+        ``setup`` on local rank 0 share it."""
+        if self._documents is None:
+            self._documents = self._load_documents()
+        return self._documents
+
+    def _load_documents(self):
         from lightning_seqmem.data_source import PRETOKENIZED_KINDS
         from lightning_seqmem.token_cache import check_values_once, tokenize_cached
 
