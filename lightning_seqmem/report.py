@@ -213,7 +213,7 @@ def _group_rows(groups: dict[str, list[Job]], rows: dict[str, dict], base_label:
     def figures(members: list[Job], key: str) -> list[float]:
         return [rows[j.name][key] for j in members if j.finished and rows[j.name][key] is not None]
 
-    base = groups[base_label]
+    base = {key: figures(groups[base_label], key) for key in ("time_to_target_s", "tokens_to_target")}
     out = []
     for name, members in groups.items():
         entry: dict = {"group": name, "baseline": name == base_label, "seeds": len(members),
@@ -223,9 +223,9 @@ def _group_rows(groups: dict[str, list[Job]], rows: dict[str, dict], base_label:
             entry[f"{column}_mean"], entry[f"{column}_sd"] = _mean_sd(figures(members, key))
         entry["reached"] = len(figures(members, "time_to_target_s"))  # of the finished seeds
         for what, key in (("time", "time_to_target_s"), ("tokens", "tokens_to_target")):
-            mine, theirs = entry[f"{key}_mean"], statistics.fmean(figures(base, key)) if figures(base, key) else None
+            mine, theirs = entry[f"{key}_mean"], statistics.fmean(base[key]) if base[key] else None
             entry[f"speedup_{what}"] = theirs / mine if theirs and mine else None
-            entry[f"{what}_noise"] = None if name == base_label else _beyond_noise(figures(base, key), figures(members, key))
+            entry[f"{what}_noise"] = None if name == base_label else _beyond_noise(base[key], figures(members, key))
         out.append(entry)
     return out
 
