@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+T_START = time.perf_counter()  # a child's clock starts here, before its libraries are imported
+
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -169,13 +171,22 @@ def _load(corpus: Path):
     return ds, PreTrainedTokenizerFast.from_pretrained(str(corpus / "tokenizer"), local_files_only=True)
 
 
+def _resident() -> int:
+    """This process's resident set now, bytes (Linux ``/proc``)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def child_trl(task: dict) -> dict:
-    """TRL's pipeline: tokenize with ``datasets.map`` (EOS/BOS framing as ours), ``pack_dataset(bfd_split)``."""
+    """TRL's pipeline: tokenize with ``datasets.map`` (EOS/BOS framing as ours), ``pack_dataset(bfd_split)``, then
+    the first micro-batch through TRL's own padding-free collator (tensors, as ``SFTTrainer`` feeds its model)."""
     import pyarrow.compute as pc
     from trl import pack_dataset
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    start = time.perf_counter()
+    imported, import_rss = time.perf_counter(), _resident()
     ds, tok = _load(Path(task["corpus"]))
+    start = time.perf_counter()
     bos, eos = tok.bos_token_id, tok.eos_token_id
 
     def tokenize(batch):
@@ -190,13 +201,14 @@ def child_trl(task: dict) -> dict:
     t_tok = time.perf_counter()
     packed = pack_dataset(tokenized, task["max_length"], strategy="bfd_split", map_kwargs={"num_proc": num_proc})
     t_pack = time.perf_counter()
-    first = packed[: task["micro_batch_size"]]
+    collate = DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id, padding_free=True)
+    batch = collate([packed[i] for i in range(min(task["micro_batch_size"], len(packed)))])
     t_first = time.perf_counter()
     tokens = int(pc.sum(pc.list_value_length(tokenized.data.column("input_ids"))).as_py())
     kept = int(pc.sum(pc.list_value_length(packed.data.column("input_ids"))).as_py())
-    assert len(first["input_ids"]) == min(task["micro_batch_size"], len(packed))
     return {"tokens": tokens, "tokens_lost": tokens - kept, "rows": len(packed),
             "token_efficiency": kept / (len(packed) * task["max_length"]),
+            "batch_shape": list(batch["input_ids"].shape), "import_s": imported - T_START, "import_rss": import_rss,
             "stages": {"tokenize": t_tok - start, "plan": t_pack - t_tok, "first_batch": t_first - t_pack}}
 
 
@@ -206,8 +218,9 @@ def child_ours(task: dict) -> dict:
 
     from lightning_seqmem import SeqMemDataModule
 
-    start = time.perf_counter()
+    imported, import_rss = time.perf_counter(), _resident()
     ds, tok = _load(Path(task["corpus"]))
+    start = time.perf_counter()
     params = inspect.signature(SeqMemDataModule).parameters
     extra = {k: v for k, v in (("num_proc", task["num_proc"]), ("cache_dir", task["cache_dir"])) if k in params}
     dm = SeqMemDataModule(dataset=ds, tokenizer=tok, strategy="pack", max_length=task["max_length"],
@@ -225,6 +238,7 @@ def child_ours(task: dict) -> dict:
             "rows": int(sum(s.get("rows", 0) for s in splits)),
             "token_efficiency": float(stats["train"]["token_efficiency"]),
             "batch_shape": list(batch["input_ids"].shape), "api": sorted(extra),
+            "import_s": imported - T_START, "import_rss": import_rss,
             "lightning_seqmem": str(Path(inspect.getfile(SeqMemDataModule)).parents[1]),
             "stages": {"tokenize": t_prepare - start, "plan": t_setup - t_prepare, "first_batch": t_first - t_setup}}
 
@@ -388,10 +402,18 @@ def _gib(n) -> str:
     return f"{n / GIB:.2f}" if n else "-"
 
 
+def _own(r: dict) -> tuple[float | None, int | None]:
+    """``(wall, peak RSS)`` of the pipeline itself: less the child's library imports (time to import them, RSS
+    once imported), which each side pays before it touches data."""
+    if "import_rss" not in r:
+        return None, None
+    return r["wall_s"] - r["import_s"], r["peak_rss"] - r["import_rss"]
+
+
 def print_runs(runs: list[dict]) -> None:
     print("\n| docs | tokens | side | run | wall (s) | peak RSS (GiB) | peak anon RSS (GiB) | tree: RSS / anon (GiB) | "
-          "tokens lost | token efficiency | tokenize / plan / first batch (s) |")
-    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
+          "imports: s / GiB | pipeline: s / GiB | tokens lost | token efficiency | tokenize / plan / first batch (s) |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in runs:
         stages = r.get("stages", {})
         staged = " / ".join(f"{stages[k]:.1f}" for k in ("tokenize", "plan", "first_batch") if k in stages)
@@ -400,8 +422,12 @@ def print_runs(runs: list[dict]) -> None:
         lost = f"{r['tokens_lost']:,}" if "tokens_lost" in r else "-"
         eff = f"{r['token_efficiency']:.5f}" if "token_efficiency" in r else "-"
         tokens = f"{r['tokens'] / 1e6:.1f} M" if "tokens" in r else "-"
+        own_s, own_rss = _own(r)
+        imports = f"{r['import_s']:.1f} / {_gib(r['import_rss'])}" if "import_rss" in r else "-"
+        own = f"{own_s:.1f} / {own_rss / GIB:.3f}" if own_s is not None else "-"
         print(f"| {r['docs']:,} | {tokens} | {r['side']} | {r['run']} | {r['wall_s']:.1f} | {_gib(r['peak_rss'])} | "
-              f"{_gib(r.get('peak_anon'))} | {_gib(r['tree_rss'])} / {_gib(r['tree_anon'])} | {lost} | {eff} | {staged} |")
+              f"{_gib(r.get('peak_anon'))} | {_gib(r['tree_rss'])} / {_gib(r['tree_anon'])} | {imports} | {own} | "
+              f"{lost} | {eff} | {staged} |")
 
 
 def print_ratios(runs: list[dict]) -> None:
@@ -412,12 +438,16 @@ def print_ratios(runs: list[dict]) -> None:
     rows = [(key, p) for key, p in pairs.items() if {"ours", "trl"} <= p.keys()]
     if not rows:
         return
-    print("\n| docs | run | wall ours / TRL | peak RSS ours / TRL | peak anon RSS ours / TRL | tree RSS ours / TRL |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("\n| docs | run | wall ours / TRL | peak RSS ours / TRL | peak anon RSS ours / TRL | tree RSS ours / TRL | "
+          "pipeline wall ours / TRL | pipeline peak RSS ours / TRL |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for (docs, run), p in rows:
         o, t = p["ours"], p["trl"]
+        (o_s, o_rss), (t_s, t_rss) = _own(o), _own(t)
+        own = (f"{o_s / t_s:.2f}x | {o_rss / max(t_rss, 1):.2f}x" if o_s is not None and t_s is not None
+               else "- | -")
         print(f"| {docs:,} | {run} | {o['wall_s'] / t['wall_s']:.2f}x | {o['peak_rss'] / t['peak_rss']:.2f}x | "
-              f"{o['peak_anon'] / max(t['peak_anon'], 1):.2f}x | {o['tree_rss'] / max(t['tree_rss'], 1):.2f}x |")
+              f"{o['peak_anon'] / max(t['peak_anon'], 1):.2f}x | {o['tree_rss'] / max(t['tree_rss'], 1):.2f}x | {own} |")
 
 
 def rss_growth(runs: list[dict], key: str = "peak_rss") -> dict[str, float] | None:

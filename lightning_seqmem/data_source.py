@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -381,15 +381,51 @@ def token_features(kind: str):
     return datasets.Features({**{n: ids for n in names}, "length": datasets.Value("int64")})
 
 
+def batch_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
+    """``encode(texts) -> ids per text`` (no special tokens): the tokenizer's ``__call__``, or, for a stock fast
+    tokenizer, its Rust backend's ``encode_batch_fast``, which skips the offsets, token strings and masks that
+    ``__call__`` builds and throws away (about 1.6x faster, and less memory per batch).
+
+    The backend is used only where it must give the same ids: a ``transformers`` fast tokenizer whose encoding
+    methods are not overridden, with no truncation or padding set on the backend; and the first batch is encoded
+    both ways and compared, falling back to ``__call__`` for good on any difference.
+    """
+
+    def call(texts: list[str]) -> list[list[int]]:
+        # Only the ids: an attention mask would be one more Python int per token, thrown away.
+        return tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False,
+                         return_token_type_ids=False)["input_ids"]
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    methods = [getattr(type(tokenizer), name, None) for name in ("__call__", "_encode_plus", "_batch_encode_plus")]
+    stock = all(getattr(m, "__module__", "").startswith("transformers.") for m in methods if m is not None)
+    if (backend is None or not hasattr(backend, "encode_batch_fast") or not getattr(tokenizer, "is_fast", False)
+            or not stock or backend.truncation is not None or backend.padding is not None
+            or getattr(backend, "encode_special_tokens", False) != bool(getattr(tokenizer, "split_special_tokens", False))):
+        return call
+
+    state = {"checked": False, "fast": True}
+
+    def fast(texts: list[str]) -> list[list[int]]:
+        texts = list(texts)
+        if not state["fast"]:
+            return call(texts)
+        ids = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        if not state["checked"]:
+            state["checked"] = True
+            state["fast"] = ids == call(texts)
+            if not state["fast"]:
+                return call(texts)
+        return ids
+
+    return fast
+
+
 def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
                       completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True):
     """The batched ``datasets.map`` function of ``tokenize_dataset``: ``fn(batch, indices, split) -> columns``."""
     prefix, suffix = document_frame(tokenizer, add_bos, add_eos)
-
-    def encode(texts: list[str]) -> list[list[int]]:
-        # Only the ids: an attention mask would be one more Python int per token, thrown away.
-        return tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False,
-                         return_token_type_ids=False)["input_ids"]
+    encode = batch_encoder(tokenizer)
 
     if kind == "text":
         def fn(batch, indices, split):

@@ -1,10 +1,11 @@
-"""Tokenize once per node: a ``datasets.map`` written under a cache directory of ours, keyed by what matters.
+"""Tokenize once per node, into Arrow files under a cache directory of ours, keyed by what matters.
 
 The key is a hash of the split's data (its ``datasets`` fingerprint), the tokenizer's *content* (its serialised
 vocabulary and rules, not its name), the framing (BOS/EOS) and the columns, so changing any of them tokenizes
 again. ``prepare_data`` (local rank 0) writes the Arrow files and then a small manifest; ``setup`` on every rank
 finds the manifest and memory-maps the files. In-memory datasets, which ``datasets`` does not cache, get the same
-treatment.
+treatment. The input text is streamed a record batch at a time (``arrow_stream``) rather than read through
+``datasets.map``'s memory map, so tokenizing a file of any size keeps one batch of text resident, not the file.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_seqmem.arrow_stream import Shard, iter_shard, plan_shards
 from lightning_seqmem.data_source import document_frame, token_features, tokenize_function
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
-SMALL_DATASET_ROWS = 20_000  # below this, extra processes cost more than they save
+SMALL_DATASET_ROWS = 20_000
+_TOKENS_PER_RECORD_BATCH = 1 << 22  # 16 MB of int32 ids per record batch of the cache files  # below this, extra processes cost more than they save
 
 
 def default_cache_dir() -> Path:
@@ -61,6 +65,92 @@ def _load(directory: Path):
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What a tokenization worker needs besides its rows (inherited by forked workers, pickled once otherwise)."""
+
+    tokenizer: Any
+    kind: str
+    columns: list[str]
+    text_column: str
+    prompt_column: str
+    completion_column: str
+    add_bos: bool | None
+    add_eos: bool
+    split: str
+    directory: str
+
+
+_WORKER: tuple[Any, _Job] | None = None  # (dataset, job) of this worker process
+
+
+def _init_worker(ds, job: _Job) -> None:
+    global _WORKER
+    _WORKER = (ds, job)
+
+
+def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, progress=None) -> tuple[str, int]:
+    """Tokenize the rows of ``shard`` into ``tokens-<index>.arrow`` (an Arrow stream file ``datasets`` can
+    memory-map); ``(file name, rows)``. The input is streamed a batch at a time (``arrow_stream``), never mapped."""
+    import pyarrow as pa
+
+    if ds is None:
+        ds, job = _WORKER
+    fn = tokenize_function(job.tokenizer, job.kind, job.text_column, job.prompt_column, job.completion_column,
+                           job.add_bos, job.add_eos)
+    schema = token_features(job.kind).arrow_schema
+    name = f"tokens-{index:05d}.arrow"
+    path = os.path.join(job.directory, name)
+    rows, pending, pending_tokens = 0, [], 0
+
+    def flush(writer) -> None:
+        # Few, large record batches: a reader maps the file and touches a page or more per batch header.
+        writer.write_table(pa.Table.from_batches(pending, schema=schema).combine_chunks())
+        pending.clear()
+
+    with pa.OSFile(path + ".tmp", "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for first, batch in iter_shard(ds, shard, job.columns, batch_rows=256):
+            columns = fn(batch.to_pydict(), range(first, first + batch.num_rows), job.split)
+            pending.append(pa.RecordBatch.from_pydict(columns, schema=schema))
+            pending_tokens += sum(columns["length"])
+            if pending_tokens >= _TOKENS_PER_RECORD_BATCH:
+                flush(writer)
+                pending_tokens = 0
+            rows += batch.num_rows
+            if progress is not None:
+                progress.update(batch.num_rows)
+        if pending or rows == 0:
+            flush(writer)
+    os.replace(path + ".tmp", path)
+    return name, rows
+
+
+def _tokenize_split(ds, job: _Job, procs: int) -> list[str]:
+    """Tokenize ``ds`` with ``procs`` processes into Arrow files under ``job.directory``; their names, in row
+    order. More shards than processes, so that uneven documents even out and progress moves."""
+    from datasets.utils.tqdm import tqdm
+
+    shards = plan_shards(ds, procs * 4 if procs > 1 else 1)
+    if not shards:  # no rows: one empty file keeps the split's schema
+        return [_tokenize_shard(0, Shard(0, 0, None), ds, job)[0]]
+    with tqdm(total=len(ds), unit=" rows", desc=f"Tokenizing {job.split}") as progress:
+        if procs == 1:
+            return [_tokenize_shard(i, shard, ds, job, progress)[0] for i, shard in enumerate(shards)]
+        import multiprocessing as mp
+
+        context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else None)
+        with context.Pool(procs, initializer=_init_worker, initargs=(ds, job)) as pool:
+            names = []
+            for name, rows in pool.imap(_star_tokenize_shard, list(enumerate(shards))):
+                names.append(name)
+                progress.update(rows)
+            return names
+
+
+def _star_tokenize_shard(args: tuple[int, Shard]) -> tuple[str, int]:
+    return _tokenize_shard(*args)
+
+
 def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
                     completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
                     num_proc: int | None = None, cache_dir: str | os.PathLike | None = None):
@@ -83,7 +173,6 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
     frame = document_frame(tokenizer, add_bos, add_eos)
     columns = [text_column] if kind == "text" else [prompt_column, completion_column]
     common = json.dumps([_FORMAT, tokenizer_fingerprint(tokenizer), frame, kind, columns], default=str)
-    fn = tokenize_function(tokenizer, kind, text_column, prompt_column, completion_column, add_bos, add_eos)
     out = {}
     for split, ds in dsd.items():
         key = hashlib.sha256((common + ds._fingerprint).encode()).hexdigest()[:32]
@@ -92,16 +181,11 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
         if cached is None:
             directory.mkdir(parents=True, exist_ok=True)
             procs = num_proc if num_proc is not None else default_num_proc(len(ds))
-            procs = max(1, min(procs, len(ds)))
-            mapped = ds.map(
-                fn, batched=True, with_indices=True, remove_columns=ds.column_names,
-                num_proc=procs if procs > 1 else None,
-                fn_kwargs={"split": split}, features=token_features(kind), desc=f"Tokenizing {split}",
-                cache_file_name=str(directory / "tokens.arrow"), new_fingerprint=key, load_from_cache_file=False,
-            )
-            files = [os.path.basename(f["filename"]) for f in mapped.cache_files]
+            job = _Job(tokenizer, kind, columns, text_column, prompt_column, completion_column, add_bos, add_eos,
+                       split, str(directory))
+            files = _tokenize_split(ds, job, max(1, min(procs, len(ds))))
             tmp = directory / f"manifest.json.{os.getpid()}"
-            tmp.write_text(json.dumps({"files": files, "split": split, "rows": len(mapped)}))
+            tmp.write_text(json.dumps({"files": files, "split": split, "rows": len(ds)}))
             os.replace(tmp, directory / "manifest.json")  # atomic: a reader sees all of it or nothing
             cached = _load(directory)
         out[split] = cached

@@ -93,3 +93,91 @@ def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
     assert default_cache_dir() == tmp_path / "lightning_seqmem"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache_dir().parts[-2:] == (".cache", "lightning_seqmem")
+
+
+def _file_dataset(tmp_path, texts, batch_rows=5):
+    import pyarrow as pa
+
+    schema = pa.schema([("text", pa.string())])
+    path = tmp_path / "texts.arrow"
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for lo in range(0, len(texts), batch_rows):
+            writer.write_batch(pa.record_batch([pa.array(texts[lo : lo + batch_rows], pa.string())], schema=schema))
+    return datasets.Dataset.from_file(str(path))
+
+
+def test_streamed_tokenization_equals_datasets_map_for_files_shuffles_and_processes(tmp_path, tokenizer):
+    from lightning_seqmem.data_source import tokenize_dataset
+    from lightning_seqmem.token_cache import tokenize_cached
+
+    texts = [f"row {i}: " + "gamma delta " * (i % 11) for i in range(61)]
+    texts[7] = ""  # an empty document stays a row of length 0
+    on_disk = _file_dataset(tmp_path, texts)
+    for name, ds in {"file": on_disk, "shuffled": on_disk.shuffle(seed=1), "memory": _data()}.items():
+        dsd = datasets.DatasetDict({"train": ds})
+        reference = tokenize_dataset(dsd, tokenizer)["train"]
+        for procs in (1, 2):
+            cached = tokenize_cached(dsd, tokenizer, num_proc=procs, cache_dir=tmp_path / f"{name}-{procs}")["train"]
+            assert cached["input_ids"] == reference["input_ids"], (name, procs)
+            assert cached["length"] == [len(x) for x in reference["input_ids"]]
+            assert cached.features == reference.features
+
+
+def test_a_bad_row_is_named_from_a_worker_and_nothing_is_cached(tmp_path, tokenizer):
+    import pytest
+
+    from lightning_seqmem.token_cache import tokenize_cached
+
+    texts = [f"row {i}" for i in range(40)]
+    texts[33] = None
+    dsd = datasets.DatasetDict({"train": _file_dataset(tmp_path, texts)})
+    with pytest.raises(TypeError, match=r"Row 33 of split 'train', column 'text' is NoneType"):
+        tokenize_cached(dsd, tokenizer, num_proc=2, cache_dir=tmp_path / "c")
+    assert not list((tmp_path / "c").rglob("manifest.json"))
+
+
+def test_an_empty_split_is_cached_with_its_columns(tmp_path, tokenizer):
+    from lightning_seqmem.token_cache import tokenize_cached
+
+    empty = datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")}))
+    cached = tokenize_cached(datasets.DatasetDict({"train": empty}), tokenizer, cache_dir=tmp_path)["train"]
+    assert len(cached) == 0 and cached.column_names == ["input_ids", "length"]
+
+
+def test_the_fast_encoder_gives_the_tokenizers_ids_and_steps_aside_when_it_might_not(tokenizer):
+    from lightning_seqmem.data_source import batch_encoder
+
+    texts = ["plain words", "", "Ünïcödé\n\n  spaced", "alpha " * 50]
+    expected = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    fast = batch_encoder(tokenizer)
+    assert fast.__name__ == "fast" and fast(texts) == expected
+
+    class Lowered(type(tokenizer)):  # a user's tokenizer whose __call__ changes the text: must be honoured
+        def __call__(self, text, *args, **kwargs):
+            return super().__call__([t.lower() for t in text], *args, **kwargs)
+
+    lowered = Lowered(tokenizer_object=tokenizer.backend_tokenizer)
+    assert batch_encoder(lowered)(["ABC Def"]) == lowered(["ABC Def"], add_special_tokens=False)["input_ids"]
+
+    truncating = type(tokenizer)(tokenizer_object=tokenizer.backend_tokenizer)
+    truncating.backend_tokenizer.enable_truncation(max_length=3)
+    try:
+        assert batch_encoder(truncating).__name__ == "call"
+    finally:
+        truncating.backend_tokenizer.no_truncation()
+
+    class Backend:  # a backend that disagrees with __call__: the first batch is compared, then __call__ is used
+        truncation = padding = None
+        encode_special_tokens = False
+
+        def encode_batch_fast(self, texts, add_special_tokens):
+            return [type("E", (), {"ids": [0]})() for _ in texts]
+
+    class Disagreeing(type(tokenizer)):
+        backend_tokenizer = Backend()
+
+    disagreeing = Disagreeing(tokenizer_object=tokenizer.backend_tokenizer)
+    encode = batch_encoder(disagreeing)
+    assert encode.__name__ == "fast"
+    assert encode(texts) == expected and encode(["alpha beta"]) == tokenizer(["alpha beta"], add_special_tokens=False)[
+        "input_ids"]

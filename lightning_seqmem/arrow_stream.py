@@ -1,0 +1,153 @@
+"""Read a ``datasets.Dataset`` in record batches without memory-mapping its files, split into contiguous shards.
+
+``datasets`` reads its Arrow files memory-mapped: every page a pass touches stays in the process's resident set
+until the kernel needs it back, so one tokenization pass over a 7 GB text file shows as 7 GB of RSS (on each
+worker that reads it). Here a file-backed dataset is read with plain ``read`` calls, one record batch at a time,
+into buffers that are freed after use: resident memory stays one batch however large the file. Shards are
+contiguous row ranges described by file offsets, so a worker seeks to its part instead of reading the file up to
+it. Datasets that are in memory, or that a file read cannot reproduce (an indices mapping from ``select`` /
+``shuffle``, renamed or cast columns), are sliced from the ``datasets`` table instead: same rows, same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+# Table operations that ``datasets`` replays on a memory-mapped file and that do not change its rows or columns.
+_HARMLESS_REPLAYS = {"replace_schema_metadata"}
+
+
+@dataclass(frozen=True)
+class FilePart:
+    """Record batches ``[first, first + count)`` of one Arrow stream file; the first starts at byte ``offset``."""
+
+    path: str
+    offset: int
+    count: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rows ``[start, stop)`` of the dataset: read from ``parts`` (files, in order) or, when ``parts`` is
+    ``None``, sliced from the dataset itself."""
+
+    start: int
+    stop: int
+    parts: tuple[FilePart, ...] | None = None
+
+
+def _file_blocks(ds) -> list[str] | None:
+    """The Arrow files whose concatenation is ``ds``, in order, or ``None`` when a plain file read would not give
+    the dataset's rows (in memory, an indices mapping, a slice, renamed/cast columns, side-by-side tables)."""
+    from datasets.table import ConcatenationTable, MemoryMappedTable
+
+    if getattr(ds, "_indices", None) is not None:
+        return None
+    table = ds.data
+    rows = table.blocks if isinstance(table, ConcatenationTable) else [[table]]
+    paths = []
+    for row in rows:
+        if len(row) != 1 or not isinstance(row[0], MemoryMappedTable):
+            return None
+        block = row[0]
+        if any(name not in _HARMLESS_REPLAYS for name, _, _ in (block.replays or [])):
+            return None
+        paths.append(block.path)
+    return paths
+
+
+def _batch_offsets(path: str) -> tuple[Any, list[tuple[int, int]]] | None:
+    """``(schema, [(byte offset, rows) per record batch])`` of an Arrow stream file, or ``None`` if it is not one
+    (or holds dictionary batches). Scans message headers through a short-lived memory map: the bodies, which hold
+    the data, are not touched."""
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(path) as source:
+            reader = pa.ipc.MessageReader.open_stream(source)
+            schema = pa.ipc.read_schema(reader.read_next_message())
+            out = []
+            while True:
+                offset = source.tell()
+                try:
+                    message = reader.read_next_message()
+                except StopIteration:
+                    break
+                if message is None:
+                    break
+                if message.type != "record batch":
+                    return None
+                out.append((offset, pa.ipc.read_record_batch(message, schema).num_rows))
+            return schema, out
+    except (OSError, pa.ArrowInvalid, StopIteration):
+        return None
+
+
+def plan_shards(ds, shards: int) -> list[Shard]:
+    """Split ``ds`` into at most ``shards`` contiguous, non-empty row ranges (record-batch aligned when read from
+    files), in order."""
+    n = len(ds)
+    shards = max(1, min(shards, n))
+    paths = _file_blocks(ds)
+    scans = None if paths is None else [_batch_offsets(p) for p in paths]
+    if scans is None or any(s is None for s in scans) or sum(r for s in scans for _, r in s[1]) != n:
+        bounds = [n * k // shards for k in range(shards + 1)]
+        return [Shard(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    batches = [(path, offset, rows) for path, (_, found) in zip(paths, scans) for offset, rows in found if rows]
+    target = n / shards
+    out, current, start, rows_in = [], [], 0, 0
+    for path, offset, rows in batches:
+        if current and current[-1].path == path:
+            last = current[-1]
+            current[-1] = FilePart(path, last.offset, last.count + 1, last.rows + rows)
+        else:
+            current.append(FilePart(path, offset, 1, rows))
+        rows_in += rows
+        if rows_in >= target * (len(out) + 1) - 1e-9 and len(out) < shards - 1:
+            stop = rows_in
+            out.append(Shard(start, stop, tuple(current)))
+            current, start = [], stop
+    if current:
+        out.append(Shard(start, rows_in, tuple(current)))
+    return out
+
+
+def iter_shard(ds, shard: Shard, columns: list[str], batch_rows: int = 1000) -> Iterator[tuple[int, Any]]:
+    """``(first row index, pyarrow RecordBatch of columns)`` for the rows of ``shard``, at most ``batch_rows`` a
+    time. From files: read, not memory-mapped (freed after each batch)."""
+    import pyarrow as pa
+
+    row = shard.start
+    if shard.parts is None:
+        table = ds.select_columns(columns).with_format("arrow")
+        for lo in range(shard.start, shard.stop, batch_rows):
+            batch = table[lo : min(lo + batch_rows, shard.stop)]
+            for rb in batch.to_batches():
+                yield row, rb
+                row += rb.num_rows
+        return
+    for part in shard.parts:
+        with pa.OSFile(part.path) as source:
+            source.seek(part.offset)
+            reader = pa.ipc.MessageReader.open_stream(source)
+            schema = None
+            for _ in range(part.count):
+                if schema is None:
+                    schema = _file_schema(part.path)
+                rb = pa.ipc.read_record_batch(reader.read_next_message(), schema).select(columns)
+                for lo in range(0, rb.num_rows, batch_rows):
+                    piece = rb.slice(lo, batch_rows)
+                    yield row, piece
+                    row += piece.num_rows
+    if row != shard.stop:
+        raise RuntimeError(f"read {row - shard.start} rows for rows {shard.start}:{shard.stop}; the files changed")
+
+
+def _file_schema(path: str):
+    import pyarrow as pa
+
+    with pa.OSFile(path) as source:
+        return pa.ipc.open_stream(source).schema
