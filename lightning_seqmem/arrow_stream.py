@@ -1,12 +1,13 @@
-"""Read a ``datasets.Dataset`` in record batches without memory-mapping its files, split into contiguous shards.
+"""Read a ``datasets.Dataset`` in record batches without keeping its files resident, split into contiguous shards.
 
 ``datasets`` reads its Arrow files memory-mapped: every page a pass touches stays in the process's resident set
 until the kernel needs it back, so one tokenization pass over a 7 GB text file shows as 7 GB of RSS (on each
-worker that reads it). Here a file-backed dataset is read with plain ``read`` calls, one record batch at a time,
-into buffers that are freed after use: resident memory stays one batch however large the file. Shards are
-contiguous row ranges described by file offsets, so a worker seeks to its part instead of reading the file up to
-it. Datasets that are in memory, or that a file read cannot reproduce (an indices mapping from ``select`` /
-``shuffle``, renamed or cast columns), are sliced from the ``datasets`` table instead: same rows, same order.
+worker that reads it). Here a file-backed dataset is mapped too (zero-copy), but the pages of each slice are
+unmapped (``MADV_DONTNEED``) as soon as the caller has taken the slice: resident memory stays about one slice
+however large the file. Shards are contiguous row ranges described by file offsets, so a worker seeks to its part
+instead of reading the file up to it. Datasets that are in memory, or that a file read cannot reproduce (an
+indices mapping from ``select`` / ``shuffle``, renamed or cast columns), are sliced from the ``datasets`` table
+instead: same rows, same order.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def plan_shards(ds, shards: int) -> list[Shard]:
 
 def iter_shard(ds, shard: Shard, columns: list[str], batch_rows: int = 1000) -> Iterator[tuple[int, Any]]:
     """``(first row index, pyarrow RecordBatch of columns)`` for the rows of ``shard``, at most ``batch_rows`` a
-    time. From files: read, not memory-mapped (freed after each batch)."""
+    time. From files: each slice's pages are dropped from the mapping once the caller has it (see
+    ``_mapped_batches``)."""
     import pyarrow as pa
 
     row = shard.start
@@ -130,20 +132,68 @@ def iter_shard(ds, shard: Shard, columns: list[str], batch_rows: int = 1000) -> 
                 row += rb.num_rows
         return
     for part in shard.parts:
-        with pa.OSFile(part.path) as source:
-            source.seek(part.offset)
-            reader = pa.ipc.MessageReader.open_stream(source)
-            schema = None
-            for _ in range(part.count):
-                if schema is None:
-                    schema = _file_schema(part.path)
-                rb = pa.ipc.read_record_batch(reader.read_next_message(), schema).select(columns)
-                for lo in range(0, rb.num_rows, batch_rows):
-                    piece = rb.slice(lo, batch_rows)
-                    yield row, piece
-                    row += piece.num_rows
+        for rb, drop in _mapped_batches(part, columns):
+            for lo in range(0, rb.num_rows, batch_rows):
+                piece = rb.slice(lo, batch_rows)
+                yield row, piece
+                row += piece.num_rows
+                drop(piece)
     if row != shard.stop:
         raise RuntimeError(f"read {row - shard.start} rows for rows {shard.start}:{shard.stop}; the files changed")
+
+
+def _mapped_batches(part: FilePart, columns: list[str]):
+    """``(record batch, drop)`` for the batches of ``part``, zero-copy from a memory map of its file; ``drop(slice)``
+    unmaps the pages holding the slice's strings, and each batch's pages go when the next is read. Pages unmapped
+    this way stay in the page cache (a later touch maps them again), but leave the process's resident set, so a
+    pass over a file of any size keeps about one slice resident instead of the file (or one record batch, had it
+    been read into memory)."""
+    import mmap
+
+    import numpy as np
+    import pyarrow as pa
+
+    schema = _file_schema(part.path)
+    with open(part.path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    page = mmap.PAGESIZE
+    buffer = pa.py_buffer(mapped)
+    base = buffer.address
+
+    def unmap(lo: int, hi: int) -> None:
+        lo = max(0, lo - lo % page)
+        if hi > lo:
+            mapped.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(mapped)) - lo)
+
+    def drop(piece) -> None:
+        for column in piece.columns:
+            wide = pa.types.is_large_string(column.type) or pa.types.is_large_binary(column.type)
+            if not (wide or pa.types.is_string(column.type) or pa.types.is_binary(column.type)) or not len(column):
+                continue
+            _, offsets, data = column.buffers()
+            if data is None:
+                continue
+            offsets = np.frombuffer(offsets, dtype=np.int64 if wide else np.int32)
+            unmap(data.address - base + int(offsets[column.offset]),
+                  data.address - base + int(offsets[column.offset + len(column)]))
+
+    try:
+        if hasattr(mmap, "MADV_SEQUENTIAL"):
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+        source = pa.BufferReader(buffer)
+        source.seek(part.offset)
+        reader = pa.ipc.MessageReader.open_stream(source)
+        for _ in range(part.count):
+            first = source.tell()
+            rb = pa.ipc.read_record_batch(reader.read_next_message(), schema).select(columns)
+            yield rb, drop
+            unmap(first, source.tell())
+    finally:
+        del buffer
+        try:
+            mapped.close()
+        except BufferError:  # the caller still holds the last slice: the map closes when that is freed
+            pass
 
 
 def _file_schema(path: str):

@@ -4,8 +4,9 @@ The key is a hash of the split's data (its ``datasets`` fingerprint), the tokeni
 vocabulary and rules, not its name), the framing (BOS/EOS) and the columns, so changing any of them tokenizes
 again. ``prepare_data`` (local rank 0) writes the Arrow files and then a small manifest; ``setup`` on every rank
 finds the manifest and memory-maps the files. In-memory datasets, which ``datasets`` does not cache, get the same
-treatment. The input text is streamed a record batch at a time (``arrow_stream``) rather than read through
-``datasets.map``'s memory map, so tokenizing a file of any size keeps one batch of text resident, not the file.
+treatment. The input text is streamed a slice at a time (``arrow_stream``), its pages dropped from the process as it
+goes, rather than read through ``datasets.map``'s memory map, so tokenizing a file of any size keeps one slice of
+text resident, not the file.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from lightning_seqmem.data_source import document_frame, token_features, tokeniz
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
 SMALL_DATASET_ROWS = 20_000
-_TOKENS_PER_RECORD_BATCH = 1 << 22  # 16 MB of int32 ids per record batch of the cache files  # below this, extra processes cost more than they save
+_TOKENS_PER_RECORD_BATCH = 1 << 20  # 4 MB of int32 ids per record batch of the cache files  # below this, extra processes cost more than they save
 
 
 def default_cache_dir() -> Path:
@@ -91,7 +92,7 @@ def _init_worker(ds, job: _Job) -> None:
 
 def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, progress=None) -> tuple[str, int]:
     """Tokenize the rows of ``shard`` into ``tokens-<index>.arrow`` (an Arrow stream file ``datasets`` can
-    memory-map); ``(file name, rows)``. The input is streamed a batch at a time (``arrow_stream``), never mapped."""
+    memory-map); ``(file name, rows)``. The input is streamed a slice at a time (``arrow_stream``), never kept resident."""
     import pyarrow as pa
 
     if ds is None:

@@ -66,12 +66,43 @@ class TokenView(_SourceMixin):
         lengths: ``[docs]`` tokens per document.
     """
 
+    # Gathers of at most this many segments (serving rows) read the files behind memory-mapped chunks with
+    # ``pread`` (``file_reads``); larger ones (a bulk pass over the data) read through the map.
+    PREAD_MAX_SEGMENTS = 4096
+
     def __init__(self, chunks: Sequence[np.ndarray], starts: np.ndarray, lengths: np.ndarray) -> None:
         self.chunks = [np.asarray(c) for c in chunks] or [np.zeros(0, np.int64)]
         self.chunk_base = np.concatenate([[0], np.cumsum([len(c) for c in self.chunks])]).astype(np.int64)
         self.starts = np.asarray(starts, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.dtype = self.chunks[0].dtype
+        self._files: dict[str, Any] = {}  # the chunks' SegmentReader, found on first use; shared by select()
+
+    def _reader(self):
+        if "reader" not in self._files:
+            from lightning_seqmem.file_reads import SegmentReader, file_locations
+
+            locations = file_locations(self.chunks)
+            self._files["reader"] = SegmentReader(locations, self.dtype.itemsize) if any(locations) else None
+        return self._files["reader"]
+
+    def gather(self, doc: np.ndarray, start: np.ndarray | None = None, length: np.ndarray | None = None) -> np.ndarray:
+        doc = np.asarray(doc, dtype=np.int64)
+        if 0 < doc.size <= self.PREAD_MAX_SEGMENTS and self._reader() is not None:
+            start = np.zeros(doc.size, np.int64) if start is None else np.asarray(start, dtype=np.int64)
+            length = self.lengths[doc] if length is None else np.asarray(length, dtype=np.int64)
+            pos = self.starts[doc] + start
+            chunk = np.searchsorted(self.chunk_base, pos, side="right") - 1
+            if self._reader().covers(chunk):
+                out = np.empty(int(length.sum()), dtype=self.dtype)
+                return self._reader().read(out, chunk.tolist(), (pos - self.chunk_base[chunk]).tolist(),
+                                           length.tolist())
+        return super().gather(doc, start, length)
+
+    def row(self, i: int) -> np.ndarray:
+        if self._reader() is None:
+            return super().row(i)
+        return self.gather(np.asarray([int(i)]))
 
     @classmethod
     def from_flat(cls, flat: np.ndarray, offsets: np.ndarray) -> TokenView:
@@ -81,7 +112,7 @@ class TokenView(_SourceMixin):
     def select(self, docs: np.ndarray) -> TokenView:
         docs = np.asarray(docs, dtype=np.int64)
         view = TokenView.__new__(TokenView)
-        view.chunks, view.chunk_base, view.dtype = self.chunks, self.chunk_base, self.dtype
+        view.chunks, view.chunk_base, view.dtype, view._files = self.chunks, self.chunk_base, self.dtype, self._files
         view.starts, view.lengths = self.starts[docs], self.lengths[docs]
         return view
 
