@@ -5,15 +5,19 @@ from a fixed vocabulary, deterministic by seed) and the same word-level tokenize
 a fresh process:
 
 - **TRL**: ``datasets.map`` tokenization (``num_proc``) + ``trl.pack_dataset(strategy="bfd_split")`` (same
-  ``num_proc``), the packed Dataset as TRL returns it, then its first batch of rows.
+  ``num_proc``), the packed Dataset as TRL returns it, then its first micro-batch through TRL's own padding-free
+  collator (``DataCollatorForLanguageModeling(padding_free=True)``: tensors, as ``SFTTrainer`` feeds its model).
 - **ours**: ``SeqMemDataModule(dataset=ds, tokenizer=tok, strategy="pack", max_length=...)`` (with ``num_proc`` and
   ``cache_dir`` where the DataModule takes them), ``prepare_data()``, ``setup("fit")``, ``stats()``, the first
   batch of ``train_dataloader()``.
 
 Each side runs twice: cold (map caches removed, fresh cache dirs) and warm (the caches the cold run left). Wall is
-the child process from start to exit (imports included). Peak RSS is that of the largest single process of the
-child's tree (``wait4`` ``ru_maxrss``, exact); peak anonymous RSS (polled every 50 ms) leaves out the pages of
-memory-mapped Arrow files, which the kernel can drop; the tree figures sum over the ``num_proc`` workers too
+the child process from start to exit (imports included). Each child also notes when its library imports were done
+and its RSS then; the "pipeline" figures subtract those (wall after the imports; peak RSS above the RSS once
+imported): what the data path itself costs in a process that loads its libraries anyway. Peak RSS is that of the
+largest single process of the child's tree (``wait4`` ``ru_maxrss``, exact); peak anonymous RSS (polled every
+50 ms) leaves out the pages of memory-mapped Arrow files, which the kernel can drop; the tree figures sum over the
+``num_proc`` workers too
 (shared pages counted once per process). Also: ``pack_sequences`` on a ``datasets.Dataset`` column (packed tokens materialised) against
 ``pack_dataset`` on the same Dataset, lengths drawn from a published length histogram; and the RSS growth of ours
 per extra million tokens, fitted over the sizes run.
