@@ -5,10 +5,21 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_seqmem.collate import PackCollator, PadCollator
 from lightning_seqmem.packing import pack_sequences
-from lightning_seqmem.tokens import ConcatView, ConstantView, TokenView, as_token_source, view_of_dataset
+from lightning_seqmem.tokens import (
+    ARROW_GATHER_MIN_SEGMENTS,
+    ConcatView,
+    ConstantView,
+    TokenView,
+    as_token_source,
+    binary_view_of,
+    gather_arrow,
+    view_of_dataset,
+)
 
 DOCS = [[5, 6, 7], [], [8], [9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19]]
 
@@ -71,3 +82,51 @@ def test_collators_take_arrow_batches():
     assert with_labels["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100], [8, -100, -100]]
     packed = PackCollator(0, max_length=8)(pa.array([[1, 2, 3]]))
     assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
+
+
+def _chunked_view(docs, dtype, n_chunks):
+    """A ``TokenView`` of ``docs`` stored as ``n_chunks`` Arrow chunks of ``list<dtype>``."""
+    parts = np.array_split(np.arange(len(docs)), n_chunks)
+    arrow_type = pa.list_(pa.from_numpy_dtype(np.dtype(dtype)))
+    return as_token_source(pa.chunked_array([pa.array([docs[i] for i in p], type=arrow_type) for p in parts]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from([np.int8, np.uint16, np.int32, np.int64]), n_chunks=st.integers(1, 4))
+def test_arrow_gather_equals_numpy_gather(data, dtype, n_chunks):
+    """Whole documents, pieces of them, empty and short (inline) segments, in any order, from any chunk."""
+    docs = data.draw(st.lists(st.lists(st.integers(0, 120), max_size=12), min_size=n_chunks, max_size=20))
+    view = _chunked_view(docs, dtype, n_chunks)
+    doc = np.array(data.draw(st.lists(st.integers(0, len(docs) - 1), max_size=40)), dtype=np.int64)
+    start = np.array([data.draw(st.integers(0, len(docs[d]))) for d in doc], dtype=np.int64)
+    length = np.array([data.draw(st.integers(0, len(docs[d]) - s)) for d, s in zip(doc, start)], dtype=np.int64)
+    chunk, local = view._locate(doc, start)
+    binary_view_of(view.chunks, chunk, local, length).validate(full=True)  # a valid Arrow array, not just a trick
+    got = gather_arrow(view.chunks, chunk, local, length)
+    expected = np.array([t for d, s, n in zip(doc, start, length) for t in docs[d][s : s + n]], dtype=dtype)
+    assert got.dtype == np.dtype(dtype) and got.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("n_chunks", [1, 5])
+def test_bulk_pack_gathers_every_token_like_the_row_gather(dtype, n_chunks):
+    """``input_ids`` (one Arrow gather over every segment, split documents included) keeps the source dtype and
+    equals the rows gathered one by one (numpy views); ``as_arrow`` holds the same rows."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 1000, n).tolist() for n in rng.integers(0, 40, 600)]
+    view = _chunked_view(docs, dtype, n_chunks)
+    res = pack_sequences(view, max_length=16)  # documents over 16 tokens are split
+    assert res.num_rows > ARROW_GATHER_MIN_SEGMENTS and res.documents_split > 0
+    by_row = [res.row(r)["input_ids"] for r in range(res.num_rows)]
+    assert res.input_ids.dtype == np.dtype(dtype)
+    assert res.input_ids.tolist() == [t for row in by_row for t in row]
+    assert res.as_arrow().to_pylist() == by_row
+
+
+def test_wrapped_packing_with_eos_gathers_the_separators():
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(1, 1000, n).tolist() for n in rng.integers(0, 30, 400)]
+    res = pack_sequences(_chunked_view(docs, np.int32, 3), max_length=32, packing="wrapped", eos_token_id=0)
+    stream = [t for d in docs if d for t in d + [0]]
+    assert res.input_ids.tolist() == stream
+    assert res.as_arrow().to_pylist() == [stream[i : i + 32] for i in range(0, len(stream), 32)]
