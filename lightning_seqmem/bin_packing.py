@@ -103,18 +103,29 @@ def _best_subset(room: int, counts: list[int], lengths: list[int]) -> dict[int, 
     """
     mask = (1 << (room + 1)) - 1
     reach, before = 1, []
-    for a in lengths:
+    for i, a in enumerate(lengths):
+        if reach == mask:  # every sum is reachable already: the longer lengths cannot add any
+            before += [mask] * (len(lengths) - i)
+            break
         before.append(reach)
-        left, chunk = min(counts[a], room // a), 1
+        left, chunk = counts[a], 1
+        if left > room // a:
+            left = room // a
         while left:
-            take = min(chunk, left)
+            take = chunk if chunk < left else left
             reach |= (reach << (a * take)) & mask
             left -= take
             chunk <<= 1
     s = reach.bit_length() - 1
     out = {}
     for a, prev in zip(reversed(lengths), reversed(before)):
-        j = min(counts[a], s // a)
+        if s < a:  # none fits: ``s`` was reachable without ``a``
+            if not s:
+                break
+            continue
+        j = counts[a]
+        if j > s // a:
+            j = s // a
         while not (prev >> (s - j * a)) & 1:
             j -= 1
         if j:

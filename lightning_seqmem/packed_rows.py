@@ -7,7 +7,10 @@ until a row is served, or until ``input_ids`` materialises all rows at once with
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +23,13 @@ from lightning_seqmem.truncation import check_max_length, count_truncated
 PACKINGS = ("bfd", "wrapped")
 OVERFLOWS = ("split", "truncate", "drop", "error")
 
+
+
+@functools.cache
+def _gather_pool() -> ThreadPoolExecutor:
+    """One pool for bulk gathers, kept for the process: its threads keep their allocator caches, so the pages
+    a released output held are reused instead of faulted in again."""
+    return ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="seqmem-gather")
 
 
 def check_packing(packing: str, overflow: str = "split") -> None:
@@ -138,6 +148,36 @@ class PackResult:
         import pyarrow as pa
 
         return pa.LargeListArray.from_arrays(pa.array(self.row_offsets), pa.array(self.input_ids))
+
+    def as_table(self, parts: int | None = None):
+        """All rows as a ``pyarrow`` ``Table`` of the columns TRL's ``pack_dataset`` returns, tokens copied:
+        ``input_ids`` (one ``large_list`` row per packed row) and ``seq_lengths`` (its segment lengths).
+
+        Why: the bulk gather is memory-bound C++ work with the GIL released, so ``parts`` runs of whole rows are
+        gathered on that many threads (one chunk each) instead of one; wrap it with
+        ``datasets.Dataset(datasets.table.InMemoryTable(table))`` for a Dataset.
+
+        Args:
+            parts: chunks of ``input_ids`` gathered concurrently (default: 2 per CPU, at most 8). Once
+                ``input_ids`` is materialised, it is used instead, without a copy (one chunk).
+        """
+        import pyarrow as pa
+
+        seq_lengths = pa.LargeListArray.from_arrays(pa.array(self.seg_row_offsets), pa.array(self.segment_length))
+        parts = min(2 * (os.cpu_count() or 1), 8) if parts is None else parts
+        if parts <= 1 or self.num_rows < 2 or self._input_ids is not None:
+            return pa.table({"input_ids": self.as_arrow(), "seq_lengths": seq_lengths})
+        offsets = self.row_offsets
+        bounds = np.unique(np.searchsorted(offsets, np.linspace(0, offsets[-1], parts + 1)[1:-1]))
+        bounds = [0, *bounds[(bounds > 0) & (bounds < self.num_rows)].tolist(), self.num_rows]
+
+        def part(k: int):
+            lo, hi = bounds[k], bounds[k + 1]
+            tokens = self._segments(int(self.seg_row_offsets[lo]), int(self.seg_row_offsets[hi]))
+            return pa.LargeListArray.from_arrays(pa.array(offsets[lo : hi + 1] - offsets[lo]), pa.array(tokens))
+
+        chunks = list(_gather_pool().map(part, range(len(bounds) - 1)))
+        return pa.table({"input_ids": pa.chunked_array(chunks), "seq_lengths": seq_lengths})
 
     @property
     def seq_lengths(self) -> list[list[int]]:

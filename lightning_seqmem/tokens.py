@@ -247,7 +247,8 @@ def _fill_view_bytes(views: np.ndarray, chunks: Sequence[np.ndarray], chunk: np.
     else:  # segments grouped by chunk: one sort, then one slice per chunk that has segments
         order = np.argsort(chunk.astype(np.uint32), kind="stable")
         bounds = np.concatenate([[0], np.cumsum(np.bincount(chunk, minlength=len(chunks)))]).tolist()
-        groups = [(order[bounds[c] : bounds[c + 1]], chunks[c]) for c in range(len(chunks)) if bounds[c + 1] > bounds[c]]
+        groups = [(order[bounds[c] : bounds[c + 1]], chunks[c])
+                  for c in range(len(chunks)) if bounds[c + 1] > bounds[c]]
     small = nbytes <= 12
     for sel, data in groups:
         data_bytes = data.view(np.uint8)

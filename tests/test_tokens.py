@@ -101,7 +101,7 @@ def test_arrow_gather_equals_numpy_gather(data, dtype, n_chunks):
     start = np.array([data.draw(st.integers(0, len(docs[d]))) for d in doc], dtype=np.int64)
     length = np.array([data.draw(st.integers(0, len(docs[d]) - s)) for d, s in zip(doc, start)], dtype=np.int64)
     chunk, local = view._locate(doc, start)
-    binary_view_of(view.chunks, chunk, local, length).validate(full=True)  # a valid Arrow array, not just a trick
+    binary_view_of(view.chunks, chunk, local, length).validate(full=True)  # a valid Arrow array
     got = gather_arrow(view.chunks, chunk, local, length)
     expected = np.array([t for d, s, n in zip(doc, start, length) for t in docs[d][s : s + n]], dtype=dtype)
     assert got.dtype == np.dtype(dtype) and got.tolist() == expected.tolist()
@@ -121,6 +121,23 @@ def test_bulk_pack_gathers_every_token_like_the_row_gather(dtype, n_chunks):
     assert res.input_ids.dtype == np.dtype(dtype)
     assert res.input_ids.tolist() == [t for row in by_row for t in row]
     assert res.as_arrow().to_pylist() == by_row
+
+
+@pytest.mark.parametrize("parts", [None, 1, 3, 64])
+def test_as_table_holds_trl_columns_gathered_in_parts(parts):
+    """``as_table`` gives TRL's ``pack_dataset`` columns; rows gathered on threads in runs of whole rows, in order."""
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(0, 1000, n).tolist() for n in rng.integers(0, 40, 500)]
+    res = pack_sequences(_chunked_view(docs, np.int32, 4), max_length=24)
+    table = res.as_table(parts)
+    assert table.column_names == ["input_ids", "seq_lengths"]
+    by_row = [res.row(r)["input_ids"] for r in range(res.num_rows)]
+    assert table.column("input_ids").to_pylist() == by_row
+    assert table.column("seq_lengths").to_pylist() == res.seq_lengths
+    assert table.column("input_ids").type.value_type == pa.int32()
+    assert res.input_ids.size and res.as_table(parts).column("input_ids").to_pylist() == by_row  # over input_ids
+    empty = pack_sequences([[], []], max_length=4).as_table(parts)
+    assert empty.num_rows == 0 and empty.column("input_ids").to_pylist() == []
 
 
 def test_wrapped_packing_with_eos_gathers_the_separators():
