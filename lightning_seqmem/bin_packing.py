@@ -38,8 +38,10 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
     # A narrow key lets numpy use radix sort: stable, linear, and far faster on millions of items.
     key = (capacity - lengths).astype(np.uint16 if capacity < 2**16 else np.int64)
     order = np.argsort(key, kind="stable")
-    values, counts = np.unique(key[order], return_counts=True)
-    values = capacity - values.astype(np.int64)
+    histogram = np.bincount(key, minlength=capacity)  # by room left, so longest first
+    values = np.flatnonzero(histogram)
+    counts = histogram[values]
+    values = capacity - values
 
     buckets: dict[int, list[int]] = defaultdict(list)  # open bins by remaining room
     rooms: list[int] = []  # sorted rooms that have open bins

@@ -109,10 +109,14 @@ class PackResult:
         return source.gather(self.segment_doc[lo:hi], self.segment_start[lo:hi], self.segment_length[lo:hi])
 
     @property
+    def _rows_are_source(self) -> bool:
+        """``wrapped`` rows over one chunk of documents in stream order: the rows are that chunk, no gather."""
+        return self.packing == "wrapped" and isinstance(self.source, TokenView) and self.source.is_contiguous
+
+    @property
     def input_ids(self) -> np.ndarray:
         """``[real_tokens]`` tokens of all rows back to back (materialised on first use, one bulk gather)."""
-        if self._input_ids is None and self.packing == "wrapped" and isinstance(self.source, TokenView) \
-                and self.source.is_contiguous:
+        if self._input_ids is None and self._rows_are_source:
             self._input_ids = self.source.chunks[0]  # wrapped keeps stream order: the rows are the source itself
         if self._input_ids is None:
             self._input_ids = self._segments(0, len(self.segment_length))
@@ -150,22 +154,24 @@ class PackResult:
         return pa.LargeListArray.from_arrays(pa.array(self.row_offsets), pa.array(self.input_ids))
 
     def as_table(self, parts: int | None = None):
-        """All rows as a ``pyarrow`` ``Table`` of the columns TRL's ``pack_dataset`` returns, tokens copied:
-        ``input_ids`` (one ``large_list`` row per packed row) and ``seq_lengths`` (its segment lengths).
+        """All rows as a ``pyarrow`` ``Table`` of the columns TRL's ``pack_dataset`` returns: ``input_ids`` (one
+        ``large_list`` row per packed row, its tokens copied out of the source) and ``seq_lengths`` (its segment
+        lengths).
 
         Why: the bulk gather is memory-bound C++ work with the GIL released, so ``parts`` runs of whole rows are
         gathered on that many threads (one chunk each) instead of one; wrap it with
         ``datasets.Dataset(datasets.table.InMemoryTable(table))`` for a Dataset.
 
         Args:
-            parts: chunks of ``input_ids`` gathered concurrently (default: 2 per CPU, at most 8). Once
-                ``input_ids`` is materialised, it is used instead, without a copy (one chunk).
+            parts: chunks of ``input_ids`` gathered concurrently (default: 2 per CPU, at most 8). Where
+                ``input_ids`` is materialised already, or is the source itself (``wrapped`` over one chunk), it is
+                used instead, without a copy (one chunk).
         """
         import pyarrow as pa
 
         seq_lengths = pa.LargeListArray.from_arrays(pa.array(self.seg_row_offsets), pa.array(self.segment_length))
         parts = min(2 * (os.cpu_count() or 1), 8) if parts is None else parts
-        if parts <= 1 or self.num_rows < 2 or self._input_ids is not None:
+        if parts <= 1 or self.num_rows < 2 or self._input_ids is not None or self._rows_are_source:
             return pa.table({"input_ids": self.as_arrow(), "seq_lengths": seq_lengths})
         offsets = self.row_offsets
         bounds = np.unique(np.searchsorted(offsets, np.linspace(0, offsets[-1], parts + 1)[1:-1]))

@@ -147,3 +147,8 @@ def test_wrapped_packing_with_eos_gathers_the_separators():
     stream = [t for d in docs if d for t in d + [0]]
     assert res.input_ids.tolist() == stream
     assert res.as_arrow().to_pylist() == [stream[i : i + 32] for i in range(0, len(stream), 32)]
+    assert res.as_table(3).column("input_ids").to_pylist() == [stream[i : i + 32] for i in range(0, len(stream), 32)]
+    plain = pack_sequences(_chunked_view(docs, np.int32, 1), max_length=32, packing="wrapped")
+    table = plain.as_table(3)  # the rows are the source's one chunk: no copy
+    assert table.column("input_ids").num_chunks == 1 and np.shares_memory(plain.input_ids, plain.source.chunks[0])
+    assert table.column("input_ids").to_pylist() == plain.rows
