@@ -7,7 +7,6 @@ until a row is served, or until ``input_ids`` materialises all rows at once with
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +24,18 @@ OVERFLOWS = ("split", "truncate", "drop", "error")
 
 
 
-@functools.cache
+_POOL: dict[int, ThreadPoolExecutor] = {}
+
+
 def _gather_pool() -> ThreadPoolExecutor:
     """One pool for bulk gathers, kept for the process: its threads keep their allocator caches, so the pages
-    a released output held are reused instead of faulted in again."""
-    return ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="seqmem-gather")
+    a released output held are reused instead of faulted in again. Keyed by process id: a forked child (a
+    DataLoader worker) has none of its parent's threads, so it makes its own."""
+    pid = os.getpid()
+    if pid not in _POOL:
+        _POOL.clear()
+        _POOL[pid] = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="seqmem-gather")
+    return _POOL[pid]
 
 
 def check_packing(packing: str, overflow: str = "split") -> None:

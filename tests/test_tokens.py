@@ -152,3 +152,25 @@ def test_wrapped_packing_with_eos_gathers_the_separators():
     table = plain.as_table(3)  # the rows are the source's one chunk: no copy
     assert table.column("input_ids").num_chunks == 1 and np.shares_memory(plain.input_ids, plain.source.chunks[0])
     assert table.column("input_ids").to_pylist() == plain.rows
+
+
+def _as_table_rows(res, queue):
+    queue.put(res.as_table(2).column("input_ids").to_pylist())
+
+
+def test_as_table_works_in_a_forked_child():
+    """A DataLoader worker is forked after the parent's gather threads exist: the child makes its own pool."""
+    import multiprocessing
+
+    res = pack_sequences([list(range(n)) for n in range(1, 30)], max_length=8)
+    expected = res.as_table(2).column("input_ids").to_pylist()  # the parent's pool now exists
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_as_table_rows, args=(res, queue), daemon=True)
+    child.start()
+    try:
+        rows = queue.get(timeout=60)
+        child.join(timeout=60)
+    finally:
+        child.kill()
+    assert rows == expected
