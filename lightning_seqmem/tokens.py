@@ -13,6 +13,7 @@ interface without copying tokens. Every source gathers segments ``(doc, start, l
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -203,7 +204,8 @@ def gather_arrow(chunks: Sequence[np.ndarray], chunk: np.ndarray | None, local: 
 
 def binary_view_of(chunks: Sequence[np.ndarray], chunk: np.ndarray | None, local: np.ndarray, length: np.ndarray):
     """A ``pyarrow`` ``binary_view`` array whose value ``i`` is the bytes of segment ``i`` (see ``gather_arrow``),
-    over the chunks' memory (no copy), or ``None`` when a segment is over 1 GiB or the chunks' dtypes differ.
+    over the chunks' memory (no copy), or ``None`` when a segment is over 1 GiB, the chunks' dtypes differ or the
+    machine is big-endian (the views are written little-endian).
 
     One 16-byte view per segment: its size, its first 4 bytes (or all of it when it has at most 12 bytes, kept
     inline), then which buffer and where.
@@ -214,7 +216,8 @@ def binary_view_of(chunks: Sequence[np.ndarray], chunk: np.ndarray | None, local
     dtype = chunks[0].dtype
     itemsize = dtype.itemsize
     nbytes = length * itemsize
-    if (nbytes.size and int(nbytes.max()) > _WINDOW) or any(c.dtype != dtype for c in chunks):
+    if (sys.byteorder != "little" or (nbytes.size and int(nbytes.max()) > _WINDOW)
+            or any(c.dtype != dtype for c in chunks)):
         return None
     byte_pos = local * itemsize
     # Buffer k of a chunk is its bytes from k GiB to k + 2 GiB: a segment of at most 1 GiB that starts in

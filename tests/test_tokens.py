@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_seqmem.collate import PackCollator, PadCollator
-from lightning_seqmem.packing import pack_sequences
+from lightning_seqmem.packing import pack_lengths, pack_sequences
 from lightning_seqmem.tokens import (
     ARROW_GATHER_MIN_SEGMENTS,
     ConcatView,
@@ -138,6 +138,8 @@ def test_as_table_holds_trl_columns_gathered_in_parts(parts):
     assert res.input_ids.size and res.as_table(parts).column("input_ids").to_pylist() == by_row  # over input_ids
     empty = pack_sequences([[], []], max_length=4).as_table(parts)
     assert empty.num_rows == 0 and empty.column("input_ids").to_pylist() == []
+    with pytest.raises(ValueError, match="packed from lengths only"):
+        pack_lengths([3, 4, 2], max_length=4).as_table(parts)
 
 
 def test_wrapped_packing_with_eos_gathers_the_separators():
