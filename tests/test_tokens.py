@@ -123,6 +123,18 @@ def test_bulk_pack_gathers_every_token_like_the_row_gather(dtype, n_chunks):
     assert res.as_arrow().to_pylist() == by_row
 
 
+def test_bulk_gather_follows_a_shuffled_datasets_indices_mapping():
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 1000, n).tolist() for n in rng.integers(1, 30, 400)]
+    parts = [datasets.Dataset.from_dict({"input_ids": docs[i : i + 100]}) for i in range(0, 400, 100)]
+    ds = datasets.concatenate_datasets(parts).shuffle(seed=1)
+    res = pack_sequences(ds, max_length=20)
+    shuffled = [list(r) for r in ds["input_ids"]]
+    expected = [t for d, a, n in zip(res.segment_doc, res.segment_start, res.segment_length)
+                for t in shuffled[d][a : a + n]]
+    assert len(res.segment_doc) >= ARROW_GATHER_MIN_SEGMENTS and res.input_ids.tolist() == expected
+
+
 @pytest.mark.parametrize("parts", [None, 1, 3, 64])
 def test_as_table_holds_trl_columns_gathered_in_parts(parts):
     """``as_table`` gives TRL's ``pack_dataset`` columns; rows gathered on threads in runs of whole rows, in order."""
