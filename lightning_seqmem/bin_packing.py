@@ -10,6 +10,7 @@ histogram (``repack_partial_rows``), and keeps the result only when it needs few
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import defaultdict
 
 import numpy as np
@@ -38,8 +39,10 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
     # A narrow key lets numpy use radix sort: stable, linear, and far faster on millions of items.
     key = (capacity - lengths).astype(np.uint16 if capacity < 2**16 else np.int64)
     order = np.argsort(key, kind="stable")
-    values, counts = np.unique(key[order], return_counts=True)
-    values = capacity - values.astype(np.int64)
+    histogram = np.bincount(key, minlength=capacity)  # by room left, so longest first
+    values = np.flatnonzero(histogram)
+    counts = histogram[values]
+    values = capacity - values
 
     buckets: dict[int, list[int]] = defaultdict(list)  # open bins by remaining room
     rooms: list[int] = []  # sorted rooms that have open bins
@@ -103,18 +106,29 @@ def _best_subset(room: int, counts: list[int], lengths: list[int]) -> dict[int, 
     """
     mask = (1 << (room + 1)) - 1
     reach, before = 1, []
-    for a in lengths:
+    for i, a in enumerate(lengths):
+        if reach == mask:  # every sum is reachable already: the longer lengths cannot add any
+            before += [mask] * (len(lengths) - i)
+            break
         before.append(reach)
-        left, chunk = min(counts[a], room // a), 1
+        left, chunk = counts[a], 1
+        if left > room // a:
+            left = room // a
         while left:
-            take = min(chunk, left)
+            take = chunk if chunk < left else left
             reach |= (reach << (a * take)) & mask
             left -= take
             chunk <<= 1
     s = reach.bit_length() - 1
     out = {}
     for a, prev in zip(reversed(lengths), reversed(before)):
-        j = min(counts[a], s // a)
+        if s < a:  # none fits: ``s`` was reachable without ``a``
+            if not s:
+                break
+            continue
+        j = counts[a]
+        if j > s // a:
+            j = s // a
         while not (prev >> (s - j * a)) & 1:
             j -= 1
         if j:
@@ -211,17 +225,14 @@ def repack_partial_rows(
     pool = order[in_pool]
     patterns, left = exact_fit_patterns(np.bincount(lengths[pool], minlength=capacity + 1), capacity,
                                         1000 + 8 * int(dissolve.sum()) if max_work is None else max_work)
-    slot_len = [np.tile(np.asarray(p, dtype=np.int64), t) for p, t in patterns]
-    slot_row = [np.repeat(np.arange(t), len(p)) for p, t in patterns]
-    row_base = np.concatenate([[0], np.cumsum([t for _, t in patterns])])
-    slot_row = [r + b for r, b in zip(slot_row, row_base[:-1].tolist())]
+    slot_len, slot_row = _pattern_slots(patterns)  # pattern k's row repeated ``times``, rows numbered from 0
     if left.any():  # what the bounded search did not reach: best fit, in rows after the patterns
         rest_len = np.repeat(np.arange(capacity + 1), left)
         rest_order, rest_bin = best_fit_decreasing(rest_len, capacity)
-        slot_len.append(rest_len[rest_order])
-        slot_row.append(rest_bin + row_base[-1])
-    slot_len, slot_row = np.concatenate(slot_len), np.concatenate(slot_row)
-    new_rows = int(slot_row.max()) + 1
+        base = int(slot_row[-1]) + 1 if slot_row.size else 0
+        slot_len = np.concatenate([slot_len, rest_len[rest_order]])
+        slot_row = np.concatenate([slot_row, rest_bin + base])
+    new_rows = int(slot_row.max(initial=-1)) + 1
     if new_rows >= int(dissolve.sum()):
         return order, bin_of
     # Match items to slots of the same length: both sorted by length (stable), the i-th item takes the i-th slot.
@@ -230,9 +241,24 @@ def repack_partial_rows(
     new_order[np.argsort((capacity - slot_len).astype(key), kind="stable")] = pool[
         np.argsort((capacity - lengths[pool]).astype(key), kind="stable")]
     kept_rows = np.cumsum(~dissolve) - 1  # renumber the rows that stay
-    n_kept = int((~dissolve).sum())
-    return (np.concatenate([order[~in_pool], new_order]),
-            np.concatenate([kept_rows[bin_of[~in_pool]], slot_row + n_kept]))
+    n_kept = int(kept_rows[-1]) + 1
+    stay = ~in_pool
+    return (np.concatenate([order[stay], new_order]),
+            np.concatenate([kept_rows[bin_of[stay]], slot_row + n_kept]))
+
+
+def _pattern_slots(patterns: list[tuple[list[int], int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(slot length, slot row)`` of the rows ``exact_fit_patterns`` describes: each pattern's row, ``times`` over."""
+    sizes = np.fromiter((len(p) for p, _ in patterns), dtype=np.int64, count=len(patterns))
+    times = np.fromiter((t for _, t in patterns), dtype=np.int64, count=len(patterns))
+    flat = np.fromiter(itertools.chain.from_iterable(p for p, _ in patterns), dtype=np.int64, count=int(sizes.sum()))
+    row_pattern = np.repeat(np.arange(len(patterns)), times)  # [rows]
+    row_size = sizes[row_pattern]
+    slot_row = np.repeat(np.arange(row_pattern.size), row_size)  # [slots]
+    first_slot = np.cumsum(row_size) - row_size  # of each row
+    pattern_start = np.cumsum(sizes) - sizes  # in ``flat``
+    slot_len = flat[np.repeat(pattern_start[row_pattern] - first_slot, row_size) + np.arange(slot_row.size)]
+    return slot_len, slot_row
 
 
 def pack_bins(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
