@@ -181,6 +181,29 @@ class ConcatView(_SourceMixin):
         b = self.second.pieces(doc, b_start, b_end - b_start)
         return [p for pair in zip(a, b) for p in pair]
 
+    def _gather(self, doc: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
+        if doc.size == 0 or doc.size > TokenView.PREAD_MAX_SEGMENTS:
+            return super()._gather(doc, start, length)
+        # Serving rows: each side gathers its own parts in one call (``pread`` for file-backed views), then the
+        # parts are interleaved by index (at most a few thousand segments, so the index arrays stay small).
+        split = self.first.lengths[doc]
+        end = start + length
+        a_start, b_start = np.minimum(start, split), np.maximum(start - split, 0)
+        a_len = np.minimum(end, split) - a_start
+        b_len = np.maximum(end - split, 0) - b_start
+        a = self.first.gather(doc, a_start, a_len)
+        b = self.second.gather(doc, b_start, b_len)
+        out = np.empty(a.size + b.size, dtype=self.dtype)
+        seg = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+        a_cum = np.concatenate([[0], np.cumsum(a_len)[:-1]]).astype(np.int64)
+        b_cum = np.concatenate([[0], np.cumsum(b_len)[:-1]]).astype(np.int64)
+        out[np.repeat(seg - a_cum, a_len) + np.arange(a.size)] = a
+        out[np.repeat(seg + a_len - b_cum, b_len) + np.arange(b.size)] = b
+        return out
+
+    def row(self, i: int) -> np.ndarray:
+        return self.gather(np.asarray([int(i)]))
+
 
 class ConstantView(_SourceMixin):
     """Documents of one repeated value (``-100`` labels on prompts) of the given lengths."""

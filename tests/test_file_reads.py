@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lightning_seqmem.tokens import TokenView, view_of_dataset
+from lightning_seqmem.tokens import ConcatView, ConstantView, TokenView, view_of_dataset
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pread of mapped files: Linux")
 
@@ -95,3 +95,21 @@ def test_a_forked_worker_and_a_pickled_copy_read_their_own_files(tmp_path):
     assert rows == docs[7] + docs[40] + docs[59]
     copy = pickle.loads(pickle.dumps(view._reader()))
     assert copy.locations == view._reader().locations and copy._fds == {}
+
+
+def test_prompt_completion_rows_are_read_from_both_files(tmp_path):
+    prompts, completions = _docs(200, seed=3, longest=300), _docs(200, seed=4, longest=300)
+    (tmp_path / "p").mkdir(), (tmp_path / "c").mkdir()
+    first = view_of_dataset(_token_file(tmp_path / "p", prompts, 23))
+    second = view_of_dataset(_token_file(tmp_path / "c", completions, 31))
+    both, labels = ConcatView(first, second), ConcatView(ConstantView(-100, first.lengths), second)
+    assert first._reader() is not None and second._reader() is not None
+    rng = np.random.default_rng(5)
+    doc = rng.integers(0, 200, 40)
+    start = np.minimum(rng.integers(0, 400, 40), both.lengths[doc])  # some segments start inside the completion
+    length = np.minimum(rng.integers(0, 500, 40), both.lengths[doc] - start)
+    np.testing.assert_array_equal(both.gather(doc, start, length),
+                                  np.concatenate(both.pieces(doc, start, length)))
+    np.testing.assert_array_equal(both.row(7), prompts[7] + completions[7])
+    np.testing.assert_array_equal(labels.row(7), [-100] * len(prompts[7]) + completions[7])
+    assert both.gather(np.zeros(0, np.int64)).size == 0
