@@ -175,6 +175,14 @@ def _load(corpus: Path):
     return ds, PreTrainedTokenizerFast.from_pretrained(str(corpus / "tokenizer"), local_files_only=True)
 
 
+def _import_loaders() -> None:
+    """What ``_load`` needs, imported before a child marks its imports done: both sides load the same corpus and
+    tokenizer, so neither side's "pipeline" figures carry the other's library imports (TRL's import pulls in
+    ``transformers``' tokenizer classes; ours imports them lazily)."""
+    import datasets  # noqa: F401
+    from transformers import PreTrainedTokenizerFast  # noqa: F401
+
+
 def _resident() -> int:
     """This process's resident set now, bytes (Linux ``/proc``)."""
     with open("/proc/self/status") as f:
@@ -188,6 +196,7 @@ def child_trl(task: dict) -> dict:
     from trl import pack_dataset
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+    _import_loaders()
     imported, import_rss = time.perf_counter(), _resident()
     ds, tok = _load(Path(task["corpus"]))
     start = time.perf_counter()
@@ -222,6 +231,7 @@ def child_ours(task: dict) -> dict:
 
     from lightning_seqmem import SeqMemDataModule
 
+    _import_loaders()
     imported, import_rss = time.perf_counter(), _resident()
     ds, tok = _load(Path(task["corpus"]))
     start = time.perf_counter()
@@ -565,6 +575,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _child_main(kind: str, task_json: str, result_path: str) -> None:
     result = CHILDREN[kind](json.loads(task_json))
+    result["done_s"] = time.perf_counter() - T_START  # the rest of the wall is interpreter start-up and exit
     with open(result_path, "w") as f:
         json.dump(result, f)
 

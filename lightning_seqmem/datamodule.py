@@ -34,6 +34,7 @@ from lightning_seqmem.strategies import (  # noqa: F401  (STRATEGIES: public nam
     largest_shape,
     make_strategy,
 )
+from lightning_seqmem.token_cache import default_cache_dir
 from lightning_seqmem.tokenizer import load_tokenizer
 from lightning_seqmem.tokens import ConcatView, ConstantView, view_of_dataset
 from lightning_seqmem.truncation import PromptCompletionLimits, check_truncation_side, prompt_completion_spans
@@ -258,6 +259,7 @@ class SeqMemDataModule(LightningDataModule):
         self._options = BatchingOptions(
             max_length, pad_to_multiple_of, pad_to_max_length, truncation_side, group_by_length,
             max_tokens_per_batch, packing, overflow or "split", return_cu_seqlens,
+            plan_cache=str(cache_dir) if cache_dir is not None else str(default_cache_dir()),
         )
         # Chosen once: every question about batches of a split goes to its strategy object.
         self._strategies = {"train": make_strategy(strategy, self._options),
@@ -309,6 +311,8 @@ class SeqMemDataModule(LightningDataModule):
             _ = self.tokenizer
             return
         self.tokenized_documents()
+        if "pack" in (self.strategy, self.eval_strategy):
+            self.setup("fit")  # plans packing here, once per node: the other ranks' setup maps it (plan_cache)
 
     def tokenized_documents(self):
         """``(DatasetDict of token columns, kind)``: the documents tokenized through the tokenize-once cache, or

@@ -1,0 +1,103 @@
+"""Packing plans on disk: planned once per node, mapped by every later rank and run, never stale."""
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from lightning_seqmem import SeqMemDataModule
+from lightning_seqmem import plan_cache
+from lightning_seqmem.packed_rows import pack_lengths
+from lightning_seqmem.plan_cache import PLAN_CACHE_MIN_DOCUMENTS, cached_pack_lengths
+
+N_DOCS = PLAN_CACHE_MIN_DOCUMENTS + 10_000
+
+
+def _lengths(n=N_DOCS, seed=0, longest=700):
+    return np.random.default_rng(seed).integers(0, longest, n)
+
+
+def _same_plan(a, b):
+    for name in ("segment_doc", "segment_start", "segment_length", "seg_row_offsets"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert a.stats() == b.stats()
+
+
+def _no_planning(monkeypatch):
+    def refuse(lengths, *args, **kwargs):
+        if len(lengths) >= PLAN_CACHE_MIN_DOCUMENTS:  # smaller ones are planned in memory, every time
+            raise AssertionError("planned again although the plan is on disk")
+        return pack_lengths(lengths, *args, **kwargs)
+
+    monkeypatch.setattr(plan_cache, "pack_lengths", refuse)
+
+
+def test_a_plan_is_written_once_then_mapped(tmp_path, monkeypatch):
+    lengths = _lengths()
+    first = cached_pack_lengths(lengths, 512, "bfd", "split", tmp_path)
+    _same_plan(first, pack_lengths(lengths, 512, "bfd", "split"))
+    assert len(list((tmp_path / "plans").iterdir())) == 1
+    _no_planning(monkeypatch)
+    again = cached_pack_lengths(lengths.copy(), 512, "bfd", "split", tmp_path)
+    assert isinstance(again.segment_doc, np.memmap) and not again.segment_doc.flags.writeable
+    _same_plan(again, first)
+
+
+@pytest.mark.parametrize("change", ["one_length", "max_length", "overflow", "packing"])
+def test_any_change_to_lengths_or_settings_plans_again(tmp_path, change):
+    lengths = _lengths(longest=1200)
+    cached_pack_lengths(lengths, 1024, "bfd", "split", tmp_path)
+    args = {"lengths": lengths.copy(), "max_length": 1024, "packing": "bfd", "overflow": "split"}
+    if change == "one_length":
+        args["lengths"][123] += 1
+    elif change == "max_length":
+        args["max_length"] = 1000
+    elif change == "overflow":
+        args["overflow"] = "truncate"
+    else:
+        args["packing"] = "wrapped"
+    got = cached_pack_lengths(cache_dir=tmp_path, **args)
+    _same_plan(got, pack_lengths(**args))
+    assert len(list((tmp_path / "plans").iterdir())) == 2
+
+
+def test_a_damaged_plan_is_planned_again(tmp_path):
+    lengths = _lengths()
+    cached_pack_lengths(lengths, 512, cache_dir=tmp_path)
+    (directory,) = (tmp_path / "plans").iterdir()
+    (directory / "segment_length.npy").write_bytes(b"not an array")
+    _same_plan(cached_pack_lengths(lengths, 512, cache_dir=tmp_path), pack_lengths(lengths, 512))
+
+
+def test_small_datasets_and_no_cache_dir_plan_in_memory(tmp_path):
+    cached_pack_lengths(_lengths(n=1000), 512, cache_dir=tmp_path)
+    cached_pack_lengths(_lengths(), 512, cache_dir=None)
+    assert not (tmp_path / "plans").exists()
+
+
+def _pretokenized(n=N_DOCS, seed=0):
+    lengths = np.random.default_rng(seed).integers(1, 120, n)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    flat = np.random.default_rng(seed + 1).integers(3, 1000, int(offsets[-1])).astype(np.int32)
+    return datasets.Dataset(pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))}))
+
+
+def _module(ds, cache_dir):
+    return SeqMemDataModule(dataset=ds, strategy="pack", max_length=256, micro_batch_size=4, pad_token_id=0,
+                            eos_token_id=2, cache_dir=cache_dir, seed=3)
+
+
+def test_prepare_data_plans_and_another_rank_maps_the_same_rows(tmp_path, monkeypatch):
+    """What local rank 0 (prepare_data) and another rank (setup only) see: the same rows and batches, and the
+    second never plans."""
+    ds = _pretokenized()
+    rank0 = _module(ds, tmp_path)
+    rank0.prepare_data()
+    assert rank0.datasets is not None and len(list((tmp_path / "plans").iterdir())) == 1  # the train split
+    _no_planning(monkeypatch)
+    other = _module(ds, tmp_path)
+    other.setup("fit")
+    assert other.stats() == rank0.stats()
+    assert other.stats()["train"]["tokens_truncated"] == 0 and other.stats()["train"]["token_efficiency"] > 0.99
+    for a, b in zip(rank0.train_dataloader(), other.train_dataloader()):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
