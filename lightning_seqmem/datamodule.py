@@ -22,6 +22,7 @@ from lightning_seqmem.data_source import (
     document_frame,
     ensure_validation_split,
     load_text_dataset,
+    select_rows,
 )
 from lightning_seqmem.messages import short_repr
 from lightning_seqmem.packing import OVERFLOWS, StreamingPacker, check_packing
@@ -383,7 +384,7 @@ class SeqMemDataModule(LightningDataModule):
         keep = np.flatnonzero(lengths > 0)
         empty = len(lengths) - len(keep)
         if empty:
-            ds = ds.select(keep, keep_in_memory=True)  # an index array: no tokens copied
+            ds = select_rows(ds, keep, "non-empty")  # an index array: no tokens copied
             lengths = lengths[keep]
             if kind == "prompt_completion":
                 prompt, completion = prompt.select(keep), completion.select(keep)

@@ -97,3 +97,23 @@ def test_datamodule_trains_on_a_list_of_documents():
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape[0] == 4
+
+
+@pytest.mark.parametrize("form", ["plain", "shuffled", "numpy_format"])
+def test_select_rows_is_select_without_python_lists(form):
+    import datasets as hf
+    import numpy as np
+
+    from lightning_seqmem.data_source import select_rows
+
+    ds = hf.Dataset.from_dict({"input_ids": [[i] * (i % 4) for i in range(60)], "n": list(range(60))})
+    ds = {"plain": ds, "shuffled": ds.shuffle(seed=1), "numpy_format": ds.with_format("numpy")}[form]
+    rows = np.random.default_rng(0).permutation(len(ds))[:25]
+    got, want = select_rows(ds, rows, "test"), ds.select(rows)
+    assert got.format == want.format and len(got) == 25
+    assert [int(v) for v in got["n"]] == [int(v) for v in want["n"]]
+    assert [list(map(int, r)) for r in got["input_ids"]] == [list(map(int, r)) for r in want["input_ids"]]
+    assert got._fingerprint != ds._fingerprint
+    assert select_rows(ds, rows[:5], "test")._fingerprint != got._fingerprint
+    with pytest.raises(IndexError, match=r"\[0, 60\)"):
+        select_rows(ds, np.array([3, 60]), "test")

@@ -1,9 +1,11 @@
 """Packing plans on disk: planned once per node, mapped by every later rank and run, never stale."""
 
 import datasets
+import lightning.pytorch as L
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem import plan_cache
@@ -101,3 +103,34 @@ def test_prepare_data_plans_and_another_rank_maps_the_same_rows(tmp_path, monkey
     assert other.stats()["train"]["tokens_truncated"] == 0 and other.stats()["train"]["token_efficiency"] > 0.99
     for a, b in zip(rank0.train_dataloader(), other.train_dataloader()):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+class _PlanSource(L.LightningModule):
+    """Notes, per rank, whether its train rows were planned in this process or mapped from the plan on disk."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.out_dir = out_dir
+
+    def on_train_start(self):
+        packed = self.trainer.datamodule._rows["train"].packed
+        with open(f"{self.out_dir}/rank{self.global_rank}.txt", "w") as f:
+            f.write(type(packed.segment_doc).__name__)
+
+    def training_step(self, batch, batch_idx):
+        return (self.w * batch["input_ids"].float().mean()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_two_ranks_plan_once_per_node(tmp_path):
+    dm = _module(_pretokenized(), tmp_path / "cache")
+    trainer = L.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_steps=2, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(_PlanSource(str(tmp_path)), datamodule=dm)
+    seen = {rank: (tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)}
+    assert seen == {0: "ndarray", 1: "memmap"}  # local rank 0 planned in prepare_data; rank 1 mapped its plan
+    assert len(list((tmp_path / "cache" / "plans").iterdir())) == 1
