@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -69,14 +70,13 @@ def _load(directory: Path) -> PackResult | None:
 def _save(plan: PackResult, directory: Path) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=directory.parent))
-    for name in _ARRAYS:
-        np.save(staging / f"{name}.npy", np.ascontiguousarray(getattr(plan, name), dtype=np.int64))
-    meta = {"max_length": plan.max_length, "packing": plan.packing, **{n: int(getattr(plan, n)) for n in _COUNTS}}
-    with open(staging / "plan.json", "w") as f:  # written last: its presence means the arrays are complete
-        json.dump(meta, f)
     try:
-        os.rename(staging, directory)
-    except OSError:  # another rank got there first with the same plan
-        for path in staging.iterdir():
-            path.unlink()
-        staging.rmdir()
+        for name in _ARRAYS:
+            np.save(staging / f"{name}.npy", np.ascontiguousarray(getattr(plan, name), dtype=np.int64))
+        meta = {"max_length": plan.max_length, "packing": plan.packing,
+                **{n: int(getattr(plan, n)) for n in _COUNTS}}
+        with open(staging / "plan.json", "w") as f:
+            json.dump(meta, f)
+        os.rename(staging, directory)  # fails when another rank got there first with the same plan
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; else a half-written or spare copy

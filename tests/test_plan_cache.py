@@ -71,6 +71,24 @@ def test_a_damaged_plan_is_planned_again(tmp_path):
     _same_plan(cached_pack_lengths(lengths, 512, cache_dir=tmp_path), pack_lengths(lengths, 512))
 
 
+def test_a_cache_dir_that_cannot_be_written_still_gives_the_plan(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    lengths = _lengths()
+    _same_plan(cached_pack_lengths(lengths, 512, cache_dir=blocked), pack_lengths(lengths, 512))
+
+
+def test_a_rank_that_loses_the_race_leaves_no_staging_files(tmp_path):
+    lengths = _lengths()
+    plan = pack_lengths(lengths, 512)
+    directory = tmp_path / "plans" / plan_cache.plan_key(lengths, 512, "bfd", "split")
+    plan_cache._save(plan, directory)
+    with pytest.raises(OSError):
+        plan_cache._save(plan, directory)  # the directory is there: the second rename fails
+    assert [p.name for p in (tmp_path / "plans").iterdir()] == [directory.name]
+    _same_plan(cached_pack_lengths(lengths, 512, cache_dir=tmp_path), plan)
+
+
 def test_small_datasets_and_no_cache_dir_plan_in_memory(tmp_path):
     cached_pack_lengths(_lengths(n=1000), 512, cache_dir=tmp_path)
     cached_pack_lengths(_lengths(), 512, cache_dir=None)
