@@ -74,9 +74,63 @@ def balanced_batch_sizes(n: int, batch_size: int, num_replicas: int = 1, drop_la
     return _even_split(kept, kept) if kept else []
 
 
-def _cut(order: np.ndarray, sizes: Sequence[int]) -> list[list[int]]:
-    bounds = np.cumsum([0, *sizes])
-    return [order[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+class BatchList(Sequence):
+    """Batches as spans of one index array: batch ``i`` is ``order[starts[i]:ends[i]]``, a list only when asked for.
+
+    An epoch of a large dataset is a few hundred thousand batches: kept as three integer arrays, not a Python list
+    per batch, and reduced per batch (longest row, real tokens) in numpy.
+    """
+
+    def __init__(self, order: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        self.order = np.asarray(order, dtype=np.int64)
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.ends = np.asarray(ends, dtype=np.int64)
+
+    @classmethod
+    def cut(cls, order: np.ndarray, sizes: Sequence[int] | np.ndarray) -> BatchList:
+        """Consecutive batches of ``sizes`` items along ``order``."""
+        bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))])
+        return cls(order, bounds[:-1], bounds[1:])
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return BatchList(self.order, self.starts[i], self.ends[i])
+        return self.order[self.starts[i] : self.ends[i]].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self.order
+        for a, b in zip(self.starts.tolist(), self.ends.tolist()):
+            yield order[a:b].tolist()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and all(a == list(b) for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"BatchList({len(self)} batches, {int(self.sizes.sum())} items)"
+
+    def take(self, index: np.ndarray) -> BatchList:
+        """The batches at ``index``, in that order."""
+        return BatchList(self.order, self.starts[index], self.ends[index])
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """``[batches]`` items per batch."""
+        return self.ends - self.starts
+
+    def reduce(self, values: np.ndarray, ufunc: np.ufunc = np.add) -> np.ndarray:
+        """``[batches]``: ``ufunc`` over ``values[batch]`` for each (non-empty) batch, e.g. longest row, tokens."""
+        if len(self) == 0:
+            return np.zeros(0, dtype=np.asarray(values).dtype)
+        by_start = np.argsort(self.starts, kind="stable")  # spans never overlap: sorted, they interleave cleanly
+        bounds = np.empty(2 * len(self), dtype=np.int64)
+        bounds[0::2], bounds[1::2] = self.starts[by_start], self.ends[by_start]
+        flat = np.append(np.asarray(values)[self.order], 0)  # a spare element: a span may end at the last item
+        out = np.empty(len(self), dtype=flat.dtype)
+        out[by_start] = ufunc.reduceat(flat, bounds)[0::2]
+        return out
 
 
 class _ShardedBatchSampler(DistributedSampler):
@@ -98,26 +152,31 @@ class _ShardedBatchSampler(DistributedSampler):
         self._yielded = 0
         self._skip = 0
 
-    def global_batches(self, epoch: int) -> list[list[int]]:
+    def global_batches(self, epoch: int) -> BatchList:
         """All ranks' batches for ``epoch``; the count is a multiple of ``num_replicas``."""
         raise NotImplementedError
 
     def batch_cost(self, batch: list[int]) -> float:
         """Used to put the most expensive batch first (an OOM shows at step 0); 0 keeps the order."""
-        return 0.0
+        return float(self.batch_costs(BatchList.cut(np.asarray(batch, dtype=np.int64), [len(batch)]))[0])
 
-    def batches(self, epoch: int | None = None) -> list[list[int]]:
+    def batch_costs(self, batches: BatchList) -> np.ndarray:
+        """``[batches]`` cost of each batch, vectorised (``batch_cost`` for one); zeros keep the order."""
+        return np.zeros(len(batches))
+
+    def batches(self, epoch: int | None = None) -> BatchList:
         """This rank's batches for ``epoch`` (default: the current one), the most expensive first."""
-        mine = self.global_batches(self.epoch if epoch is None else epoch)[self.rank :: self.num_replicas]
-        if mine:
-            top = max(range(len(mine)), key=lambda i: self.batch_cost(mine[i]))
+        everyone = self.global_batches(self.epoch if epoch is None else epoch)
+        mine = np.arange(self.rank, len(everyone), self.num_replicas)
+        if mine.size:
+            top = int(np.argmax(self.batch_costs(everyone.take(mine))))  # the first of equals, as max() gives
             mine[0], mine[top] = mine[top], mine[0]
-        return mine
+        return everyone.take(mine)
 
     @property
     def num_dropped(self) -> int:
         """Items of an epoch that no rank sees (only with ``drop_last`` or fewer items than ranks)."""
-        return self.num_items - sum(len(b) for b in self.global_batches(self.epoch))
+        return self.num_items - int(self.global_batches(self.epoch).sizes.sum())
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self.batches()
@@ -175,12 +234,16 @@ class ShuffledBatchSampler(_ShardedBatchSampler):
             return np.arange(self.num_items)
         return np.random.default_rng(self.seed + epoch).permutation(self.num_items)
 
-    def global_batches(self, epoch: int) -> list[list[int]]:
-        return _cut(self._order(epoch), self._sizes)
+    def global_batches(self, epoch: int) -> BatchList:
+        return BatchList.cut(self._order(epoch), self._sizes)
 
     @property
     def num_global_batches(self) -> int:
         return len(self._sizes)
+
+    @property
+    def num_dropped(self) -> int:
+        return self.num_items - int(sum(self._sizes))
 
 
 class LengthGroupedSampler(ShuffledBatchSampler):
@@ -209,8 +272,8 @@ class LengthGroupedSampler(ShuffledBatchSampler):
         megas = [order[i : i + self.mega_batch_size] for i in range(0, len(order), self.mega_batch_size)]
         return np.concatenate([m[np.argsort(-self.lengths[m], kind="stable")] for m in megas] or [order])
 
-    def batch_cost(self, batch: list[int]) -> float:
-        return float(self.lengths[batch].max()) * len(batch)
+    def batch_costs(self, batches: BatchList) -> np.ndarray:
+        return batches.reduce(self.lengths, np.maximum).astype(np.float64) * batches.sizes
 
 
 class TokenBudgetBatchSampler(_ShardedBatchSampler):
@@ -247,40 +310,44 @@ class TokenBudgetBatchSampler(_ShardedBatchSampler):
             )
         self._batches = self._make_batches()
 
-    def _make_batches(self) -> list[list[int]]:
+    def _make_batches(self) -> BatchList:
         tie_break = np.random.default_rng(self.seed).permutation(self.num_items)
         order = tie_break[np.argsort(-self.lengths[tie_break], kind="stable")]
-        longest_first = self.lengths[order]
-        batches: list[list[int]] = []
+        longest_first = self.lengths[order].tolist()
+        spans: list[list[int]] = []
         start = 0
         while start < len(order):  # one step per batch: longest first, so its first row sets the width
             rows = max(1, self.max_tokens_per_batch // self.padded_length(int(longest_first[start])))
-            batches.append(order[start : start + rows].tolist())
+            spans.append([start, min(start + rows, len(order))])
             start += rows
-        return self._balance(batches)
+        spans = self._balance(spans)
+        bounds = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+        return BatchList(order, bounds[:, 0], bounds[:, 1])
 
-    def _balance(self, batches: list[list[int]]) -> list[list[int]]:
-        while len(batches) % self.num_replicas:
+    def _balance(self, spans: list[list[int]]) -> list[list[int]]:
+        """Halve the batches with the most rows until the count is a multiple of ``num_replicas``."""
+        while len(spans) % self.num_replicas:
             if self.drop_last:
-                return batches[: len(batches) - len(batches) % self.num_replicas]
-            big = max(range(len(batches)), key=lambda i: len(batches[i]))
-            if len(batches[big]) < 2:
+                return spans[: len(spans) - len(spans) % self.num_replicas]
+            big = max(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0])
+            a, b = spans[big]
+            if b - a < 2:
                 raise ValueError(
-                    f"{len(batches)} single-row batches cannot be shared equally by {self.num_replicas} ranks; "
+                    f"{len(spans)} single-row batches cannot be shared equally by {self.num_replicas} ranks; "
                     "raise max_tokens_per_batch, or pass drop_last=True."
                 )
-            half = len(batches[big]) // 2
-            batches[big : big + 1] = [batches[big][:half], batches[big][half:]]
-        return batches
+            half = a + (b - a) // 2
+            spans[big : big + 1] = [[a, half], [half, b]]
+        return spans
 
-    def global_batches(self, epoch: int) -> list[list[int]]:
+    def global_batches(self, epoch: int) -> BatchList:
         if not self.shuffle:
-            return [list(b) for b in self._batches]
-        perm = np.random.default_rng(self.seed + epoch).permutation(len(self._batches))
-        return [list(self._batches[i]) for i in perm]
+            return self._batches
+        return self._batches.take(np.random.default_rng(self.seed + epoch).permutation(len(self._batches)))
 
-    def batch_cost(self, batch: list[int]) -> float:
-        return float(self.padded_length(int(self.lengths[batch].max()))) * len(batch)
+    def batch_costs(self, batches: BatchList) -> np.ndarray:
+        longest = batches.reduce(self.lengths, np.maximum).tolist()
+        return np.asarray([float(self.padded_length(int(n))) for n in longest]) * batches.sizes
 
     @property
     def num_global_batches(self) -> int:

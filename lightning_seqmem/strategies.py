@@ -20,7 +20,7 @@ from lightning_seqmem.batch import CU_SEQLENS, PACK_KEYS, PAD_KEYS
 from lightning_seqmem.collate import PackCollator, PadCollator, TruncateCollator
 from lightning_seqmem.packed_rows import PackResult, pack_lengths, pack_sequences
 from lightning_seqmem.plan_cache import cached_pack_lengths
-from lightning_seqmem.sampling import LengthGroupedSampler, ShuffledBatchSampler, TokenBudgetBatchSampler
+from lightning_seqmem.sampling import BatchList, LengthGroupedSampler, ShuffledBatchSampler, TokenBudgetBatchSampler
 from lightning_seqmem.tokens import as_token_source
 from lightning_seqmem.truncation import PromptCompletionLimits, count_truncated
 
@@ -148,16 +148,18 @@ class PadStrategy:
         return self.sampler(lengths, batch_size, shuffle=train, seed=seed, num_replicas=num_replicas, rank=rank,
                             drop_last=drop_last and train)
 
-    def shapes(self, batches: list[list[int]], lengths: np.ndarray) -> list[tuple[int, int]]:
+    def shapes(self, batches: BatchList, lengths: np.ndarray) -> list[tuple[int, int]]:
         """``(rows, length)`` of each batch."""
-        return [(len(b), self.padded_length(int(lengths[b].max()))) for b in batches]
+        batches = _as_batch_list(batches)
+        longest = batches.reduce(lengths, np.maximum).tolist()
+        return [(rows, self.padded_length(int(n))) for rows, n in zip(batches.sizes.tolist(), longest)]
 
     def epoch_stats(self, lengths: np.ndarray, sampler) -> EpochStats:
         """Epoch 0 of ``sampler`` (one process) over rows of ``[rows]`` real tokens: batches, rows dropped, real
         tokens / slots and the largest batch. ``SeqMemDataModule`` and ``seqmem-plan`` both report this."""
-        batches = sampler.batches(0)
+        batches = _as_batch_list(sampler.batches(0))
         shapes = self.shapes(batches, lengths)
-        fed = int(sum(int(lengths[b].sum()) for b in batches))
+        fed = int(batches.reduce(np.asarray(lengths, dtype=np.int64), np.add).sum())
         return EpochStats(rows=len(lengths), batches=len(shapes), rows_dropped_per_epoch=sampler.num_dropped,
                           token_efficiency=fed / max(sum(r * n for r, n in shapes), 1),
                           largest=self.largest(shapes) if shapes else None)
@@ -191,8 +193,8 @@ class TruncateStrategy(PadStrategy):
 
     budget_shapes = False  # a budget fixes the rows: every batch is [rows, max_length]
 
-    def shapes(self, batches: list[list[int]], lengths: np.ndarray) -> list[tuple[int, int]]:
-        return [(len(b), self.options.max_length) for b in batches]
+    def shapes(self, batches: BatchList, lengths: np.ndarray) -> list[tuple[int, int]]:
+        return [(rows, self.options.max_length) for rows in _as_batch_list(batches).sizes.tolist()]
 
 
 class PackStrategy(TruncateStrategy):
@@ -232,6 +234,15 @@ class PackStrategy(TruncateStrategy):
 
     def collator(self, pad_token_id: int):
         return PackCollator(pad_token_id, self.options.max_length, return_cu_seqlens=self.options.return_cu_seqlens)
+
+
+def _as_batch_list(batches) -> BatchList:
+    """A sampler's batches as a ``BatchList`` (a user's sampler may give plain lists of indices)."""
+    if isinstance(batches, BatchList):
+        return batches
+    sizes = [len(b) for b in batches]
+    order = np.fromiter((i for b in batches for i in b), dtype=np.int64, count=sum(sizes))
+    return BatchList.cut(order, sizes)
 
 
 _BY_NAME = {cls.name: cls for cls in (PadStrategy, TruncateStrategy, PackStrategy)}

@@ -124,3 +124,52 @@ def test_stateful_dataloader_resume():
     dl2 = loader()
     dl2.load_state_dict(state)
     assert [b["input_ids"].tolist() for b in dl2] == rest and len(rest) == 6
+
+
+# ------------------------------------------------------------------ batches as index spans (BatchList)
+def test_batch_list_reduces_each_batch_like_a_loop_over_lists():
+    from lightning_seqmem.sampling import BatchList
+
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 1000, 500)
+    batches = BatchList.cut(rng.permutation(500), rng.multinomial(500, np.ones(60) / 60) + 0)
+    batches = batches.take(np.flatnonzero(batches.sizes > 0))
+    picked = batches.take(rng.permutation(len(batches))[: len(batches) // 2])  # any order, with gaps
+    as_lists = list(picked)
+    assert picked.reduce(values, np.maximum).tolist() == [int(values[b].max()) for b in as_lists]
+    assert picked.reduce(values, np.add).tolist() == [int(values[b].sum()) for b in as_lists]
+    assert picked.sizes.tolist() == [len(b) for b in as_lists]
+    assert picked[1:3] == as_lists[1:3] and picked[2] == as_lists[2]
+
+
+@pytest.mark.parametrize("kind", ["shuffled", "grouped", "budget"])
+@pytest.mark.parametrize("replicas,drop_last", [(1, False), (3, False), (2, True)])
+def test_each_rank_gets_its_stride_of_the_global_batches_costliest_first(kind, replicas, drop_last):
+    rng = np.random.default_rng(replicas)
+    lengths = rng.integers(1, 300, 257)
+
+    def make(rank):
+        common = dict(seed=5, num_replicas=replicas, rank=rank, drop_last=drop_last)
+        if kind == "shuffled":
+            return ShuffledBatchSampler(len(lengths), 6, **common)
+        if kind == "grouped":
+            return LengthGroupedSampler(lengths, 6, mega_batch_mult=3, **common)
+        return TokenBudgetBatchSampler(lengths, 1024, padded_length=lambda n: -(-n // 8) * 8, **common)
+
+    seen = []
+    for rank in range(replicas):
+        s = make(rank)
+        for epoch in (0, 1):
+            everyone = list(s.global_batches(epoch))
+            stride = everyone[rank::replicas]
+            cost = [s.batch_cost(b) for b in stride]
+            top = cost.index(max(cost))
+            stride[0], stride[top] = stride[top], stride[0]
+            assert list(s.batches(epoch)) == stride
+        if kind == "grouped":
+            assert s.batch_cost(stride[1]) == float(lengths[stride[1]].max()) * len(stride[1])
+        if kind == "budget":
+            assert s.batch_cost(stride[1]) == float(-(-lengths[stride[1]].max() // 8) * 8) * len(stride[1])
+        s.set_epoch(0)
+        seen += [i for b in s for i in b]
+    assert len(seen) == len(set(seen)) == len(lengths) - make(0).num_dropped
