@@ -13,6 +13,7 @@ instead: same rows, same order.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,3 +202,23 @@ def _file_schema(path: str):
 
     with pa.OSFile(path) as source:
         return pa.ipc.open_stream(source).schema
+
+
+@contextmanager
+def system_memory_pool():
+    """Arrow allocations inside the block go to the system allocator, and what it holds free is handed back after.
+
+    A pass over a large table allocates and frees a record batch per slice; Arrow's default pool (mimalloc or
+    jemalloc) keeps the segments it has used, which showed as 30-40 MiB of resident memory after tokenizing 150 k
+    documents. Allocations remember their pool, so switching back afterwards is safe.
+    """
+    import pyarrow as pa
+
+    previous = pa.default_memory_pool()
+    system = pa.system_memory_pool()
+    pa.set_memory_pool(system)
+    try:
+        yield
+    finally:
+        pa.set_memory_pool(previous)
+        system.release_unused()

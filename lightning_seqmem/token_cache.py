@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_seqmem.arrow_stream import Shard, iter_shard, plan_shards
+from lightning_seqmem.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
 from lightning_seqmem.data_source import document_frame, token_features, tokenize_function
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
@@ -109,7 +109,7 @@ def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, 
         writer.write_table(pa.Table.from_batches(pending, schema=schema).combine_chunks())
         pending.clear()
 
-    with pa.OSFile(path + ".tmp", "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+    with system_memory_pool(), pa.OSFile(path + ".tmp", "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for first, batch in iter_shard(ds, shard, job.columns, batch_rows=256):
             columns = fn(batch.to_pydict(), range(first, first + batch.num_rows), job.split)
             pending.append(pa.RecordBatch.from_pydict(columns, schema=schema))
@@ -231,7 +231,7 @@ def _streamed_values_ok(files: list[str], columns: list[str], vocab_size: int | 
 
     try:
         for path in files:
-            with pa.OSFile(path) as source:
+            with system_memory_pool(), pa.OSFile(path) as source:
                 for batch in pa.ipc.open_stream(source):
                     for column in columns:
                         if column not in batch.schema.names:

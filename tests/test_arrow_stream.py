@@ -81,3 +81,19 @@ def test_a_pass_over_a_file_keeps_its_pages_out_of_resident_memory(tmp_path):
                 for s in b.column(0).to_pylist())
     assert chars == 10_000 * 4000
     assert file_rss() - before < size / 4  # a memory-mapped pass would add the whole file
+
+
+def test_the_system_pool_is_used_inside_and_the_default_restored_after():
+    import pyarrow as pa
+
+    from lightning_seqmem.arrow_stream import system_memory_pool
+
+    before = pa.default_memory_pool().backend_name
+    with system_memory_pool():
+        assert pa.default_memory_pool().backend_name == "system"
+        inside = pa.array(list(range(1000)))
+    assert pa.default_memory_pool().backend_name == before
+    assert inside.sum().as_py() == 499500  # still readable after the switch back
+    with pytest.raises(RuntimeError), system_memory_pool():
+        raise RuntimeError("a failed pass")
+    assert pa.default_memory_pool().backend_name == before
