@@ -179,7 +179,11 @@ def select_rows(ds, rows: np.ndarray, tag: str):
     selected = datasets.Dataset(ds._data, info=ds.info.copy(), split=ds.split,
                                 indices_table=datasets.table.InMemoryTable(pa.table({"indices": indices})),
                                 fingerprint=digest.hexdigest())
-    selected.set_format(**ds.format)  # as ``select`` does
+    if ds._format_type is not None or ds._format_columns is not None or ds._format_kwargs:
+        # the format travels with the rows, as ``select`` passes it on (and keeps the fingerprint)
+        selected.set_format(type=ds._format_type, columns=ds._format_columns,
+                            output_all_columns=ds._output_all_columns, **ds._format_kwargs)
+        selected._fingerprint = digest.hexdigest()
     return selected
 
 

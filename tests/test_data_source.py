@@ -107,7 +107,8 @@ def test_select_rows_is_select_without_python_lists(form):
     from lightning_seqmem.data_source import select_rows
 
     ds = hf.Dataset.from_dict({"input_ids": [[i] * (i % 4) for i in range(60)], "n": list(range(60))})
-    ds = {"plain": ds, "shuffled": ds.shuffle(seed=1), "numpy_format": ds.with_format("numpy")}[form]
+    ds = {"plain": ds, "shuffled": ds.shuffle(seed=1),
+          "numpy_format": ds.with_format("numpy", columns=["n"], output_all_columns=True)}[form]
     rows = np.random.default_rng(0).permutation(len(ds))[:25]
     got, want = select_rows(ds, rows, "test"), ds.select(rows)
     assert got.format == want.format and len(got) == 25
