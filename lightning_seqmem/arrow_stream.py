@@ -121,8 +121,6 @@ def iter_shard(ds, shard: Shard, columns: list[str], batch_rows: int = 1000) -> 
     """``(first row index, pyarrow RecordBatch of columns)`` for the rows of ``shard``, at most ``batch_rows`` a
     time. From files: each slice's pages are dropped from the mapping once the caller has it (see
     ``_mapped_batches``)."""
-    import pyarrow as pa
-
     row = shard.start
     if shard.parts is None:
         table = ds.select_columns(columns).with_format("arrow")

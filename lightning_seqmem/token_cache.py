@@ -22,8 +22,8 @@ from lightning_seqmem.arrow_stream import Shard, iter_shard, plan_shards, system
 from lightning_seqmem.data_source import document_frame, token_features, tokenize_function
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
-SMALL_DATASET_ROWS = 20_000
-_TOKENS_PER_RECORD_BATCH = 1 << 20  # 4 MB of int32 ids per record batch of the cache files  # below this, extra processes cost more than they save
+SMALL_DATASET_ROWS = 20_000  # below this, extra processes cost more than they save
+_TOKENS_PER_RECORD_BATCH = 1 << 20  # 4 MB of int32 ids per record batch of the cache files
 
 
 def default_cache_dir() -> Path:
