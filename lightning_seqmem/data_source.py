@@ -176,14 +176,15 @@ def select_rows(ds, rows: np.ndarray, tag: str):
         indices = ds._indices.column(0).take(indices)
     digest = hashlib.blake2b(rows.data, digest_size=16)
     digest.update(f"{ds._fingerprint}-{tag}".encode())
+    fingerprint = digest.hexdigest()
     selected = datasets.Dataset(ds._data, info=ds.info.copy(), split=ds.split,
                                 indices_table=datasets.table.InMemoryTable(pa.table({"indices": indices})),
-                                fingerprint=digest.hexdigest())
+                                fingerprint=fingerprint)
     if ds._format_type is not None or ds._format_columns is not None or ds._format_kwargs:
         # the format travels with the rows, as ``select`` passes it on (and keeps the fingerprint)
         selected.set_format(type=ds._format_type, columns=ds._format_columns,
                             output_all_columns=ds._output_all_columns, **ds._format_kwargs)
-        selected._fingerprint = digest.hexdigest()
+        selected._fingerprint = fingerprint
     return selected
 
 

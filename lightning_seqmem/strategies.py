@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from lightning_seqmem.batch import CU_SEQLENS, PACK_KEYS, PAD_KEYS
 from lightning_seqmem.collate import PackCollator, PadCollator, TruncateCollator
-from lightning_seqmem.packed_rows import PackResult, pack_lengths, pack_sequences
+from lightning_seqmem.packed_rows import PackResult, pack_lengths
 from lightning_seqmem.plan_cache import cached_pack_lengths
 from lightning_seqmem.sampling import BatchList, LengthGroupedSampler, ShuffledBatchSampler, TokenBudgetBatchSampler
 from lightning_seqmem.tokens import as_token_source
@@ -215,12 +215,10 @@ class PackStrategy(TruncateStrategy):
 
     def plan(self, source: Any, labels: Any = None) -> Plan:
         o = self.options
-        if o.plan_cache is None:
-            packed = pack_sequences(source, o.max_length, o.packing, o.overflow)
-        else:  # the same plan as pack_sequences, planned once per node and mapped from disk
-            source = as_token_source(source)
-            packed = cached_pack_lengths(source.lengths, o.max_length, o.packing, o.overflow, o.plan_cache)
-            packed.source = source
+        # ``pack_sequences`` without a separator token, its plan planned once per node and mapped from disk
+        source = as_token_source(source)
+        packed = cached_pack_lengths(source.lengths, o.max_length, o.packing, o.overflow, o.plan_cache)
+        packed.source = source
         return Plan(PackedRows(packed, labels), *self._rows_and_cuts(packed))
 
     def plan_lengths(self, lengths: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:

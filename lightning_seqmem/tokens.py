@@ -91,18 +91,6 @@ class TokenView(_SourceMixin):
             self._files["reader"] = SegmentReader(locations, self.dtype.itemsize) if any(locations) else None
         return self._files["reader"]
 
-    def gather(self, doc: np.ndarray, start: np.ndarray | None = None, length: np.ndarray | None = None) -> np.ndarray:
-        doc = np.asarray(doc, dtype=np.int64)
-        if 0 < doc.size <= self.PREAD_MAX_SEGMENTS and self._reader() is not None:
-            start = np.zeros(doc.size, np.int64) if start is None else np.asarray(start, dtype=np.int64)
-            length = self.lengths[doc] if length is None else np.asarray(length, dtype=np.int64)
-            chunk, local = self._locate(doc, start)
-            chunk = np.zeros(doc.size, np.int64) if chunk is None else chunk
-            if self._reader().covers(chunk):
-                out = np.empty(int(length.sum()), dtype=self.dtype)
-                return self._reader().read(out, chunk.tolist(), local.tolist(), length.tolist())
-        return super().gather(doc, start, length)
-
     def row(self, i: int) -> np.ndarray:
         if self._reader() is None:
             return super().row(i)
@@ -138,6 +126,12 @@ class TokenView(_SourceMixin):
         return chunk, pos - self.chunk_base[chunk]
 
     def _gather(self, doc: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
+        if 0 < doc.size <= self.PREAD_MAX_SEGMENTS and self._reader() is not None:
+            chunk, local = self._locate(doc, start)
+            chunk = np.zeros(doc.size, np.int64) if chunk is None else chunk
+            if self._reader().covers(chunk):
+                out = np.empty(int(length.sum()), dtype=self.dtype)
+                return self._reader().read(out, chunk.tolist(), local.tolist(), length.tolist())
         if doc.size >= ARROW_GATHER_MIN_SEGMENTS:
             chunk, local = self._locate(doc, start)
             out = gather_arrow(self.chunks, chunk, local, length)
@@ -172,13 +166,17 @@ class ConcatView(_SourceMixin):
     def select(self, docs: np.ndarray) -> ConcatView:
         return ConcatView(self.first.select(docs), self.second.select(docs))
 
-    def pieces(self, doc: np.ndarray, start: np.ndarray, length: np.ndarray) -> list[np.ndarray]:
+    def _split(self, doc: np.ndarray, start: np.ndarray, length: np.ndarray):
+        """Each segment's part in ``first`` and in ``second``: ``(a_start, a_len, b_start, b_len)``."""
         split = self.first.lengths[doc]
         end = start + length
-        a_start, a_end = np.minimum(start, split), np.minimum(end, split)
-        b_start, b_end = np.maximum(start - split, 0), np.maximum(end - split, 0)
-        a = self.first.pieces(doc, a_start, a_end - a_start)
-        b = self.second.pieces(doc, b_start, b_end - b_start)
+        a_start, b_start = np.minimum(start, split), np.maximum(start - split, 0)
+        return a_start, np.minimum(end, split) - a_start, b_start, np.maximum(end - split, 0) - b_start
+
+    def pieces(self, doc: np.ndarray, start: np.ndarray, length: np.ndarray) -> list[np.ndarray]:
+        a_start, a_len, b_start, b_len = self._split(doc, start, length)
+        a = self.first.pieces(doc, a_start, a_len)
+        b = self.second.pieces(doc, b_start, b_len)
         return [p for pair in zip(a, b) for p in pair]
 
     def _gather(self, doc: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
@@ -186,11 +184,7 @@ class ConcatView(_SourceMixin):
             return super()._gather(doc, start, length)
         # Serving rows: each side gathers its own parts in one call (``pread`` for file-backed views), then the
         # parts are interleaved by index (at most a few thousand segments, so the index arrays stay small).
-        split = self.first.lengths[doc]
-        end = start + length
-        a_start, b_start = np.minimum(start, split), np.maximum(start - split, 0)
-        a_len = np.minimum(end, split) - a_start
-        b_len = np.maximum(end - split, 0) - b_start
+        a_start, a_len, b_start, b_len = self._split(doc, start, length)
         a = self.first.gather(doc, a_start, a_len)
         b = self.second.gather(doc, b_start, b_len)
         out = np.empty(a.size + b.size, dtype=self.dtype)
