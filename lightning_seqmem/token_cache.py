@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,20 +110,28 @@ def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, 
         writer.write_table(pa.Table.from_batches(pending, schema=schema).combine_chunks())
         pending.clear()
 
-    with system_memory_pool(), pa.OSFile(path + ".tmp", "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        for first, batch in iter_shard(ds, shard, job.columns, batch_rows=256):
-            columns = fn(batch.to_pydict(), range(first, first + batch.num_rows), job.split)
-            pending.append(pa.RecordBatch.from_pydict(columns, schema=schema))
-            pending_tokens += sum(columns["length"])
-            if pending_tokens >= _TOKENS_PER_RECORD_BATCH:
+    # A temporary file of this writer's own: ranks that reach setup without prepare_data tokenize the same split
+    # into the same directory at once, and each must be able to rename its complete file into place.
+    handle, tmp = tempfile.mkstemp(prefix=f"{name}.", suffix=".tmp", dir=job.directory)
+    os.close(handle)
+    try:
+        with system_memory_pool(), pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for first, batch in iter_shard(ds, shard, job.columns, batch_rows=256):
+                columns = fn(batch.to_pydict(), range(first, first + batch.num_rows), job.split)
+                pending.append(pa.RecordBatch.from_pydict(columns, schema=schema))
+                pending_tokens += sum(columns["length"])
+                if pending_tokens >= _TOKENS_PER_RECORD_BATCH:
+                    flush(writer)
+                    pending_tokens = 0
+                rows += batch.num_rows
+                if progress is not None:
+                    progress.update(batch.num_rows)
+            if pending or rows == 0:
                 flush(writer)
-                pending_tokens = 0
-            rows += batch.num_rows
-            if progress is not None:
-                progress.update(batch.num_rows)
-        if pending or rows == 0:
-            flush(writer)
-    os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # a failed pass leaves nothing behind
+            os.unlink(tmp)
     return name, rows
 
 

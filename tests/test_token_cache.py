@@ -181,3 +181,28 @@ def test_the_fast_encoder_gives_the_tokenizers_ids_and_steps_aside_when_it_might
     assert encode.__name__ == "fast"
     assert encode(texts) == expected and encode(["alpha beta"]) == tokenizer(["alpha beta"], add_special_tokens=False)[
         "input_ids"]
+
+
+def test_two_writers_of_one_split_each_rename_their_own_file(tmp_path, tokenizer, monkeypatch):
+    """Ranks that call setup without prepare_data tokenize the same split into the same directory at once: a writer
+    that finishes second must still rename its (identical) file into place, and no temporary file is left."""
+    from lightning_seqmem import token_cache
+    from lightning_seqmem.arrow_stream import Shard
+
+    ds = _file_dataset(tmp_path, [f"row {i} " + "alpha " * (i % 5) for i in range(40)])
+    job = token_cache._Job(tokenizer, "text", ["text"], "text", "prompt", "completion", None, True, "train",
+                           str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    real_replace, raced = os.replace, []
+
+    def replace_after_the_other_writer(src, dst):
+        if not raced:  # the other rank finishes its whole pass between our write and our rename
+            raced.append(True)
+            token_cache._tokenize_shard(0, Shard(0, len(ds)), ds, job)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(token_cache.os, "replace", replace_after_the_other_writer)
+    assert token_cache._tokenize_shard(0, Shard(0, len(ds)), ds, job) == ("tokens-00000.arrow", 40)
+    assert raced and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["tokens-00000.arrow"]
+    written = datasets.Dataset.from_file(str(tmp_path / "out" / "tokens-00000.arrow"))
+    assert written["length"] == [len(ids) for ids in written["input_ids"]] and len(written) == 40
