@@ -531,6 +531,13 @@ class SeqMemDataModule(LightningDataModule):
         """The keys of the batches the train loader yields (``eval_strategy`` may differ: see its loader)."""
         return tuple(self._strategies["train"].keys)
 
+    def worst_batch_layout(self, rows: int, length: int) -> tuple[tuple[int, ...], ...]:
+        """Document lengths per row of the costliest ``[rows, length]`` training batch
+        (``protocols.GivesWorstBatchLayout``, asked by ``CachePreallocator``): the train strategy's answer."""
+        if self.datasets is None:
+            self.setup("fit")
+        return self._strategies["train"].worst_layout(rows, length, self._lengths.get("train"))
+
     def _epoch_stats(self, split: str):
         """Epoch 0 of ``split`` on one process (``strategies.EpochStats``)."""
         return self._strategies[split].epoch_stats(self._lengths[split], self._sampler(split, num_replicas=1, rank=0))

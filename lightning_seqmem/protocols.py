@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["GivesBatchKeys", "GivesDataStats", "GivesMaxBatchShape", "GivesWarmupShape", "find_pad_token_id"]
+__all__ = ["GivesBatchKeys", "GivesDataStats", "GivesMaxBatchShape", "GivesWarmupShape", "GivesWorstBatchLayout",
+           "find_pad_token_id"]
 
 
 @runtime_checkable
@@ -27,6 +28,15 @@ class GivesBatchKeys(Protocol):
     """A DataModule that knows the keys of the batches its train loader yields (see ``lightning_seqmem.batch``)."""
 
     def batch_keys(self) -> tuple[str, ...]: ...
+
+
+@runtime_checkable
+class GivesWorstBatchLayout(Protocol):
+    """A DataModule that knows what its costliest ``[rows, length]`` training batch holds: per row, the lengths of
+    its documents (the rest of the row is padding). Padding or several documents in a row make transformers build
+    an attention mask that one unpadded document does not; ``CachePreallocator`` builds its batch from this."""
+
+    def worst_batch_layout(self, rows: int, length: int) -> tuple[tuple[int, ...], ...]: ...
 
 
 @runtime_checkable

@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 
 from lightning_seqmem.batch import CU_SEQLENS, PACK_KEYS, PAD_KEYS
 from lightning_seqmem.collate import PackCollator, PadCollator, TruncateCollator
+from lightning_seqmem.memory.worst_batch import full_rows, packed_rows, padded_rows
 from lightning_seqmem.packed_rows import PackResult, pack_lengths
 from lightning_seqmem.plan_cache import cached_pack_lengths
 from lightning_seqmem.sampling import BatchList, LengthGroupedSampler, ShuffledBatchSampler, TokenBudgetBatchSampler
@@ -174,6 +175,16 @@ class PadStrategy:
         """The shape to pre-allocate for: with a token budget rows and length vary together (most slots)."""
         return largest_shape([self], shapes)
 
+    def worst_layout(self, rows: int, length: int, lengths: np.ndarray | None = None) -> tuple[tuple[int, ...], ...]:
+        """Document lengths per row of the costliest ``[rows, length]`` batch, from ``[rows]`` real tokens per row:
+        a padded row (transformers then builds the attention mask) unless no batch can hold padding."""
+        if lengths is not None and len(lengths) and self._never_padded(int(np.min(lengths)), int(np.max(lengths))):
+            return full_rows(rows, length)
+        return padded_rows(rows, length)
+
+    def _never_padded(self, shortest: int, longest: int) -> bool:
+        return shortest == longest and self.padded_length(longest) == longest
+
 
 class TruncateStrategy(PadStrategy):
     """Every row cut and padded to ``max_length``: one constant shape ``[rows, max_length]``."""
@@ -195,6 +206,9 @@ class TruncateStrategy(PadStrategy):
 
     def shapes(self, batches: BatchList, lengths: np.ndarray) -> list[tuple[int, int]]:
         return [(rows, self.options.max_length) for rows in _as_batch_list(batches).sizes.tolist()]
+
+    def _never_padded(self, shortest: int, longest: int) -> bool:
+        return shortest >= self.options.max_length
 
 
 class PackStrategy(TruncateStrategy):
@@ -229,6 +243,11 @@ class PackStrategy(TruncateStrategy):
     def _rows_and_cuts(packed: PackResult) -> tuple[np.ndarray, dict[str, int]]:
         s = packed.stats()
         return np.diff(packed.row_offsets), {k: s[k] for k in ("tokens_truncated", "tokens_dropped", "documents_split")}
+
+    def worst_layout(self, rows: int, length: int, lengths: np.ndarray | None = None) -> tuple[tuple[int, ...], ...]:
+        """Two documents in every row (the block-diagonal mask transformers builds from restarting position_ids):
+        row lengths alone do not tell whether a full row holds one document or several."""
+        return packed_rows(rows, length)
 
     def collator(self, pad_token_id: int):
         return PackCollator(pad_token_id, self.options.max_length, return_cu_seqlens=self.options.return_cu_seqlens)

@@ -6,19 +6,7 @@ import torch
 from _memory_helpers import VOCAB, Probe, TinyData, TinyLM, assert_same, trainer
 
 from lightning_seqmem.memory import preallocate
-from lightning_seqmem.memory.preallocate import CachePreallocator, PreallocationOOMError, make_dummy_batch
-
-
-def test_make_dummy_batch_follows_the_batch_contract():
-    batch = make_dummy_batch(3, 10, ("input_ids", "labels", "position_ids", "cu_seqlens"), vocab_size=50)
-    assert batch["input_ids"].shape == (3, 10) and batch["input_ids"].max() < 50
-    assert torch.equal(batch["labels"], batch["input_ids"])
-    assert torch.equal(batch["position_ids"][2], torch.arange(10))
-    assert batch["cu_seqlens"].tolist() == [0, 10, 20, 30] and batch["cu_seqlens"].dtype == torch.int32
-    state = torch.get_rng_state()
-    make_dummy_batch(2, 4, ("input_ids",), vocab_size=9)
-    assert torch.equal(state, torch.get_rng_state())  # private generator
-    assert make_dummy_batch(1, 3, ("input_ids",))["input_ids"].sum() == 0  # unknown vocab: zeros
+from lightning_seqmem.memory.preallocate import CachePreallocator, PreallocationOOMError
 
 
 def test_init_checks_arguments():

@@ -39,11 +39,13 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_seqmem.memory.worst_batch import make_dummy_batch
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 CUDA_GRANULE = 512  # the CUDA caching allocator rounds every block up to a multiple of this
@@ -315,21 +317,6 @@ def _enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def fake_batch(rows: int, length: int, keys: Sequence[str], vocab_size: int) -> dict[str, torch.Tensor]:
-    """A ``[rows, length]`` batch in the batch contract (call under ``FakeTensorMode``: no data is made)."""
-    batch = {}
-    for key in keys:
-        if key == "position_ids":
-            batch[key] = torch.arange(length).expand(rows, length).clone()
-        elif key == "cu_seqlens":
-            batch[key] = torch.arange(0, rows * length + 1, length, dtype=torch.int32)
-        elif key == "attention_mask":
-            batch[key] = torch.ones(rows, length, dtype=torch.long)
-        else:
-            batch[key] = torch.zeros(rows, length, dtype=torch.long)
-    return batch
-
-
 def build_fake_model(model_config, attn_implementation: str = "sdpa", precision: str = "32-true",
                      gradient_checkpointing: bool = False):
     """A Hugging Face causal LM from a ``transformers`` config, built in a fresh ``FakeTensorMode``.
@@ -415,8 +402,9 @@ def estimate_training_memory(
     precision = normalize_precision(precision)
     mode, module = model or build_fake_model(model_config, attn_implementation, precision, gradient_checkpointing)
     granule = CUDA_GRANULE if device == "cuda" else 1
+    # The pre-allocation pass's batch (real, small: made outside the mode, which turns it into fake tensors)
+    batch = make_dummy_batch(rows, length, keys, int(model_config.vocab_size))
     with _trace_errors(model_config), mode:
-        batch = fake_batch(rows, length, keys, int(model_config.vocab_size))
         optimizer = adamw(module, device)
         tracker = trace_training_steps(module, optimizer, batch, precision, granule=granule)
     split = tracker.split()
@@ -532,6 +520,15 @@ def module_facts(pl_module: torch.nn.Module) -> dict[str, Any] | None:
                                            else getattr(model, "is_gradient_checkpointing", False))}
 
 
+def sharded(est: MemoryEstimate, shards: int) -> MemoryEstimate:
+    """``est`` on one of ``shards`` ranks that split weights, gradients and optimizer state (FSDP full shard)."""
+    if shards <= 1:
+        return est
+    split = {name: getattr(est, name) // shards for name in ("parameters", "gradients", "optimizer_state")}
+    peak = est.peak - sum(getattr(est, name) - value for name, value in split.items())
+    return replace(est, peak=peak, **split)
+
+
 def shortfall_message(
     model_config,
     shape: tuple[int, int],
@@ -541,6 +538,7 @@ def shortfall_message(
     attn_implementation: str = "sdpa",
     gradient_checkpointing: bool = False,
     device: str = "cuda",
+    shards: int = 1,
 ) -> str | None:
     """When the traced peak of a ``shape`` training step exceeds ``available`` bytes: a message with the peak, its
     split and the largest ``micro_batch_size`` (rows) that fits; ``None`` when it fits.
@@ -551,16 +549,19 @@ def shortfall_message(
         keys: the batch keys.
         available: bytes the step may use (free device memory plus what the model already holds there).
         precision, attn_implementation, gradient_checkpointing, device: as in :func:`estimate_training_memory`.
+        shards: ranks that share weights, gradients and optimizer state (FSDP's world size): each holds a
+            ``1/shards`` part of them (the gathered layer in flight is not counted).
     """
     from lightning_seqmem.memory.stats import format_bytes
 
     rows, length = shape
     settings = (keys, precision, device, attn_implementation, gradient_checkpointing)
-    est = cached_estimate(model_config, rows, length, *settings)
+    est = sharded(cached_estimate(model_config, rows, length, *settings), shards)
     if est.peak <= available:
         return None
     smaller = [2**i for i in range(rows.bit_length()) if 2**i < rows]
-    best, _ = largest_fitting(lambda r: cached_estimate(model_config, r, length, *settings), available, smaller)
+    best, _ = largest_fitting(lambda r: sharded(cached_estimate(model_config, r, length, *settings), shards),
+                              available, smaller)
     fix = (f"micro_batch_size={best} fits" if best is not None else
            "not even micro_batch_size=1 fits: use gradient checkpointing, a shorter max_length or bf16")
     return (f"Predicted peak training memory for the worst-case batch {rows} x {length} is {format_bytes(est.peak)} "

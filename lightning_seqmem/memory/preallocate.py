@@ -22,67 +22,22 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_seqmem.batch import CU_SEQLENS, PAD_KEYS
+from lightning_seqmem.batch import PAD_KEYS
 from lightning_seqmem.memory import stats
+from lightning_seqmem.memory.optimizer_state import (gradient_standins, state_standins, step_temporaries,
+                                                      trained_parameters)
+from lightning_seqmem.memory.worst_batch import Layout, check_layout, default_layout, make_dummy_batch
 from lightning_seqmem.messages import short_repr
-from lightning_seqmem.protocols import GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape
+from lightning_seqmem.protocols import (GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape, GivesWorstBatchLayout,
+                                        find_pad_token_id)
+
+__all__ = ["CachePreallocator", "PreallocationOOMError", "PreallocationReport", "make_dummy_batch"]
 
 DEFAULT_KEYS = PAD_KEYS
-_TOKEN_KEYS = ("input_ids", "labels")
 
 
 class PreallocationOOMError(torch.OutOfMemoryError):
     """The worst-case batch ran out of memory during pre-allocation (a ``torch.OutOfMemoryError``)."""
-
-
-def make_dummy_batch(
-    rows: int,
-    length: int,
-    keys: Sequence[str],
-    vocab_size: int | None = None,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-) -> dict[str, torch.Tensor]:
-    """A batch dict in the project's batch contract, every tensor ``[rows, length]``.
-
-    ``input_ids`` are drawn from a private generator (the global RNG is not touched) below ``vocab_size`` (zeros when
-    unknown); ``labels`` copy them (every position counts in the loss, the worst case); ``attention_mask`` is all
-    ones; ``position_ids`` count ``0..length-1`` in every row (one document per row); ``cu_seqlens`` is the 1-D
-    int32 ``[0, length, 2 * length, ...]``; any other key gets zeros.
-
-    Args:
-        rows: rows per micro-batch.
-        length: tokens per row.
-        keys: the keys the train loader yields.
-        vocab_size: token ids are drawn from ``[0, vocab_size)``; ``None`` gives zeros.
-        device: where to build the tensors.
-        seed: seed of the private generator.
-
-    Example::
-
-        batch = make_dummy_batch(4, 128, ("input_ids", "labels", "position_ids"), vocab_size=32000)
-        batch["input_ids"].shape  # torch.Size([4, 128])
-    """
-    if rows < 1 or length < 1:
-        raise ValueError(f"rows and length must be >= 1, got rows={rows}, length={length}.")
-    if vocab_size:
-        generator = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, vocab_size, (rows, length), generator=generator)
-    else:
-        ids = torch.zeros(rows, length, dtype=torch.long)
-    batch: dict[str, torch.Tensor] = {}
-    for key in keys:
-        if key in _TOKEN_KEYS:
-            batch[key] = ids.clone()
-        elif key == "attention_mask":
-            batch[key] = torch.ones(rows, length, dtype=torch.long)
-        elif key == "position_ids":
-            batch[key] = torch.arange(length).expand(rows, length).clone()
-        elif key == CU_SEQLENS:
-            batch[key] = torch.arange(0, rows * length + 1, length, dtype=torch.int32)
-        else:
-            batch[key] = torch.zeros(rows, length, dtype=torch.long)
-    return {key: value.to(device) for key, value in batch.items()}
 
 
 @dataclass
@@ -98,9 +53,13 @@ class PreallocationReport:
     rss_before: int | None = None  # CPU: resident set size before the pass
     peak_rss: int | None = None  # CPU: process peak RSS after the pass
     passes: list[str] = field(default_factory=list)  # "fit_start", and "train_start" when re-reserved
+    layouts: list[Layout] = field(default_factory=list)  # document lengths per row of each shape's batch
+    optimizer_state: int | None = None  # bytes of optimizer state reserved; None: an optimizer we do not know
 
     def summary(self) -> str:
         shapes = ", ".join(f"{r}x{l}" for r, l in self.shapes)
+        state = ("optimizer state not reserved (unknown optimizer)" if self.optimizer_state is None
+                 else f"optimizer state {stats.format_bytes(self.optimizer_state)}")
         if self.device.startswith("cuda"):
             sizes = (f"peak allocated {stats.format_bytes(self.peak_allocated)}, "
                      f"reserved {stats.format_bytes(self.reserved)}")
@@ -108,7 +67,7 @@ class PreallocationReport:
             sizes = (f"RSS {stats.format_bytes(self.rss_before)} before, "
                      f"process peak {stats.format_bytes(self.peak_rss)}")
         return (f"CachePreallocator: worst-case batch {shapes} (rows x length; {', '.join(self.keys)}) fits on "
-                f"{self.device}: {sizes} ({self.seconds:.1f}s).")
+                f"{self.device} with {state}: {sizes} ({self.seconds:.1f}s).")
 
 
 # CUDA queries live in small functions so tests can simulate a GPU on CPU.
@@ -147,7 +106,7 @@ def _vocab_size(pl_module: LightningModule) -> int | None:
 
 
 @contextlib.contextmanager
-def _untouched(pl_module: LightningModule) -> Iterator[None]:
+def _untouched(pl_module: LightningModule, wrapper: torch.nn.Module | None = None) -> Iterator[None]:
     """Run a throw-away training step: afterwards RNGs, buffers, torchmetrics states, plain scalar attributes of the
     LightningModule and module modes are as before, ``self.log`` calls were no-ops and all gradients are ``None``."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -166,6 +125,8 @@ def _untouched(pl_module: LightningModule) -> Iterator[None]:
     finally:
         del pl_module.log, pl_module.log_dict
         pl_module.zero_grad(set_to_none=True)
+        if wrapper is not None:
+            wrapper.zero_grad(set_to_none=True)
         for module, training in modes.items():
             module.training = training
         with torch.no_grad():
@@ -209,20 +170,26 @@ def _loss(output: Any) -> torch.Tensor | None:
 
 
 class CachePreallocator(Callback):
-    """Run one forward and backward at the largest batch of the run before training starts.
+    """Run the run's costliest training step once before training starts, leaving its memory reserved.
 
-    In ``on_fit_start`` a dummy batch of the worst-case shape goes through the LightningModule's own
-    ``training_step`` under the Trainer's precision context (autocast), then ``backward``; then every gradient is set
-    to ``None``. Nothing else changes: no optimizer or scheduler step, and parameters, buffers, torchmetrics states,
-    scalar attributes of the LightningModule (counters), ``global_step`` and the python, numpy, torch and CUDA RNGs
-    are as before. ``self.log`` calls inside ``training_step`` are no-ops for this pass. A shape the model cannot take
+    In ``on_fit_start`` a batch of the worst-case shape goes through the LightningModule's own ``training_step``
+    under the Trainer's precision context (autocast), then ``backward``, with what a steady-state step also holds:
+    the optimizer state its first step will make, the previous step's gradients during the forward, and the
+    optimizer step's temporaries (:mod:`~lightning_seqmem.memory.optimizer_state`: plain tensors of the same
+    sizes, dropped afterwards; Adam, AdamW and SGD are known). Then every gradient is set to ``None``. Nothing else
+    changes: no optimizer or scheduler step, and parameters, optimizer state, buffers, torchmetrics states, scalar
+    attributes of the LightningModule (counters), ``global_step`` and the python, numpy, torch and CUDA RNGs are as
+    before. ``self.log`` calls inside ``training_step`` are no-ops for this pass. A shape the model cannot take
     (longer than its position embeddings, say) fails here too, in the first minute.
 
     The shape comes from ``trainer.datamodule.max_batch_shape()`` (keys from ``batch_keys()``; the
     :mod:`~lightning_seqmem.protocols` ``GivesMaxBatchShape`` and ``GivesBatchKeys``), or from ``rows`` and ``length``.
     A callback with ``max_warmup_shape(rows, length)`` (``GivesWarmupShape``; ``SeqLengthWarmup``: reshape mode makes
     more rows of fewer tokens, truncation shorter rows) reshapes those batches, so its answer replaces the
-    DataModule's shape.
+    DataModule's shape. What the batch holds follows the real batches (padding inside a row, several packed
+    documents per row: transformers builds a 4-D attention mask for those, not for one unpadded document):
+    ``trainer.datamodule.worst_batch_layout(rows, length)`` (``GivesWorstBatchLayout``), else the costliest layout
+    the keys allow (:func:`~lightning_seqmem.memory.worst_batch.default_layout`).
 
     Lightning calls ``torch.cuda.empty_cache()`` after ``on_fit_start`` (``CheckpointConnector.resume_end``), which
     hands the cached blocks back to the driver. So on CUDA the pass runs again in ``on_train_start`` (after the
@@ -231,9 +198,10 @@ class CachePreallocator(Callback):
 
     Under DDP the pass calls the unwrapped LightningModule on every rank: no gradient all-reduce (DDP's reducer
     ignores a backward it did not prepare in ``forward``), so ranks stay in step and DDP's own counters are
-    untouched; its gradient buckets already exist. Collectives inside your ``training_step`` run on every rank.
-    Skipped with a warning for manual optimization (its ``training_step`` steps the optimizer) and for strategies
-    that shard parameters (FSDP, DeepSpeed).
+    untouched; its gradient buckets already exist. Under FSDP it runs through the strategy's wrapped module (every
+    rank at once: FSDP gathers the shards in forward and reduce-scatters the gradients in backward), with the
+    optimizer state of this rank's shards. Collectives inside your ``training_step`` run on every rank. Skipped
+    with a warning for manual optimization (its ``training_step`` steps the optimizer) and DeepSpeed.
 
     Args:
         rows: rows of the worst-case micro-batch; with ``length``, overrides the DataModule.
@@ -278,6 +246,7 @@ class CachePreallocator(Callback):
         self.rereserve = rereserve
         self.report: PreallocationReport | None = None
         self._skip_reason: str | None = None
+        self._predicted: str | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -292,8 +261,8 @@ class CachePreallocator(Callback):
         if not pl_module.automatic_optimization:
             self._skip_reason = "manual optimization (its training_step would step the optimizer)"
         strategy = type(trainer.strategy).__name__
-        if "FSDP" in strategy or "DeepSpeed" in strategy:
-            self._skip_reason = f"{strategy} shards parameters, so the unwrapped module cannot run a step"
+        if "DeepSpeed" in strategy:
+            self._skip_reason = f"{strategy} partitions and steps the model its own way"
         if self._skip_reason:
             rank_zero_warn(f"CachePreallocator is skipped: {self._skip_reason}.")
 
@@ -319,36 +288,43 @@ class CachePreallocator(Callback):
             return tuple(trainer.datamodule.batch_keys())
         return DEFAULT_KEYS
 
+    def worst_case_layout(self, trainer: Trainer, shape: tuple[int, int]) -> Layout:
+        """Document lengths per row of the ``shape`` batch: the DataModule's answer, else the keys' costliest."""
+        if isinstance(trainer.datamodule, GivesWorstBatchLayout):
+            return check_layout(trainer.datamodule.worst_batch_layout(*shape), *shape)
+        return default_layout(*shape, self._batch_keys(trainer))
+
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._skip_reason:
             return
-        self.report = PreallocationReport(
-            shapes=self.worst_case_shapes(trainer), keys=self._batch_keys(trainer), device=str(pl_module.device)
-        )
-        self._warn_if_predicted_oom(trainer, pl_module)
+        shapes = self.worst_case_shapes(trainer)
+        self.report = PreallocationReport(shapes=shapes, keys=self._batch_keys(trainer), device=str(pl_module.device),
+                                          layouts=[self.worst_case_layout(trainer, s) for s in shapes])
+        self._predicted = self._predicted_shortfall(trainer, pl_module)
+        if self._predicted:
+            rank_zero_warn(f"CachePreallocator: {self._predicted}")
         self._run(trainer, pl_module, "fit_start")
         rank_zero_info(self.report.summary())
 
-    def _warn_if_predicted_oom(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """CUDA, before the pass allocates anything: warn when the traced estimate of the worst-case step
-        (``memory/estimate.py``, the numbers ``seqmem-plan`` prints) exceeds the free memory, with the
-        micro_batch_size that fits. Only a warning: the pass itself then measures."""
+    def _predicted_shortfall(self, trainer: Trainer, pl_module: LightningModule) -> str | None:
+        """CUDA, before the pass allocates anything: the traced estimate of the worst-case step
+        (``memory/estimate.py``, the numbers ``seqmem-plan`` prints) when it exceeds the free memory, with the
+        micro_batch_size that fits (under FSDP weights, gradients and optimizer state count once per shard).
+        Warned, and repeated if the pass then runs out of memory."""
         from lightning_seqmem.memory.estimate import module_facts, shortfall_message
 
         facts = module_facts(pl_module)
         if facts is None or not _is_cuda(pl_module.device):
-            return
+            return None
         try:
             free, _ = _cuda_mem_get_info(pl_module.device)
             available = free + _cuda_allocated(pl_module.device)  # weights already there are part of the estimate
-            message = shortfall_message(shape=self.report.shapes[0], keys=self.report.keys, available=available,
-                                        precision=str(trainer.precision), **facts)
+            return shortfall_message(shape=self.report.shapes[0], keys=self.report.keys, available=available,
+                                     precision=str(trainer.precision), shards=_shards(trainer), **facts)
         except Exception as error:  # an estimate we cannot make must never stop the run
             rank_zero_info(f"CachePreallocator: no memory estimate ({type(error).__name__}: {str(error)[:200]}).")
-            return
-        if message:
-            rank_zero_warn(f"CachePreallocator: {message}")
+            return None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -362,6 +338,10 @@ class CachePreallocator(Callback):
         device = pl_module.device
         on_cuda = _is_cuda(device)
         vocab_size = self.vocab_size or _vocab_size(pl_module)
+        pad = find_pad_token_id(trainer.datamodule, pl_module, pl_module.hparams) or 0
+        wrapper = trainer.strategy.model if _through_wrapper(trainer) else None
+        optimizers = list(trainer.optimizers)
+        params = trained_parameters(optimizers) or [p for p in pl_module.parameters() if p.requires_grad]
         start = time.perf_counter()
         if on_cuda:
             _cuda_reset_peak(device)
@@ -370,13 +350,18 @@ class CachePreallocator(Callback):
 
             report.rss_before = psutil.Process().memory_info().rss
         failure: tuple[tuple[int, int], str] | None = None
-        with _untouched(pl_module):
-            for shape in report.shapes:
+        with _untouched(pl_module, wrapper), torch.profiler.record_function("CachePreallocator"):
+            state = [state_standins(optimizer) for optimizer in optimizers]  # held for the whole pass
+            report.optimizer_state = (None if any(s is None for s in state) else
+                                      sum(t.numel() * t.element_size() for s in state for t in s))
+            for shape, layout in zip(report.shapes, report.layouts):
+                batch = make_dummy_batch(*shape, report.keys, vocab_size, device, layout=layout, pad_token_id=pad)
                 try:
-                    self._step(trainer, pl_module, make_dummy_batch(*shape, report.keys, vocab_size, device))
+                    self._step(trainer, pl_module, batch, params, optimizers, wrapper)
                 except torch.OutOfMemoryError as error:  # leave the except block first so the activations are freed
                     failure = (shape, str(error))
                     break
+            del state
         if failure is not None:
             raise PreallocationOOMError(self._oom_message(device, *failure)) from None
         report.seconds = time.perf_counter() - start
@@ -388,12 +373,28 @@ class CachePreallocator(Callback):
             report.peak_rss = stats.peak_rss_bytes()
 
     @staticmethod
-    def _step(trainer: Trainer, pl_module: LightningModule, batch: dict[str, torch.Tensor]) -> None:
+    def _step(trainer: Trainer, pl_module: LightningModule, batch: dict[str, torch.Tensor],
+              params: list[torch.Tensor], optimizers: list[torch.optim.Optimizer],
+              wrapper: torch.nn.Module | None) -> None:
+        """One step in the order of Lightning's automatic optimization: forward with the previous step's gradients
+        alive, zero_grad (not under gradient accumulation), backward, the optimizer step's temporaries."""
+        grads = gradient_standins(params)
         batch = trainer.precision_plugin.convert_input(batch)
-        with trainer.precision_plugin.train_step_context():
-            loss = _loss(pl_module.training_step(batch, 0))
+        if wrapper is not None:  # FSDP: through the wrapped module (gathers shards, reduce-scatters gradients)
+            loss = _loss(trainer.strategy.training_step(batch, 0))
+        else:
+            with trainer.precision_plugin.train_step_context():
+                loss = _loss(pl_module.training_step(batch, 0))
+        if trainer.accumulate_grad_batches == 1:
+            del grads[:]  # Lightning zeroes gradients after the forward, before backward
         if loss is not None:
             loss.backward()  # unscaled: the scale does not change memory, and the gradients are thrown away
+        del loss
+        temporaries = [step_temporaries(optimizer) for optimizer in optimizers]
+        del temporaries, grads
+        for module in (pl_module, wrapper):
+            if module is not None:  # the next shape's forward sees only the stand-ins
+                module.zero_grad(set_to_none=True)
 
     def _oom_message(self, device: torch.device, shape: tuple[int, int], cause: str) -> str:
         tried = stats.parse_tried_to_allocate(cause)
@@ -407,4 +408,17 @@ class CachePreallocator(Callback):
 
             memory = psutil.virtual_memory()
             held, needed, free, total = None, tried, memory.available, memory.total
-        return stats.oom_message(shape, self.report.keys, str(device), needed, free, total, held, cause)
+        message = stats.oom_message(shape, self.report.keys, str(device), needed, free, total, held, cause)
+        return message + (f"\nEstimate: {self._predicted}" if self._predicted else "")
+
+
+def _through_wrapper(trainer: Trainer) -> bool:
+    """FSDP shards the parameters: only its wrapped module can run a step."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return isinstance(trainer.strategy, FSDPStrategy)
+
+
+def _shards(trainer: Trainer) -> int:
+    """How many ranks share weights, gradients and optimizer state (FSDP), else 1."""
+    return int(trainer.world_size) if _through_wrapper(trainer) else 1
