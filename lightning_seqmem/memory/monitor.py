@@ -21,18 +21,32 @@ def _cuda_stats(device: torch.device) -> dict[str, Any]:
     return torch.cuda.memory_stats(device)
 
 
+def _training_device(trainer: Trainer) -> torch.device:
+    """The device the run trains on. Not ``pl_module.device``: Lightning moves the module back to the CPU before
+    ``on_fit_end``."""
+    return trainer.strategy.root_device
+
+
+def _expandable_segments() -> bool:
+    from lightning_seqmem.memory.allocator import allocator_settings
+
+    return allocator_settings().get("expandable_segments", "").lower() == "true"
+
+
 class MemoryMonitor(Callback):
     """Log memory every ``every_n_steps`` optimizer steps (and after the first), summarise at the end of fit.
 
-    On CUDA it logs, from ``torch.cuda.memory_stats()``: ``memory/allocated_gib``, ``reserved_gib``,
-    ``peak_allocated_gib``, ``peak_reserved_gib``, ``fragmentation`` ((reserved - allocated) / reserved),
-    ``num_alloc_retries``, ``num_ooms`` and ``num_device_alloc`` (cudaMalloc calls). On CPU it logs the process's
+    On CUDA it logs, from ``torch.cuda.memory_stats()`` of the device the run trains on: ``memory/allocated_gib``,
+    ``reserved_gib``, ``peak_allocated_gib``, ``peak_reserved_gib``, ``inactive_split_gib`` and its peak,
+    ``fragmentation`` (the peak of inactive split blocks, which the allocator cannot merge for a larger request,
+    over the peak reserved: :func:`~lightning_seqmem.memory.stats.stranded_share`), ``num_alloc_retries``,
+    ``num_ooms`` and ``num_device_alloc`` (cudaMalloc calls). On CPU it logs the process's
     ``rss_gib`` and ``peak_rss_gib``. Values go to every logger with ``log_metrics`` (``self.log`` would be averaged
     or dropped by Lightning's logging cadence) and to :attr:`history`.
 
     At the end of fit :attr:`summary` holds the peaks, the reserved-memory growth after the first step, the retries
-    and the largest fragmentation seen; a warning with the fix follows when retries happened or fragmentation
-    exceeded ``fragmentation_threshold``.
+    and the largest fragmentation seen; a warning with the fixes the run does not have yet (expandable segments,
+    ``CachePreallocator``) follows when retries happened or fragmentation exceeded ``fragmentation_threshold``.
 
     Args:
         every_n_steps: log every this many optimizer steps (``trainer.global_step``).
@@ -77,7 +91,7 @@ class MemoryMonitor(Callback):
         if stage != "fit":
             return
         self.history, self.summary = [], {}
-        on_cuda = _is_cuda(trainer.strategy.root_device)
+        on_cuda = _is_cuda(_training_device(trainer))
         if (self.record_history or self.snapshot_dir) and not on_cuda:
             rank_zero_warn("MemoryMonitor: record_history and snapshot_dir need CUDA; ignored on this device.")
         elif self.record_history:
@@ -97,7 +111,7 @@ class MemoryMonitor(Callback):
             return  # no optimizer step yet, or still accumulating the same step
         if step != 1 and step % self.every_n_steps != 0:
             return
-        metrics = self.collect(pl_module.device)
+        metrics = self.collect(_training_device(trainer))
         self.history.append({"step": step, **metrics})
         logged = {f"memory/{name}": value for name, value in metrics.items()}
         for logger in trainer.loggers:
@@ -106,7 +120,7 @@ class MemoryMonitor(Callback):
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.history or self.history[-1]["step"] != trainer.global_step:
-            self.history.append({"step": trainer.global_step, **self.collect(pl_module.device)})
+            self.history.append({"step": trainer.global_step, **self.collect(_training_device(trainer))})
         first, last = self.history[0], self.history[-1]
         summary = {"steps": float(last["step"])}
         for name in ("peak_allocated_gib", "peak_reserved_gib", "peak_rss_gib", "num_alloc_retries", "num_ooms",
@@ -115,12 +129,17 @@ class MemoryMonitor(Callback):
                 summary[name] = last[name]
         if "reserved_gib" in first:
             summary["reserved_after_first_step_gib"] = first["reserved_gib"]
-            summary["reserved_growth_gib"] = max(row["reserved_gib"] for row in self.history) - first["reserved_gib"]
+            reserved = [row["reserved_gib"] for row in self.history if "reserved_gib" in row]
+            summary["reserved_growth_gib"] = max(reserved) - first["reserved_gib"]
             summary["max_fragmentation"] = max(row.get("fragmentation", 0.0) for row in self.history)
         self.summary = summary
         rank_zero_info("MemoryMonitor summary: " + ", ".join(f"{k}={v:.3g}" for k, v in summary.items()))
+        from lightning_seqmem.memory.preallocate import CachePreallocator
+
         advice = stats.memory_advice(
-            summary.get("num_alloc_retries", 0.0), summary.get("max_fragmentation", 0.0), self.fragmentation_threshold
+            summary.get("num_alloc_retries", 0.0), summary.get("max_fragmentation", 0.0), self.fragmentation_threshold,
+            preallocating=any(isinstance(cb, CachePreallocator) for cb in trainer.callbacks),
+            expandable=_expandable_segments(),
         )
         if advice:
             rank_zero_warn(advice)
@@ -129,7 +148,7 @@ class MemoryMonitor(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if not (self.snapshot_dir and isinstance(exception, torch.OutOfMemoryError)):
             return
-        if not _is_cuda(pl_module.device):
+        if not _is_cuda(_training_device(trainer)):
             return
         os.makedirs(self.snapshot_dir, exist_ok=True)
         self.snapshot_path = os.path.join(self.snapshot_dir, f"oom_rank{trainer.global_rank}.pickle")

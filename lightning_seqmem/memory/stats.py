@@ -19,6 +19,7 @@ _CUDA_KEYS = {
     "allocated_bytes.all.peak": "peak_allocated_gib",
     "reserved_bytes.all.peak": "peak_reserved_gib",
     "inactive_split_bytes.all.current": "inactive_split_gib",
+    "inactive_split_bytes.all.peak": "peak_inactive_split_gib",
     "num_alloc_retries": "num_alloc_retries",
     "num_ooms": "num_ooms",
     "num_device_alloc": "num_device_alloc",  # cudaMalloc calls (torch >= 2.1)
@@ -44,27 +45,41 @@ def format_bytes(n: float | None) -> str:
 
 
 def fragmentation(reserved: float, allocated: float) -> float:
-    """Share of reserved memory not held by live tensors: ``(reserved - allocated) / reserved`` (0 if none)."""
+    """Share of reserved memory not held by live tensors: ``(reserved - allocated) / reserved`` (0 if none).
+
+    Not fragmentation: after a pre-allocated peak most of the reservation is free and reusable. See
+    :func:`stranded_share` for the figure the monitor reports."""
     return (reserved - allocated) / reserved if reserved > 0 else 0.0
+
+
+def stranded_share(inactive_split: float, reserved: float) -> float:
+    """Fragmentation: the share of reserved memory in inactive split blocks (``inactive_split_bytes``), the free
+    remainders of split blocks that the allocator cannot merge into a larger request (0 if nothing reserved)."""
+    return inactive_split / reserved if reserved > 0 else 0.0
 
 
 def cuda_memory_metrics(stats: Mapping[str, int | float]) -> dict[str, float]:
     """Flat metrics from a ``torch.cuda.memory_stats()`` dict (missing keys are skipped).
 
-    Returns GiB for sizes, counts as floats, and ``fragmentation`` of the current reserved memory.
+    Returns GiB for sizes, counts as floats, and ``fragmentation`` (:func:`stranded_share`) at the peak: the most
+    bytes ever in inactive split blocks over the most ever reserved (the current values without peaks). Sampled
+    after a step, when most of a pre-allocated reservation is free but reusable, ``(reserved - allocated) /
+    reserved`` would measure the reservation instead.
 
     Example::
 
-        cuda_memory_metrics({"allocated_bytes.all.current": 2**30, "reserved_bytes.all.current": 2**31})
-        # {'allocated_gib': 1.0, 'reserved_gib': 2.0, 'fragmentation': 0.5}
+        cuda_memory_metrics({"reserved_bytes.all.peak": 2**33, "inactive_split_bytes.all.peak": 2**30})
+        # {'peak_reserved_gib': 8.0, 'peak_inactive_split_gib': 1.0, 'fragmentation': 0.125}
     """
     metrics: dict[str, float] = {}
     for key, name in _CUDA_KEYS.items():
         if key in stats:
             value = float(stats[key])
             metrics[name] = value / GIB if name.endswith("_gib") else value
-    if "reserved_gib" in metrics and "allocated_gib" in metrics:
-        metrics["fragmentation"] = fragmentation(metrics["reserved_gib"], metrics["allocated_gib"])
+    for split, reserved in (("peak_inactive_split_gib", "peak_reserved_gib"), ("inactive_split_gib", "reserved_gib")):
+        if split in metrics and reserved in metrics:
+            metrics["fragmentation"] = stranded_share(metrics[split], metrics[reserved])
+            break
     return metrics
 
 
@@ -135,8 +150,10 @@ def oom_message(
     return "\n".join(lines)
 
 
-def memory_advice(num_alloc_retries: float, peak_fragmentation: float, threshold: float) -> str | None:
-    """A warning with the fix when allocator retries or fragmentation are high; ``None`` when all is well."""
+def memory_advice(num_alloc_retries: float, peak_fragmentation: float, threshold: float,
+                  preallocating: bool = False, expandable: bool = False) -> str | None:
+    """A warning with the fixes not yet in place when allocator retries or fragmentation are high; ``None`` when all
+    is well. ``preallocating``/``expandable``: the run already has ``CachePreallocator`` / expandable segments."""
     problems = []
     if num_alloc_retries > 0:
         problems.append(
@@ -144,12 +161,14 @@ def memory_advice(num_alloc_retries: float, peak_fragmentation: float, threshold
             "satisfy a request: slow, and one step from OOM)"
         )
     if peak_fragmentation > threshold:
-        problems.append(f"fragmentation {peak_fragmentation:.0%} (> {threshold:.0%}) of reserved memory unused")
+        problems.append(f"fragmentation {peak_fragmentation:.0%} (> {threshold:.0%}) of reserved memory stranded in "
+                        "split blocks")
     if not problems:
         return None
-    return (
-        "Memory: " + "; ".join(problems) + ". Fixes: enable expandable segments "
-        "(lightning_seqmem.memory.allocator.configure_allocator() before importing torch, or "
-        "PYTORCH_ALLOC_CONF=expandable_segments:True), add CachePreallocator so the largest batch is reserved first, "
-        "and keep shapes steady (strategy='truncate', or pack with a fixed max_length)."
-    )
+    fixes = [] if expandable else [
+        "enable expandable segments (lightning_seqmem.memory.allocator.configure_allocator() before importing "
+        "torch, or PYTORCH_ALLOC_CONF=expandable_segments:True)"]
+    if not preallocating:
+        fixes.append("add CachePreallocator so the largest batch is reserved first")
+    fixes.append("keep shapes steady (strategy='truncate', or pack with a fixed max_length)")
+    return "Memory: " + "; ".join(problems) + ". Fixes: " + ", ".join(fixes) + "."
