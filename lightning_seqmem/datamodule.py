@@ -338,7 +338,7 @@ class SeqMemDataModule(LightningDataModule):
                 check_values_once(ds, kind, split, vocab, cache_dir=self.cache_dir)
             return raw, PRETOKENIZED_KINDS[kind]
         tokenized = tokenize_cached(raw, self.tokenizer, kind, self.text_column, num_proc=self.num_proc,
-                                    cache_dir=self.cache_dir)
+                                    cache_dir=self.cache_dir, source=self.dataset)
         return tokenized, kind
 
     @override

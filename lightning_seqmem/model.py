@@ -68,7 +68,9 @@ class CausalLM(LightningModule):
             fields; the model gets random weights. Ignored when ``pretrained_path`` is given.
         pretrained_path: a local directory saved with ``save_pretrained`` to load weights from.
         vocab_size: vocabulary size; ``None`` takes it from the DataModule's tokenizer at ``setup``.
-        pad_token_id: pad id for counting real tokens in packed batches; ``None`` takes it from the tokenizer.
+        pad_token_id: pad id, for a model used without a DataModule. With one, the DataModule owns the pad id
+            (its ``pad_token_id``, else its tokenizer's) and ``setup`` takes it from there; the argument is kept
+            out of ``hparams_initial`` so the two never log different values (Lightning refuses that).
         attn_implementation: ``"sdpa"``, ``"eager"``, ``"flash_attention_2"``/``"flash_attention_3"`` or a hub
             flash kernel. All keep packed documents apart (batches with ``position_ids`` and no ``attention_mask``):
             SDPA and eager through the block-diagonal mask transformers builds from ``position_ids``, flash through
@@ -114,7 +116,9 @@ class CausalLM(LightningModule):
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {loss_normalization!r}.")
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
-        self.save_hyperparameters()
+        # The pad id belongs to the data: logged by the DataModule only, but kept in ``hparams`` for checkpoints.
+        self.save_hyperparameters(ignore=["pad_token_id"])
+        self.hparams.pad_token_id = pad_token_id
         self.model = None
         self.val_loss = MeanMetric()
         # Real tokens / slots, summed over ranks; the pad id is set again at setup once the tokenizer is known.
@@ -152,13 +156,9 @@ class CausalLM(LightningModule):
         DataModule's rows fit the model's positions."""
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         tok = getattr(dm, "tokenizer", None)
-        if tok is not None:
-            if self.hparams.vocab_size is None:
-                self.hparams.vocab_size = len(tok)
-            if self.hparams.pad_token_id is None:
-                self.hparams.pad_token_id = tok.pad_token_id
-        elif self.hparams.pad_token_id is None and dm is not None:  # pre-tokenized data with its own special ids
-            self.hparams.pad_token_id = find_pad_token_id(dm)
+        if tok is not None and self.hparams.vocab_size is None:
+            self.hparams.vocab_size = len(tok)
+        self._take_pad_token_id(dm, tok)
         if self.hparams.pad_token_id is not None:
             self.token_efficiency.pad_token_id = self.hparams.pad_token_id
         if self.model is None:
@@ -169,6 +169,20 @@ class CausalLM(LightningModule):
                 )
             self._build()
         self._check_positions(dm)
+
+    def _take_pad_token_id(self, dm: Any, tok: Any) -> None:
+        """The pad id from its owner, the data: the DataModule's ``pad_token_id`` (pre-tokenized data give it
+        without a tokenizer), else its tokenizer's. A different id given to the model loses, with a warning."""
+        data_pad = find_pad_token_id(dm) if dm is not None else None
+        if data_pad is None and tok is not None:
+            data_pad = tok.pad_token_id
+        if data_pad is None:
+            return
+        own = self.hparams.pad_token_id
+        if own is not None and own != data_pad:
+            rank_zero_warn(f"CausalLM was given pad_token_id={own} but the DataModule pads with {data_pad}; using "
+                           f"{data_pad}. The pad id belongs to the data: give it there (data.pad_token_id) only.")
+        self.hparams.pad_token_id = data_pad
 
     def _check_positions(self, dm: Any) -> None:
         """Refuse, before the first step, rows longer than a learned position table (a torch IndexError otherwise);

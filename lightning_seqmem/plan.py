@@ -302,8 +302,6 @@ def recommend(plans: Sequence[StrategyPlan], memory: MemoryPlan | None, micro_ba
 
 def format_plan(plan: Plan) -> str:
     """The report as text tables."""
-    from lightning_seqmem.memory.stats import format_bytes
-
     d = plan.distribution
     pct = "  ".join(f"p{p}={v}" for p, v in d["percentiles"].items())
     lines = [f"Train documents: {d['documents']:,}, {d['tokens']:,} tokens, mean {d['mean']:.1f} tokens; {pct}",
@@ -316,46 +314,43 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}  {s.tokens_lost:>9,} "
                      f"({s.lost_share:>5.1%}) {s.rows:>8,} {s.batches:>8,} {s.optimizer_steps:>7,}  "
                      f"{s.max_batch_shape[0]} x {s.max_batch_shape[1]}{mark}")
-    memory = plan.memory
-    if memory is not None:
-        lines += ["", f"Peak training memory at length {memory.length} (worst case of the configured run)"
-                  + (f"; budget {format_bytes(memory.budget)}, {format_bytes(memory.usable)} usable after a "
-                     f"{memory.margin:.0%} allocator margin" if memory.budget else ""),
-                  "micro_batch_size  checkpointing  parameters  gradients  optimizer  activations  peak (in)"]
-        for checkpointing, by_rows in memory.estimates.items():
-            for rows, e in by_rows.items():
-                fit = "" if memory.usable is None else ("  fits" if e.peak <= memory.usable else "  too big")
-                lines.append(f"{rows:>16}  {'yes' if checkpointing else 'no':>13}  {format_bytes(e.parameters):>10}  "
-                             f"{format_bytes(e.gradients):>9}  {format_bytes(e.optimizer_state):>9}  "
-                             f"{format_bytes(e.activations):>11}  {format_bytes(e.peak)} ({e.peak_phase}){fit}")
-        if memory.advice:
-            lines.append(memory.advice)
+    lines += ["", *memory_table(plan.memory)] if plan.memory is not None else []
     lines += ["", "Recommended: " + " ".join(f"{k}={v}" for k, v in plan.recommended.items()),
               "Why: " + plan.recommendation]
     return "\n".join(lines)
 
 
-def save_histogram(lengths: np.ndarray, max_lengths: Sequence[int], path: str) -> str:
-    """A PNG histogram of document lengths with each candidate max_length marked (needs matplotlib: ``[plot]``)."""
-    try:
-        import matplotlib
+# What is live at a peak in each phase of the traced step (forward, zero_grad, backward, optimizer step).
+PEAK_NOTES = {
+    "forward": "the previous step's gradients are still alive (zero_grad frees them after the forward).",
+    "backward": "the forward's saved activations are alive and this step's gradients are not all written yet "
+                "('none yet of X': zero_grad freed the previous ones); they come later, below the peak.",
+    "optimizer": "parameters, gradients and AdamW state are all alive, with the optimizer step's temporaries.",
+}
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ImportError("The histogram needs matplotlib: pip install 'lightning_seqmem[plot]'.") from error
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.hist(np.asarray(lengths), bins=min(100, max(10, int(np.sqrt(len(lengths))))), color="#4c72b0")
-    for m in max_lengths:
-        ax.axvline(m, color="#c44e52", linestyle="--", linewidth=1)
-        ax.text(m, ax.get_ylim()[1] * 0.95, f" {m}", color="#c44e52", fontsize=8, va="top")
-    ax.set_xlabel("tokens per document")
-    ax.set_ylabel("documents")
-    ax.set_title("Train document lengths and candidate max_length")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+
+def memory_table(memory: MemoryPlan) -> list[str]:
+    """The memory table's lines: per micro_batch_size, the peak, the phase it falls in and what is live then."""
+    from lightning_seqmem.memory.stats import format_bytes
+
+    lines = [f"Peak training memory at length {memory.length} (worst case of the configured run)" + (
+                 f"; budget {format_bytes(memory.budget)}, {format_bytes(memory.usable)} usable after a "
+                 f"{memory.margin:.0%} allocator margin" if memory.budget else ""),
+             f"{'':>56}{' live at the peak ':-^58}",
+             "micro_batch_size  checkpointing        peak  falls in    parameters  gradients             "
+             "   optimizer  activations"]
+    for checkpointing, by_rows in memory.estimates.items():
+        for rows, e in by_rows.items():
+            full, gradients = e.state.get("gradients", 0), format_bytes(e.gradients)
+            if e.gradients < full:  # not all written yet at the peak
+                gradients = f"{gradients if e.gradients else 'none yet'} of {format_bytes(full)}"
+            fit = "" if memory.usable is None else ("  fits" if e.peak <= memory.usable else "  too big")
+            lines.append(f"{rows:>16}  {'yes' if checkpointing else 'no':>13}  {format_bytes(e.peak):>10}  "
+                         f"{e.peak_phase:<9}  {format_bytes(e.parameters):>11}  {gradients:<20}  "
+                         f"{format_bytes(e.optimizer_state):>10}  {format_bytes(e.activations):>11}{fit}")
+    phases = dict.fromkeys(e.peak_phase for by_rows in memory.estimates.values() for e in by_rows.values())
+    lines += [f"Peak in {p}: {PEAK_NOTES[p]}" for p in phases if p in PEAK_NOTES]
+    return lines + ([memory.advice] if memory.advice else [])
 
 
 def _with_config(plans: Sequence[StrategyPlan], strategy: str, max_length: int) -> StrategyPlan | None:
@@ -452,25 +447,30 @@ def plan(
 
 
 def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
-    """Per split, the token count of every non-empty document, as ``SeqMemDataModule(...)`` sees them.
+    """Per split, the token count of every non-empty document, as ``SeqMemDataModule(...)`` sees them: through
+    its tokenize-once cache (which the training run then reuses) or pre-tokenized, from Arrow offsets only."""
+    if dm.tokenized_documents()[1] != "text":
+        raise ValueError("seqmem-plan plans text datasets; prompt/completion data is not supported yet.")
+    return {split: column_lengths(dm, split)["documents"] for split in ("train", "validation")}
 
-    The documents come through the DataModule's own tokenize-once cache (so the training run that follows reuses
-    it) or are pre-tokenized; only the Arrow offsets of ``input_ids`` are read, never the tokens.
-    """
+
+def column_lengths(dm: Any, split: str = "train") -> dict[str, np.ndarray]:
+    """Non-empty token counts of one split per part: ``documents`` for text, ``prompt`` and ``completion`` for
+    prompt/completion data (what the length histogram draws, one panel each)."""
     from lightning_seqmem.data_source import ensure_validation_split
     from lightning_seqmem.tokens import view_of_dataset
 
     tokenized, kind = dm.tokenized_documents()
-    if kind != "text":
-        raise ValueError("seqmem-plan plans text datasets; prompt/completion data is not supported yet.")
     tokenized = ensure_validation_split(tokenized, seed=dm.seed)
+    parts = {"documents": "input_ids"} if kind == "text" else {"prompt": "prompt_ids", "completion": "completion_ids"}
     out = {}
-    for split in ("train", "validation"):
-        lengths = view_of_dataset(tokenized[split], "input_ids").lengths  # through a carved-out split's indices
-        out[split] = lengths[lengths > 0]
+    for name, column in parts.items():
+        lengths = view_of_dataset(tokenized[split], column).lengths  # through a carved-out split's indices
+        out[name] = lengths[lengths > 0]
     return out
 
 
-__all__ = ["STRATEGIES", "plan", "default_max_lengths", "DataSettings", "StrategyPlan", "MemoryPlan", "Plan", "plan_strategy", "plan_strategies",
-           "plan_memory", "build_plan", "format_plan", "save_histogram", "datamodule_lengths", "length_distribution",
-           "parse_bytes", "recommend", "recommend_data", "strategy_name"]
+__all__ = ["STRATEGIES", "DataSettings", "MemoryPlan", "Plan", "StrategyPlan", "build_plan", "column_lengths",
+           "datamodule_lengths", "default_max_lengths", "format_plan", "length_distribution", "memory_table",
+           "parse_bytes", "plan", "plan_memory", "plan_strategies", "plan_strategy", "recommend", "recommend_data",
+           "strategy_name"]

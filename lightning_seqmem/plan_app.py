@@ -76,6 +76,10 @@ def plan_from_config(cfg, output_dir: str | None = None):
     dm = instantiate(cfg.data)
     dm.prepare_data()  # tokenize once (cached: the planner and the training run after it read the same tokens)
     max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else default_max_lengths(dm.max_length)
+    if dm.tokenized_documents()[1] != "text":
+        where = _pictures(None, dm, max_lengths, output_dir, p) if output_dir is not None else []
+        raise ValueError("seqmem-plan plans text datasets; prompt/completion data is not supported yet"
+                         + (f" (its prompt and completion lengths are drawn in {where[0]})." if where else "."))
     precision, note_precision = _precision(cfg)
     devices, note_devices = _devices(cfg)
     notes = [n for n in (note_precision, note_devices) if n]
@@ -93,13 +97,33 @@ def plan_from_config(cfg, output_dir: str | None = None):
                   float(p.margin), precision, device, attention, devices,
                   int(cfg.trainer.get("accumulate_grad_batches", 1)))
     if output_dir is not None:
-        _write(result, max_lengths, output_dir, p.get("histogram"), notes)
+        _write(result, output_dir)
+        try:
+            notes += [f"pictures: {', '.join(_pictures(result, dm, max_lengths, output_dir, p))}"]
+        except ImportError as error:
+            notes.append(str(error))
     return result, notes
 
 
-def _write(plan, max_lengths, output_dir: str, histogram: str | None, notes: list[str]) -> None:
-    from lightning_seqmem.plan import save_histogram
+def _pictures(plan, dm, max_lengths, output_dir: str, p) -> list[str]:
+    """Write the length histogram (one panel per part of the examples), the strategy chart and the memory chart
+    named in ``plan.histogram``, ``plan.strategy_chart`` and ``plan.memory_chart`` (null: not drawn)."""
+    from lightning_seqmem import plots
+    from lightning_seqmem.plan import column_lengths
 
+    os.makedirs(output_dir, exist_ok=True)
+    pictures = []
+    if p.get("histogram"):
+        pictures.append((p.histogram, lambda: plots.length_histogram(column_lengths(dm), max_lengths)))
+    if plan is not None and p.get("strategy_chart"):
+        best = (plan.recommended["strategy"], plan.recommended["max_length"])
+        pictures.append((p.strategy_chart, lambda: plots.strategy_bars(plan.strategies, best)))
+    if plan is not None and plan.memory is not None and p.get("memory_chart"):
+        pictures.append((p.memory_chart, lambda: plots.memory_bars(plan.memory)))
+    return [plots.save(draw(), os.path.join(output_dir, name)) for name, draw in pictures]
+
+
+def _write(plan, output_dir: str) -> None:
     os.makedirs(output_dir, exist_ok=True)
     record: dict[str, Any] = {"recommended": plan.recommended, "reason": plan.recommendation,
                               "distribution": plan.distribution, "strategies": [asdict(s) for s in plan.strategies]}
@@ -110,12 +134,6 @@ def _write(plan, max_lengths, output_dir: str, histogram: str | None, notes: lis
                                           for e in by_rows.values()]}
     with open(os.path.join(output_dir, "plan.json"), "w") as f:
         json.dump(record, f, indent=2, default=str)
-    if histogram:
-        try:
-            path = save_histogram(plan.train_lengths, max_lengths, os.path.join(output_dir, histogram))
-            notes.append(f"histogram: {path}")
-        except ImportError as error:
-            notes.append(str(error))
 
 
 def _hydra_entry() -> None:

@@ -24,7 +24,8 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 
-__all__ = ["Job", "ReportError", "build_report", "load_jobs", "main", "reach", "seed_groups", "write_report"]
+__all__ = ["Job", "ReportError", "build_report", "figure", "load_jobs", "main", "reach", "seed_groups",
+           "write_report"]
 
 PROGRESS_FILE = "progress.csv"
 TRAIN_PROGRESS_FILE = "train_progress.csv"  # JobRecord's training-loss rows
@@ -423,53 +424,23 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(jobs: list[Job], report: dict, path: str) -> bool:
-    """Loss against wall-clock and against tokens, one curve per job: validation loss on the top row, training
-    loss (``train_progress.csv``) below when the jobs recorded it. Seeds of one configuration share a colour.
-    False without matplotlib."""
-    try:
-        import matplotlib
+def figure(jobs: list[Job], report: dict, per_job: bool = False):
+    """Loss against time and against tokens (``plots.sweep_curves``): one line per setting, the mean over its seeds
+    with a min-max band, or with ``per_job`` one line per job. Raises ``ImportError`` without matplotlib."""
+    from lightning_seqmem.plots import sweep_curves
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    with_train = any(job.train_rows for job in jobs)
-    fig, axes = plt.subplots(2 if with_train else 1, 2, figsize=(12, 9 if with_train else 4.5), squeeze=False)
-    skey = report["seed_key"]
-    other = [k for k in report["keys"] if k != skey]
-    colours: dict[str, str] = {}
-    for job in jobs:
-        group = label(job, other)
-        first = group not in colours
-        colours.setdefault(group, f"C{len(colours) % 10}")
-        name = (group if skey else label(job, report["keys"])) + ("" if job.finished else f" ({job.status})")
-        style = "-" if job.finished else ":"
-        for row, (curve, loss) in enumerate(((job.rows, "val_loss"), (job.train_rows, "train_loss"))[:len(axes)]):
-            for ax, key in zip(axes[row], (report["time_key"], "tokens_seen")):
-                if curve and key in curve[0]:
-                    ax.plot([r[key] for r in curve], [r[loss] for r in curve], style, color=colours[group],
-                            marker="o" if loss == "val_loss" else None, markersize=3, linewidth=1,
-                            alpha=0.8 if skey else 1.0, label=name if (first or not skey) else None)
+    keys = report["keys"]
+    groups = seed_groups(jobs, keys) if report["seed_key"] else {label(job, keys): [job] for job in jobs}
     clock = "wall-clock" if report["clock"] == "wall" else "CPU time"
-    for row, what in enumerate(("validation loss", "training loss")[:len(axes)]):
-        for ax, xlabel in zip(axes[row], (f"training {clock} (s, validation excluded)", "real tokens trained on")):
-            if row == 0:
-                ax.axhline(report["target"], color="grey", linestyle="--", linewidth=0.8, label="target")
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(what)
-            ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return sweep_curves(groups, report["time_key"], report["target"], clock, per_job)
 
 
 def write_report(sweep_dir: str, out_dir: str | None = None, target_loss: float | None = None,
-                 baseline: str | None = None, name: str = "report", clock: str = "wall") -> dict:
+                 baseline: str | None = None, name: str = "report", clock: str = "wall",
+                 per_job: bool = False) -> dict:
     """Build the report for ``sweep_dir`` and write ``<name>.md``, ``<name>.csv`` (one row per job),
-    ``<name>_seeds.csv`` (one row per configuration, when the sweep varies a seed) and ``<name>.png`` to ``out_dir``.
+    ``<name>_seeds.csv`` (one row per configuration, when the sweep varies a seed) and ``<name>.png`` to ``out_dir``
+    (one line per setting, mean and min-max band over seeds; ``per_job``: one line per job).
 
     Returns the report dict plus ``markdown`` and the ``files`` written.
 
@@ -500,7 +471,11 @@ def write_report(sweep_dir: str, out_dir: str | None = None, target_loss: float 
                 writer.writerow({**group, "seed_key": report["seed_key"], "clock": report["time_key"],
                                  "target_val_loss": report["target"]})
     png = os.path.join(out_dir, f"{name}.png")
-    if plot(jobs, report, png):
+    try:
+        figure(jobs, report, per_job).savefig(png, dpi=120)
+    except ImportError:  # matplotlib is optional: the tables are written without the picture
+        pass
+    else:
         files.append(png)
         with open(files[0], "a") as f:
             f.write(f"\n![loss against wall-clock and tokens]({os.path.basename(png)})\n")
@@ -523,9 +498,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="time axis: training wall-clock (default) or process CPU time (steadier when other "
                              "work shares the machine)")
     parser.add_argument("--name", default="report", help="file name stem of the outputs (default: report)")
+    parser.add_argument("--per-job", action="store_true",
+                        help="plot one line per job instead of one per setting (mean over seeds, min-max band)")
     args = parser.parse_args(argv)
     try:
-        report = write_report(args.sweep_dir, args.out, args.target_loss, args.baseline, args.name, args.clock)
+        report = write_report(args.sweep_dir, args.out, args.target_loss, args.baseline, args.name, args.clock,
+                              args.per_job)
     except ReportError as err:
         print(f"seqmem-report: {err}", file=sys.stderr)
         return 2

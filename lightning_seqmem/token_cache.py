@@ -7,6 +7,12 @@ finds the manifest and memory-maps the files. In-memory datasets, which ``datase
 treatment. The input text is streamed a slice at a time (``arrow_stream``), its pages dropped from the process as it
 goes, rather than read through ``datasets.map``'s memory map, so tokenizing a file of any size keeps one slice of
 text resident, not the file.
+
+Crash leftovers: every writer names its temporary file after its host and process id
+(``tokens-00000.arrow.<host>-<pid>.<random>.tmp``), so a later run removes the files of writers that are gone (a
+dead process on this host, or a file nobody has written to for a day) and never those of a live writer. A damaged
+entry (a truncated Arrow file, a manifest naming a missing file) and a cache directory that cannot be written are
+reported in one line and tokenized again. ``seqmem-cache`` (``lightning_seqmem.cache``) lists and removes entries.
 """
 
 from __future__ import annotations
@@ -14,8 +20,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import socket
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +34,9 @@ from lightning_seqmem.data_source import document_frame, token_features, tokeniz
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
 SMALL_DATASET_ROWS = 20_000  # below this, extra processes cost more than they save
 _TOKENS_PER_RECORD_BATCH = 1 << 20  # 4 MB of int32 ids per record batch of the cache files
+# A temporary file untouched this long is a dead writer's, wherever it ran (a live one writes every 1 M tokens).
+STALE_AFTER_S = 24 * 3600
+_TMP_NAME = re.compile(r"^(?:tokens-\d+\.arrow|manifest\.json)\.(?P<host>.+)-(?P<pid>\d+)\.[^.]+\.tmp$")
 
 
 def default_cache_dir() -> Path:
@@ -55,16 +67,88 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
+def _writer_prefix(name: str) -> str:
+    """``<name>.<host>-<pid>.``: the start of a temporary file's name that says which process writes it."""
+    return f"{name}.{socket.gethostname()}-{os.getpid()}."
+
+
+def _writer_is_gone(path: Path, now: float, max_age: float) -> bool:
+    """Whether a temporary file belongs to a writer that can no longer finish it: a process of this host that has
+    exited, or (any host, any name) a file nobody has written to for ``max_age`` seconds."""
+    try:
+        if now - path.stat().st_mtime > max_age:
+            return True
+    except FileNotFoundError:  # renamed into place or removed meanwhile
+        return False
+    match = _TMP_NAME.match(path.name)
+    if match is None or match["host"] != socket.gethostname():
+        return False  # another machine's process (a shared file system): only the age tells
+    try:
+        os.kill(int(match["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: alive, another user's
+        pass
+    return False
+
+
+def stale_temporaries(root: str | os.PathLike, max_age: float = STALE_AFTER_S) -> list[Path]:
+    """The temporary files under ``root/tokenized`` whose writers are gone (see ``_writer_is_gone``)."""
+    now = time.time()
+    return [p for p in sorted(Path(root).glob("tokenized/*/*.tmp")) if _writer_is_gone(p, now, max_age)]
+
+
+def remove_stale_temporaries(root: str | os.PathLike, max_age: float = STALE_AFTER_S) -> int:
+    """Remove the temporary files of writers that are gone (a crash mid-file); the bytes freed."""
+    freed = 0
+    for path in stale_temporaries(root, max_age):
+        try:
+            size = path.stat().st_size
+            path.unlink()
+            freed += size
+        except OSError:  # removed by another rank meanwhile, or a read-only cache
+            pass
+    return freed
+
+
+def _say(message: str, warn: bool = False) -> None:
+    from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+    (rank_zero_warn if warn else rank_zero_info)(message)
+
+
 def _load(directory: Path):
-    """The cached split, memory-mapped, or ``None`` when its manifest is missing (not written yet)."""
+    """The cached split, memory-mapped, or ``None`` when its manifest is missing (not written yet) or the entry is
+    damaged on disk (said in one line; the manifest is removed so the entry is written again)."""
     manifest = directory / "manifest.json"
     if not manifest.exists():
         return None
     import datasets
+    import pyarrow as pa
 
-    files = json.loads(manifest.read_text())["files"]
-    parts = [datasets.Dataset.from_file(str(directory / f)) for f in files]
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    try:
+        meta = json.loads(manifest.read_text())
+        parts = []
+        for name in meta["files"]:
+            try:
+                parts.append(datasets.Dataset.from_file(str(directory / name)))
+            except (OSError, ValueError, pa.ArrowException) as err:
+                raise ValueError(f"{name}: {type(err).__name__}: {str(err)[:200]}") from None
+        ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        if len(ds) != meta["rows"]:
+            raise ValueError(f"{len(ds)} rows on disk, the manifest says {meta['rows']}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        _say(f"[lightning_seqmem] Token cache entry {directory} is damaged ({err}); tokenizing again.", warn=True)
+        try:
+            manifest.unlink()
+        except OSError:
+            pass
+        return None
+    try:
+        os.utime(manifest)  # the entry's last use, for seqmem-cache --older-than
+    except OSError:  # a read-only cache still serves
+        pass
+    return ds
 
 
 @dataclass(frozen=True)
@@ -112,7 +196,7 @@ def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, 
 
     # A temporary file of this writer's own: ranks that reach setup without prepare_data tokenize the same split
     # into the same directory at once, and each must be able to rename its complete file into place.
-    handle, tmp = tempfile.mkstemp(prefix=f"{name}.", suffix=".tmp", dir=job.directory)
+    handle, tmp = tempfile.mkstemp(prefix=_writer_prefix(name), suffix=".tmp", dir=job.directory)
     os.close(handle)
     try:
         with system_memory_pool(), pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
@@ -163,7 +247,7 @@ def _star_tokenize_shard(args: tuple[int, Shard]) -> tuple[str, int]:
 
 def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
                     completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
-                    num_proc: int | None = None, cache_dir: str | os.PathLike | None = None):
+                    num_proc: int | None = None, cache_dir: str | os.PathLike | None = None, source: Any = None):
     """``data_source.tokenize_dataset``, cached under ``cache_dir``: tokenize a split only the first time.
 
     Args:
@@ -171,7 +255,10 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
         tokenizer, kind, text_column, prompt_column, completion_column, add_bos, add_eos: as in
             ``tokenize_dataset``.
         num_proc: tokenization processes; ``None``: ``default_num_proc``.
-        cache_dir: root of the cache; ``None``: ``default_cache_dir()``.
+        cache_dir: root of the cache; ``None``: ``default_cache_dir()``. When it cannot be written, the split is
+            tokenized into a temporary directory for this process, with a warning.
+        source: what the data is called (the DataModule's ``dataset`` argument), recorded in the entry's manifest
+            for ``seqmem-cache``.
 
     Returns:
         ``DatasetDict`` of memory-mapped token columns (``input_ids`` or ``prompt_ids``/``completion_ids``, and
@@ -180,6 +267,7 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
     import datasets
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    remove_stale_temporaries(root)
     frame = document_frame(tokenizer, add_bos, add_eos)
     columns = [text_column] if kind == "text" else [prompt_column, completion_column]
     common = json.dumps([_FORMAT, tokenizer_fingerprint(tokenizer), frame, kind, columns], default=str)
@@ -187,19 +275,74 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
     for split, ds in dsd.items():
         key = hashlib.sha256((common + ds._fingerprint).encode()).hexdigest()[:32]
         directory = root / "tokenized" / key
-        cached = _load(directory)
+        cached, how = _load(directory), "read from"
         if cached is None:
-            directory.mkdir(parents=True, exist_ok=True)
             procs = num_proc if num_proc is not None else default_num_proc(len(ds))
             job = _Job(tokenizer, kind, columns, text_column, prompt_column, completion_column, add_bos, add_eos,
                        split, str(directory))
-            files = _tokenize_split(ds, job, max(1, min(procs, len(ds))))
-            tmp = directory / f"manifest.json.{os.getpid()}"
-            tmp.write_text(json.dumps({"files": files, "split": split, "rows": len(ds)}))
-            os.replace(tmp, directory / "manifest.json")  # atomic: a reader sees all of it or nothing
-            cached = _load(directory)
+            about = {"split": split, "rows": len(ds), "dataset": describe_source(source, ds),
+                     "tokenizer": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)}
+            blocked = _cannot_write(directory)
+            if blocked is not None:  # tokenize for this process only, into a directory of its own
+                directory = _scratch_root() / key
+                job = replace(job, directory=str(directory))
+                _say(f"[lightning_seqmem] Cannot write the token cache under {root} ({type(blocked).__name__}: "
+                     f"{blocked.strerror or blocked}); tokenizing {split} into {directory} for this process only. "
+                     "Set data.cache_dir (SeqMemDataModule(cache_dir=...)) to a writable directory to tokenize once.",
+                     warn=True)
+            _write_entry(ds, job, max(1, min(procs, len(ds))), about)
+            cached, how = _load(directory), "written to"
+        _say(f"[lightning_seqmem] {split}: tokens {how} the cache entry {directory} (seqmem-cache lists them)")
         out[split] = cached
     return datasets.DatasetDict(out)
+
+
+def describe_source(source: Any, ds: Any = None) -> str:
+    """A short name for the data of a cache entry: the path (made absolute) or name given, else the dataset's."""
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        return os.path.abspath(text) if text != "builtin" and (os.path.exists(text) or "*" in text) else text
+    if isinstance(source, (list, tuple)):
+        return f"a list of {len(source)} items"
+    info = getattr(ds, "info", None)
+    name = getattr(info, "dataset_name", None) or getattr(info, "builder_name", None)
+    return name or f"an in-memory dataset of {len(ds) if ds is not None else '?'} rows"
+
+
+def _cannot_write(directory: Path) -> OSError | None:
+    """Why files cannot be created in ``directory`` (made if missing), or ``None`` when they can."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(prefix=_writer_prefix("probe"), suffix=".tmp", dir=directory)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        return err
+    return None
+
+
+def _write_entry(ds, job: _Job, procs: int, about: dict[str, Any]) -> None:
+    """Tokenize ``ds`` into ``job.directory``, then write its manifest (atomically: all of it or nothing)."""
+    directory = Path(job.directory)
+    directory.mkdir(parents=True, exist_ok=True)  # the scratch directory's entry
+    files = _tokenize_split(ds, job, procs)
+    handle, tmp = tempfile.mkstemp(prefix=_writer_prefix("manifest.json"), suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(handle, "w") as f:
+            json.dump({"files": files, **about, "created": time.time()}, f)
+        os.replace(tmp, directory / "manifest.json")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_SCRATCH: list[tempfile.TemporaryDirectory] = []  # this process's stand-in for an unwritable cache
+
+
+def _scratch_root() -> Path:
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.TemporaryDirectory(prefix="lightning_seqmem-tokens-"))
+    return Path(_SCRATCH[0].name)
 
 
 def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, cache_dir: Any = None) -> bool:
@@ -223,8 +366,11 @@ def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, 
     columns = ["input_ids", "labels"] if kind == "tokens" else ["prompt_ids", "completion_ids"]
     if not _streamed_values_ok([f["filename"] for f in ds.cache_files], columns, vocab_size):
         check_token_values(ds, kind, split, vocab_size)  # the exact check names the bad row; raises: no marker
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:  # an unwritable cache: the check runs again next time
+        pass
     return True
 
 

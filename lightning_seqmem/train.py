@@ -24,6 +24,29 @@ def _configure_allocator_early() -> None:
     configure_allocator()
 
 
+def choose_trainer(overrides: list[str]) -> list[str]:
+    """``trainer=auto`` (the default) made concrete for this machine: ``trainer=gpu`` where CUDA GPUs are visible,
+    announced in one line; the overrides as given otherwise (``auto`` is ``cpu``'s settings). Runs before Hydra
+    composes, so the job's ``.hydra/overrides.yaml`` records the option that ran.
+
+    Example::
+
+        choose_trainer(["data=pad"])  # ['data=pad', 'trainer=gpu'] on a GPU machine, ['data=pad'] on a CPU
+    """
+    given = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") == "trainer"]
+    if given and given[-1] != "trainer=auto":
+        return overrides
+    from lightning.fabric.accelerators.cuda import num_cuda_devices
+
+    count = num_cuda_devices()
+    if count == 0:
+        return overrides
+    print(f"[lightning_seqmem] {count} CUDA GPU{'s' if count > 1 else ''} visible: training with trainer=gpu (one GPU, "
+          "precision from resolve_precision('auto')). trainer=cpu keeps the CPU; trainer=ddp uses every GPU.",
+          file=sys.stderr)
+    return [o for o in overrides if o not in given] + ["trainer=gpu"]
+
+
 def _is_rank_zero() -> bool:
     # Under strategy=ddp Lightning re-launches this script once per extra rank with LOCAL_RANK/NODE_RANK set.
     return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
@@ -138,6 +161,7 @@ def _hydra_entry() -> None:
 def main() -> None:
     """Console-script entry point (``seqmem-train``)."""
     _configure_allocator_early()
+    sys.argv[1:] = choose_trainer(sys.argv[1:])
     _hydra_entry()
 
 

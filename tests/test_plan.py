@@ -17,7 +17,6 @@ from lightning_seqmem.plan import (
     parse_bytes,
     plan_memory,
     plan_strategy,
-    save_histogram,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*")
@@ -115,7 +114,7 @@ def test_no_micro_batch_fits_says_what_would():
     assert "gradient checkpointing" in memory.advice or "max_length=" in memory.advice
 
 
-def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset, tmp_path):
+def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset):
     lengths = datamodule_lengths(SeqMemDataModule(dataset=small_text_dataset))
     plan = build_plan(lengths, list(STRATEGIES), [32, 128], DataSettings(micro_batch_size=4), ("pad", 128),
                       estimate=_tiny_estimate(), micro_batch_sizes=[1, 2, 4], budget=2**30)
@@ -124,8 +123,11 @@ def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset, tmp_p
     assert plan.recommended["strategy"].startswith("pack")  # packing loses nothing and wastes the least
     assert plan.recommended["micro_batch_size"] == 4  # everything fits 1 GiB
     assert plan.distribution["percentiles"][100] == int(lengths["train"].max())
-    png = save_histogram(lengths["train"], [32, 128], str(tmp_path / "lengths.png"))
-    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # The memory table says where each peak falls and why a column is short there, never a bare "0 B".
+    memory = text[text.index("Peak training memory"):text.index("Recommended:")]
+    assert "falls in" in memory and "live at the peak" in memory and " 0 B " not in memory
+    for phase in {e.peak_phase for by_rows in plan.memory.estimates.values() for e in by_rows.values()}:
+        assert f"Peak in {phase}" in memory
 
 
 def test_plan_api_from_a_datamodule_and_a_model_config(small_text_dataset):
@@ -155,3 +157,25 @@ def test_lengths_only_plan_equals_the_token_plan(name, packing, overflow):
     assert np.array_equal(lengths, full.lengths) and cut == full.stats and len(full.rows) == len(lengths)
     lost = sum(cut.get(k, 0) for k in ("tokens_truncated", "tokens_dropped"))
     assert lost + int(lengths.sum()) == sum(map(len, docs))  # every token fed or counted
+
+
+def test_memory_table_says_where_the_peak_falls_and_what_is_live_there():
+    """Past a few rows this model's peak moves from the forward to early backward, where no gradient of the step
+    exists yet: the table says so instead of printing a bare 0 B under gradients."""
+    from lightning_seqmem.memory.stats import format_bytes
+    from lightning_seqmem.plan import memory_table
+
+    cfg = build_model_config("tiny_llama", 2048, 0)
+    memory = plan_memory(lambda rows, length, ckpt: estimate_training_memory(
+        cfg, rows, length, device="cpu", gradient_checkpointing=ckpt), 256, [1, 8])
+    lines = memory_table(memory)
+    rows = {(int(line.split()[0]), line.split()[1] == "yes"): line for line in lines[3:] if line.split()[0].isdigit()}
+    phases = set()
+    for (n, ckpt), line in rows.items():
+        e = memory.estimates[ckpt][n]
+        phases.add(e.peak_phase)
+        assert f" {e.peak_phase} " in line and format_bytes(e.peak) in line
+        if e.gradients == 0:
+            assert f"none yet of {format_bytes(e.state['gradients'])}" in line and " 0 B " not in line
+    assert {"forward", "backward"} <= phases
+    assert [line for line in lines if line.startswith("Peak in backward")]

@@ -45,7 +45,19 @@ def test_seqmem_plan_command_prints_the_tables_and_writes_plan_json_and_histogra
         assert text in out.stdout
     record = json.loads((tmp_path / "plan.json").read_text())
     assert record["recommended"]["micro_batch_size"] == 2 and len(record["strategies"]) == 10
-    assert (tmp_path / "lengths.png").read_bytes()[:4] == b"\x89PNG"
+    for picture in ("lengths.png", "strategies.png", "memory.png"):  # what is on them: tests/test_plots.py
+        assert (tmp_path / picture).read_bytes()[:4] == b"\x89PNG", picture
+    assert f"pictures: {tmp_path / 'lengths.png'}" in out.stdout
+
+
+def test_prompt_completion_data_gets_its_two_panel_histogram_and_a_clear_error(tmp_path):
+    rows = [{"prompt": "question " * (1 + i % 9), "completion": "answer " * (1 + i % 4)} for i in range(40)]
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = _compose("plan", ["data=local", f"data.dataset={tmp_path / 'sft.jsonl'}", "plan.memory=false",
+                            f"data.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(ValueError, match="prompt/completion data is not supported yet .*lengths.png"):
+        plan_from_config(cfg, str(tmp_path / "out"))
+    assert (tmp_path / "out" / "lengths.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bad_plan_settings_fail_with_a_clear_message():

@@ -3,6 +3,7 @@
 import csv
 import json
 
+import numpy as np
 import pytest
 
 from lightning_seqmem import report
@@ -169,3 +170,46 @@ def test_training_loss_is_plotted(tmp_path):
     assert [r["train_loss"] for r in jobs[0].train_rows] == [6.0, 5.5] and jobs[1].train_rows == []
     rep = report.write_report(str(tmp_path))
     assert rep["groups"] == [] and str(tmp_path / "report.png") in rep["files"]
+
+
+def _legend_lines(ax):
+    """The labelled curves of one panel (the target line apart)."""
+    return [line for line in ax.lines if not line.get_label().startswith(("_", "target"))]
+
+
+def test_plot_with_seeds_has_one_line_per_setting_with_a_band_and_the_target(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.collections import PolyCollection
+
+    jobs = report.load_jobs(str(seeded_sweep(tmp_path)))
+    rep = report.build_report(jobs)
+    fig = report.figure(jobs, rep)
+    for ax in fig.axes:  # validation loss against CPU time and against tokens
+        lines = _legend_lines(ax)
+        assert [line.get_label() for line in lines] == ["callbacks.seq_warmup.duration=0.0 (mean of 3)",
+                                                        "callbacks.seq_warmup.duration=0.3 (mean of 3)"]
+        bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
+        assert len(bands) == 2
+        [target] = [line for line in ax.lines if line.get_label().startswith("target")]
+        assert target.get_ydata()[0] == rep["target"] == 4.4
+    # The mean and the band of the baseline against tokens: seeds end at 4.0, 4.2, 4.4 on the common range.
+    tokens = fig.axes[1]
+    base = _legend_lines(tokens)[0]
+    assert base.get_xdata()[-1] == 2900  # the range every seed covers ends where the shortest seed ends
+    xs, ys = np.asarray(tokens.collections[0].get_paths()[0].vertices).T
+    end = ys[xs == 2900]  # the seeds at 2,900 tokens: 4.067 (seed 0), 4.303 (seed 1), 4.4 (seed 2, its last point)
+    assert min(end) == pytest.approx(4.0 + 100 / 1500) and max(end) == pytest.approx(4.4)
+    assert base.get_ydata()[-1] == pytest.approx((4.0 + 100 / 1500 + 5.0 - 0.8 * 1350 / 1550 + 4.4) / 3)
+    assert tokens.get_xlabel() == "real tokens trained on"
+    assert "mean over its seeds, band min-max" in fig._suptitle.get_text()
+
+    per_job = report.figure(jobs, rep, per_job=True)
+    assert len(_legend_lines(per_job.axes[0])) == 2  # one legend entry per setting...
+    assert len([line for line in per_job.axes[0].lines if not line.get_label().startswith("target")]) == 6  # six jobs
+    assert not [c for c in per_job.axes[0].collections if isinstance(c, PolyCollection)]
+
+
+def test_per_job_option_on_the_command_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert report.main([str(seeded_sweep(tmp_path)), "--per-job", "--name", "jobs"]) == 0
+    assert (tmp_path / "jobs.png").stat().st_size > 10_000 and "jobs.png" in capsys.readouterr().out

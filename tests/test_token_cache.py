@@ -2,6 +2,7 @@
 tokenizer (content, not name) tokenizes again; setup alone (no prepare_data) still works."""
 
 import os
+from pathlib import Path
 
 import datasets
 import lightning.pytorch as L
@@ -206,3 +207,160 @@ def test_two_writers_of_one_split_each_rename_their_own_file(tmp_path, tokenizer
     assert raced and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["tokens-00000.arrow"]
     written = datasets.Dataset.from_file(str(tmp_path / "out" / "tokens-00000.arrow"))
     assert written["length"] == [len(ids) for ids in written["input_ids"]] and len(written) == 40
+
+
+def _tokens(dsd):
+    return [list(ids) for ids in dsd["train"]["input_ids"]]
+
+
+def test_a_writer_killed_mid_file_leaves_nothing_after_the_next_run(tmp_path, tokenizer):
+    """SIGKILL in the middle of a cache file (the partial file keeps its temporary name): the next run removes it,
+    because its writer is gone, and tokenizes to the same ids."""
+    import multiprocessing as mp
+    import signal
+
+    from lightning_seqmem import token_cache
+
+    dsd = datasets.DatasetDict({"train": _file_dataset(tmp_path, [f"row {i} " + "beta " * (i % 7) for i in range(60)])})
+    cache = tmp_path / "cache"
+
+    def killed_after_one_batch():
+        real = token_cache.iter_shard
+
+        def one_batch_then_die(*args, **kwargs):
+            for item in real(*args, **kwargs):
+                yield item
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        token_cache.iter_shard = one_batch_then_die
+        token_cache._TOKENS_PER_RECORD_BATCH = 1  # the first batch reaches the file before the kill
+        token_cache.tokenize_cached(dsd, tokenizer, num_proc=1, cache_dir=cache)
+
+    child = mp.get_context("fork").Process(target=killed_after_one_batch)
+    child.start()
+    child.join(120)
+    assert child.exitcode == -signal.SIGKILL
+    [partial] = list(cache.glob("tokenized/*/*.tmp"))
+    assert partial.name.startswith(f"tokens-00000.arrow.{token_cache.socket.gethostname()}-{child.pid}.")
+    assert partial.stat().st_size > 0 and not list(cache.rglob("manifest.json"))
+
+    again = token_cache.tokenize_cached(dsd, tokenizer, num_proc=1, cache_dir=cache)
+    assert not list(cache.rglob("*.tmp"))
+    assert _tokens(again) == _tokens(token_cache.tokenize_cached(dsd, tokenizer, cache_dir=tmp_path / "clean"))
+
+
+def test_only_temporary_files_of_writers_that_are_gone_are_stale(tmp_path):
+    """Two live ranks writing one split at once keep their files; a dead process's file of this host goes at
+    once; another host's file (its process cannot be asked) only after a day without writes."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from lightning_seqmem.token_cache import STALE_AFTER_S, remove_stale_temporaries, stale_temporaries
+
+    entry = tmp_path / "tokenized" / "k"
+    entry.mkdir(parents=True)
+    host = socket.gethostname()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    names = {
+        "ours": f"tokens-00000.arrow.{host}-{os.getpid()}.a1b2c3.tmp",
+        "other live rank": f"tokens-00000.arrow.{host}-{live.pid}.d4e5f6.tmp",
+        "dead": f"tokens-00000.arrow.{host}-{int(dead.stdout)}.g7h8i9.tmp",
+        "dead manifest": f"manifest.json.{host}-{int(dead.stdout)}.j1k2l3.tmp",
+        "other host, writing": "tokens-00001.arrow.node-7.cluster-4242.m4n5o6.tmp",
+        "other host, silent": "tokens-00002.arrow.node-7.cluster-4242.p7q8r9.tmp",
+    }
+    try:
+        for name in names.values():
+            (entry / name).write_bytes(b"partial")
+        old = time.time() - STALE_AFTER_S - 60
+        os.utime(entry / names["other host, silent"], (old, old))
+        stale = {p.name for p in stale_temporaries(tmp_path)}
+        assert stale == {names["dead"], names["dead manifest"], names["other host, silent"]}
+        assert remove_stale_temporaries(tmp_path) == 3 * len(b"partial")
+        assert sorted(p.name for p in entry.iterdir()) == sorted(
+            names[k] for k in ("ours", "other live rank", "other host, writing"))
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_damaged_entry_is_reported_and_tokenized_again(tmp_path, tokenizer, caplog):
+    """A truncated Arrow file, then a manifest naming a missing file: one warning naming the entry each time (no
+    Arrow traceback) and the same tokens again; the log line names the entry used."""
+    import json
+    import logging
+
+    import pytest
+
+    from lightning_seqmem.token_cache import tokenize_cached
+
+    dsd = datasets.DatasetDict({"train": _data()})
+    with caplog.at_level(logging.INFO):
+        first = _tokens(tokenize_cached(dsd, tokenizer, cache_dir=tmp_path))
+    [entry] = list((tmp_path / "tokenized").iterdir())
+    assert f"train: tokens written to the cache entry {entry}" in caplog.text
+
+    arrow = entry / "tokens-00000.arrow"
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    with pytest.warns(UserWarning, match=rf"Token cache entry {entry} is damaged \(tokens-00000.arrow: .*tokenizing again"):
+        assert _tokens(tokenize_cached(dsd, tokenizer, cache_dir=tmp_path)) == first
+
+    manifest = entry / "manifest.json"
+    meta = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**meta, "files": ["tokens-00000.arrow", "tokens-00001.arrow"]}))
+    with pytest.warns(UserWarning, match=r"is damaged \(tokens-00001.arrow: FileNotFoundError"):
+        assert _tokens(tokenize_cached(dsd, tokenizer, cache_dir=tmp_path)) == first
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert _tokens(tokenize_cached(dsd, tokenizer, cache_dir=tmp_path)) == first
+    assert f"train: tokens read from the cache entry {entry}" in caplog.text
+
+
+def test_a_cache_dir_that_cannot_be_written_tokenizes_for_this_run(tmp_path, tokenizer):
+    import pytest
+
+    from lightning_seqmem.token_cache import tokenize_cached
+
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache directory should be")
+    dsd = datasets.DatasetDict({"train": _data()})
+    with pytest.warns(UserWarning, match=rf"Cannot write the token cache under {blocked} \(.*\); tokenizing train into "
+                                         r".* for this process only\. Set data\.cache_dir"):
+        tokens = _tokens(tokenize_cached(dsd, tokenizer, cache_dir=blocked))
+    assert tokens == _tokens(tokenize_cached(dsd, tokenizer, cache_dir=tmp_path / "ok"))
+
+
+def test_seqmem_cache_lists_entries_and_removes_the_old_ones(tmp_path, tokenizer):
+    import subprocess
+    import sys
+    import time
+
+    from lightning_seqmem import cache as cache_app
+
+    data = tmp_path / "pages.jsonl"
+    data.write_text("".join('{"text": "page %d of the book"}\n' % i for i in range(30)))
+    root = tmp_path / "cache"
+    for dataset in (str(data), _data()):
+        dm = SeqMemDataModule(dataset=dataset, tokenizer=tokenizer, cache_dir=root, max_length=64)
+        dm.prepare_data()
+    entries = {e.dataset: e for e in cache_app.list_entries(root) if e.kind == "tokens"}
+    assert set(entries) == {f"{data} (train)", "an in-memory dataset of 48 rows (train)"}
+    assert entries[f"{data} (train)"].rows == 30 and all(e.size > 0 for e in entries.values())
+
+    listing = subprocess.run([sys.executable, "-m", "lightning_seqmem.cache", "--cache-dir", str(root)],
+                             capture_output=True, text=True, timeout=120)
+    assert listing.returncode == 0, listing.stderr
+    assert f"Cache {root}: 2 entries" in listing.stdout and "pages.jsonl (train)" in listing.stdout
+    assert Path(tokenizer.name_or_path).name[:20] in listing.stdout
+
+    month_ago = time.time() - 30 * 86400
+    manifest = entries[f"{data} (train)"].path / "manifest.json"
+    os.utime(manifest, (month_ago, month_ago))
+    assert cache_app.main(["--cache-dir", str(root), "--older-than", "7d"]) == 0
+    assert not manifest.parent.exists() and entries["an in-memory dataset of 48 rows (train)"].path.exists()
+    assert cache_app.main(["--cache-dir", str(root), "--all", "--dry-run"]) == 0 and len(cache_app.list_entries(root)) == 1
+    assert cache_app.main(["--cache-dir", str(root), "--all"]) == 0 and cache_app.list_entries(root) == []
+    assert cache_app.parse_age("12h") == 12 * 3600 and cache_app.parse_age("2") == 2 * 86400

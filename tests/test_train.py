@@ -154,3 +154,61 @@ def test_allocator_configured_before_torch(name):
     env = {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_pretokenized_parquet_through_the_main_job(tmp_path):
+    """The issue's command line as a user types it: a parquet file of input_ids, no tokenizer, the special ids and
+    the vocabulary given as data and model options only (the pad id's one owner is the data)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [[(7 * i + j) % 30000 + 103 for j in range(5 + i % 40)] for i in range(80)]
+    pq.write_table(pa.table({"input_ids": rows}), tmp_path / "pages.parquet")
+    run_dir = tmp_path / "run"
+    shrink = [o for o in SHRINK if "max_steps" not in o]
+    cmd = [sys.executable, "-m", "lightning_seqmem.train", "data=local", "data.dataset=pages.parquet",
+           "data.tokenizer=null", "data.pad_token_id=0", "data.eos_token_id=102", "model.vocab_size=30522",
+           *shrink, "trainer.max_steps=2", "~callbacks.preallocate", f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.load(open(run_dir / "summary.json"))["final_val_loss"] > 0
+    hparams = (run_dir / "csv" / "version_0" / "hparams.yaml").read_text().splitlines()
+    assert hparams.count("pad_token_id: 0") == 1 and "vocab_size: 30522" in hparams
+
+
+def test_model_and_datamodule_log_no_key_both():
+    """Lightning merges both sides' hparams into one log and refuses a key saved with two values: every fact has one
+    owner (the pad id: the data; the vocabulary size: the model)."""
+    from hydra.utils import instantiate
+
+    with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["data.pad_token_id=0", "data.eos_token_id=2", "model.vocab_size=64"])
+    model, datamodule = instantiate(cfg.model), instantiate(cfg.data)
+    assert not set(model.hparams_initial) & set(datamodule.hparams_initial)
+    assert datamodule.hparams_initial["pad_token_id"] == 0 and model.hparams_initial["vocab_size"] == 64
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_trainer_auto_follows_the_machine(monkeypatch, capsys, gpus):
+    """trainer=auto (the default): cpu settings on a CPU; gpu settings, announced, where CUDA is visible. The GPU is
+    simulated (the device count is what Lightning's accelerator="auto" asks too); an explicit option always wins."""
+    import lightning.fabric.accelerators.cuda as cuda
+
+    from lightning_seqmem.train import choose_trainer
+
+    monkeypatch.setattr(cuda, "num_cuda_devices", lambda: gpus)
+    overrides = choose_trainer(["data=pad"])
+    line = capsys.readouterr().err
+    assert choose_trainer(["trainer=cpu", "data=pad"]) == ["trainer=cpu", "data=pad"]
+    assert choose_trainer(["trainer=ddp"]) == ["trainer=ddp"]
+    with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
+        chosen = compose("config", overrides=overrides).trainer
+        cpu = compose("config", overrides=["trainer=cpu"]).trainer
+        gpu = compose("config", overrides=["trainer=gpu"]).trainer
+    if gpus:
+        assert overrides == ["data=pad", "trainer=gpu"] and chosen == gpu
+        assert chosen.accelerator == "gpu" and chosen.precision.precision == "auto"
+        assert "2 CUDA GPUs visible: training with trainer=gpu" in line and "trainer=cpu keeps the CPU" in line
+    else:
+        assert overrides == ["data=pad"] and chosen == cpu and line == ""

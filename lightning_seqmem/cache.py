@@ -1,0 +1,205 @@
+"""``seqmem-cache`` (also ``python -m lightning_seqmem.cache``): what the cache directory holds, and removing it.
+
+The cache (``$XDG_CACHE_HOME/lightning_seqmem``, or a DataModule's ``cache_dir``) grows with every dataset and
+tokenizer trained on and has no eviction of its own. This lists each entry — tokenized splits (dataset, tokenizer,
+rows), packing plans, value-check markers, the built-in corpus and tokenizer, and partial files of writers that
+crashed — with its size and last use, and removes entries on request::
+
+    seqmem-cache                      # list
+    seqmem-cache --older-than 30d     # remove entries not used for 30 days (s, m, h, d, w)
+    seqmem-cache --all --dry-run      # what --all would remove
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_seqmem.token_cache import STALE_AFTER_S, default_cache_dir, stale_temporaries
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One removable thing in the cache: a directory or a file, with what it holds."""
+
+    kind: str  # tokens | plan | checked | corpus | tokenizer | partial
+    path: Path
+    dataset: str
+    tokenizer: str
+    rows: int | None
+    size: int  # bytes
+    last_use: float  # seconds since the epoch
+
+
+def _files(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in _files(path))
+
+
+def _last_touch(path: Path) -> float:
+    """The newest modification or access of any file under ``path`` (file systems update access times at least
+    daily by default, so this finds a plan or corpus that is read but never rewritten)."""
+    stats = [p.stat() for p in _files(path)] or [path.stat()]
+    return max(max(s.st_mtime, s.st_atime) for s in stats)
+
+
+def _tokens_entry(directory: Path) -> CacheEntry:
+    manifest = directory / "manifest.json"
+    try:
+        meta = json.loads(manifest.read_text())
+        last_use = manifest.stat().st_mtime  # touched on every load
+    except (OSError, ValueError):
+        meta, last_use = {"dataset": "(incomplete: no manifest)"}, _last_touch(directory)
+    split = f" ({meta['split']})" if meta.get("split") else ""
+    return CacheEntry("tokens", directory, f"{meta.get('dataset', '?')}{split}", str(meta.get("tokenizer", "?")),
+                      meta.get("rows"), _size(directory), last_use)
+
+
+def _plan_entry(directory: Path) -> CacheEntry:
+    try:
+        meta = json.loads((directory / "plan.json").read_text())
+        what = f"packing plan ({meta['packing']}, max_length {meta['max_length']})"
+        rows = meta.get("documents")
+    except (OSError, ValueError, KeyError):
+        what, rows = "packing plan (incomplete)", None
+    return CacheEntry("plan", directory, what, "-", rows, _size(directory), _last_touch(directory))
+
+
+def list_entries(root: str | os.PathLike | None = None) -> list[CacheEntry]:
+    """Every entry under ``root`` (default ``default_cache_dir()``), least recently used first."""
+    root = Path(root) if root is not None else default_cache_dir()
+    entries = [_tokens_entry(d) for d in sorted(root.glob("tokenized/*")) if d.is_dir()]
+    stale_before = time.time() - STALE_AFTER_S
+    for path in stale_temporaries(root):
+        entries.append(CacheEntry("partial", path, "a crashed writer's temporary file", "-", None, _size(path),
+                                  path.stat().st_mtime))
+    for path in sorted(root.glob("plans/*")):
+        if path.name.startswith(".staging-"):
+            if path.stat().st_mtime < stale_before:
+                entries.append(CacheEntry("partial", path, "a crashed plan writer's directory", "-", None,
+                                          _size(path), path.stat().st_mtime))
+        elif path.is_dir():
+            entries.append(_plan_entry(path))
+    for path in sorted(root.glob("checked/*")):
+        entries.append(CacheEntry("checked", path, "marker: pre-tokenized values checked", "-", None, 0,
+                                  path.stat().st_mtime))
+    for path in sorted(root.glob("corpus-*")):
+        entries.append(CacheEntry("corpus", path, "built-in corpus", "-", None, _size(path), _last_touch(path)))
+    for path in sorted(root.glob("tokenizer-*")):
+        entries.append(CacheEntry("tokenizer", path, "-", "built-in BPE", None, _size(path), _last_touch(path)))
+    return sorted(entries, key=lambda e: e.last_use)
+
+
+def remove_entries(entries: list[CacheEntry]) -> int:
+    """Remove ``entries`` from disk; the bytes freed. A running job keeps reading files it has open (they are
+    unlinked, not overwritten); a later run tokenizes or plans again."""
+    freed = 0
+    for entry in entries:
+        try:
+            if entry.path.is_dir():
+                shutil.rmtree(entry.path)
+            else:
+                entry.path.unlink()
+            freed += entry.size
+        except FileNotFoundError:
+            pass
+    return freed
+
+
+def parse_age(text: str) -> float:
+    """``"30d"`` -> seconds; units s, m, h, d, w (a bare number is days).
+
+    Raises:
+        ValueError: not a number with one of those units.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    if match is None:
+        raise ValueError(f"--older-than {text!r}: give a number and a unit, e.g. 12h, 30d or 2w (units s m h d w).")
+    return float(match[1]) * _UNITS[match[2] or "d"]
+
+
+def human_size(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _ago(seconds: float) -> str:
+    for unit, length in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= length:
+            return f"{seconds / length:.0f} {unit} ago"
+    return "just now"
+
+
+def _short(text: str, width: int) -> str:
+    if len(text) <= width:
+        return text
+    return "..." + text[-(width - 3):]
+
+
+def format_entries(entries: list[CacheEntry], now: float | None = None) -> str:
+    """The listing: one line per entry, least recently used first."""
+    now = time.time() if now is None else now
+    header = f"{'kind':<9}  {'entry':<12}  {'dataset':<40}  {'tokenizer':<34}  {'rows':>9}  {'size':>10}  last use"
+    lines = [header]
+    for e in entries:
+        tokenizer = Path(e.tokenizer).name if os.sep in e.tokenizer else e.tokenizer
+        rows = f"{e.rows:,}" if isinstance(e.rows, int) else "-"
+        lines.append(f"{e.kind:<9}  {e.path.name[:12]:<12}  {_short(e.dataset, 40):<40}  {_short(tokenizer, 34):<34}  "
+                     f"{rows:>9}  {human_size(e.size):>10}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(e.last_use))}"
+                     f" ({_ago(now - e.last_use)})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point (``seqmem-cache``)."""
+    parser = argparse.ArgumentParser(prog="seqmem-cache", description=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cache-dir", default=None,
+                        help="the cache's root (default: $XDG_CACHE_HOME/lightning_seqmem, ~/.cache/lightning_seqmem)")
+    parser.add_argument("--older-than", metavar="AGE", default=None,
+                        help="remove entries last used longer ago than AGE (e.g. 12h, 30d, 2w)")
+    parser.add_argument("--all", action="store_true", help="remove every entry")
+    parser.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    args = parser.parse_args(argv)
+    try:
+        max_age = parse_age(args.older_than) if args.older_than is not None else None
+    except ValueError as err:
+        parser.error(str(err))
+    root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    entries = list_entries(root)
+    total = sum(e.size for e in entries)
+    print(f"Cache {root}: {len(entries)} entries, {human_size(total)}")
+    if not entries:
+        return 0
+    print(format_entries(entries))
+    if not args.all and max_age is None:
+        print("Remove with --older-than AGE (e.g. 30d) or --all; add --dry-run to see what would go.")
+        return 0
+    now = time.time()
+    chosen = entries if args.all else [e for e in entries if now - e.last_use > max_age]
+    size = sum(e.size for e in chosen)
+    if args.dry_run:
+        print(f"Would remove {len(chosen)} entries ({human_size(size)}).")
+        return 0
+    freed = remove_entries(chosen)
+    print(f"Removed {len(chosen)} entries ({human_size(freed)}).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
