@@ -37,9 +37,14 @@ class TokenEfficiency(Metric):
         self.add_state("real_tokens", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("slots", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, batch: Mapping[str, torch.Tensor]) -> None:
-        """Count one batch dict (``input_ids`` ``[batch, seq]`` plus ``attention_mask`` or ``labels``)."""
-        self.real_tokens += count_real_tokens(batch, self.pad_token_id)
+    def update(self, batch: Mapping[str, torch.Tensor], real_tokens: torch.Tensor | None = None) -> None:
+        """Count one batch dict (``input_ids`` ``[batch, seq]`` plus ``attention_mask`` or ``labels``).
+
+        Args:
+            batch: the batch dict.
+            real_tokens: its ``count_real_tokens``, when the caller has it already (no second count).
+        """
+        self.real_tokens += count_real_tokens(batch, self.pad_token_id) if real_tokens is None else real_tokens
         self.slots += batch["input_ids"].numel()
 
     def compute(self) -> torch.Tensor:

@@ -18,12 +18,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lightning_seqmem.attention import AUTO, register_varlen_attention, resolve_attn_implementation
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
 from lightning_seqmem.loss import TokenLossNormalizer
 from lightning_seqmem.messages import short_repr
 from lightning_seqmem.metrics import TokenEfficiency
 from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
-from lightning_seqmem.varlen import flash_varlen_kwargs, is_flash_attention
+from lightning_seqmem.varlen import TORCH_VARLEN, batch_varlen_kwargs, is_flash_attention
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 LOSS_NORMALIZATIONS = ("token", "micro_batch")
@@ -71,11 +72,14 @@ class CausalLM(LightningModule):
         pad_token_id: pad id, for a model used without a DataModule. With one, the DataModule owns the pad id
             (its ``pad_token_id``, else its tokenizer's) and ``setup`` takes it from there; the argument is kept
             out of ``hparams_initial`` so the two never log different values (Lightning refuses that).
-        attn_implementation: ``"sdpa"``, ``"eager"``, ``"flash_attention_2"``/``"flash_attention_3"`` or a hub
-            flash kernel. All keep packed documents apart (batches with ``position_ids`` and no ``attention_mask``):
-            SDPA and eager through the block-diagonal mask transformers builds from ``position_ids``, flash through
-            the varlen arguments this module passes (:func:`~lightning_seqmem.varlen.flash_varlen_kwargs`), needed
-            as soon as a batch has more than one row.
+        attn_implementation: ``"auto"``, ``"sdpa"``, ``"eager"``, ``"torch_varlen"``,
+            ``"flash_attention_2"``/``"flash_attention_3"`` or a hub flash kernel. All keep packed documents apart
+            (batches with ``position_ids`` and no ``attention_mask``): SDPA and eager through the block-diagonal
+            mask transformers builds from ``position_ids``, flash and ``torch_varlen`` (torch's own varlen kernel,
+            :mod:`lightning_seqmem.attention`) through the varlen arguments this module passes
+            (:func:`~lightning_seqmem.varlen.batch_varlen_kwargs`; ``torch_varlen`` takes padded rows that way
+            too, each run of padding its own segment). ``"auto"``: ``torch_varlen`` where it runs (CUDA, fp16/bf16 precision, torch >= 2.10),
+            SDPA elsewhere, decided at ``setup``; ``"torch_varlen"`` where it cannot run is an error.
         loss_normalization: ``"token"``: every label token of an optimizer step weighs the same, across
             micro-batches (``accumulate_grad_batches``) and DDP ranks (Hugging Face's ``num_items_in_batch``);
             ``"micro_batch"``: each micro-batch's mean loss weighs the same (the old behaviour).
@@ -85,6 +89,8 @@ class CausalLM(LightningModule):
         warmup_ratio: fraction of optimizer steps with linear learning-rate warmup.
         min_lr_ratio: the cosine schedule decays to ``learning_rate * min_lr_ratio``.
         gradient_checkpointing: recompute activations in backward to save memory.
+        compile: compile the Hugging Face model in place (``nn.Module.compile``: parameter names and checkpoints
+            unchanged); packed batches stay exact under it (``tests/test_compile.py``).
 
     Example::
 
@@ -108,6 +114,7 @@ class CausalLM(LightningModule):
         min_lr_ratio: float = 0.1,
         gradient_checkpointing: bool = False,
         loss_normalization: str = "token",
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if learning_rate <= 0:
@@ -123,7 +130,9 @@ class CausalLM(LightningModule):
         self.val_loss = MeanMetric()
         # Real tokens / slots, summed over ranks; the pad id is set again at setup once the tokenizer is known.
         self.token_efficiency = TokenEfficiency(pad_token_id=pad_token_id)
-        self.real_tokens_seen = 0  # cumulative, this rank
+        # Real tokens trained on, this rank: a device counter (a buffer, so it moves with the module and a throw-away
+        # pre-allocation step is undone), read on the host only when asked (real_tokens_seen).
+        self.register_buffer("_real_tokens", torch.zeros((), dtype=torch.long), persistent=False)
         self.slots_seen = 0
         self._train_time = 0.0
         self._batch_start: float | None = None
@@ -136,18 +145,24 @@ class CausalLM(LightningModule):
         from transformers import AutoModelForCausalLM
 
         hp = self.hparams
+        # "auto" starts as SDPA and is decided at setup, once the device and precision are known.
+        attn = "sdpa" if hp.attn_implementation == AUTO else hp.attn_implementation
+        if attn == TORCH_VARLEN:
+            register_varlen_attention()  # the device is checked at setup (and by the kernel call without a Trainer)
         if hp.pretrained_path is not None:
             self.model = AutoModelForCausalLM.from_pretrained(
-                hp.pretrained_path, local_files_only=True, attn_implementation=hp.attn_implementation
+                hp.pretrained_path, local_files_only=True, attn_implementation=attn
             )
             if hp.vocab_size is not None and self.model.get_input_embeddings().num_embeddings < hp.vocab_size:
                 self.model.resize_token_embeddings(hp.vocab_size)
         else:
             config = build_model_config(hp.model_config, hp.vocab_size, hp.pad_token_id)
-            config._attn_implementation = hp.attn_implementation
-            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=hp.attn_implementation)
+            config._attn_implementation = attn
+            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
         if hp.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        if hp.get("compile"):
+            self.model.compile()
         n = sum(p.numel() for p in self.model.parameters())
         rank_zero_info(f"[lightning_seqmem] {type(self.model).__name__}: {n / 1e6:.2f} M parameters")
 
@@ -168,7 +183,19 @@ class CausalLM(LightningModule):
                     "a `tokenizer` attribute (e.g. SeqMemDataModule)."
                 )
             self._build()
+        self._choose_attention()
         self._check_positions(dm)
+
+    def _choose_attention(self) -> None:
+        """``"auto"``: the varlen kernel where it runs on the Trainer's device and precision, else SDPA;
+        ``"torch_varlen"`` where it cannot run: a clear error before the first step."""
+        requested = self.hparams.attn_implementation
+        if requested not in (AUTO, TORCH_VARLEN) or self._trainer is None:
+            return
+        chosen = resolve_attn_implementation(requested, self.trainer.strategy.root_device, str(self.trainer.precision))
+        if chosen != self.model.config._attn_implementation:
+            self.model.set_attn_implementation(chosen)
+        rank_zero_info(f"[lightning_seqmem] attn_implementation={requested!r}: {chosen}")
 
     def _take_pad_token_id(self, dm: Any, tok: Any) -> None:
         """The pad id from its owner, the data: the DataModule's ``pad_token_id`` (pre-tokenized data give it
@@ -205,38 +232,46 @@ class CausalLM(LightningModule):
     def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any):
         """Run the model on the batch's model keys; ``kwargs`` go to the model (e.g. ``num_items_in_batch``)."""
         inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
-        if self._packed_flash(inputs):
-            kwargs.update(flash_varlen_kwargs(inputs["position_ids"]))
+        if self._needs_varlen(inputs):
+            # One host sync (the segment table is data-dependent), at the start of the step, where the device has
+            # nothing queued behind it; transformers' own mask building does the same for SDPA.
+            kwargs.update(batch_varlen_kwargs(inputs))
         return self.model(**inputs, **kwargs, use_cache=False)
 
-    def _packed_flash(self, inputs: dict[str, torch.Tensor]) -> bool:
-        """Flash attention on a packed batch: it needs the varlen arguments to keep documents apart."""
+    def _needs_varlen(self, inputs: dict[str, torch.Tensor]) -> bool:
+        """Flash on a packed batch needs the varlen arguments to keep documents apart; ``torch_varlen`` takes them
+        for every batch with documents or padding (transformers builds no mask for it)."""
+        attn = getattr(self.model.config, "_attn_implementation", None)
+        if attn == TORCH_VARLEN:
+            return "position_ids" in inputs or "attention_mask" in inputs
         packed = "position_ids" in inputs and "attention_mask" not in inputs
-        return packed and is_flash_attention(getattr(self.model.config, "_attn_implementation", None))
+        return packed and is_flash_attention(attn)
 
-    def _real_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        pad = self.hparams.pad_token_id
-        return int(count_real_tokens(batch, pad))
+    @property
+    def real_tokens_seen(self) -> int:
+        """Real tokens trained on so far, this rank (reads the device counter: one sync)."""
+        return int(self._real_tokens)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         rows = batch["input_ids"].shape[0]
         if self.hparams.loss_normalization == "token":
-            # sum of token losses / a fixed scale; on_before_optimizer_step turns the step into the per-token mean
+            # sum of token losses / a fixed scale; on_after_backward turns the step into the per-token mean
             loss = self(batch, num_items_in_batch=self._token_loss.add(batch["labels"])).loss
             self._token_loss.add_loss(loss)
         else:
             loss = self(batch).loss
             self._log_train_loss(loss, batch_size=rows)
-        real = self._real_tokens(batch)
+        # Counted and logged on the device: nothing in the step waits for it.
+        real = count_real_tokens(batch, self.hparams.pad_token_id)
         slots = batch["input_ids"].numel()
-        self.real_tokens_seen += real
+        self._real_tokens += real
         self.slots_seen += slots
-        self.token_efficiency.update(batch)
+        self.token_efficiency.update(batch, real_tokens=real)
         self.log("train/token_efficiency", self.token_efficiency, batch_size=rows, on_step=False, on_epoch=True)
         self.log("train/real_token_fraction", real / max(slots, 1), batch_size=rows)
-        self.log("train/real_tokens_seen", float(self.real_tokens_seen), batch_size=rows, reduce_fx="max")
+        self.log("train/real_tokens_seen", self._real_tokens.float(), batch_size=rows, reduce_fx="max")
         if self._train_time > 0:
-            self.log("train/real_tokens_per_sec", self.real_tokens_seen / self._train_time, prog_bar=True,
+            self.log("train/real_tokens_per_sec", self._real_tokens / self._train_time, prog_bar=True,
                      batch_size=rows)
         return loss
 
@@ -249,11 +284,12 @@ class CausalLM(LightningModule):
         self._token_loss.reset()  # a fit stopped mid-step must not carry its tokens over
 
     @override
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Token loss: rescale the step's gradients to the per-token mean over micro-batches and ranks (after the
-        fp16 scaler unscaled them, before clipping) and log the step's true per-token loss."""
+    def on_after_backward(self) -> None:
+        """Token loss: after the step's last backward, rescale its gradients to the per-token mean over
+        micro-batches and ranks, so that every ``on_before_optimizer_step`` hook, clipping and the optimizer see
+        them; log the step's true per-token loss. Nothing waits for the device."""
         if self.hparams.loss_normalization == "token":
-            loss = self._token_loss.rescale_gradients(self)
+            loss = self._token_loss.finish_step(self)
             if loss is not None:
                 self._log_train_loss(loss, batch_size=1)
 
@@ -300,6 +336,19 @@ class CausalLM(LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda s: lr_factor(s, warmup, total,
                                                                                             hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Clip as the Trainer asks. Under FSDP, norm clipping goes through FSDP's own ``clip_grad_norm_`` (the norm
+        of the whole gradient, over every rank's shards), which Lightning's FSDP precision plugin does not do."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if (gradient_clip_val and isinstance(self.trainer.strategy, FSDPStrategy)
+                and gradient_clip_algorithm in (None, "norm")):
+            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 
 def max_positions(config: Any) -> tuple[str, int] | None:

@@ -10,6 +10,11 @@ build a block-diagonal mask from the same ``position_ids``.
 One line in a LightningModule's step::
 
     out = model(**batch, **flash_varlen_kwargs(batch["position_ids"]))
+
+Each call waits for the device once (the segment count and the longest segment are data-dependent): at the start of
+a step that costs one kernel launch of idle time, not a pipeline drain. :func:`batch_varlen_kwargs` gives the same
+arguments for a batch dict, padded rows included (each run of padding its own segment), for ``torch_varlen``
+(:mod:`lightning_seqmem.attention`).
 """
 
 from __future__ import annotations
@@ -30,10 +35,15 @@ class PassesFlashVarlen(Protocol):
     passes_flash_varlen_kwargs: bool
 
 
+TORCH_VARLEN = "torch_varlen"  # torch's own varlen flash kernel (lightning_seqmem.attention)
+
+
 def is_flash_attention(attn_implementation: str | None) -> bool:
-    """Whether an ``attn_implementation`` name is a flash-attention kernel (``flash_attention_2``/``_3``/``_4``,
-    or a hub kernel such as ``"kernels-community/flash-attn2"``)."""
-    return isinstance(attn_implementation, str) and "flash" in attn_implementation.lower()
+    """Whether an ``attn_implementation`` name is a flash-attention kernel that takes the varlen arguments
+    (``flash_attention_2``/``_3``/``_4``, a hub kernel such as ``"kernels-community/flash-attn2"``, or
+    ``torch_varlen``, torch's own)."""
+    return isinstance(attn_implementation, str) and (
+        "flash" in attn_implementation.lower() or attn_implementation == TORCH_VARLEN)
 
 
 def segment_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -80,5 +90,37 @@ def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict[str, torch.Tensor | 
         out = model(**batch, **flash_varlen_kwargs(batch["position_ids"]))
     """
     cu = cu_seqlens(position_ids)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def batch_segment_starts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[batch, seq]`` bool: where a segment starts in a batch dict: at every row start, where ``position_ids`` do
+    not follow by 1 (a packed document), and where ``attention_mask`` changes value (a run of padding, left or
+    right, is a segment of its own that no real token attends to)."""
+    ref = batch["input_ids"]
+    start = torch.zeros_like(ref, dtype=torch.bool)
+    start[:, 0] = True
+    if batch.get("position_ids") is not None:
+        start |= segment_starts(batch["position_ids"])
+    if batch.get("attention_mask") is not None:
+        mask = batch["attention_mask"]
+        start[:, 1:] |= mask[:, 1:] != mask[:, :-1]
+    return start
+
+
+def batch_varlen_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | int]:
+    """:func:`flash_varlen_kwargs` for a batch dict, from :func:`batch_segment_starts` (packed documents and runs of
+    padding); the same arguments as :func:`flash_varlen_kwargs` for a packed batch.
+
+    Example::
+
+        batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1, 0],
+                 [1, 1, 1, 1]])}
+        batch_varlen_kwargs(batch)["cu_seq_lens_q"]  # tensor([0, 3, 4, 8], dtype=torch.int32)
+    """
+    starts = torch.nonzero(batch_segment_starts(batch).reshape(-1)).squeeze(1)
+    total = torch.tensor([batch["input_ids"].numel()], device=starts.device)
+    cu = torch.cat([starts, total]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}

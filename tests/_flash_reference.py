@@ -4,6 +4,10 @@
 ``kernels`` packages whose functions are SDPA loops that honour ``cu_seqlens`` and ``causal``; transformers then
 imports them through ``_lazy_imports`` exactly as it would the CUDA kernels. Only the environment checks (package
 installed, CUDA device) are bypassed.
+
+``use_reference_torch_varlen(monkeypatch, form)`` replaces torch's own ``torch.nn.attention.varlen.varlen_attn``
+(CUDA only) with the same SDPA loop, under the keyword form of a given torch release (``TORCH_VARLEN_FORMS``), and
+bypasses only ``lightning_seqmem.attention``'s device check.
 """
 
 import sys
@@ -34,8 +38,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     assert int(cu_seqlens_q[-1]) == q.shape[0]
     lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     assert max(lengths) == max_seqlen_q == max_seqlen_k
+    return _segments(q, k, v, cu_seqlens_q, softmax_scale, causal)
+
+
+def _segments(q, k, v, cu_seqlens, softmax_scale, causal):
+    """``[total, heads, dim]``: each segment ``cu_seqlens[i]:cu_seqlens[i + 1]`` attends only to itself."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     out = torch.empty_like(q)
-    for start, n in zip(cu_seqlens_q[:-1].tolist(), lengths):
+    for start, n in zip(cu_seqlens[:-1].tolist(), lengths):
         out[start : start + n] = _attend(q[start : start + n], k[start : start + n], v[start : start + n],
                                          softmax_scale, causal)
     return out
@@ -63,3 +73,51 @@ def use_reference_flash(monkeypatch) -> None:
     # Hub kernels: transformers' own loader, with the download replaced by the reference module.
     monkeypatch.setattr(hub_kernels, "is_kernels_available", lambda: True)
     monkeypatch.setattr(hub_kernels, "get_kernel", lambda *a, **k: fa2)
+
+
+# ------------------------------------------------------------------------------------- torch's own varlen kernel
+CALLS = []  # (form, number of segments) of every call of the torch varlen stand-in
+
+
+def _torch_varlen(form, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale=None, enable_gqa=False):
+    """What torch's kernel computes, with the checks its CUDA implementation makes."""
+    assert q.ndim == k.ndim == v.ndim == 3 and cu_seq_q is cu_seq_k and cu_seq_q.dtype == torch.int32
+    assert int(cu_seq_q[-1]) == q.shape[0] == k.shape[0] and isinstance(max_q, int) and max_q == max_k
+    assert int((cu_seq_q[1:] - cu_seq_q[:-1]).max()) == max_q
+    assert enable_gqa or k.shape[1] == q.shape[1], "this form needs as many key/value heads as query heads"
+    assert causal, "a causal LM must ask for causal attention"
+    CALLS.append((form, cu_seq_q.numel() - 1))
+    return _segments(q, k, v, cu_seq_q, scale, True)
+
+
+def _form_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    return _torch_varlen("2.10", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal)
+
+
+def _form_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1)):
+    return _torch_varlen("2.11", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0),
+                         scale)
+
+
+def _form_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    return _torch_varlen("2.12", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0),
+                         scale, enable_gqa)
+
+
+# The keyword forms torch's varlen_attn has had (from its documentation): is_causal in the first release; scale and
+# window_size next; enable_gqa, seqused_k, block_table and num_splits from 2.12.
+TORCH_VARLEN_FORMS = {"2.10": _form_2_10, "2.11": _form_2_11, "2.12": _form_2_12}
+
+
+def use_reference_torch_varlen(monkeypatch, form: str = "2.12") -> None:
+    """Make ``torch.nn.attention.varlen.varlen_attn`` the exact reference under ``form``'s keywords, and let
+    ``lightning_seqmem.attention`` run it on the CPU."""
+    import torch.nn.attention.varlen as torch_varlen
+
+    from lightning_seqmem import attention
+
+    monkeypatch.setattr(torch_varlen, "varlen_attn", TORCH_VARLEN_FORMS[form])
+    monkeypatch.setattr(attention, "_device_reason", lambda device: None)
+    CALLS.clear()

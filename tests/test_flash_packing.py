@@ -4,17 +4,23 @@ transformers' real flash dispatch (``_flash_attention_forward``) with the CUDA k
 reference kernels (``_flash_reference``): every document of a packed ``[4, seq]`` batch gets the logits it gets
 alone, for FA2, FA3 and a hub kernel; without the varlen arguments the same batch leaks across documents.
 (GPT-2's flash path cannot run in fp32 without autocast in transformers 5.x: it looks for an ``nn.Linear`` to pick
-a dtype and GPT-2 has ``Conv1D`` layers; Llama and Qwen2 are the two architectures tested.)"""
+a dtype and GPT-2 has ``Conv1D`` layers; Llama and Qwen2 are the two architectures tested.)
+
+The same for ``torch_varlen`` (torch's own varlen kernel, ``lightning_seqmem.attention``): transformers' real
+attention dispatch, ``torch.nn.attention.varlen.varlen_attn`` replaced by the exact reference under each keyword
+form torch has had; packed documents and padded rows get their logits alone; ``"auto"`` and the errors."""
 
 import lightning.pytorch as L
 import pytest
 import torch
-from _flash_reference import use_reference_flash
+from _flash_reference import CALLS, TORCH_VARLEN_FORMS, use_reference_flash, use_reference_torch_varlen
 
 from lightning_seqmem import CausalLM, SeqMemDataModule
 from lightning_seqmem.collate import PackCollator
 from lightning_seqmem.memory.checks import ConfigChecks
-from lightning_seqmem.varlen import cu_seqlens, flash_varlen_kwargs, is_flash_attention, segment_starts
+from lightning_seqmem import attention
+from lightning_seqmem.varlen import (batch_varlen_kwargs, cu_seqlens, flash_varlen_kwargs, is_flash_attention,
+                                     segment_starts)
 from lightning_seqmem.warmup.transform import set_batch_sequence_length
 
 TINY = {
@@ -88,7 +94,7 @@ def test_cu_seqlens_agree_with_the_collator_and_after_warmup_reshape(tokenizer):
 
 
 def test_is_flash_attention():
-    for name in ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn2"):
+    for name in ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn2", "torch_varlen"):
         assert is_flash_attention(name)
     for name in ("sdpa", "eager", "flex_attention", None):
         assert not is_flash_attention(name)
@@ -136,3 +142,115 @@ def test_trainer_fit_with_flash_and_packing_warns_nothing(reference_flash, tmp_p
     trainer.fit(lm, datamodule=dm)
     assert not {"packing_attention", "flash_varlen"} & set(checks.problems)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+# ------------------------------------------------------------------------------- torch's own varlen kernel
+def test_batch_varlen_kwargs_split_documents_and_runs_of_padding():
+    ids = torch.ones(3, 4, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 1, 1], [1, 1, 1, 1]])  # right padding, left padding, none
+    kwargs = batch_varlen_kwargs({"input_ids": ids, "attention_mask": mask})
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 4, 6, 8, 12] and kwargs["max_length_q"] == 4
+    pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]])
+    packed = batch_varlen_kwargs({"input_ids": torch.ones_like(pos), "position_ids": pos})
+    assert all(torch.equal(torch.as_tensor(packed[k]), torch.as_tensor(v)) for k, v in flash_varlen_kwargs(pos).items())
+
+
+def test_the_installed_torch_kernel_has_a_form_the_adapter_knows():
+    """The stand-in's forms cover the real signature here (torch 2.13): causal through window_size or is_causal."""
+    kernel = attention.varlen_kernel()
+    if kernel is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    keywords = attention._keywords(kernel)
+    assert "window_size" in keywords or "is_causal" in keywords
+    assert keywords <= set(attention._keywords(TORCH_VARLEN_FORMS["2.12"])) | {"is_causal"}
+
+
+@pytest.mark.parametrize("arch,form", [("llama", "2.10"), ("llama", "2.11"), ("llama", "2.12"), ("qwen2", "2.12")])
+def test_torch_varlen_packed_documents_get_their_logits_alone(monkeypatch, packed_batch, arch, form):
+    use_reference_torch_varlen(monkeypatch, form)
+    dm, batch = packed_batch
+    torch.manual_seed(0)
+    lm = CausalLM(model_config=TINY[arch], vocab_size=len(dm.tokenizer), pad_token_id=dm.pad_token_id,
+                  attn_implementation="torch_varlen").eval()
+    assert lm.model.config._attn_implementation == "torch_varlen"
+    rows, length = batch["input_ids"].shape
+    with torch.no_grad():
+        fixed = lm(batch).logits
+        segments = CALLS[-1][1]
+        # Without cu_seq_lens the segments come from position_ids (a model called directly): exact as well.
+        direct = lm.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        # Negative control: one segment per row (right positions, no document boundaries) leaks.
+        rows_only = torch.arange(0, (rows + 1) * length, length, dtype=torch.int32)
+        leaky = lm.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                         cu_seq_lens_q=rows_only, cu_seq_lens_k=rows_only, max_length_q=length,
+                         max_length_k=length).logits
+    assert {form} == {f for f, _ in CALLS} and segments == len(_segments(batch["position_ids"]))
+    assert _max_error_against_alone(lm, batch, fixed) <= 1e-5
+    assert _max_error_against_alone(lm, batch, direct) <= 1e-5
+    assert _max_error_against_alone(lm, batch, leaky) > 1e-3
+
+
+def test_torch_varlen_padded_rows_get_their_logits_alone(monkeypatch):
+    """Left and right padding: every real token's logits are those of its row without the padding."""
+    use_reference_torch_varlen(monkeypatch)
+    torch.manual_seed(0)
+    lm = CausalLM(model_config=TINY["llama"], vocab_size=64, pad_token_id=0, attn_implementation="torch_varlen").eval()
+    ids = torch.randint(4, 64, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[0, 9:] = 0
+    mask[1, :5] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        logits = lm({"input_ids": ids, "attention_mask": mask}).logits
+        assert CALLS[-1][1] == 5  # three runs of real tokens and two of padding
+        for row in range(3):
+            real = mask[row].bool()
+            # Positions count from the row start, as under SDPA: the row alone with the same positions.
+            positions = torch.nonzero(real).squeeze(1)[None]
+            alone = lm.model(input_ids=ids[row, real][None], position_ids=positions, use_cache=False).logits[0]
+            assert (logits[row, real] - alone).abs().max().item() <= 1e-5
+
+
+def test_auto_and_explicit_torch_varlen_where_it_cannot_run(monkeypatch):
+    assert attention.resolve_attn_implementation("auto", "cpu", "bf16-mixed") == "sdpa"
+    assert attention.resolve_attn_implementation("sdpa", "cuda") == "sdpa"
+    with pytest.raises(ValueError, match=r"runs on CUDA only.*attn_implementation='auto'"):
+        attention.resolve_attn_implementation("torch_varlen", "cpu")
+    monkeypatch.setattr(attention, "_device_reason", lambda device: None)  # a CUDA device that could run it
+    assert attention.resolve_attn_implementation("auto", "cuda", "bf16-mixed") == "torch_varlen"
+    assert attention.resolve_attn_implementation("auto", "cuda", "32-true") == "sdpa"
+    with pytest.raises(ValueError, match=r"fp16/bf16 only, and precision='32-true'"):
+        attention.resolve_attn_implementation("torch_varlen", "cuda", "32-true")
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: None)
+    assert attention.resolve_attn_implementation("auto", "cuda", "bf16-mixed") == "sdpa"
+    with pytest.raises(ValueError, match=r"has no torch.nn.attention.varlen.varlen_attn.*torch 2.10"):
+        attention.resolve_attn_implementation("torch_varlen", "cuda", "bf16-mixed")
+
+
+def _fit(tmp_path, attn, **trainer_kwargs):
+    dm = SeqMemDataModule(dataset=_texts(), strategy="pack", max_length=64, micro_batch_size=4)
+    checks = ConfigChecks()
+    lm = CausalLM(model_config=TINY["llama"], attn_implementation=attn)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+                        val_check_interval=2, callbacks=[checks], default_root_dir=tmp_path, **trainer_kwargs)
+    trainer.fit(lm, datamodule=dm)
+    return lm, trainer, checks
+
+
+def test_trainer_fit_auto_picks_torch_varlen_where_it_runs_and_sdpa_elsewhere(monkeypatch, tmp_path):
+    lm, trainer, _ = _fit(tmp_path, "auto")  # CPU: SDPA
+    assert lm.model.config._attn_implementation == "sdpa" and trainer.global_step == 2
+    use_reference_torch_varlen(monkeypatch)  # a device where the kernel runs
+    lm, trainer, checks = _fit(tmp_path, "auto", precision="bf16-mixed")
+    assert lm.model.config._attn_implementation == "torch_varlen" and lm.hparams.attn_implementation == "auto"
+    assert len(CALLS) >= 2 * 2 * TINY["llama"]["num_hidden_layers"]  # every layer of every step and validation
+    # (ConfigChecks runs at the callbacks' setup, before CausalLM resolves "auto": it does not list "auto" among the
+    # packed-safe implementations yet, so its packing_attention check is left out here.)
+    assert not {"flash_varlen", "fp16_packing"} & set(checks.problems)
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+def test_trainer_fit_with_torch_varlen_on_cpu_fails_before_the_first_step(tmp_path):
+    with pytest.raises(ValueError, match=r"'torch_varlen' cannot run here: torch's varlen kernel runs on CUDA only"):
+        _fit(tmp_path, "torch_varlen")

@@ -4,11 +4,12 @@ token of the step, whatever each micro-batch holds; ``loss_normalization="micro_
 import copy
 import json
 import os
+import traceback
 
 import lightning.pytorch as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_seqmem import CausalLM
@@ -201,6 +202,82 @@ def test_a_preallocation_pass_does_not_count_in_the_first_step(tmp_path):
     _fit(model, batches, 2, tmp_path, callbacks=[CachePreallocator(rows=2, length=LENGTH)])
     (params, grads), = model.steps
     assert relative_error(grads, _reference_grads(params, batches)) <= 1e-5
+
+
+class GradNormMonitor(Callback):
+    """A gradient-norm monitor as users write them: reads the gradients in its own on_before_optimizer_step."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        params = {n: p.detach().clone() for n, p in pl_module.model.named_parameters()}
+        norm = torch.cat([p.grad.flatten() for p in pl_module.model.parameters()]).norm().item()
+        self.steps.append((params, norm))
+
+
+def test_a_callback_reads_the_per_token_mean_gradients_in_on_before_optimizer_step(tmp_path):
+    """Callbacks' on_before_optimizer_step runs before the module's: the gradients are final there already (the
+    rescale happens in the module's on_after_backward of the step's last micro-batch), in every window."""
+    batches = [micro_batch(46), micro_batch(4, seed=1), micro_batch(10, seed=2), micro_batch(3, seed=3),
+               micro_batch(20, seed=4)]
+    monitor = GradNormMonitor()
+    _fit(_model(), batches, 2, tmp_path, callbacks=[monitor])
+    assert len(monitor.steps) == 3
+    for (params, norm), window in zip(monitor.steps, (batches[:2], batches[2:4], batches[4:])):
+        reference = _reference_grads(params, window)
+        assert norm == pytest.approx(torch.cat([g.flatten() for g in reference.values()]).norm().item(), rel=1e-5)
+
+
+class _HostReads:
+    """Records every tensor-to-host read (``item``, ``int(t)``, ``bool(t)``, ...) made while ``on`` is set, with the
+    code that made it. On CUDA each is a sync that stalls the device while the host catches up."""
+
+    NAMES = ("item", "__int__", "__float__", "__bool__", "tolist", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.on, self.reads = False, []
+        for name in self.NAMES:
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+
+    def _wrap(self, name, original):
+        def read(tensor, *args, **kwargs):
+            if self.on:
+                self.on = False
+                self.reads.append((name, "".join(traceback.format_stack(limit=6)[:-1])))
+                self.on = True
+            return original(tensor, *args, **kwargs)
+        return read
+
+
+def test_the_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch):
+    """From batch start to batch end (training_step, backward hooks, the token rescale, logging, clipping, the
+    optimizer), nothing outside the Hugging Face model's forward reads a tensor back to the host. (AdamW's step
+    counters are host tensors even on CUDA: torch.optim is left out.)"""
+    reads = _HostReads(monkeypatch)
+
+    class Window(Callback):
+        def on_train_batch_start(self, *args):
+            reads.on = True
+
+        def on_train_batch_end(self, *args):
+            reads.on = False
+
+    model = _model()
+    forward = model.model.forward
+
+    def unguarded_forward(*args, **kwargs):
+        was, reads.on = reads.on, False
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            reads.on = was
+
+    monkeypatch.setattr(model.model, "forward", unguarded_forward)
+    batches = [micro_batch(46), micro_batch(4, seed=1), micro_batch(10, seed=2)]
+    trainer = _fit(model, batches, 2, tmp_path, callbacks=[Window()], gradient_clip_val=1.0)
+    assert trainer.global_step == 2
+    assert [(name, where) for name, where in reads.reads if "torch/optim/" not in where] == []
 
 
 def test_gradient_clipping_sees_the_rescaled_gradients(tmp_path):
