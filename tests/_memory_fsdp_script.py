@@ -1,0 +1,102 @@
+"""Run by test_memory_fsdp.py in a subprocess: CausalLM on two CPU ranks (gloo) under FSDP or DDP.
+
+Usage: python _memory_fsdp_script.py fsdp|ddp OUT_DIR [--oom]
+Trains one step with norm clipping (gradient_clip_val=0.05, which clips) and CachePreallocator, on packed rows of
+different label-token counts per rank. Rank 0 saves the full gradient after clipping (FSDP: gathered with
+summon_full_params) to OUT_DIR/<strategy>.pt; each rank checks that the pass left its state bit-identical.
+"""
+
+import sys
+
+import datasets
+import lightning.pytorch as L
+import numpy as np
+import torch
+from _memory_helpers import Probe, assert_same
+from lightning.pytorch.strategies import FSDPStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from lightning_seqmem import CausalLM, SeqMemDataModule
+from lightning_seqmem.memory.preallocate import CachePreallocator
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """FSDP on CPU ranks, standing in for GPUs: Lightning passes ``device_id=None`` for a CPU root device, which
+    FSDP refuses without an accelerator, so the wrapper is built with ``device_id=cpu``. Everything else (the
+    wrapped module, FSDPPrecision, the optimizer over sharded parameters) is Lightning's own."""
+
+    def _setup_model(self, model):
+        return FullyShardedDataParallel(module=model, cpu_offload=self.cpu_offload,
+                                        mixed_precision=self.mixed_precision_config,
+                                        sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                                        **self.kwargs)
+
+
+class RecordingLM(CausalLM):
+    """Saves the first step's clipped gradient (rank 0) and, when asked, runs out of memory above 64 tokens."""
+
+    def __init__(self, out, oom=False, **kwargs):
+        super().__init__(**kwargs)
+        self.out, self.oom, self.shapes = out, oom, []
+
+    def training_step(self, batch, batch_idx):
+        self.shapes.append(tuple(batch["input_ids"].shape))
+        if self.oom and batch["input_ids"].numel() > 64:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return super().training_step(batch, batch_idx)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if self.trainer.global_step != 0:
+            return
+        wrapper = self.trainer.strategy.model
+        if isinstance(wrapper, FullyShardedDataParallel):
+            with FullyShardedDataParallel.summon_full_params(wrapper, with_grads=True):
+                grads = {n: p.grad.detach().clone() for n, p in self.named_parameters()}
+        else:
+            grads = {n: p.grad.detach().clone() for n, p in self.named_parameters()}
+        if self.trainer.global_rank == 0:
+            torch.save(grads, f"{self.out}/{type(wrapper).__name__}.pt")
+
+
+class WrapperCalls(L.Callback):
+    """Counts calls of the strategy's wrapped module (FSDP: the pass must go through it)."""
+
+    calls = 0
+
+    def on_fit_start(self, trainer, pl_module):
+        trainer.strategy.model.register_forward_pre_hook(lambda *args: setattr(self, "calls", self.calls + 1))
+
+
+def main(kind: str, out: str, oom: bool) -> None:
+    g = np.random.default_rng(0)
+    docs = [g.integers(2, 64, n).tolist() for n in g.integers(3, 40, 48)]
+    L.seed_everything(0)
+    model = RecordingLM(out, oom, model_config=dict(model_type="llama", hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                    max_position_embeddings=64), vocab_size=64, pad_token_id=0)
+    dm = SeqMemDataModule(dataset=datasets.Dataset.from_dict({"input_ids": docs}), strategy="pack", max_length=32,
+                          micro_batch_size=3, pad_token_id=0)
+    strategy = CPUFSDPStrategy(process_group_backend="gloo") if kind == "fsdp" else "ddp"
+    before, after, calls = Probe(), Probe(), WrapperCalls()
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy=strategy, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, gradient_clip_val=0.05,
+                        callbacks=[calls, before, CachePreallocator(), after])
+    try:
+        trainer.fit(model, datamodule=dm)
+    except torch.OutOfMemoryError as error:
+        if trainer.global_rank == 0:
+            with open(f"{out}/oom.txt", "w") as f:
+                f.write(f"{type(error).__name__}: {error}\nshapes: {model.shapes}\n")
+        return
+    assert_same(before.state, after.state)
+    assert model.shapes[0] == (3, 32), model.shapes  # the pass ran the worst-case batch first
+    if kind == "fsdp":
+        assert calls.calls >= 2, calls.calls  # the pass and the real step both went through the FSDP wrapper
+    with open(f"{out}/{kind}_rank{trainer.global_rank}.ok", "w") as f:
+        f.write(str(trainer.global_step))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], "--oom" in sys.argv)

@@ -1,0 +1,63 @@
+"""FSDP trains with norm clipping and pre-allocation, and its token-weighted gradient is DDP's.
+
+Two CPU ranks over gloo stand in for two GPUs (``_memory_fsdp_script.CPUFSDPStrategy``: only the wrapper's
+``device_id`` differs from Lightning's ``FSDPStrategy``). The same run on a CUDA machine: ``benchmarks/gpu.py``.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from _memory_helpers import TinyLM
+
+from lightning_seqmem.memory.estimate import cached_estimate, sharded, shortfall_message
+
+HERE = os.path.dirname(__file__)
+
+
+def _run(kind, out, *flags):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, os.path.join(HERE, "_memory_fsdp_script.py"), kind, str(out), *flags],
+                          env=env, timeout=240, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_fsdp_clips_preallocates_and_gives_the_ddp_gradient(tmp_path):
+    """gradient_clip_val=0.05 under FSDP (Lightning's FSDP precision refuses norm clipping: CausalLM clips through
+    FSDP's clip_grad_norm_); CachePreallocator runs through the FSDP wrapper and leaves each rank's state
+    bit-identical (checked in the script); ranks see different numbers of label tokens, and the clipped,
+    token-weighted gradient equals DDP's."""
+    _run("ddp", tmp_path)
+    _run("fsdp", tmp_path)
+    for kind in ("ddp", "fsdp"):
+        assert all((tmp_path / f"{kind}_rank{rank}.ok").read_text() == "1" for rank in (0, 1))
+    ddp = torch.load(tmp_path / "DistributedDataParallel.pt")
+    fsdp = torch.load(tmp_path / "FullyShardedDataParallel.pt")
+    assert ddp.keys() == fsdp.keys() and len(ddp) > 10
+    for name in ddp:
+        torch.testing.assert_close(fsdp[name], ddp[name], rtol=1e-5, atol=1e-8, msg=name)
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in fsdp.values()))
+    assert norm == pytest.approx(0.05, rel=1e-4)  # it did clip
+
+
+def test_fsdp_worst_case_that_does_not_fit_fails_with_the_shape(tmp_path):
+    _run("fsdp", tmp_path, "--oom")
+    text = (tmp_path / "oom.txt").read_text()
+    assert text.startswith("PreallocationOOMError") and "rows=3, length=32" in text and "micro_batch_size" in text
+    assert "shapes: [(3, 32)]" in text  # failed in the pass, before any real step
+
+
+def test_sharded_estimate_counts_state_once_per_rank():
+    config = TinyLM().model.config
+    keys = ("input_ids", "attention_mask", "labels")
+    whole = cached_estimate(config, 4, 48, keys, "32-true", "cuda", "eager")
+    half = sharded(whole, 2)
+    shared = whole.parameters + whole.gradients + whole.optimizer_state
+    assert half.peak == whole.peak - shared + half.parameters + half.gradients + half.optimizer_state
+    assert half.parameters == whole.parameters // 2 and half.activations == whole.activations
+    fits = dict(shape=(4, 48), keys=keys, available=half.peak, attn_implementation="eager")
+    assert shortfall_message(config, shards=2, **fits) is None
+    assert "4 x 48" in shortfall_message(config, shards=1, **fits)
