@@ -349,7 +349,7 @@ def memory_table(memory: MemoryPlan) -> list[str]:
                          f"{e.peak_phase:<9}  {format_bytes(e.parameters):>11}  {gradients:<20}  "
                          f"{format_bytes(e.optimizer_state):>10}  {format_bytes(e.activations):>11}{fit}")
     phases = dict.fromkeys(e.peak_phase for by_rows in memory.estimates.values() for e in by_rows.values())
-    lines += [f"Peak in {p}: {PEAK_NOTES[p]}" for p in phases if p in PEAK_NOTES]
+    lines += [f"Peak in {'the optimizer step' if p == 'optimizer' else p}: {PEAK_NOTES.get(p, '')}" for p in phases]
     return lines + ([memory.advice] if memory.advice else [])
 
 

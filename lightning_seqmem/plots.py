@@ -167,7 +167,8 @@ def strategy_bars(plans: Sequence[Any], recommended: tuple[str, int] | None = No
 
 # --------------------------------------------------------------------------------------------------- memory bars
 def _unit(value: float) -> tuple[str, float]:
-    return ("GiB", 2**30) if value >= 2**30 else ("MiB", 2**20)
+    """GiB from 4 GiB up, else MiB: bar labels of two or three digits, not 0.0598."""
+    return ("GiB", 2**30) if value >= 4 * 2**30 else ("MiB", 2**20)
 
 
 def memory_bars(memory: Any):
@@ -177,6 +178,8 @@ def memory_bars(memory: Any):
     ``memory`` is a :class:`~lightning_seqmem.plan.MemoryPlan` (``estimates`` checkpointing -> rows ->
     ``MemoryEstimate``, ``budget``, ``usable``, ``margin``, ``length``, ``fits``).
     """
+    from lightning_seqmem.memory.stats import format_bytes
+
     panels = [(ckpt, by_rows) for ckpt, by_rows in memory.estimates.items() if by_rows]
     top = max([e.peak for _, by_rows in panels for e in by_rows.values()] + [memory.budget or 0])
     unit, scale = _unit(top)
@@ -193,7 +196,7 @@ def memory_bars(memory: Any):
         ax.bar_label(bars, [f"{h:.3g}" + (" too big" if o else "") for h, o in zip(bottom, over)], fontsize=7)
         if memory.budget is not None:
             ax.axhline(memory.budget / scale, color="black", linewidth=1.2,
-                       label=f"budget {memory.budget / scale:.1f} {unit}")
+                       label=f"budget {format_bytes(memory.budget)}")
             ax.axhspan(memory.usable / scale, memory.budget / scale, color="grey", alpha=0.25,
                        label=f"margin: {memory.margin:.0%} of the budget kept back (allocator, CUDA context)")
         ax.set_xticks(range(len(rows)), [f"{r}\n{by_rows[r].peak_phase}" for r in rows], fontsize=8)

@@ -9,6 +9,7 @@ from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.memory.estimate import estimate_training_memory
 from lightning_seqmem.model import build_model_config
 from lightning_seqmem.plan import (
+    PEAK_NOTES,
     STRATEGIES,
     DataSettings,
     build_plan,
@@ -127,7 +128,7 @@ def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset):
     memory = text[text.index("Peak training memory"):text.index("Recommended:")]
     assert "falls in" in memory and "live at the peak" in memory and " 0 B " not in memory
     for phase in {e.peak_phase for by_rows in plan.memory.estimates.values() for e in by_rows.values()}:
-        assert f"Peak in {phase}" in memory
+        assert PEAK_NOTES[phase] in memory
 
 
 def test_plan_api_from_a_datamodule_and_a_model_config(small_text_dataset):

@@ -133,7 +133,7 @@ def test_memory_chart_stacks_what_is_live_at_the_peak_under_the_budget():
     assert "largest that fits 4" in off.get_title() and "checkpointing on" in on.get_title()
     rows = sorted(memory.estimates[False])
     assert len(off.patches) == 4 * len(rows) + 1  # four categories per bar, and the margin band
-    scale = 2**20
+    scale = {"(MiB)": 2**20, "(GiB)": 2**30}[off.get_ylabel().split()[-1]]
     tops = {}
     for bar in off.patches[:-1]:
         tops[round(bar.get_x(), 3)] = max(tops.get(round(bar.get_x(), 3), 0), bar.get_y() + bar.get_height())
