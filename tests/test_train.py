@@ -188,6 +188,13 @@ def test_model_and_datamodule_log_no_key_both():
     assert not set(model.hparams_initial) & set(datamodule.hparams_initial)
     assert datamodule.hparams_initial["pad_token_id"] == 0 and model.hparams_initial["vocab_size"] == 64
 
+    from lightning_seqmem import CausalLM
+
+    told = CausalLM(model_config="tiny_llama", vocab_size=64, pad_token_id=5)  # the data's id wins, said once
+    with pytest.warns(UserWarning, match=r"given pad_token_id=5 but the DataModule pads with 0; using 0"):
+        told._take_pad_token_id(datamodule, None)
+    assert told.hparams.pad_token_id == 0 and "pad_token_id" not in told.hparams_initial
+
 
 @pytest.mark.parametrize("gpus", [0, 2])
 def test_trainer_auto_follows_the_machine(monkeypatch, capsys, gpus):
