@@ -53,6 +53,16 @@ def test_warmup_sweep_example_then_report(tmp_path):
     assert float(rows[0]["speedup_time"]) == 1.0 and float(rows[0]["final_val_loss"]) > 0
     assert int(rows[1]["tokens_seen"]) < int(rows[0]["tokens_seen"])  # warmup trained on shorter sequences
     assert (sweep / "report.png").stat().st_size > 1000 and (sweep / "report.md").exists()
+    # What the picture shows: one line per setting that validated, the failed one absent, the target marked.
+    from lightning_seqmem.report import build_report, figure, load_jobs
+
+    jobs = load_jobs(str(sweep))
+    rep = build_report(jobs)
+    fig = figure(jobs, rep)
+    for ax in fig.axes[:2]:
+        labels = [line.get_label() for line in ax.lines if not line.get_label().startswith("_")]
+        assert labels == ["callbacks.seq_warmup.duration=0.0", "callbacks.seq_warmup.duration=0.5",
+                          f"target {rep['target']:.4g}"]
 
     again = subprocess.run([sys.executable, "-m", "lightning_seqmem.report", str(sweep), "--clock", "cpu",
                             "--target-loss", "100", "--name", "cpu"], capture_output=True, text=True, timeout=300)
