@@ -100,7 +100,7 @@ def length_histogram(panels: Mapping[str, np.ndarray] | np.ndarray, max_lengths:
         ax.hist(lengths, bins=bins, color="#4c72b0", alpha=0.75, label="documents per bin")
         ax.set_xscale("log")
         ax.set_xlim(low, high)
-        ax.set_xlabel(f"tokens per {name.rstrip('s') if name == 'documents' else name} (log scale)")
+        ax.set_xlabel(f"tokens per {'document' if name == 'documents' else name} (log scale)")
         ax.set_ylabel("documents")
         ax.set_title(f"{name}: {lengths.size:,}, {int(lengths.sum()):,} tokens, median "
                      f"{int(np.median(lengths))}, longest {int(lengths.max()):,}", fontsize=9)
