@@ -26,7 +26,8 @@ class StepRanges(L.Callback):
 
 def range_peaks(prof, names: tuple[str, ...] = ("CachePreallocator", "train_step")) -> dict[str, list[int]]:
     """For each range name, the peak live bytes inside each of its ranges, in time order."""
-    allocations, spans, stack = [], {name: [] for name in names}, list(prof.profiler.kineto_results.experimental_event_tree())
+    allocations, spans = [], {name: [] for name in names}
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
         if event.typed[0] == _EventType.Allocation:

@@ -148,7 +148,8 @@ def test_dumps_a_snapshot_on_oom(tmp_path, monkeypatch):
     written = []
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", written.append)
     cb = MemoryMonitor(snapshot_dir=str(tmp_path / "snaps"))
-    fake_trainer = types.SimpleNamespace(global_rank=0, strategy=types.SimpleNamespace(root_device=torch.device("cuda", 0)))
+    cuda = types.SimpleNamespace(root_device=torch.device("cuda", 0))
+    fake_trainer = types.SimpleNamespace(global_rank=0, strategy=cuda)
     cuda_module = types.SimpleNamespace(device=torch.device("cuda", 0))
     cb.on_exception(fake_trainer, cuda_module, ValueError("not an OOM"))
     assert written == []

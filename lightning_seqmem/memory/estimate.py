@@ -255,12 +255,13 @@ def lightning_steps(
         model: a Hugging Face causal LM (its output has ``.loss``), in train mode.
         optimizer: over ``model``'s parameters.
         batch: ``[rows, length]`` tensors with ``labels``.
-        precision: ``*-mixed`` runs the forward under CPU autocast of that dtype.
+        precision: ``*-mixed`` runs the forward under autocast of that dtype, on the batch's device type.
         steps: 2 reaches the steady state (gradients alive in the forward, optimizer state allocated).
         tracker: told the phase, and which storages are gradients and optimizer state.
     """
     dtype = autocast_dtype(precision)
-    autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else contextlib.nullcontext
+    device_type = next(iter(batch.values())).device.type  # fake tensors report the device they stand for
+    autocast = (lambda: torch.autocast(device_type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
     params = list(model.parameters())
     for _ in range(steps):
         if tracker is not None:
