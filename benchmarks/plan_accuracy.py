@@ -11,33 +11,14 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from lightning_seqmem.memory.estimate import estimate_training_memory, measured_training_peak
 from lightning_seqmem.memory.stats import format_bytes
+from lightning_seqmem.memory.worst_batch import make_dummy_batch
 from lightning_seqmem.model import build_model_config
 
 VOCAB = 4096
 PAD_KEYS = ("input_ids", "attention_mask", "labels")
 PACK_KEYS = ("input_ids", "labels", "position_ids")
-
-
-def real_batch(rows: int, length: int, keys=PAD_KEYS, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
-    """A worst-case batch with real data: padding in the last row (pad keys) or two documents per row (pack keys),
-    so transformers builds the same attention mask the tracer assumes."""
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (rows, length), generator=generator)
-    batch = {"input_ids": ids, "labels": ids.clone()}
-    if "attention_mask" in keys:
-        mask = torch.ones(rows, length, dtype=torch.long)
-        mask[-1, length // 2 :] = 0
-        batch["attention_mask"] = mask
-        batch["labels"] = ids.masked_fill(mask == 0, -100)
-    if "position_ids" in keys:
-        half = length // 2
-        batch["position_ids"] = torch.cat([torch.arange(half), torch.arange(length - half)]).expand(rows, length).clone()
-    return batch
-
 
 CASES = [
     # (preset, rows, length, keys, precision, attention, checkpointing)
@@ -63,7 +44,8 @@ def main() -> None:
         est = estimate_training_memory(config, rows, length, keys, precision, device="cpu",
                                        attn_implementation=attention, gradient_checkpointing=checkpointing)
         seconds = time.perf_counter() - start
-        real = measured_training_peak(config, real_batch(rows, length, keys), precision, attention, checkpointing)
+        batch = make_dummy_batch(rows, length, keys, VOCAB)  # padding in a row (pad) or two documents per row (pack)
+        real = measured_training_peak(config, batch, precision, attention, checkpointing)
         kind = "pad" if "attention_mask" in keys else "pack"
         print(f"| {preset} | {rows} x {length} | {kind} | {precision} | {attention} | {'yes' if checkpointing else 'no'} "
               f"| {format_bytes(est.peak)} | {format_bytes(real)} | {100 * (est.peak - real) / real:+.2f}% "

@@ -13,10 +13,11 @@ from lightning_seqmem.memory.estimate import (
     measured_training_peak,
     normalize_precision,
 )
+from lightning_seqmem.memory.worst_batch import make_dummy_batch
 from lightning_seqmem.model import build_model_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from plan_accuracy import PACK_KEYS, PAD_KEYS, real_batch  # noqa: E402
+from plan_accuracy import PACK_KEYS, PAD_KEYS  # noqa: E402
 
 VOCAB = 512
 SMALL = {"tiny_llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -52,7 +53,7 @@ def _real_model(arch):
 @pytest.mark.parametrize("rows,length", [(1, 64), (2, 128), (4, 96)])
 def test_estimate_is_within_5_percent_of_a_real_cpu_step(arch, rows, length):
     est = estimate_training_memory(config(arch), rows, length, PAD_KEYS, device="cpu")
-    real = measured_training_peak(config(arch), real_batch(rows, length, PAD_KEYS, VOCAB))
+    real = measured_training_peak(config(arch), make_dummy_batch(rows, length, PAD_KEYS, VOCAB))
     assert abs(est.peak - real) <= 0.05 * real, (est.peak, real)
 
 
@@ -62,7 +63,7 @@ def test_packed_eager_mixed_and_checkpointed_steps_agree_with_reality_too():
     for case in cases:
         keys = case.pop("keys", PAD_KEYS)
         est = estimate_training_memory(config("tiny_llama"), 2, 128, keys, device="cpu", **case)
-        real = measured_training_peak(config("tiny_llama"), real_batch(2, 128, keys, VOCAB), **case)
+        real = measured_training_peak(config("tiny_llama"), make_dummy_batch(2, 128, keys, VOCAB), **case)
         assert abs(est.peak - real) <= 0.05 * real, (case, est.peak, real)
 
 
