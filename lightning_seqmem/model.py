@@ -137,6 +137,7 @@ class CausalLM(LightningModule):
         self._train_time = 0.0
         self._batch_start: float | None = None
         self._token_loss = TokenLossNormalizer()
+        self._no_decay: set[str] | None = None  # names, fixed at setup: FSDP flattens parameters to 1-D shards
         if pretrained_path is not None or vocab_size is not None:
             self._build()
 
@@ -185,6 +186,7 @@ class CausalLM(LightningModule):
             self._build()
         self._choose_attention()
         self._check_positions(dm)
+        self._no_decay = no_decay_names(self)
 
     def _choose_attention(self) -> None:
         """``"auto"``: the varlen kernel where it runs on the Trainer's device and precision, else SDPA;
@@ -323,9 +325,10 @@ class CausalLM(LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         decay, no_decay = [], []
+        names = self._no_decay if self._no_decay is not None else no_decay_names(self)
         for name, p in self.named_parameters():
             if p.requires_grad:
-                (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+                (no_decay if name in names else decay).append(p)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=hp.learning_rate, betas=tuple(hp.betas),
@@ -349,6 +352,12 @@ class CausalLM(LightningModule):
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+def no_decay_names(module: torch.nn.Module) -> set[str]:
+    """Parameters AdamW does not decay: biases and norm weights (fewer than 2 dimensions, or "norm" in the name).
+    Ask before FSDP wraps the module: with ``use_orig_params`` every parameter becomes a 1-D shard."""
+    return {name for name, p in module.named_parameters() if p.ndim < 2 or "norm" in name.lower()}
 
 
 def max_positions(config: Any) -> tuple[str, int] | None:

@@ -94,8 +94,9 @@ def main(kind: str, out: str, oom: bool) -> None:
     assert model.shapes[0] == (3, 32), model.shapes  # the pass ran the worst-case batch first
     if kind == "fsdp":
         assert calls.calls >= 2, calls.calls  # the pass and the real step both went through the FSDP wrapper
+    groups = [len(group["params"]) for group in trainer.optimizers[0].param_groups]  # weight decay, no decay
     with open(f"{out}/{kind}_rank{trainer.global_rank}.ok", "w") as f:
-        f.write(str(trainer.global_step))
+        f.write(f"{trainer.global_step} {groups}")
 
 
 if __name__ == "__main__":
