@@ -15,7 +15,7 @@ _EXPORTS: dict[str, str] = {
     "CachePreallocator": "lightning_seqmem.memory.preallocate",
     "PreallocationOOMError": "lightning_seqmem.memory.preallocate",
     "PreallocationReport": "lightning_seqmem.memory.preallocate",
-    "make_dummy_batch": "lightning_seqmem.memory.preallocate",
+    "make_dummy_batch": "lightning_seqmem.memory.worst_batch",
     "MemoryMonitor": "lightning_seqmem.memory.monitor",
     "ConfigChecks": "lightning_seqmem.memory.checks",
     "RunFacts": "lightning_seqmem.memory.checks",
