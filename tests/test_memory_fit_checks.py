@@ -2,6 +2,7 @@
 
 import lightning.pytorch as L
 import pytest
+import torch
 from _memory_helpers import TinyData, TinyLM, trainer
 
 from lightning_seqmem import CausalLM, SeqMemDataModule
@@ -61,3 +62,27 @@ def test_config_checks_use_the_same_estimate(tmp_path, monkeypatch, small_text_d
     skipped = ConfigChecks(skip=["memory"])
     trainer(tmp_path, [skipped], max_steps=1).fit(model, datamodule=dm)
     assert "memory" not in skipped.problems
+
+
+class _OOMAbove(TinyLM):
+    """Runs out of memory (simulated) above 2 rows, like a GPU with `free` bytes would."""
+
+    def training_step(self, batch, batch_idx):
+        if batch["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+        return super().training_step(batch, batch_idx)
+
+
+def test_oom_in_the_pass_names_the_shape_and_the_micro_batch_size_that_fits(tmp_path, monkeypatch):
+    keys = ("input_ids", "attention_mask", "labels")
+    model = _OOMAbove()
+    free = (_peak(model, 2, 48, keys) + _peak(model, 4, 48, keys)) // 2
+    monkeypatch.setattr(preallocate, "_is_cuda", lambda device: True)
+    for name in ("_cuda_reset_peak", "_cuda_allocated", "_cuda_peak_allocated", "_cuda_reserved"):
+        monkeypatch.setattr(preallocate, name, lambda device: 0)
+    monkeypatch.setattr(preallocate, "_cuda_mem_get_info", lambda device: (free, 4 * free))
+    monkeypatch.setattr(preallocate, "rank_zero_warn", lambda message: None)
+    with pytest.raises(preallocate.PreallocationOOMError) as info:
+        trainer(tmp_path, [CachePreallocator(rows=8, length=48)], max_steps=1).fit(model, datamodule=TinyData())
+    message = str(info.value)
+    assert "rows=8, length=48" in message and "micro_batch_size=2 fits" in message
