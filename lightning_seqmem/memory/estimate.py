@@ -333,6 +333,11 @@ def build_fake_model(model_config, attn_implementation: str = "sdpa", precision:
         dtype = parameter_dtype(precision)  # built in its dtype: fake parameters cannot be cast in place
         extra = {} if dtype == torch.float32 else {"dtype": dtype}
         model = AutoModelForCausalLM.from_config(model_config, attn_implementation=implementation, **extra)
+    # A packed batch has no attention_mask, so models that warn about padding (gpt2) read token values to decide;
+    # fake tensors have none. The warning changes no memory: skip it in the traced model.
+    for module in model.modules():
+        if hasattr(module, "warn_if_padding_and_no_attention_mask"):
+            module.warn_if_padding_and_no_attention_mask = lambda *args, **kwargs: None
     model.train()
     if gradient_checkpointing:
         _enable_checkpointing(model)
