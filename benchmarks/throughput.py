@@ -1,5 +1,6 @@
-"""Throughput benchmark: the tiny model trained on the same data with ``pad``, ``truncate`` and ``pack``.
+"""Throughput benchmarks.
 
+Strategies (no ``--device``): the tiny model trained on the same data with ``pad``, ``truncate`` and ``pack``.
 Per strategy: real tokens/s, slots/s (real + padding), token efficiency and peak memory (RSS on CPU, allocated
 on CUDA). Each strategy runs in a fresh subprocess so peak memory is its own. The target for ``pack``: real-token
 throughput >= 0.9 x what removing the padding allows, i.e. ``pad real tok/s x (pad slots / pack slots)`` per real
@@ -7,15 +8,231 @@ token, which is ``pad slots/s`` when both run at the same slots/s.
 
     python benchmarks/throughput.py                  # 30 timed steps per strategy, max_length 256, 8 rows
     python benchmarks/throughput.py --steps 10 --max-length 128
+
+Loops (``--device cpu|cuda``): the SAME packed batches (``SeqMemDataModule(strategy="pack")``, materialised once)
+through a bare PyTorch loop (forward, backward, AdamW foreach), the bare loop without ``position_ids`` (one causal
+sequence per row: the attention bound), and ``CausalLM`` + ``Trainer`` (gradient clipping 1.0, token-weighted loss,
+no logger or progress bar) per attention implementation; on CUDA also compiled loops and TRL's SFTTrainer packed and
+padded when ``trl`` is importable. Real (label-bearing) tokens per second over the timed steps (per second of wall-clock
+on CUDA, of process CPU time on CPU); each loop in a fresh subprocess, loops interleaved over ``--repeats`` rounds,
+the median reported. On CUDA: the 123.5 M Llama of issue 18
+(hidden 768, 12 layers, 12 heads / 3 key-value heads, MLP 2048, vocabulary 32,000), bf16-mixed, rows of 2,048,
+micro-batch 8; on CPU: ``tiny_llama``, fp32.
+
+    python benchmarks/throughput.py --device cpu     # bare loop vs CausalLM, tiny model
+    python benchmarks/throughput.py --device cuda    # the full table (benchmarks/gpu.py can call loop_table())
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import time
+
+# --------------------------------------------------------------------------------------------------------- loops
+LLAMA_123M = dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                  num_attention_heads=12, num_key_value_heads=3, max_position_embeddings=4096, vocab_size=32000,
+                  tie_word_embeddings=False, rms_norm_eps=1e-5)
+LOOPS = {  # name: (what, CUDA only)
+    "bare": ("bare PyTorch loop (forward, backward, AdamW foreach), SDPA, packed rows", False),
+    "bound": ("the same, position_ids dropped (one causal sequence per row: the attention bound)", False),
+    "bare_compiled": ("the same packed loop under torch.compile", True),
+    "bare_flex": ("bare loop, flex_attention", True),
+    "ours_sdpa": ("CausalLM + Trainer, SDPA (clip 1.0, token-weighted loss)", False),
+    "ours_torch_varlen": ("CausalLM + Trainer, torch_varlen (clip 1.0, token-weighted loss)", True),
+    "ours_auto": ("CausalLM + Trainer, attn_implementation='auto'", True),
+    "ours_sdpa_noclip": ("CausalLM + Trainer, SDPA, clipping off", False),
+    "ours_sdpa_micro": ("CausalLM + Trainer, SDPA, clipping off, loss_normalization='micro_batch'", False),
+    "ours_compiled": ("CausalLM(compile=True) + Trainer, SDPA", True),
+    "ours_varlen_compiled": ("CausalLM(compile=True) + Trainer, torch_varlen", True),
+    "trl_packed": ("TRL SFTTrainer, packed (SDPA, no gradient checkpointing)", True),
+    "trl_padded": ("TRL SFTTrainer, padded", True),
+}
+
+
+def _setup(args: argparse.Namespace):
+    """The shared pieces of every loop: device, model config, precision, and the packed batches (CPU tensors)."""
+    import torch
+
+    from lightning_seqmem import SeqMemDataModule
+    from lightning_seqmem.batch import count_label_tokens
+
+    torch.manual_seed(0)
+    dm = SeqMemDataModule(max_length=args.max_length, micro_batch_size=args.rows, strategy="pack", seed=0)
+    dm.setup("fit")
+    batches, needed = [], args.warmup + args.steps
+    while len(batches) < needed:
+        batches.extend(b for _, b in zip(range(needed - len(batches)), dm.train_dataloader()))
+    cuda = args.device == "cuda"
+    config = dict(LLAMA_123M) if args.model == "123m" else {"preset": "tiny_llama"}
+    vocab = max(config.get("vocab_size", 0), len(dm.tokenizer))
+    real = sum(int(count_label_tokens(b)) for b in batches[args.warmup:])
+    return torch.device(args.device), config, vocab, dm.pad_token_id, batches, real, cuda
+
+
+def _model_config(config: dict):
+    return config["preset"] if "preset" in config else {k: v for k, v in config.items() if k != "vocab_size"}
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _clock(device):
+    """Wall-clock on CUDA; on CPU this process's CPU time, since a shared CPU's wall-clock varies many-fold with other
+    load (the loops' overhead is CPU work there, which CPU time counts)."""
+    return time.perf_counter if device.type == "cuda" else time.process_time
+
+
+def _bare(args: argparse.Namespace, drop_positions=False, compiled=False, attn="sdpa") -> dict:
+    """A bare loop: no Lightning, HF's mean loss, AdamW foreach."""
+    import torch
+
+    from lightning_seqmem import CausalLM
+
+    device, config, vocab, pad, batches, real, cuda = _setup(args)
+    model = CausalLM(model_config=_model_config(config), vocab_size=vocab, pad_token_id=pad,
+                     attn_implementation=attn).model.to(device).train()
+    if compiled:
+        model.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    dtype = torch.bfloat16 if cuda else None
+    start = 0.0
+    for step, batch in enumerate(batches):
+        if step == args.warmup:
+            _sync(device)
+            start = _clock(device)()
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()
+                 if not (drop_positions and k == "position_ids")}
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _sync(device)
+    return {"real_tok_s": real / (_clock(device)() - start)}
+
+
+def _ours(args: argparse.Namespace, attn="sdpa", clip=1.0, compiled=False, loss="token") -> dict:
+    """CausalLM + Trainer on the same batches, timed from the first timed step's start to the end of training."""
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader
+
+    from lightning_seqmem import CausalLM
+
+    device, config, vocab, pad, batches, real, cuda = _setup(args)
+    clock = {}
+
+    class Clock(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == args.warmup:
+                _sync(device)
+                clock["start"] = _clock(device)()
+
+        def on_train_end(self, trainer, pl_module):
+            _sync(device)
+            clock["end"] = _clock(device)()
+
+    extra = {"compile": True} if compiled else {}  # (runs against older code too: --loops NAME@DIR)
+    model = CausalLM(model_config=_model_config(config), vocab_size=vocab, pad_token_id=pad,
+                     attn_implementation=attn, loss_normalization=loss, **extra)
+    trainer = L.Trainer(accelerator=device.type, devices=1, precision="bf16-mixed" if cuda else "32-true",
+                        max_steps=len(batches), gradient_clip_val=clip, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, callbacks=[Clock()])
+    trainer.fit(model, train_dataloaders=DataLoader(batches, batch_size=None))
+    return {"real_tok_s": real / (clock["end"] - clock["start"]), "attn": model.model.config._attn_implementation}
+
+
+def _trl(args: argparse.Namespace, packed: bool) -> dict:
+    """TRL's SFTTrainer on the same documents (its own packing or padding), real tokens counted from its batches."""
+    return {"skipped": "TRL rows are not implemented in this script yet (trl is absent on the CUDA machine)"}
+
+
+def run_loop(name: str, args: argparse.Namespace) -> dict:
+    """One loop of :data:`LOOPS`, in this process."""
+    runs = {
+        "bare": lambda: _bare(args),
+        "bound": lambda: _bare(args, drop_positions=True),
+        "bare_compiled": lambda: _bare(args, compiled=True),
+        "bare_flex": lambda: _bare(args, attn="flex_attention"),
+        "ours_sdpa": lambda: _ours(args),
+        "ours_torch_varlen": lambda: _ours(args, attn="torch_varlen"),
+        "ours_auto": lambda: _ours(args, attn="auto"),
+        "ours_sdpa_noclip": lambda: _ours(args, clip=None),
+        "ours_sdpa_micro": lambda: _ours(args, clip=None, loss="micro_batch"),
+        "ours_compiled": lambda: _ours(args, compiled=True),
+        "ours_varlen_compiled": lambda: _ours(args, attn="torch_varlen", compiled=True),
+        "trl_packed": lambda: _trl(args, packed=True),
+        "trl_padded": lambda: _trl(args, packed=False),
+    }
+    return runs[name]()
+
+
+def loop_table(device: str = "cuda", loops: list[str] | None = None, steps: int = 25, warmup: int = 5,
+               max_length: int | None = None, rows: int = 8, model: str | None = None, repeats: int = 1) -> list[dict]:
+    """Run the loops (each in a fresh subprocess, interleaved over ``repeats`` rounds) and return one dict per loop:
+    ``loop``, ``what``, ``real_tok_s`` (median), ``runs``, ``vs_bare``, ``vs_bound`` (or ``skipped``/``error``).
+    Importable by other benchmark scripts (``benchmarks/gpu.py``)."""
+    cuda = device == "cuda"
+    max_length = max_length or (2048 if cuda else 256)
+    model = model or ("123m" if cuda else "tiny")
+    loops = loops or [n for n, (_, cuda_only) in LOOPS.items() if cuda or not cuda_only]
+    runs: dict[str, list[dict]] = {name: [] for name in loops}
+    for _ in range(repeats):
+        for name in loops:
+            loop, _, tree = name.partition("@")  # NAME@DIR: the same loop with the package found in DIR first
+            cmd = [sys.executable, __file__, "--loop-worker", loop, "--device", device, "--steps", str(steps),
+                   "--warmup", str(warmup), "--max-length", str(max_length), "--rows", str(rows), "--model", model]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            lines = done.stdout.strip().splitlines()
+            if done.returncode != 0 or not lines:
+                runs[name].append({"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:160]})
+            else:
+                runs[name].append(json.loads(lines[-1]))
+    table = []
+    for name in loops:
+        ok = [r["real_tok_s"] for r in runs[name] if "real_tok_s" in r]
+        loop, _, tree = name.partition("@")
+        row = {"loop": name, "what": LOOPS[loop][0] + (f" [code in {tree}]" if tree else ""), "runs": ok}
+        if ok:
+            row["real_tok_s"] = statistics.median(ok)
+            row["attn"] = next((r["attn"] for r in runs[name] if "attn" in r), None)
+        else:
+            other = runs[name][-1]
+            row.update({k: other[k] for k in ("skipped", "error") if k in other})
+        table.append(row)
+    by_name = {r["loop"]: r.get("real_tok_s") for r in table}
+    for row in table:
+        for ref in ("bare", "bound"):
+            if row.get("real_tok_s") and by_name.get(ref):
+                row[f"vs_{ref}"] = row["real_tok_s"] / by_name[ref]
+    return table
+
+
+def print_loop_table(table: list[dict], header: str) -> None:
+    print(header)
+    print("| loop | real tokens/s | vs bare loop | vs no-mask bound | runs |")
+    print("|---|---:|---:|---:|---|")
+    for row in table:
+        if "real_tok_s" not in row:
+            print(f"| {row['what']} | {row.get('skipped') or 'error: ' + row.get('error', '?')} | | | |")
+            continue
+        runs = ", ".join(f"{r:,.0f}" for r in row["runs"])
+        print(f"| {row['what']} | {row['real_tok_s']:,.0f} | {row.get('vs_bare', float('nan')):.3f} | "
+              f"{row.get('vs_bound', float('nan')):.3f} | {runs} |")
+
+
+# ---------------------------------------------------------------------------------------------------- strategies
 
 
 def worker(strategy: str, steps: int, max_length: int, rows: int, warmup: int) -> dict:
@@ -56,12 +273,37 @@ def worker(strategy: str, steps: int, max_length: int, rows: int, warmup: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (strategies 30, loops 25)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (strategies 3, loops 5)")
+    parser.add_argument("--max-length", type=int, default=None, help="row length (256; loops on CUDA 2048)")
     parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="run the loops table on this device")
+    parser.add_argument("--loops", default=None, help=f"comma-separated subset of {', '.join(LOOPS)}; NAME@DIR "
+                        "runs a loop with the lightning_seqmem package in DIR (e.g. an older commit's, git archive)")
+    parser.add_argument("--model", choices=("tiny", "123m"), default=None, help="loops: tiny_llama or issue 18's")
+    parser.add_argument("--repeats", type=int, default=None, help="loops: interleaved rounds (CPU 3, CUDA 1)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--loop-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.loop_worker:
+        print(json.dumps(run_loop(args.loop_worker, args)))
+        return
+    if args.device:
+        cuda = args.device == "cuda"
+        steps, warmup = args.steps or 25, args.warmup if args.warmup is not None else 5
+        repeats = args.repeats or (1 if cuda else 3)
+        table = loop_table(args.device, args.loops.split(",") if args.loops else None, steps, warmup,
+                           args.max_length, args.rows, args.model, repeats)
+        model = args.model or ("123m" if cuda else "tiny")
+        length = args.max_length or (2048 if cuda else 256)
+        import torch
+
+        machine = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads, CPU time)"
+        print_loop_table(table, f"{machine}, torch {torch.__version__}, model {model}, packed rows of {length}, "
+                                f"micro-batch {args.rows}, {steps} timed steps after {warmup}, median of {repeats}")
+        return
+    args.steps, args.warmup = args.steps or 30, args.warmup if args.warmup is not None else 3
+    args.max_length = args.max_length or 256
     if args.worker:
         print(json.dumps(worker(args.worker, args.steps, args.max_length, args.rows, args.warmup)))
         return

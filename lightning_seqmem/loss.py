@@ -79,8 +79,8 @@ class TokenLossNormalizer:
     (it rescales at the step's last micro-batch, so every ``on_before_optimizer_step`` hook, clipping and the optimizer
     see the per-token mean's gradients), or :meth:`rescale_gradients` in ``on_before_optimizer_step`` (then only hooks
     that run after it do). Lightning calls both after the fp16 grad scaler's backward; the rescale is linear, so
-    before or after its unscale is the same. No state outlives a step, so a resumed run is bit-identical. A callback that
-    runs ``training_step`` before training (``CachePreallocator``) leaves a count behind: call :meth:`reset` in
+    before or after its unscale is the same. No state outlives a step, so a resumed run is bit-identical. A callback
+    that runs ``training_step`` before training (``CachePreallocator``) leaves a count behind: call :meth:`reset` in
     ``on_train_start`` (``CausalLM`` does). Made for single-device, DDP and FSDP (gradients averaged over ranks);
     not for DeepSpeed, which scales accumulated gradients itself.
 

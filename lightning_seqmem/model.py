@@ -78,8 +78,9 @@ class CausalLM(LightningModule):
             mask transformers builds from ``position_ids``, flash and ``torch_varlen`` (torch's own varlen kernel,
             :mod:`lightning_seqmem.attention`) through the varlen arguments this module passes
             (:func:`~lightning_seqmem.varlen.batch_varlen_kwargs`; ``torch_varlen`` takes padded rows that way
-            too, each run of padding its own segment). ``"auto"``: ``torch_varlen`` where it runs (CUDA, fp16/bf16 precision, torch >= 2.10),
-            SDPA elsewhere, decided at ``setup``; ``"torch_varlen"`` where it cannot run is an error.
+            too, each run of padding its own segment). ``"auto"``: ``torch_varlen`` where it runs (CUDA,
+            fp16/bf16 precision, torch >= 2.10), SDPA elsewhere, decided at ``setup``; ``"torch_varlen"`` where it
+            cannot run is an error.
         loss_normalization: ``"token"``: every label token of an optimizer step weighs the same, across
             micro-batches (``accumulate_grad_batches``) and DDP ranks (Hugging Face's ``num_items_in_batch``);
             ``"micro_batch"``: each micro-batch's mean loss weighs the same (the old behaviour).
