@@ -14,7 +14,7 @@ through a bare PyTorch loop (forward, backward, AdamW foreach), the bare loop wi
 sequence per row: the attention bound), and ``CausalLM`` + ``Trainer`` (gradient clipping 1.0, token-weighted loss,
 no logger or progress bar) per attention implementation; on CUDA also compiled loops and TRL's SFTTrainer packed and
 padded when ``trl`` is importable. Real (label-bearing) tokens per second over the timed steps (per second of wall-clock
-on CUDA, of process CPU time on CPU); each loop in a fresh subprocess, loops interleaved over ``--repeats`` rounds,
+on CUDA, of process CPU time with one thread on CPU); each loop in a fresh subprocess, loops interleaved over ``--repeats`` rounds,
 the median reported. On CUDA: the 123.5 M Llama of issue 18
 (hidden 768, 12 layers, 12 heads / 3 key-value heads, MLP 2048, vocabulary 32,000), bf16-mixed, rows of 2,048,
 micro-batch 8; on CPU: ``tiny_llama``, fp32.
@@ -62,6 +62,8 @@ def _setup(args: argparse.Namespace):
     from lightning_seqmem.batch import count_label_tokens
 
     torch.manual_seed(0)
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # no OpenMP spin-waiting: CPU time then counts work only, whatever else runs
     dm = SeqMemDataModule(max_length=args.max_length, micro_batch_size=args.rows, strategy="pack", seed=0)
     dm.setup("fit")
     batches, needed = [], args.warmup + args.steps
@@ -298,7 +300,7 @@ def main() -> None:
         length = args.max_length or (2048 if cuda else 256)
         import torch
 
-        machine = torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads, CPU time)"
+        machine = torch.cuda.get_device_name() if cuda else "CPU (1 thread, process CPU time)"
         print_loop_table(table, f"{machine}, torch {torch.__version__}, model {model}, packed rows of {length}, "
                                 f"micro-batch {args.rows}, {steps} timed steps after {warmup}, median of {repeats}")
         return
