@@ -230,7 +230,8 @@ def print_loop_table(table: list[dict], header: str) -> None:
             print(f"| {row['what']} | {row.get('skipped') or 'error: ' + row.get('error', '?')} | | | |")
             continue
         runs = ", ".join(f"{r:,.0f}" for r in row["runs"])
-        print(f"| {row['what']} | {row['real_tok_s']:,.0f} | {row.get('vs_bare', float('nan')):.3f} | "
+        what = row["what"] + (f" (ran {row['attn']})" if row["loop"].startswith("ours_auto") else "")
+        print(f"| {what} | {row['real_tok_s']:,.0f} | {row.get('vs_bare', float('nan')):.3f} | "
               f"{row.get('vs_bound', float('nan')):.3f} | {runs} |")
 
 
