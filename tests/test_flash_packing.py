@@ -245,9 +245,8 @@ def test_trainer_fit_auto_picks_torch_varlen_where_it_runs_and_sdpa_elsewhere(mo
     lm, trainer, checks = _fit(tmp_path, "auto", precision="bf16-mixed")
     assert lm.model.config._attn_implementation == "torch_varlen" and lm.hparams.attn_implementation == "auto"
     assert len(CALLS) >= 2 * 2 * TINY["llama"]["num_hidden_layers"]  # every layer of every step and validation
-    # (ConfigChecks runs at the callbacks' setup, before CausalLM resolves "auto": it does not list "auto" among the
-    # packed-safe implementations yet, so its packing_attention check is left out here.)
-    assert not {"flash_varlen", "fp16_packing"} & set(checks.problems)
+    # ConfigChecks runs at the callbacks' setup, before CausalLM resolves "auto": "auto" itself is packed-safe
+    assert not {"packing_attention", "flash_varlen", "fp16_packing"} & set(checks.problems)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
 
 

@@ -54,6 +54,13 @@ def test_quiet_when_fixed(fix):
     assert find_problems(RunFacts(**{**vars(QUIET), **fix}), SAFE) == {}
 
 
+def test_auto_and_torch_varlen_keep_packed_documents_apart():
+    # ConfigChecks runs before CausalLM resolves "auto" (torch_varlen or sdpa): neither name is a packing problem
+    facts = RunFacts(**{**vars(QUIET), "packing": True})
+    for name in ("auto", "torch_varlen"):
+        assert "packing_attention" not in find_problems(RunFacts(**{**vars(facts), "attn_implementation": name}))
+
+
 def test_batch_size_without_micro_batch_size_under_accumulation():
     problems = find_problems(RunFacts(batch_size=64, accumulate_grad_batches=4), SAFE)
     assert list(problems) == ["batch_size"] and "effective batch is 256" in problems["batch_size"]

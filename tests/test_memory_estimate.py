@@ -93,6 +93,10 @@ def test_eager_attention_keeps_the_length_by_length_scores_and_sdpa_does_not():
     flash = estimate_training_memory(cfg, rows, 256, device="cuda", attn_implementation="flash_attention_2")
     sdpa = estimate_training_memory(cfg, rows, 256, device="cuda")
     assert flash.activations < sdpa.activations  # no [rows, 1, length, length] mask at all
+    # torch's varlen kernel is traced as flash (no mask); "auto" as its larger candidate, sdpa
+    varlen = estimate_training_memory(cfg, rows, 256, device="cuda", attn_implementation="torch_varlen")
+    auto = estimate_training_memory(cfg, rows, 256, device="cuda", attn_implementation="auto")
+    assert (varlen.peak, auto.peak) == (flash.peak, sdpa.peak)
 
 
 def test_cuda_estimate_rounds_to_the_allocator_granule_and_uses_foreach_adamw():

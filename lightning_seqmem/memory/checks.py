@@ -51,12 +51,13 @@ def packed_safe_attention() -> frozenset[str]:
     ``position_ids`` only in one-row batches; with more rows it needs the varlen arguments
     (:func:`~lightning_seqmem.varlen.flash_varlen_kwargs`), which the ``flash_varlen`` check asks for.
     """
-    safe = {"flash_attention_2", "flash_attention_3"}
+    # torch_varlen reads the varlen arguments or, without them, position_ids itself (lightning_seqmem.attention)
+    safe = {"flash_attention_2", "flash_attention_3", "torch_varlen"}
     try:
         from transformers import masking_utils
 
         if hasattr(masking_utils, "find_packed_sequence_indices"):
-            safe |= {"eager", "sdpa", "flex_attention"}
+            safe |= {"eager", "sdpa", "flex_attention", "auto"}  # auto is torch_varlen or sdpa
     except ImportError:
         pass
     return frozenset(safe)

@@ -301,11 +301,15 @@ def _register_flash_trace() -> None:
 def _traced_attention(attn_implementation: str) -> str:
     if attn_implementation in ("eager", "sdpa"):
         return attn_implementation
-    if attn_implementation.startswith("flash_attention"):
+    if attn_implementation == "auto":  # torch_varlen or sdpa: sdpa's mask makes it the larger of the two
+        return "sdpa"
+    # torch's varlen kernel, like flash, builds no mask and keeps [tokens, heads, dim] activations
+    if attn_implementation.startswith("flash_attention") or attn_implementation == "torch_varlen":
         _register_flash_trace()
         return _FLASH_TRACE
     raise ValueError(
-        f"attn_implementation={attn_implementation!r} cannot be estimated; use 'sdpa', 'eager' or 'flash_attention_2'."
+        f"attn_implementation={attn_implementation!r} cannot be estimated; use 'sdpa', 'eager', 'auto', "
+        "'torch_varlen' or 'flash_attention_2'."
     )
 
 
