@@ -3,9 +3,9 @@ pre-allocation and expandable segments.
 
 Each configuration runs in a fresh subprocess, because the CUDA caching allocator reads ``PYTORCH_ALLOC_CONF`` once.
 On CUDA it prints, per configuration: reserved memory after step 1 vs peak, reserved growth after step 1,
-``num_alloc_retries``, device allocations (cudaMalloc calls) and fragmentation at peak
-((peak reserved - peak allocated) / peak reserved). Without a GPU it runs on CPU and prints RSS figures instead
-(the allocator settings do nothing there); CUDA figures need a GPU.
+``num_alloc_retries``, device allocations (cudaMalloc calls) and fragmentation at peak (the share of peak reserved
+memory stranded in inactive split blocks, as ``MemoryMonitor`` reports it). Without a GPU it runs on CPU and prints
+RSS figures instead (the allocator settings do nothing there); CUDA figures need a GPU.
 
     python benchmarks/memory.py                       # all four configurations, default sizes
     python benchmarks/memory.py --lengths 256,512,1024,2048 --rows 8 --hidden 512 --layers 8
@@ -105,7 +105,7 @@ def _worker(args: argparse.Namespace) -> dict:
     if cuda:
         end = torch.cuda.memory_stats()
         first = recorder.after_step1
-        peak_reserved, peak_allocated = end["reserved_bytes.all.peak"], end["allocated_bytes.all.peak"]
+        peak_reserved = end["reserved_bytes.all.peak"]
         return {
             "device": torch.cuda.get_device_name(),
             "reserved_after_step1": first["reserved_bytes.all.current"],
@@ -114,7 +114,7 @@ def _worker(args: argparse.Namespace) -> dict:
             "num_alloc_retries": end["num_alloc_retries"],
             "retries_after_step1": end["num_alloc_retries"] - first["num_alloc_retries"],
             "device_allocs": end.get("num_device_alloc"),
-            "fragmentation_at_peak": stats.fragmentation(peak_reserved, peak_allocated),
+            "fragmentation_at_peak": stats.stranded_share(end["inactive_split_bytes.all.peak"], peak_reserved),
         }
     peak = stats.peak_rss_bytes()
     return {"device": "cpu", "rss_after_step1": recorder.after_step1["rss"], "peak_rss": peak,

@@ -44,14 +44,6 @@ def format_bytes(n: float | None) -> str:
     return f"{int(n)} B"
 
 
-def fragmentation(reserved: float, allocated: float) -> float:
-    """Share of reserved memory not held by live tensors: ``(reserved - allocated) / reserved`` (0 if none).
-
-    Not fragmentation: after a pre-allocated peak most of the reservation is free and reusable. See
-    :func:`stranded_share` for the figure the monitor reports."""
-    return (reserved - allocated) / reserved if reserved > 0 else 0.0
-
-
 def stranded_share(inactive_split: float, reserved: float) -> float:
     """Fragmentation: the share of reserved memory in inactive split blocks (``inactive_split_bytes``), the free
     remainders of split blocks that the allocator cannot merge into a larger request (0 if nothing reserved)."""
