@@ -7,6 +7,7 @@ configure the CUDA caching allocator (``PYTORCH_ALLOC_CONF``) before torch reads
 
 from __future__ import annotations
 
+from lightning_seqmem import _process_exit
 from lightning_seqmem._lazy import lazy_exports
 
 __version__ = "0.1.0"
@@ -58,3 +59,6 @@ __all__ = sorted(_EXPORTS)
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+
+# Every rank imports the package (spawned ranks unpickle its objects): close a process group left open at exit.
+_process_exit.register()
