@@ -26,7 +26,6 @@ import torch
 
 from lightning_seqmem.varlen import TORCH_VARLEN, flash_varlen_kwargs
 
-VARLEN_ATTENTION = TORCH_VARLEN
 AUTO = "auto"
 HALF_PRECISIONS = ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "16", "bf16")
 
@@ -69,14 +68,14 @@ def resolve_attn_implementation(requested: str, device: torch.device | str, prec
     Raises:
         ValueError: ``torch_varlen`` asked for where the kernel cannot run.
     """
-    if requested not in (AUTO, VARLEN_ATTENTION):
+    if requested not in (AUTO, TORCH_VARLEN):
         return requested
     reason = varlen_unavailable_reason(device, precision)
     if requested == AUTO:
         return "sdpa" if reason else register_varlen_attention()
     if reason:
         raise ValueError(
-            f"attn_implementation={VARLEN_ATTENTION!r} cannot run here: {reason}. Use attn_implementation='auto' "
+            f"attn_implementation={TORCH_VARLEN!r} cannot run here: {reason}. Use attn_implementation='auto' "
             "(the varlen kernel where it runs, SDPA elsewhere) or 'sdpa'."
         )
     return register_varlen_attention()
@@ -87,8 +86,8 @@ def register_varlen_attention() -> str:
     name, for ``AutoModelForCausalLM.from_config(config, attn_implementation=...)``."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
-    return VARLEN_ATTENTION
+    AttentionInterface.register(TORCH_VARLEN, varlen_attention_forward)
+    return TORCH_VARLEN
 
 
 @functools.lru_cache(maxsize=8)
@@ -124,14 +123,14 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """
     reason = varlen_unavailable_reason(query.device)
     if reason:
-        raise RuntimeError(f"attn_implementation={VARLEN_ATTENTION!r}: {reason}. Use 'sdpa' or 'auto'.")
+        raise RuntimeError(f"attn_implementation={TORCH_VARLEN!r}: {reason}. Use 'sdpa' or 'auto'.")
     if attention_mask is not None:
-        raise ValueError(f"attn_implementation={VARLEN_ATTENTION!r} takes no attention mask: pass the varlen "
+        raise ValueError(f"attn_implementation={TORCH_VARLEN!r} takes no attention mask: pass the varlen "
                          "arguments (lightning_seqmem.varlen.flash_varlen_kwargs) to keep sequences apart.")
     if dropout and module.training:
-        raise ValueError(f"attn_implementation={VARLEN_ATTENTION!r} has no attention dropout; set it to 0.")
+        raise ValueError(f"attn_implementation={TORCH_VARLEN!r} has no attention dropout; set it to 0.")
     if getattr(module, "sliding_window", None):
-        raise ValueError(f"attn_implementation={VARLEN_ATTENTION!r} does not do sliding-window attention; use 'sdpa'.")
+        raise ValueError(f"attn_implementation={TORCH_VARLEN!r} does not do sliding-window attention; use 'sdpa'.")
     batch, heads, length, dim = query.shape
     cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu is None and kwargs.get("position_ids") is not None:

@@ -203,9 +203,7 @@ class CausalLM(LightningModule):
     def _take_pad_token_id(self, dm: Any, tok: Any) -> None:
         """The pad id from its owner, the data: the DataModule's ``pad_token_id`` (pre-tokenized data give it
         without a tokenizer), else its tokenizer's. A different id given to the model loses, with a warning."""
-        data_pad = find_pad_token_id(dm) if dm is not None else None
-        if data_pad is None and tok is not None:
-            data_pad = tok.pad_token_id
+        data_pad = find_pad_token_id(dm, tok)
         if data_pad is None:
             return
         own = self.hparams.pad_token_id
@@ -236,8 +234,8 @@ class CausalLM(LightningModule):
         """Run the model on the batch's model keys; ``kwargs`` go to the model (e.g. ``num_items_in_batch``)."""
         inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
         if self._needs_varlen(inputs):
-            # One host sync (the segment table is data-dependent), at the start of the step, where the device has
-            # nothing queued behind it; transformers' own mask building does the same for SDPA.
+            # Host syncs (the segment table is data-dependent: its nonzero and its longest segment), at the start of
+            # the step, where the device has nothing queued behind it; transformers' own mask building does the same.
             kwargs.update(batch_varlen_kwargs(inputs))
         return self.model(**inputs, **kwargs, use_cache=False)
 

@@ -67,9 +67,20 @@ def cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
 
         cu_seqlens(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]))  # tensor([0, 3, 5, 7, 10], dtype=int32)
     """
-    starts = torch.nonzero(segment_starts(position_ids).reshape(-1)).squeeze(1)
-    total = torch.tensor([position_ids.numel()], device=position_ids.device)
-    return torch.cat([starts, total]).to(torch.int32)
+    return _offsets(segment_starts(position_ids))
+
+
+def _offsets(starts: torch.Tensor) -> torch.Tensor:
+    """``[segments + 1]`` int32 offsets of the ``True`` places of a ``[batch, seq]`` start mask, over the flattened
+    batch, ending with its size."""
+    flat = torch.nonzero(starts.reshape(-1)).squeeze(1)
+    total = torch.tensor([starts.numel()], device=starts.device)
+    return torch.cat([flat, total]).to(torch.int32)
+
+
+def _varlen_kwargs(cu: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    longest = int((cu[1:] - cu[:-1]).max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int]:
@@ -89,20 +100,18 @@ def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict[str, torch.Tensor | 
 
         out = model(**batch, **flash_varlen_kwargs(batch["position_ids"]))
     """
-    cu = cu_seqlens(position_ids)
-    longest = int((cu[1:] - cu[:-1]).max())
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    return _varlen_kwargs(cu_seqlens(position_ids))
 
 
 def batch_segment_starts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[batch, seq]`` bool: where a segment starts in a batch dict: at every row start, where ``position_ids`` do
     not follow by 1 (a packed document), and where ``attention_mask`` changes value (a run of padding, left or
     right, is a segment of its own that no real token attends to)."""
-    ref = batch["input_ids"]
-    start = torch.zeros_like(ref, dtype=torch.bool)
-    start[:, 0] = True
     if batch.get("position_ids") is not None:
-        start |= segment_starts(batch["position_ids"])
+        start = segment_starts(batch["position_ids"])  # row starts included
+    else:
+        start = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+        start[:, 0] = True
     if batch.get("attention_mask") is not None:
         mask = batch["attention_mask"]
         start[:, 1:] |= mask[:, 1:] != mask[:, :-1]
@@ -119,8 +128,4 @@ def batch_varlen_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
                  [1, 1, 1, 1]])}
         batch_varlen_kwargs(batch)["cu_seq_lens_q"]  # tensor([0, 3, 4, 8], dtype=torch.int32)
     """
-    starts = torch.nonzero(batch_segment_starts(batch).reshape(-1)).squeeze(1)
-    total = torch.tensor([batch["input_ids"].numel()], device=starts.device)
-    cu = torch.cat([starts, total]).to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    return _varlen_kwargs(_offsets(batch_segment_starts(batch)))
