@@ -100,7 +100,7 @@ def _fake_cuda(monkeypatch, reserved_gib, retries, stranded_gib=0.0):
 
 def test_summary_and_warning_on_simulated_cuda(tmp_path, monkeypatch):
     _fake_cuda(monkeypatch, [2.0, 2.5, 4.0], retries=3, stranded_gib=1.0)
-    monkeypatch.setattr(monitor, "_expandable_segments", lambda: False)
+    monkeypatch.setattr(monitor, "expandable_segments_on", lambda: False)
     cb = MemoryMonitor(every_n_steps=1)
     with pytest.warns(UserWarning, match="3 allocation retries.*fragmentation 25%.*expandable segments"):
         trainer(tmp_path, [cb], max_steps=3).fit(TinyLM(), datamodule=TinyData())
@@ -134,7 +134,7 @@ def test_no_advice_to_add_the_preallocator_the_run_has(tmp_path, monkeypatch):
     from lightning_seqmem.memory.preallocate import CachePreallocator
 
     _fake_cuda(monkeypatch, [2.0, 2.0], retries=1)
-    monkeypatch.setattr(monitor, "_expandable_segments", lambda: True)
+    monkeypatch.setattr(monitor, "expandable_segments_on", lambda: True)
     monkeypatch.setattr(CachePreallocator, "on_fit_start", lambda *args: None)  # the pass itself is tested elsewhere
     with pytest.warns(UserWarning, match="1 allocation retries") as warned:
         trainer(tmp_path, [CachePreallocator(), MemoryMonitor(every_n_steps=1)], max_steps=2).fit(

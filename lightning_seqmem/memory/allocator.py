@@ -96,6 +96,11 @@ def default_settings(
     return ",".join(parts) or None
 
 
+def expandable_segments_on(env: MutableMapping[str, str] | None = None) -> bool:
+    """Whether the allocator settings in the environment turn expandable segments on."""
+    return allocator_settings(env).get("expandable_segments", "").lower() == "true"
+
+
 def allocator_settings(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """The allocator settings in the environment as a dict, e.g. ``{"expandable_segments": "True"}``.
 

@@ -14,7 +14,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_seqmem.memory.allocator import allocator_settings
+from lightning_seqmem.memory.allocator import expandable_segments_on
 from lightning_seqmem.memory.preallocate import CachePreallocator
 from lightning_seqmem.protocols import GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape
 from lightning_seqmem.varlen import PassesFlashVarlen, is_flash_attention
@@ -195,7 +195,6 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
     config = getattr(getattr(pl_module, "model", None), "config", None)
     attn = getattr(config, "_attn_implementation", None) or _setting(pl_module, "attn_implementation")
     trainable = [p for p in pl_module.parameters() if p.requires_grad]
-    settings = allocator_settings()
     return RunFacts(
         on_cuda=trainer.strategy.root_device.type == "cuda",
         precision=str(trainer.precision),
@@ -211,7 +210,7 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
         fp16_weights=bool(trainable) and all(p.dtype == torch.float16 for p in trainable),
         compiled=_is_compiled(pl_module),
         preallocating=any(isinstance(cb, CachePreallocator) for cb in trainer.callbacks),
-        expandable_segments=settings.get("expandable_segments", "").lower() == "true",
+        expandable_segments=expandable_segments_on(),
     )
 
 

@@ -566,12 +566,14 @@ def shortfall_message(
 
     rows, length = shape
     settings = (keys, precision, device, attn_implementation, gradient_checkpointing)
-    est = sharded(cached_estimate(model_config, rows, length, *settings), shards)
+    def estimate(r: int) -> MemoryEstimate:
+        return sharded(cached_estimate(model_config, r, length, *settings), shards)
+
+    est = estimate(rows)
     if est.peak <= available:
         return None
     smaller = [2**i for i in range(rows.bit_length()) if 2**i < rows]
-    best, _ = largest_fitting(lambda r: sharded(cached_estimate(model_config, r, length, *settings), shards),
-                              available, smaller)
+    best, _ = largest_fitting(estimate, available, smaller)
     fix = (f"micro_batch_size={best} fits" if best is not None else
            "not even micro_batch_size=1 fits: use gradient checkpointing, a shorter max_length or bf16")
     return (f"Predicted peak training memory for the worst-case batch {rows} x {length} is {format_bytes(est.peak)} "

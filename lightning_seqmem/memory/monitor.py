@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_seqmem.memory import stats
+from lightning_seqmem.memory.allocator import expandable_segments_on
 
 
 def _is_cuda(device: torch.device) -> bool:
@@ -25,12 +26,6 @@ def _training_device(trainer: Trainer) -> torch.device:
     """The device the run trains on. Not ``pl_module.device``: Lightning moves the module back to the CPU before
     ``on_fit_end``."""
     return trainer.strategy.root_device
-
-
-def _expandable_segments() -> bool:
-    from lightning_seqmem.memory.allocator import allocator_settings
-
-    return allocator_settings().get("expandable_segments", "").lower() == "true"
 
 
 class MemoryMonitor(Callback):
@@ -139,7 +134,7 @@ class MemoryMonitor(Callback):
         advice = stats.memory_advice(
             summary.get("num_alloc_retries", 0.0), summary.get("max_fragmentation", 0.0), self.fragmentation_threshold,
             preallocating=any(isinstance(cb, CachePreallocator) for cb in trainer.callbacks),
-            expandable=_expandable_segments(),
+            expandable=expandable_segments_on(),
         )
         if advice:
             rank_zero_warn(advice)

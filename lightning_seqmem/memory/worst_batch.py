@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_seqmem.batch import CU_SEQLENS, IGNORE_INDEX
+from lightning_seqmem.varlen import cu_seqlens
 
 Layout = tuple[tuple[int, ...], ...]  # per row, the lengths of its documents; the rest of the row is padding
 
@@ -102,14 +103,12 @@ def make_dummy_batch(
     real = torch.zeros(rows, length, dtype=torch.bool)
     first = torch.zeros(rows, length, dtype=torch.bool)  # a document's first token
     positions = torch.zeros(rows, length, dtype=torch.long)
-    segments: list[int] = []
     for i, row in enumerate(layout):
         start = 0
         for n in (*row, length - sum(row)):  # the documents, then the padding segment (maybe empty)
             if n == 0:
                 continue
             positions[i, start:start + n] = torch.arange(n)
-            segments.append(n)
             start += n
         ends = torch.tensor(row).cumsum(0)
         real[i, : int(ends[-1])] = True
@@ -128,7 +127,7 @@ def make_dummy_batch(
         elif key == "position_ids":
             batch[key] = positions
         elif key == CU_SEQLENS:
-            batch[key] = torch.tensor([0, *segments], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            batch[key] = cu_seqlens(positions)  # every document and padding segment restarts its positions
         else:
             batch[key] = torch.zeros(rows, length, dtype=torch.long)
     return {key: value.to(device) for key, value in batch.items()}
