@@ -22,7 +22,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_seqmem.token_cache import STALE_AFTER_S, default_cache_dir, stale_temporaries
+from lightning_seqmem.memory.stats import format_bytes
+from lightning_seqmem.plan_cache import PLAN_META, PLANS, STAGING_PREFIX
+from lightning_seqmem.token_cache import (CHECKED, MANIFEST, STALE_AFTER_S, TOKENIZED, default_cache_dir,
+                                          stale_temporaries)
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -40,65 +43,64 @@ class CacheEntry:
     last_use: float  # seconds since the epoch
 
 
-def _files(path: Path) -> list[Path]:
-    return [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
-
-
-def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in _files(path))
-
-
-def _last_touch(path: Path) -> float:
-    """The newest modification or access of any file under ``path`` (file systems update access times at least
-    daily by default, so this finds a plan or corpus that is read but never rewritten)."""
-    stats = [p.stat() for p in _files(path)] or [path.stat()]
-    return max(max(s.st_mtime, s.st_atime) for s in stats)
+def _scan(path: Path, skip_suffix: str | None = None) -> tuple[int, float]:
+    """Bytes under ``path`` and the newest modification or access of any file there (file systems update access
+    times at least daily by default, so this finds a plan or corpus that is read but never rewritten), in one pass;
+    files ending in ``skip_suffix`` are left out (listed as entries of their own)."""
+    files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+    stats = [p.stat() for p in files if skip_suffix is None or not p.name.endswith(skip_suffix)]
+    last = max((max(s.st_mtime, s.st_atime) for s in stats), default=None)
+    if last is None:
+        st = path.stat()
+        last = max(st.st_mtime, st.st_atime)
+    return sum(s.st_size for s in stats), last
 
 
 def _tokens_entry(directory: Path) -> CacheEntry:
-    manifest = directory / "manifest.json"
+    manifest = directory / MANIFEST
+    size, last_use = _scan(directory, skip_suffix=".tmp")  # partial files are entries of their own
     try:
         meta = json.loads(manifest.read_text())
         last_use = manifest.stat().st_mtime  # touched on every load
     except (OSError, ValueError):
-        meta, last_use = {"dataset": "(incomplete: no manifest)"}, _last_touch(directory)
+        meta = {"dataset": "(incomplete: no manifest)"}
     split = f" ({meta['split']})" if meta.get("split") else ""
     return CacheEntry("tokens", directory, f"{meta.get('dataset', '?')}{split}", str(meta.get("tokenizer", "?")),
-                      meta.get("rows"), _size(directory), last_use)
+                      meta.get("rows"), size, last_use)
 
 
 def _plan_entry(directory: Path) -> CacheEntry:
     try:
-        meta = json.loads((directory / "plan.json").read_text())
+        meta = json.loads((directory / PLAN_META).read_text())
         what = f"packing plan ({meta['packing']}, max_length {meta['max_length']})"
         rows = meta.get("documents")
     except (OSError, ValueError, KeyError):
         what, rows = "packing plan (incomplete)", None
-    return CacheEntry("plan", directory, what, "-", rows, _size(directory), _last_touch(directory))
+    return CacheEntry("plan", directory, what, "-", rows, *_scan(directory))
 
 
 def list_entries(root: str | os.PathLike | None = None) -> list[CacheEntry]:
     """Every entry under ``root`` (default ``default_cache_dir()``), least recently used first."""
     root = Path(root) if root is not None else default_cache_dir()
-    entries = [_tokens_entry(d) for d in sorted(root.glob("tokenized/*")) if d.is_dir()]
+    entries = [_tokens_entry(d) for d in sorted(root.glob(f"{TOKENIZED}/*")) if d.is_dir()]
     stale_before = time.time() - STALE_AFTER_S
     for path in stale_temporaries(root):
-        entries.append(CacheEntry("partial", path, "a crashed writer's temporary file", "-", None, _size(path),
+        entries.append(CacheEntry("partial", path, "a crashed writer's temporary file", "-", None, path.stat().st_size,
                                   path.stat().st_mtime))
-    for path in sorted(root.glob("plans/*")):
-        if path.name.startswith(".staging-"):
+    for path in sorted(root.glob(f"{PLANS}/*")):
+        if path.name.startswith(STAGING_PREFIX):
             if path.stat().st_mtime < stale_before:
                 entries.append(CacheEntry("partial", path, "a crashed plan writer's directory", "-", None,
-                                          _size(path), path.stat().st_mtime))
+                                          _scan(path)[0], path.stat().st_mtime))
         elif path.is_dir():
             entries.append(_plan_entry(path))
-    for path in sorted(root.glob("checked/*")):
+    for path in sorted(root.glob(f"{CHECKED}/*")):
         entries.append(CacheEntry("checked", path, "marker: pre-tokenized values checked", "-", None, 0,
                                   path.stat().st_mtime))
     for path in sorted(root.glob("corpus-*")):
-        entries.append(CacheEntry("corpus", path, "built-in corpus", "-", None, _size(path), _last_touch(path)))
+        entries.append(CacheEntry("corpus", path, "built-in corpus", "-", None, *_scan(path)))
     for path in sorted(root.glob("tokenizer-*")):
-        entries.append(CacheEntry("tokenizer", path, "-", "built-in BPE", None, _size(path), _last_touch(path)))
+        entries.append(CacheEntry("tokenizer", path, "-", "built-in BPE", None, *_scan(path)))
     return sorted(entries, key=lambda e: e.last_use)
 
 
@@ -130,14 +132,6 @@ def parse_age(text: str) -> float:
     return float(match[1]) * _UNITS[match[2] or "d"]
 
 
-def human_size(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
 def _ago(seconds: float) -> str:
     for unit, length in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= length:
@@ -160,7 +154,7 @@ def format_entries(entries: list[CacheEntry], now: float | None = None) -> str:
         tokenizer = Path(e.tokenizer).name if os.sep in e.tokenizer else e.tokenizer
         rows = f"{e.rows:,}" if isinstance(e.rows, int) else "-"
         lines.append(f"{e.kind:<9}  {e.path.name[:12]:<12}  {_short(e.dataset, 40):<40}  {_short(tokenizer, 34):<34}  "
-                     f"{rows:>9}  {human_size(e.size):>10}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(e.last_use))}"
+                     f"{rows:>9}  {format_bytes(e.size):>10}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(e.last_use))}"
                      f" ({_ago(now - e.last_use)})")
     return "\n".join(lines)
 
@@ -183,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     entries = list_entries(root)
     total = sum(e.size for e in entries)
-    print(f"Cache {root}: {len(entries)} entries, {human_size(total)}")
+    print(f"Cache {root}: {len(entries)} entries, {format_bytes(total)}")
     if not entries:
         return 0
     print(format_entries(entries))
@@ -194,10 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     chosen = entries if args.all else [e for e in entries if now - e.last_use > max_age]
     size = sum(e.size for e in chosen)
     if args.dry_run:
-        print(f"Would remove {len(chosen)} entries ({human_size(size)}).")
+        print(f"Would remove {len(chosen)} entries ({format_bytes(size)}).")
         return 0
     freed = remove_entries(chosen)
-    print(f"Removed {len(chosen)} entries ({human_size(freed)}).")
+    print(f"Removed {len(chosen)} entries ({format_bytes(freed)}).")
     return 0
 
 

@@ -21,6 +21,7 @@ from lightning_seqmem.packed_rows import PackResult, pack_lengths
 
 # Below this many documents planning takes milliseconds: not worth a file in the cache.
 PLAN_CACHE_MIN_DOCUMENTS = 50_000
+PLANS, PLAN_META, STAGING_PREFIX = "plans", "plan.json", ".staging-"  # <cache_dir>/PLANS/<key>/PLAN_META
 _VERSION = 1  # bump when pack_lengths can give another plan for the same input
 _ARRAYS = ("segment_doc", "segment_start", "segment_length", "seg_row_offsets")
 _COUNTS = ("documents", "tokens", "tokens_truncated", "tokens_dropped", "documents_split", "empty_documents")
@@ -44,7 +45,7 @@ def cached_pack_lengths(lengths: np.ndarray, max_length: int, packing: str = "bf
     lengths = np.asarray(lengths, dtype=np.int64)
     if cache_dir is None or lengths.size < PLAN_CACHE_MIN_DOCUMENTS:
         return pack_lengths(lengths, max_length, packing, overflow, add_eos=add_eos)
-    directory = Path(cache_dir) / "plans" / plan_key(lengths, max_length, packing, overflow, add_eos)
+    directory = Path(cache_dir) / PLANS / plan_key(lengths, max_length, packing, overflow, add_eos)
     loaded = _load(directory)
     if loaded is not None:
         return loaded
@@ -58,7 +59,7 @@ def cached_pack_lengths(lengths: np.ndarray, max_length: int, packing: str = "bf
 
 def _load(directory: Path) -> PackResult | None:
     try:
-        with open(directory / "plan.json") as f:
+        with open(directory / PLAN_META) as f:
             meta = json.load(f)
         arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
     except (OSError, ValueError):
@@ -69,13 +70,13 @@ def _load(directory: Path) -> PackResult | None:
 
 def _save(plan: PackResult, directory: Path) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=directory.parent))
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=directory.parent))
     try:
         for name in _ARRAYS:
             np.save(staging / f"{name}.npy", np.ascontiguousarray(getattr(plan, name), dtype=np.int64))
         meta = {"max_length": plan.max_length, "packing": plan.packing,
                 **{n: int(getattr(plan, n)) for n in _COUNTS}}
-        with open(staging / "plan.json", "w") as f:
+        with open(staging / PLAN_META, "w") as f:
             json.dump(meta, f)
         os.rename(staging, directory)  # fails when another rank got there first with the same plan
     finally:

@@ -36,6 +36,8 @@ SMALL_DATASET_ROWS = 20_000  # below this, extra processes cost more than they s
 _TOKENS_PER_RECORD_BATCH = 1 << 20  # 4 MB of int32 ids per record batch of the cache files
 # A temporary file untouched this long is a dead writer's, wherever it ran (a live one writes every 1 M tokens).
 STALE_AFTER_S = 24 * 3600
+# The cache's layout, read back by seqmem-cache (cache.py): <root>/TOKENIZED/<key>/MANIFEST, <root>/CHECKED/<key>
+TOKENIZED, MANIFEST, CHECKED = "tokenized", "manifest.json", "checked"
 _TMP_NAME = re.compile(r"^(?:tokens-\d+\.arrow|manifest\.json)\.(?P<host>.+)-(?P<pid>\d+)\.[^.]+\.tmp$")
 
 
@@ -120,7 +122,7 @@ def _say(message: str, warn: bool = False) -> None:
 def _load(directory: Path):
     """The cached split, memory-mapped, or ``None`` when its manifest is missing (not written yet) or the entry is
     damaged on disk (said in one line; the manifest is removed so the entry is written again)."""
-    manifest = directory / "manifest.json"
+    manifest = directory / MANIFEST
     if not manifest.exists():
         return None
     import datasets
@@ -274,7 +276,7 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
     out = {}
     for split, ds in dsd.items():
         key = hashlib.sha256((common + ds._fingerprint).encode()).hexdigest()[:32]
-        directory = root / "tokenized" / key
+        directory = root / TOKENIZED / key
         cached, how = _load(directory), "read from"
         if cached is None:
             procs = num_proc if num_proc is not None else default_num_proc(len(ds))
@@ -326,11 +328,11 @@ def _write_entry(ds, job: _Job, procs: int, about: dict[str, Any]) -> None:
     directory = Path(job.directory)
     directory.mkdir(parents=True, exist_ok=True)  # the scratch directory's entry
     files = _tokenize_split(ds, job, procs)
-    handle, tmp = tempfile.mkstemp(prefix=_writer_prefix("manifest.json"), suffix=".tmp", dir=directory)
+    handle, tmp = tempfile.mkstemp(prefix=_writer_prefix(MANIFEST), suffix=".tmp", dir=directory)
     try:
         with os.fdopen(handle, "w") as f:
             json.dump({"files": files, **about, "created": time.time()}, f)
-        os.replace(tmp, directory / "manifest.json")
+        os.replace(tmp, directory / MANIFEST)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -360,7 +362,7 @@ def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, 
         check_token_values(ds, kind, split, vocab_size)
         return True
     key = hashlib.sha256(json.dumps([_FORMAT, "values-checked", fingerprint, kind, vocab_size]).encode()).hexdigest()
-    marker = Path(cache_dir or default_cache_dir()) / "checked" / key
+    marker = Path(cache_dir or default_cache_dir()) / CHECKED / key
     if marker.exists():
         return False
     columns = ["input_ids", "labels"] if kind == "tokens" else ["prompt_ids", "completion_ids"]
