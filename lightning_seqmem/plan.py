@@ -451,12 +451,17 @@ def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
     its tokenize-once cache (which the training run then reuses) or pre-tokenized, from Arrow offsets only."""
     if dm.tokenized_documents()[1] != "text":
         raise ValueError("seqmem-plan plans text datasets; prompt/completion data is not supported yet.")
-    return {split: column_lengths(dm, split)["documents"] for split in ("train", "validation")}
+    return {split: parts["documents"] for split, parts in _split_lengths(dm).items()}
 
 
 def column_lengths(dm: Any, split: str = "train") -> dict[str, np.ndarray]:
     """Non-empty token counts of one split per part: ``documents`` for text, ``prompt`` and ``completion`` for
     prompt/completion data (what the length histogram draws, one panel each)."""
+    return _split_lengths(dm)[split]
+
+
+def _split_lengths(dm: Any) -> dict[str, dict[str, np.ndarray]]:
+    """``{split: {part: non-empty token counts}}`` for train and validation, the validation split carved out once."""
     from lightning_seqmem.data_source import ensure_validation_split
     from lightning_seqmem.tokens import view_of_dataset
 
@@ -464,9 +469,11 @@ def column_lengths(dm: Any, split: str = "train") -> dict[str, np.ndarray]:
     tokenized = ensure_validation_split(tokenized, seed=dm.seed)
     parts = {"documents": "input_ids"} if kind == "text" else {"prompt": "prompt_ids", "completion": "completion_ids"}
     out = {}
-    for name, column in parts.items():
-        lengths = view_of_dataset(tokenized[split], column).lengths  # through a carved-out split's indices
-        out[name] = lengths[lengths > 0]
+    for split in ("train", "validation"):
+        out[split] = {}
+        for name, column in parts.items():
+            lengths = view_of_dataset(tokenized[split], column).lengths  # through a carved-out split's indices
+            out[split][name] = lengths[lengths > 0]
     return out
 
 

@@ -113,8 +113,9 @@ def _pictures(plan, dm, max_lengths, output_dir: str, p) -> list[str]:
 
     os.makedirs(output_dir, exist_ok=True)
     pictures = []
-    if p.get("histogram"):
-        pictures.append((p.histogram, lambda: plots.length_histogram(column_lengths(dm), max_lengths)))
+    if p.get("histogram"):  # the plan's own train lengths; prompt/completion data (no plan) read per part
+        parts = {"documents": plan.train_lengths} if plan is not None else column_lengths(dm)
+        pictures.append((p.histogram, lambda: plots.length_histogram(parts, max_lengths)))
     if plan is not None and p.get("strategy_chart"):
         best = (plan.recommended["strategy"], plan.recommended["max_length"])
         pictures.append((p.strategy_chart, lambda: plots.strategy_bars(plan.strategies, best)))
