@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from lightning_seqmem.train import CONFIG_PATH
+from lightning_seqmem.train import CONFIG_PATH, choose_trainer
 
 AUTO_PRECISION_WITHOUT_GPU = "bf16-mixed"  # what resolve_precision("auto") picks on any GPU made since 2020
 
@@ -156,6 +156,7 @@ def _hydra_entry() -> None:
 
 def main() -> None:
     """Console-script entry point (``seqmem-plan``)."""
+    sys.argv[1:] = choose_trainer(sys.argv[1:], doing="planning for")
     _hydra_entry()
 
 

@@ -24,10 +24,11 @@ def _configure_allocator_early() -> None:
     configure_allocator()
 
 
-def choose_trainer(overrides: list[str]) -> list[str]:
+def choose_trainer(overrides: list[str], doing: str = "training with") -> list[str]:
     """``trainer=auto`` (the default) made concrete for this machine: ``trainer=gpu`` where CUDA GPUs are visible,
     announced in one line; the overrides as given otherwise (``auto`` is ``cpu``'s settings). Runs before Hydra
-    composes, so the job's ``.hydra/overrides.yaml`` records the option that ran.
+    composes, so the job's ``.hydra/overrides.yaml`` records the option that ran. ``seqmem-plan`` makes the same
+    choice (``doing="planning for"``), so it plans the run ``seqmem-train`` launches.
 
     Example::
 
@@ -41,7 +42,7 @@ def choose_trainer(overrides: list[str]) -> list[str]:
     count = num_cuda_devices()
     if count == 0:
         return overrides
-    print(f"[lightning_seqmem] {count} CUDA GPU{'s' if count > 1 else ''} visible: training with trainer=gpu (one GPU, "
+    print(f"[lightning_seqmem] {count} CUDA GPU{'s' if count > 1 else ''} visible: {doing} trainer=gpu (one GPU, "
           "precision from resolve_precision('auto')). trainer=cpu keeps the CPU; trainer=ddp uses every GPU.",
           file=sys.stderr)
     return [o for o in overrides if o not in given] + ["trainer=gpu"]

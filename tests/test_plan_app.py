@@ -67,3 +67,20 @@ def test_bad_plan_settings_fail_with_a_clear_message():
     cfg = _compose("plan", ["plan.max_lengths=[]", "plan.memory=false"])
     with pytest.raises(ValueError, match="non-empty list"):
         plan_from_config(cfg)
+
+
+def test_seqmem_plan_chooses_the_trainer_seqmem_train_would(monkeypatch, capsys):
+    """On a machine with a GPU (simulated) the planner plans the gpu run that seqmem-train launches by default."""
+    import sys
+
+    import lightning.fabric.accelerators.cuda as cuda
+
+    from lightning_seqmem import plan_app
+
+    monkeypatch.setattr(cuda, "num_cuda_devices", lambda: 1)
+    monkeypatch.setattr(sys, "argv", ["seqmem-plan", "data=pad"])
+    seen = []
+    monkeypatch.setattr(plan_app, "_hydra_entry", lambda: seen.append(list(sys.argv[1:])))
+    plan_app.main()
+    assert seen == [["data=pad", "trainer=gpu"]]
+    assert "1 CUDA GPU visible: planning for trainer=gpu" in capsys.readouterr().err
