@@ -12,10 +12,10 @@ token, which is ``pad slots/s`` when both run at the same slots/s.
 Loops (``--device cpu|cuda``): the SAME packed batches (``SeqMemDataModule(strategy="pack")``, materialised once)
 through a bare PyTorch loop (forward, backward, AdamW foreach), the bare loop without ``position_ids`` (one causal
 sequence per row: the attention bound), and ``CausalLM`` + ``Trainer`` (gradient clipping 1.0, token-weighted loss,
-no logger or progress bar) per attention implementation; on CUDA also compiled loops and TRL's SFTTrainer packed and
-padded when ``trl`` is importable. Real (label-bearing) tokens per second over the timed steps (per second of wall-clock
-on CUDA, of process CPU time with one thread on CPU); each loop in a fresh subprocess, loops interleaved over ``--repeats`` rounds,
-the median reported. On CUDA: the 123.5 M Llama of issue 18
+no logger or progress bar) per attention implementation; on CUDA also compiled loops (TRL's SFTTrainer on the same
+documents is not in this table yet). Real (label-bearing) tokens per second over the timed steps (per second of
+wall-clock on CUDA, of process CPU time with one thread on CPU); each loop in a fresh subprocess, loops interleaved over
+``--repeats`` rounds, the median reported. On CUDA: the 123.5 M Llama of issue 18
 (hidden 768, 12 layers, 12 heads / 3 key-value heads, MLP 2048, vocabulary 32,000), bf16-mixed, rows of 2,048,
 micro-batch 8; on CPU: ``tiny_llama``, fp32.
 
@@ -37,23 +37,6 @@ import time
 LLAMA_123M = dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                   num_attention_heads=12, num_key_value_heads=3, max_position_embeddings=4096, vocab_size=32000,
                   tie_word_embeddings=False, rms_norm_eps=1e-5)
-LOOPS = {  # name: (what, CUDA only)
-    "bare": ("bare PyTorch loop (forward, backward, AdamW foreach), SDPA, packed rows", False),
-    "bound": ("the same, position_ids dropped (one causal sequence per row: the attention bound)", False),
-    "bare_compiled": ("the same packed loop under torch.compile", True),
-    "bare_flex": ("bare loop, flex_attention", True),
-    "ours_sdpa": ("CausalLM + Trainer, SDPA (clip 1.0, token-weighted loss)", False),
-    "ours_torch_varlen": ("CausalLM + Trainer, torch_varlen (clip 1.0, token-weighted loss)", True),
-    "ours_auto": ("CausalLM + Trainer, attn_implementation='auto'", True),
-    "ours_sdpa_noclip": ("CausalLM + Trainer, SDPA, clipping off", False),
-    "ours_sdpa_micro": ("CausalLM + Trainer, SDPA, clipping off, loss_normalization='micro_batch'", False),
-    "ours_compiled": ("CausalLM(compile=True) + Trainer, SDPA", True),
-    "ours_varlen_compiled": ("CausalLM(compile=True) + Trainer, torch_varlen", True),
-    "trl_packed": ("TRL SFTTrainer, packed (SDPA, no gradient checkpointing)", True),
-    "trl_padded": ("TRL SFTTrainer, padded", True),
-}
-
-
 def _setup(args: argparse.Namespace):
     """The shared pieces of every loop: device, model config, precision, and the packed batches (CPU tensors)."""
     import torch
@@ -154,40 +137,52 @@ def _ours(args: argparse.Namespace, attn="sdpa", clip=1.0, compiled=False, loss=
     return {"real_tok_s": real / (clock["end"] - clock["start"]), "attn": model.model.config._attn_implementation}
 
 
-def _trl(args: argparse.Namespace, packed: bool) -> dict:
-    """TRL's SFTTrainer on the same documents (its own packing or padding), real tokens counted from its batches."""
-    return {"skipped": "TRL rows are not implemented in this script yet (trl is absent on the CUDA machine)"}
+# name: (what, CUDA only, the loop, its arguments)
+LOOPS = {
+    "bare": ("bare PyTorch loop (forward, backward, AdamW foreach), SDPA, packed rows", False, _bare, {}),
+    "bound": ("the same, position_ids dropped (one causal sequence per row: the attention bound)", False, _bare,
+              dict(drop_positions=True)),
+    "bare_compiled": ("the same packed loop under torch.compile", True, _bare, dict(compiled=True)),
+    "bare_flex": ("bare loop, flex_attention", True, _bare, dict(attn="flex_attention")),
+    "ours_sdpa": ("CausalLM + Trainer, SDPA (clip 1.0, token-weighted loss)", False, _ours, {}),
+    "ours_torch_varlen": ("CausalLM + Trainer, torch_varlen (clip 1.0, token-weighted loss)", True, _ours,
+                          dict(attn="torch_varlen")),
+    "ours_auto": ("CausalLM + Trainer, attn_implementation='auto'", True, _ours, dict(attn="auto")),
+    "ours_sdpa_noclip": ("CausalLM + Trainer, SDPA, clipping off", False, _ours, dict(clip=None)),
+    "ours_sdpa_micro": ("CausalLM + Trainer, SDPA, clipping off, loss_normalization='micro_batch'", False, _ours,
+                        dict(clip=None, loss="micro_batch")),
+    "ours_compiled": ("CausalLM(compile=True) + Trainer, SDPA", True, _ours, dict(compiled=True)),
+    "ours_varlen_compiled": ("CausalLM(compile=True) + Trainer, torch_varlen", True, _ours,
+                             dict(attn="torch_varlen", compiled=True)),
+}
 
 
 def run_loop(name: str, args: argparse.Namespace) -> dict:
     """One loop of :data:`LOOPS`, in this process."""
-    runs = {
-        "bare": lambda: _bare(args),
-        "bound": lambda: _bare(args, drop_positions=True),
-        "bare_compiled": lambda: _bare(args, compiled=True),
-        "bare_flex": lambda: _bare(args, attn="flex_attention"),
-        "ours_sdpa": lambda: _ours(args),
-        "ours_torch_varlen": lambda: _ours(args, attn="torch_varlen"),
-        "ours_auto": lambda: _ours(args, attn="auto"),
-        "ours_sdpa_noclip": lambda: _ours(args, clip=None),
-        "ours_sdpa_micro": lambda: _ours(args, clip=None, loss="micro_batch"),
-        "ours_compiled": lambda: _ours(args, compiled=True),
-        "ours_varlen_compiled": lambda: _ours(args, attn="torch_varlen", compiled=True),
-        "trl_packed": lambda: _trl(args, packed=True),
-        "trl_padded": lambda: _trl(args, packed=False),
-    }
-    return runs[name]()
+    _, _, loop, kwargs = LOOPS[name]
+    return loop(args, **kwargs)
 
 
-def loop_table(device: str = "cuda", loops: list[str] | None = None, steps: int = 25, warmup: int = 5,
-               max_length: int | None = None, rows: int = 8, model: str | None = None, repeats: int = 1) -> list[dict]:
-    """Run the loops (each in a fresh subprocess, interleaved over ``repeats`` rounds) and return one dict per loop:
-    ``loop``, ``what``, ``real_tok_s`` (median), ``runs``, ``vs_bare``, ``vs_bound`` (or ``skipped``/``error``).
-    Importable by other benchmark scripts (``benchmarks/gpu.py``)."""
+def loop_settings(device: str, steps: int | None = None, warmup: int | None = None, max_length: int | None = None,
+                  model: str | None = None, repeats: int | None = None) -> dict:
+    """The loops' settings with this device's defaults filled in (CUDA: issue 18's model and rows of 2,048)."""
     cuda = device == "cuda"
-    max_length = max_length or (2048 if cuda else 256)
-    model = model or ("123m" if cuda else "tiny")
-    loops = loops or [n for n, (_, cuda_only) in LOOPS.items() if cuda or not cuda_only]
+    return {"steps": steps or 25, "warmup": 5 if warmup is None else warmup,
+            "max_length": max_length or (2048 if cuda else 256), "model": model or ("123m" if cuda else "tiny"),
+            "repeats": repeats or (1 if cuda else 3)}
+
+
+def loop_table(device: str = "cuda", loops: list[str] | None = None, steps: int | None = None,
+               warmup: int | None = None, max_length: int | None = None, rows: int = 8, model: str | None = None,
+               repeats: int | None = None) -> list[dict]:
+    """Run the loops (each in a fresh subprocess, interleaved over ``repeats`` rounds) and return one dict per loop:
+    ``loop``, ``what``, ``real_tok_s`` (median), ``runs``, ``vs_bare``, ``vs_bound`` (or ``error``). Unset settings
+    take :func:`loop_settings`' defaults. Importable by other benchmark scripts (``benchmarks/gpu.py``)."""
+    cuda = device == "cuda"
+    settings = loop_settings(device, steps, warmup, max_length, model, repeats)
+    steps, warmup, max_length, model, repeats = (settings[k] for k in ("steps", "warmup", "max_length", "model",
+                                                                       "repeats"))
+    loops = loops or [n for n, (_, cuda_only, _, _) in LOOPS.items() if cuda or not cuda_only]
     runs: dict[str, list[dict]] = {name: [] for name in loops}
     for _ in range(repeats):
         for name in loops:
@@ -210,8 +205,7 @@ def loop_table(device: str = "cuda", loops: list[str] | None = None, steps: int 
             row["real_tok_s"] = statistics.median(ok)
             row["attn"] = next((r["attn"] for r in runs[name] if "attn" in r), None)
         else:
-            other = runs[name][-1]
-            row.update({k: other[k] for k in ("skipped", "error") if k in other})
+            row["error"] = runs[name][-1].get("error", "?")
         table.append(row)
     by_name = {r["loop"]: r.get("real_tok_s") for r in table}
     for row in table:
@@ -227,7 +221,7 @@ def print_loop_table(table: list[dict], header: str) -> None:
     print("|---|---:|---:|---:|---|")
     for row in table:
         if "real_tok_s" not in row:
-            print(f"| {row['what']} | {row.get('skipped') or 'error: ' + row.get('error', '?')} | | | |")
+            print(f"| {row['what']} | error: {row.get('error', '?')} | | | |")
             continue
         runs = ", ".join(f"{r:,.0f}" for r in row["runs"])
         what = row["what"] + (f" (ran {row['attn']})" if row["loop"].startswith("ours_auto") else "")
@@ -292,18 +286,14 @@ def main() -> None:
         print(json.dumps(run_loop(args.loop_worker, args)))
         return
     if args.device:
-        cuda = args.device == "cuda"
-        steps, warmup = args.steps or 25, args.warmup if args.warmup is not None else 5
-        repeats = args.repeats or (1 if cuda else 3)
-        table = loop_table(args.device, args.loops.split(",") if args.loops else None, steps, warmup,
-                           args.max_length, args.rows, args.model, repeats)
-        model = args.model or ("123m" if cuda else "tiny")
-        length = args.max_length or (2048 if cuda else 256)
+        s = loop_settings(args.device, args.steps, args.warmup, args.max_length, args.model, args.repeats)
+        table = loop_table(args.device, args.loops.split(",") if args.loops else None, rows=args.rows, **s)
         import torch
 
-        machine = torch.cuda.get_device_name() if cuda else "CPU (1 thread, process CPU time)"
-        print_loop_table(table, f"{machine}, torch {torch.__version__}, model {model}, packed rows of {length}, "
-                                f"micro-batch {args.rows}, {steps} timed steps after {warmup}, median of {repeats}")
+        machine = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (1 thread, process CPU time)"
+        print_loop_table(table, f"{machine}, torch {torch.__version__}, model {s['model']}, packed rows of "
+                                f"{s['max_length']}, micro-batch {args.rows}, {s['steps']} timed steps after "
+                                f"{s['warmup']}, median of {s['repeats']}")
         return
     args.steps, args.warmup = args.steps or 30, args.warmup if args.warmup is not None else 3
     args.max_length = args.max_length or 256
