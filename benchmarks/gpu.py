@@ -171,7 +171,7 @@ def child_planner(size: dict) -> list[dict]:
     from lightning_seqmem.memory.estimate import (adamw, estimate_training_memory, lightning_steps,
                                                   measured_training_peak)
     from lightning_seqmem.memory.worst_batch import make_dummy_batch
-    from lightning_seqmem.model import build_model_config
+    from lightning_seqmem.training.model import build_model_config
 
     cuda, out = on_cuda(), []
     rows, length = size["planner_shape"]
@@ -203,8 +203,8 @@ def child_contamination(size: dict) -> list[dict]:
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_seqmem.collate import PackCollator
-    from lightning_seqmem.packing import pack_sequences
+    from lightning_seqmem.batching.collate import PackCollator
+    from lightning_seqmem.batching import pack_sequences
 
     device = "cuda" if on_cuda() else "cpu"
     g = torch.Generator().manual_seed(0)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_seqmem.packing import pack_lengths, pack_sequences
+from lightning_seqmem.batching import pack_lengths, pack_sequences
 
 HISTOGRAMS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "length-histograms"
 
@@ -116,8 +116,8 @@ def side_by_side(name: str, lengths: np.ndarray, max_length: int, sample: int, s
 
 def builtin_corpus(max_length: int) -> list[dict]:
     try:
-        from lightning_seqmem.corpus import load_builtin_corpus
-        from lightning_seqmem.tokenizer import load_tokenizer
+        from lightning_seqmem.data.corpus import load_builtin_corpus
+        from lightning_seqmem.data.tokenizer import load_tokenizer
     except ImportError:
         print("(built-in corpus not available: skipped)")
         return []

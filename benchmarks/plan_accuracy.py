@@ -14,7 +14,7 @@ import time
 from lightning_seqmem.memory.estimate import estimate_training_memory, measured_training_peak
 from lightning_seqmem.memory.stats import format_bytes
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
-from lightning_seqmem.model import build_model_config
+from lightning_seqmem.training.model import build_model_config
 
 VOCAB = 4096
 PAD_KEYS = ("input_ids", "attention_mask", "labels")

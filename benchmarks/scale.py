@@ -268,7 +268,7 @@ def pack_column(ds, max_length: int):
     Returns ``(PackResult, what was timed, seconds spent planning)``."""
     import datasets
 
-    from lightning_seqmem.packing import pack_sequences
+    from lightning_seqmem.batching import pack_sequences
 
     start = time.perf_counter()
     try:

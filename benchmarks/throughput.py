@@ -237,7 +237,7 @@ def worker(strategy: str, steps: int, max_length: int, rows: int, warmup: int) -
 
     from lightning_seqmem import CausalLM, SeqMemDataModule
     from lightning_seqmem.batch import count_real_tokens
-    from lightning_seqmem.summary import peak_memory_bytes
+    from lightning_seqmem.apps.summary import peak_memory_bytes
 
     torch.manual_seed(0)
     dm = SeqMemDataModule(max_length=max_length, micro_batch_size=rows, strategy=strategy, seed=0)

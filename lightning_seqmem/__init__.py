@@ -7,34 +7,34 @@ configure the CUDA caching allocator (``PYTORCH_ALLOC_CONF``) before torch reads
 
 from __future__ import annotations
 
-from lightning_seqmem import _process_exit
+from lightning_seqmem import _moved, _process_exit
 from lightning_seqmem._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     # foundation
-    "CausalLM": "lightning_seqmem.model",
-    "SeqMemDataModule": "lightning_seqmem.datamodule",
-    "load_builtin_corpus": "lightning_seqmem.corpus",
-    "load_tokenizer": "lightning_seqmem.tokenizer",
-    "RunSummary": "lightning_seqmem.summary",
+    "CausalLM": "lightning_seqmem.training.model",
+    "SeqMemDataModule": "lightning_seqmem.datamodule.module",
+    "load_builtin_corpus": "lightning_seqmem.data.corpus",
+    "load_tokenizer": "lightning_seqmem.data.tokenizer",
+    "RunSummary": "lightning_seqmem.apps.summary",
     # data strategies: packing, truncation, collators, samplers, metrics
-    "pack_sequences": "lightning_seqmem.packing",
-    "pack_lengths": "lightning_seqmem.packing",
-    "PackResult": "lightning_seqmem.packing",
-    "StreamingPacker": "lightning_seqmem.packing",
-    "PadCollator": "lightning_seqmem.collate",
-    "TruncateCollator": "lightning_seqmem.collate",
-    "PackCollator": "lightning_seqmem.collate",
+    "pack_sequences": "lightning_seqmem.batching",
+    "pack_lengths": "lightning_seqmem.batching",
+    "PackResult": "lightning_seqmem.batching",
+    "StreamingPacker": "lightning_seqmem.batching",
+    "PadCollator": "lightning_seqmem.batching.collate",
+    "TruncateCollator": "lightning_seqmem.batching.collate",
+    "PackCollator": "lightning_seqmem.batching.collate",
     "IGNORE_INDEX": "lightning_seqmem.batch",
     "real_token_mask": "lightning_seqmem.batch",
     "count_real_tokens": "lightning_seqmem.batch",
     "count_label_tokens": "lightning_seqmem.batch",
-    "ShuffledBatchSampler": "lightning_seqmem.sampling",
-    "LengthGroupedSampler": "lightning_seqmem.sampling",
-    "TokenBudgetBatchSampler": "lightning_seqmem.sampling",
-    "TokenEfficiency": "lightning_seqmem.metrics",
+    "ShuffledBatchSampler": "lightning_seqmem.batching.sampling",
+    "LengthGroupedSampler": "lightning_seqmem.batching.sampling",
+    "TokenBudgetBatchSampler": "lightning_seqmem.batching.sampling",
+    "TokenEfficiency": "lightning_seqmem.training.metrics",
     # sequence-length warmup
     "SeqLengthWarmup": "lightning_seqmem.warmup",
     "set_batch_sequence_length": "lightning_seqmem.warmup",
@@ -47,18 +47,21 @@ _EXPORTS: dict[str, str] = {
     "configure_allocator": "lightning_seqmem.memory",
     "resolve_precision": "lightning_seqmem.memory",
     # training correctness: flash varlen arguments for packed batches, token-weighted loss
-    "flash_varlen_kwargs": "lightning_seqmem.varlen",
-    "TokenLossNormalizer": "lightning_seqmem.loss",
+    "flash_varlen_kwargs": "lightning_seqmem.training.varlen",
+    "TokenLossNormalizer": "lightning_seqmem.training.loss",
     # composition: per-job progress records for sweeps
-    "JobRecord": "lightning_seqmem.job_record",
-    "FinalValidation": "lightning_seqmem.final_validation",
-    "StepProgressBar": "lightning_seqmem.progress",
+    "JobRecord": "lightning_seqmem.apps.job_record",
+    "FinalValidation": "lightning_seqmem.training.final_validation",
+    "StepProgressBar": "lightning_seqmem.training.progress",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+
+# Old flat module paths (lightning_seqmem.varlen, ...) resolve to their folders.
+_moved.register(__name__)
 
 # Every rank imports the package (spawned ranks unpickle its objects): close a process group left open at exit.
 _process_exit.register()

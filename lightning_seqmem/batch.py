@@ -15,7 +15,7 @@ Labels are unshifted (Hugging Face models shift them), so the tokens a batch tra
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -24,7 +24,12 @@ __all__ = [
     "IGNORE_INDEX",
     "PACK_KEYS",
     "PAD_KEYS",
+    "Layout",
     "count_label_tokens",
+    "default_layout",
+    "full_rows",
+    "packed_rows",
+    "padded_rows",
     "count_real_tokens",
     "real_token_mask",
 ]
@@ -101,3 +106,38 @@ def count_label_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         2
     """
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
+# Worst-case layouts: per row, the lengths of its documents (the rest of the row is padding). The layout decides
+# which attention path transformers takes (no mask, a padding mask, a block-diagonal mask), so a batch built for
+# its memory must have the layout as well as the shape (memory.worst_batch builds it; strategies choose it).
+Layout = tuple[tuple[int, ...], ...]  # per row, the lengths of its documents; the rest of the row is padding
+
+
+def full_rows(rows: int, length: int) -> Layout:
+    """Every row one document filling it (no padding, no packing): the mask-free attention path."""
+    return ((length,),) * rows
+
+
+def padded_rows(rows: int, length: int) -> Layout:
+    """Full rows but the last, which ends with one padding slot: the padded path (``attention_mask`` has a 0)."""
+    if length < 2:
+        return full_rows(rows, length)
+    return ((length,),) * (rows - 1) + ((length - 1,),)
+
+
+def packed_rows(rows: int, length: int) -> Layout:
+    """Two documents per row, position_ids restarting at the second: the packed path (block-diagonal mask)."""
+    if length < 2:
+        return full_rows(rows, length)
+    return ((length // 2, length - length // 2),) * rows
+
+
+def default_layout(rows: int, length: int, keys: Sequence[str]) -> Layout:
+    """The layout the batch contract's keys allow that costs the most: padded rows when there is an
+    ``attention_mask``, packed rows when there are ``position_ids`` without one, else full rows."""
+    if "attention_mask" in keys:
+        return padded_rows(rows, length)
+    if "position_ids" in keys:
+        return packed_rows(rows, length)
+    return full_rows(rows, length)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["GivesBatchKeys", "GivesDataStats", "GivesMaxBatchShape", "GivesWarmupShape", "GivesWorstBatchLayout",
-           "find_pad_token_id"]
+__all__ = ["CountsTrainingTokens", "DescribesBatching", "GivesBatchKeys", "GivesDataStats", "GivesMaxBatchShape",
+           "GivesWarmupShape", "GivesWorstBatchLayout", "find_pad_token_id"]
 
 
 @runtime_checkable
@@ -51,6 +51,38 @@ class GivesDataStats(Protocol):
     """A DataModule that reports what its data path did (documents, tokens truncated or dropped, efficiency)."""
 
     def stats(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class DescribesBatching(Protocol):
+    """A DataModule that says how its batches are made, for checks and reports (``ConfigChecks``, ``RunSummary``).
+
+    ``batching_label``: the train loader's batching in a few words (``"pad"``, ``"pack (bfd)"``);
+    ``constant_shapes``: every batch of every loader (train and validation) has one shape, so the CUDA caching
+    allocator reuses its blocks; ``packs_documents``: some loader puts several documents in one row (attention must
+    then keep them apart).
+    """
+
+    def batching_label(self) -> str: ...
+
+    def constant_shapes(self) -> bool: ...
+
+    def packs_documents(self) -> bool: ...
+
+
+@runtime_checkable
+class CountsTrainingTokens(Protocol):
+    """A LightningModule that counts what its training steps fed the model (``CausalLM``; ``RunSummary`` reads it):
+    real tokens, slots (rows x padded length) and the seconds spent inside training steps."""
+
+    @property
+    def real_tokens_seen(self) -> int: ...
+
+    @property
+    def slots_seen(self) -> int: ...
+
+    @property
+    def train_seconds(self) -> float: ...
 
 
 def find_pad_token_id(*owners: object) -> int | None:

@@ -7,7 +7,7 @@ installed, CUDA device) are bypassed.
 
 ``use_reference_torch_varlen(monkeypatch, form)`` replaces torch's own ``torch.nn.attention.varlen.varlen_attn``
 (CUDA only) with the same SDPA loop, under the keyword form of a given torch release (``TORCH_VARLEN_FORMS``), and
-bypasses only ``lightning_seqmem.attention``'s device check.
+bypasses only ``lightning_seqmem.training.attention``'s device check.
 """
 
 import sys
@@ -113,7 +113,7 @@ TORCH_VARLEN_FORMS = {"2.10": _form_2_10, "2.11": _form_2_11, "2.12": _form_2_12
 
 def use_reference_torch_varlen(monkeypatch, form: str = "2.12") -> None:
     """Make ``torch.nn.attention.varlen.varlen_attn`` the exact reference under ``form``'s keywords, and let
-    ``lightning_seqmem.attention`` run it on the CPU."""
+    ``lightning_seqmem.training.attention`` run it on the CPU."""
     import torch.nn.attention.varlen as torch_varlen
 
     from lightning_seqmem import attention

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tokenizer():
     """The built-in BPE tokenizer (trained once on the built-in corpus, then cached)."""
-    from lightning_seqmem.tokenizer import load_tokenizer
+    from lightning_seqmem.data.tokenizer import load_tokenizer
 
     return load_tokenizer()
 

@@ -9,7 +9,7 @@ import datasets
 import pyarrow as pa
 import pytest
 
-from lightning_seqmem.arrow_stream import iter_shard, plan_shards
+from lightning_seqmem.data.arrow_stream import iter_shard, plan_shards
 
 
 def _write(path, texts, batch_rows):
@@ -86,7 +86,7 @@ def test_a_pass_over_a_file_keeps_its_pages_out_of_resident_memory(tmp_path):
 def test_the_system_pool_is_used_inside_and_the_default_restored_after():
     import pyarrow as pa
 
-    from lightning_seqmem.arrow_stream import system_memory_pool
+    from lightning_seqmem.data.arrow_stream import system_memory_pool
 
     before = pa.default_memory_pool().backend_name
     with system_memory_pool():

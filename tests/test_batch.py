@@ -12,8 +12,8 @@ from lightning_seqmem.batch import (
     count_real_tokens,
     real_token_mask,
 )
-from lightning_seqmem.collate import PackCollator, PadCollator, TruncateCollator
-from lightning_seqmem.metrics import TokenEfficiency
+from lightning_seqmem.batching.collate import PackCollator, PadCollator, TruncateCollator
+from lightning_seqmem.training.metrics import TokenEfficiency
 
 PAD = 0
 DOCS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 0]]  # the last document ends in a token equal to the pad id (EOS as pad)

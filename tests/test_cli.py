@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from lightning_seqmem.cli import cli_main
+from lightning_seqmem.apps.cli import cli_main
 
 SMALL = [
     "--trainer.max_steps=3",
@@ -31,7 +31,7 @@ def test_defaults_callbacks_plus_equals_and_print_config_round_trip(tmp_path, ca
     args = ["fit", *SMALL, f"--trainer.default_root_dir={tmp_path}",
             "--trainer.callbacks+=lightning_seqmem.SeqLengthWarmup", "--trainer.callbacks.duration=0.5",
             "--trainer.callbacks.max_seq_length=64",
-            "--trainer.callbacks+=lightning_seqmem.job_record.JobRecord"]
+            "--trainer.callbacks+=lightning_seqmem.apps.job_record.JobRecord"]
     with pytest.raises(SystemExit) as done:
         cli_main(args + ["--print_config"])
     assert done.value.code in (0, None)
@@ -86,7 +86,7 @@ def test_bad_class_path_names_it(args, capsys):
 def test_bad_class_path_in_yaml_via_console_script(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("model:\n  class_path: my_missing_pkg.MyLM\n")
-    proc = subprocess.run([sys.executable, "-m", "lightning_seqmem.cli", "fit", "--config", str(config)],
+    proc = subprocess.run([sys.executable, "-m", "lightning_seqmem.apps.cli", "fit", "--config", str(config)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "my_missing_pkg.MyLM" in proc.stderr and "No module named 'my_missing_pkg'" in proc.stderr
@@ -94,7 +94,7 @@ def test_bad_class_path_in_yaml_via_console_script(tmp_path):
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_progress_bar_counts_steps_unless_turned_off(enabled):
-    from lightning_seqmem.progress import StepProgressBar
+    from lightning_seqmem.training.progress import StepProgressBar
 
     args = [a for a in SMALL if "enable_progress_bar" not in a] + [f"--trainer.enable_progress_bar={enabled}"]
     cli = cli_main(args, run=False)

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_seqmem.collate import PackCollator, PadCollator, TruncateCollator, real_token_mask
-from lightning_seqmem.packing import pack_sequences
+from lightning_seqmem.batching.collate import PackCollator, PadCollator, TruncateCollator, real_token_mask
+from lightning_seqmem.batching import pack_sequences
 
 PAD = 0
 rows_strategy = st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=30), min_size=1, max_size=6)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_seqmem import CausalLM
-from lightning_seqmem.varlen import cu_seqlens
+from lightning_seqmem.training.varlen import cu_seqlens
 
 TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)

@@ -2,7 +2,7 @@ import json
 
 import numpy as np
 
-from lightning_seqmem.corpus import build_documents, corpus_fingerprint, length_percentiles, load_builtin_corpus
+from lightning_seqmem.data.corpus import build_documents, corpus_fingerprint, length_percentiles, load_builtin_corpus
 
 
 def test_build_is_deterministic():

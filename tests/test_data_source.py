@@ -5,7 +5,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_seqmem.data_source import json_problem, load_text_dataset, short_repr
+from lightning_seqmem.data.sources import json_problem, load_text_dataset
+from lightning_seqmem.messages import short_repr
 
 
 def write_jsonl(path, texts):
@@ -104,7 +105,7 @@ def test_select_rows_is_select_without_python_lists(form):
     import datasets as hf
     import numpy as np
 
-    from lightning_seqmem.data_source import select_rows
+    from lightning_seqmem.data.sources import select_rows
 
     ds = hf.Dataset.from_dict({"input_ids": [[i] * (i % 4) for i in range(60)], "n": list(range(60))})
     ds = {"plain": ds, "shuffled": ds.shuffle(seed=1),

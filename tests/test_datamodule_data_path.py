@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_seqmem import CausalLM, SeqMemDataModule
-from lightning_seqmem.collate import real_token_mask
+from lightning_seqmem.batching.collate import real_token_mask
 
 
 def _fed(dm, loader):
@@ -175,8 +175,8 @@ def test_padded_and_packed_validation_give_the_same_per_token_loss(tmp_path, tok
 def test_pretokenized_values_are_checked_once_per_dataset_version(tmp_path, tokenizer, monkeypatch):
     """A file-backed pre-tokenized dataset is checked in the first run only (streamed from the files, not
     memory-mapped); a bad one never gets a pass and the exact check names its row."""
-    import lightning_seqmem.data_source as data_source
-    import lightning_seqmem.token_cache as token_cache
+    import lightning_seqmem.data.columns as data_source
+    import lightning_seqmem.data.token_cache as token_cache
 
     calls = []
     streamed, exact = token_cache._streamed_values_ok, data_source.check_token_values

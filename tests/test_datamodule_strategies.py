@@ -9,7 +9,7 @@ import torch
 from _recorder import fit_recording
 
 from lightning_seqmem import SeqMemDataModule
-from lightning_seqmem.collate import real_token_mask
+from lightning_seqmem.batching.collate import real_token_mask
 
 
 def _fed_tokens(dm, loader):

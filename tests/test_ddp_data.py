@@ -29,8 +29,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import datasets
 
-    from lightning_seqmem.datamodule import SeqMemDataModule
-    from lightning_seqmem.metrics import TokenEfficiency
+    from lightning_seqmem.datamodule.module import SeqMemDataModule
+    from lightning_seqmem.training.metrics import TokenEfficiency
 
     result = {}
     for name, kwargs in STRATEGIES.items():
@@ -102,7 +102,7 @@ class _CountingModule(L.LightningModule):
 def test_lightning_ddp_spawn_keeps_our_sampler_and_equal_steps(tmp_path, tokenizer):
     import datasets
 
-    from lightning_seqmem.datamodule import SeqMemDataModule
+    from lightning_seqmem.datamodule.module import SeqMemDataModule
 
     dm = SeqMemDataModule(dataset=datasets.Dataset.from_dict({"text": _texts()}), max_length=24, micro_batch_size=3,
                           strategy="pack", seed=7)

@@ -34,7 +34,7 @@ def test_sft_packing_completion_only_loss(tmp_path):
 
 
 def test_cli_yaml(tmp_path, monkeypatch):
-    from lightning_seqmem.cli import cli_main
+    from lightning_seqmem.apps.cli import cli_main
 
     config = yaml.safe_load(open(EXAMPLES / "cli.yaml"))
     config["trainer"].update(max_steps=3, val_check_interval=3, limit_val_batches=2, accelerator="cpu",

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lightning_seqmem.tokens import ConcatView, ConstantView, TokenView, view_of_dataset
+from lightning_seqmem.data.tokens import ConcatView, ConstantView, TokenView, view_of_dataset
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pread of mapped files: Linux")
 

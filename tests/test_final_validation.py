@@ -5,7 +5,7 @@ import pytest
 from lightning.pytorch import Callback
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_seqmem.final_validation import FinalValidation
+from lightning_seqmem.training.final_validation import FinalValidation
 
 
 class LoggingModel(BoringModel):

@@ -6,7 +6,7 @@ alone, for FA2, FA3 and a hub kernel; without the varlen arguments the same batc
 (GPT-2's flash path cannot run in fp32 without autocast in transformers 5.x: it looks for an ``nn.Linear`` to pick
 a dtype and GPT-2 has ``Conv1D`` layers; Llama and Qwen2 are the two architectures tested.)
 
-The same for ``torch_varlen`` (torch's own varlen kernel, ``lightning_seqmem.attention``): transformers' real
+The same for ``torch_varlen`` (torch's own varlen kernel, ``lightning_seqmem.training.attention``): transformers' real
 attention dispatch, ``torch.nn.attention.varlen.varlen_attn`` replaced by the exact reference under each keyword
 form torch has had; packed documents and padded rows get their logits alone; ``"auto"`` and the errors."""
 
@@ -16,10 +16,10 @@ import torch
 from _flash_reference import CALLS, TORCH_VARLEN_FORMS, use_reference_flash, use_reference_torch_varlen
 
 from lightning_seqmem import CausalLM, SeqMemDataModule
-from lightning_seqmem.collate import PackCollator
+from lightning_seqmem.batching.collate import PackCollator
 from lightning_seqmem.memory.checks import ConfigChecks
 from lightning_seqmem import attention
-from lightning_seqmem.varlen import (batch_varlen_kwargs, cu_seqlens, flash_varlen_kwargs, is_flash_attention,
+from lightning_seqmem.training.varlen import (batch_varlen_kwargs, cu_seqlens, flash_varlen_kwargs, is_flash_attention,
                                      segment_starts)
 from lightning_seqmem.warmup.transform import set_batch_sequence_length
 

@@ -13,8 +13,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_seqmem import CausalLM
-from lightning_seqmem.collate import IGNORE_INDEX
-from lightning_seqmem.loss import TokenLossNormalizer, power_of_two_scale, predicted_tokens, rescale_factor
+from lightning_seqmem.batching.collate import IGNORE_INDEX
+from lightning_seqmem.training.loss import TokenLossNormalizer, power_of_two_scale, predicted_tokens, rescale_factor
 
 VOCAB, LENGTH = 64, 24
 TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -14,7 +14,7 @@ from lightning_seqmem.memory.estimate import (
     normalize_precision,
 )
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
-from lightning_seqmem.model import build_model_config
+from lightning_seqmem.training.model import build_model_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from plan_accuracy import PACK_KEYS, PAD_KEYS  # noqa: E402

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lightning_seqmem import CausalLM, SeqMemDataModule
 from lightning_seqmem.memory.preallocate import CachePreallocator
-from lightning_seqmem.memory.worst_batch import full_rows
+from lightning_seqmem.batch import full_rows
 from lightning_seqmem.warmup.callback import SeqLengthWarmup
 
 VOCAB, LENGTH = 64, 256

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from lightning_seqmem.batch import IGNORE_INDEX
-from lightning_seqmem.collate import PackCollator
-from lightning_seqmem.memory.worst_batch import default_layout, full_rows, make_dummy_batch
+from lightning_seqmem.batching.collate import PackCollator
+from lightning_seqmem.batch import default_layout, full_rows
+from lightning_seqmem.memory.worst_batch import make_dummy_batch
 from lightning_seqmem.protocols import GivesWorstBatchLayout
-from lightning_seqmem.strategies import BatchingOptions, make_strategy
+from lightning_seqmem.batching.strategies import BatchingOptions, make_strategy
 
 PACK = ("input_ids", "labels", "position_ids")
 PAD = ("input_ids", "attention_mask", "labels")

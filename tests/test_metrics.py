@@ -2,8 +2,8 @@
 
 import torch
 
-from lightning_seqmem.collate import PackCollator, PadCollator
-from lightning_seqmem.metrics import TokenEfficiency
+from lightning_seqmem.batching.collate import PackCollator, PadCollator
+from lightning_seqmem.training.metrics import TokenEfficiency
 
 
 def test_efficiency_is_a_ratio_of_sums_over_batches():

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from lightning_seqmem.collate import IGNORE_INDEX, PackCollator
-from lightning_seqmem.packing import pack_sequences
+from lightning_seqmem.batching.collate import IGNORE_INDEX, PackCollator
+from lightning_seqmem.batching import pack_sequences
 
 VOCAB = 64
 

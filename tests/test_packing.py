@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_seqmem.packing import (
+from lightning_seqmem.batching import (
     StreamingPacker,
     best_fit_decreasing,
     exact_fit_patterns,

@@ -7,8 +7,8 @@ import pytest
 
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.memory.estimate import estimate_training_memory
-from lightning_seqmem.model import build_model_config
-from lightning_seqmem.plan import (
+from lightning_seqmem.training.model import build_model_config
+from lightning_seqmem.apps.planner import (
     PEAK_NOTES,
     STRATEGIES,
     DataSettings,
@@ -132,7 +132,7 @@ def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset):
 
 
 def test_plan_api_from_a_datamodule_and_a_model_config(small_text_dataset):
-    from lightning_seqmem.plan import plan
+    from lightning_seqmem.apps.planner import plan
 
     dm = SeqMemDataModule(small_text_dataset, max_length=64, micro_batch_size=2, strategy="pack")
     result = plan(dm, build_model_config("tiny_gpt2", len(dm.tokenizer), 0), max_lengths=[32, 64],
@@ -147,8 +147,8 @@ def test_plan_api_from_a_datamodule_and_a_model_config(small_text_dataset):
                                                    ("pack", "bfd", "split"), ("pack", "bfd", "drop"),
                                                    ("pack", "bfd", "truncate"), ("pack", "wrapped", "split")])
 def test_lengths_only_plan_equals_the_token_plan(name, packing, overflow):
-    from lightning_seqmem.strategies import BatchingOptions, make_strategy
-    from lightning_seqmem.tokens import as_token_source
+    from lightning_seqmem.batching.strategies import BatchingOptions, make_strategy
+    from lightning_seqmem.data.tokens import as_token_source
 
     docs = [list(range(n)) for n in np.random.default_rng(0).integers(1, 40, 50)]
     strategy = make_strategy(name, BatchingOptions(16, packing=packing, overflow=overflow))
@@ -164,7 +164,7 @@ def test_memory_table_says_where_the_peak_falls_and_what_is_live_there():
     """Past a few rows this model's peak moves from the forward to early backward, where no gradient of the step
     exists yet: the table says so instead of printing a bare 0 B under gradients."""
     from lightning_seqmem.memory.stats import format_bytes
-    from lightning_seqmem.plan import memory_table
+    from lightning_seqmem.apps.planner import memory_table
 
     cfg = build_model_config("tiny_llama", 2048, 0)
     memory = plan_memory(lambda rows, length, ckpt: estimate_training_memory(

@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
-from lightning_seqmem.plan_app import plan_from_config
+from lightning_seqmem.apps.plan_app import plan_from_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*")
 
@@ -36,7 +36,7 @@ def test_plan_composes_the_run_seqmem_train_would_launch_and_matches_its_datamod
 
 
 def test_seqmem_plan_command_prints_the_tables_and_writes_plan_json_and_histogram(tmp_path):
-    cmd = [sys.executable, "-m", "lightning_seqmem.plan_app", "data=pad", "model=tiny_llama", "data.max_length=128",
+    cmd = [sys.executable, "-m", "lightning_seqmem.apps.plan_app", "data=pad", "model=tiny_llama", "data.max_length=128",
            "plan.max_lengths=[64,128]", "plan.micro_batch_sizes=[1,2]", "plan.gpu_memory=2GiB",
            f"hydra.run.dir={tmp_path}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ})

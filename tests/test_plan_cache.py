@@ -9,8 +9,8 @@ import torch
 
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem import plan_cache
-from lightning_seqmem.packed_rows import pack_lengths
-from lightning_seqmem.plan_cache import PLAN_CACHE_MIN_DOCUMENTS, cached_pack_lengths
+from lightning_seqmem.batching.packed_rows import pack_lengths
+from lightning_seqmem.batching.plan_cache import PLAN_CACHE_MIN_DOCUMENTS, cached_pack_lengths
 
 N_DOCS = PLAN_CACHE_MIN_DOCUMENTS + 10_000
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lightning_seqmem import SeqMemDataModule, plots
-from lightning_seqmem.plan import (
+from lightning_seqmem.apps.planner import (
     STRATEGIES,
     DataSettings,
     column_lengths,
@@ -119,7 +119,7 @@ def test_strategy_chart_shows_the_planners_table():
 
 def test_memory_chart_stacks_what_is_live_at_the_peak_under_the_budget():
     from lightning_seqmem.memory.estimate import estimate_training_memory
-    from lightning_seqmem.model import build_model_config
+    from lightning_seqmem.training.model import build_model_config
 
     cfg = build_model_config("tiny_llama", 512, 0)
 

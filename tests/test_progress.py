@@ -5,7 +5,7 @@ import pytest
 from lightning.pytorch import Callback
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_seqmem.progress import StepProgressBar
+from lightning_seqmem.training.progress import StepProgressBar
 
 
 class BarState(Callback):

@@ -25,7 +25,7 @@ SHRINK = [
 
 
 def seqmem_train(tmp_path, *args):
-    cmd = [sys.executable, "-m", "lightning_seqmem.train", "-m", *SHRINK, *args]
+    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", "-m", *SHRINK, *args]
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
 
@@ -54,7 +54,7 @@ def test_warmup_sweep_example_then_report(tmp_path):
     assert int(rows[1]["tokens_seen"]) < int(rows[0]["tokens_seen"])  # warmup trained on shorter sequences
     assert (sweep / "report.png").stat().st_size > 1000 and (sweep / "report.md").exists()
     # What the picture shows: one line per setting that validated, the failed one absent, the target marked.
-    from lightning_seqmem.report import build_report, figure, load_jobs
+    from lightning_seqmem.apps.report import build_report, figure, load_jobs
 
     jobs = load_jobs(str(sweep))
     rep = build_report(jobs)
@@ -64,7 +64,7 @@ def test_warmup_sweep_example_then_report(tmp_path):
         assert labels == ["callbacks.seq_warmup.duration=0.0", "callbacks.seq_warmup.duration=0.5",
                           f"target {rep['target']:.4g}"]
 
-    again = subprocess.run([sys.executable, "-m", "lightning_seqmem.report", str(sweep), "--clock", "cpu",
+    again = subprocess.run([sys.executable, "-m", "lightning_seqmem.apps.report", str(sweep), "--clock", "cpu",
                             "--target-loss", "100", "--name", "cpu"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert (sweep / "cpu.csv").exists() and "Times are training CPU time" in again.stdout
@@ -89,7 +89,7 @@ def test_ddp_spawn_job_inside_a_multirun(tmp_path):
 def test_ddp_single_run(tmp_path):
     """trainer=ddp outside a sweep: Lightning re-launches seqmem-train for rank 1 into the same run directory."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "lightning_seqmem.train", *SHRINK, "trainer=ddp", "trainer.accelerator=cpu",
+    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", *SHRINK, "trainer=ddp", "trainer.accelerator=cpu",
            "trainer.devices=2", "trainer.precision=32-true", "trainer.max_steps=2", "trainer.val_check_interval=2",
            f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -105,14 +105,14 @@ def test_short_sweep_validates_at_the_last_step_and_reports(tmp_path):
     """12 steps with validation scheduled every 50: only the final validation runs, and the report has numbers."""
     sweep = tmp_path / "sweep"
     shrink = [o for o in SHRINK if "val_check_interval" not in o and "max_steps" not in o]
-    cmd = [sys.executable, "-m", "lightning_seqmem.train", "-m", *shrink, "data.micro_batch_size=4",
+    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", "-m", *shrink, "data.micro_batch_size=4",
            "callbacks.seq_warmup.duration=0.0,0.3", "trainer.max_steps=12", f"hydra.sweep.dir={sweep}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for job in ("0", "1"):
         with open(sweep / job / "progress.csv") as f:
             assert [r["step"] for r in csv.DictReader(f)] == ["12"]  # the final validation, and only it
-    report = subprocess.run([sys.executable, "-m", "lightning_seqmem.report", str(sweep)], capture_output=True,
+    report = subprocess.run([sys.executable, "-m", "lightning_seqmem.apps.report", str(sweep)], capture_output=True,
                             text=True, timeout=300)
     assert report.returncode == 0, report.stderr
     with open(sweep / "report.csv") as f:

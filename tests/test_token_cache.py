@@ -9,8 +9,8 @@ import lightning.pytorch as L
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from lightning_seqmem.datamodule import SeqMemDataModule
-from lightning_seqmem.token_cache import default_cache_dir, tokenizer_fingerprint
+from lightning_seqmem.datamodule.module import SeqMemDataModule
+from lightning_seqmem.data.token_cache import default_cache_dir, tokenizer_fingerprint
 
 
 class CountingTokenizer(PreTrainedTokenizerFast):
@@ -108,8 +108,8 @@ def _file_dataset(tmp_path, texts, batch_rows=5):
 
 
 def test_streamed_tokenization_equals_datasets_map_for_files_shuffles_and_processes(tmp_path, tokenizer):
-    from lightning_seqmem.data_source import tokenize_dataset
-    from lightning_seqmem.token_cache import tokenize_cached
+    from lightning_seqmem.data.encode import tokenize_dataset
+    from lightning_seqmem.data.token_cache import tokenize_cached
 
     texts = [f"row {i}: " + "gamma delta " * (i % 11) for i in range(61)]
     texts[7] = ""  # an empty document stays a row of length 0
@@ -127,7 +127,7 @@ def test_streamed_tokenization_equals_datasets_map_for_files_shuffles_and_proces
 def test_a_bad_row_is_named_from_a_worker_and_nothing_is_cached(tmp_path, tokenizer):
     import pytest
 
-    from lightning_seqmem.token_cache import tokenize_cached
+    from lightning_seqmem.data.token_cache import tokenize_cached
 
     texts = [f"row {i}" for i in range(40)]
     texts[33] = None
@@ -138,7 +138,7 @@ def test_a_bad_row_is_named_from_a_worker_and_nothing_is_cached(tmp_path, tokeni
 
 
 def test_an_empty_split_is_cached_with_its_columns(tmp_path, tokenizer):
-    from lightning_seqmem.token_cache import tokenize_cached
+    from lightning_seqmem.data.token_cache import tokenize_cached
 
     empty = datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")}))
     cached = tokenize_cached(datasets.DatasetDict({"train": empty}), tokenizer, cache_dir=tmp_path)["train"]
@@ -146,7 +146,7 @@ def test_an_empty_split_is_cached_with_its_columns(tmp_path, tokenizer):
 
 
 def test_the_fast_encoder_gives_the_tokenizers_ids_and_steps_aside_when_it_might_not(tokenizer):
-    from lightning_seqmem.data_source import batch_encoder
+    from lightning_seqmem.data.encode import batch_encoder
 
     texts = ["plain words", "", "Ünïcödé\n\n  spaced", "alpha " * 50]
     expected = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -188,7 +188,7 @@ def test_two_writers_of_one_split_each_rename_their_own_file(tmp_path, tokenizer
     """Ranks that call setup without prepare_data tokenize the same split into the same directory at once: a writer
     that finishes second must still rename its (identical) file into place, and no temporary file is left."""
     from lightning_seqmem import token_cache
-    from lightning_seqmem.arrow_stream import Shard
+    from lightning_seqmem.data.arrow_stream import Shard
 
     ds = _file_dataset(tmp_path, [f"row {i} " + "alpha " * (i % 5) for i in range(40)])
     job = token_cache._Job(tokenizer, "text", ["text"], "text", "prompt", "completion", None, True, "train",
@@ -257,7 +257,7 @@ def test_only_temporary_files_of_writers_that_are_gone_are_stale(tmp_path):
     import sys
     import time
 
-    from lightning_seqmem.token_cache import STALE_AFTER_S, remove_stale_temporaries, stale_temporaries
+    from lightning_seqmem.data.token_cache import STALE_AFTER_S, remove_stale_temporaries, stale_temporaries
 
     entry = tmp_path / "tokenized" / "k"
     entry.mkdir(parents=True)
@@ -295,7 +295,7 @@ def test_a_damaged_entry_is_reported_and_tokenized_again(tmp_path, tokenizer, ca
 
     import pytest
 
-    from lightning_seqmem.token_cache import tokenize_cached
+    from lightning_seqmem.data.token_cache import tokenize_cached
 
     dsd = datasets.DatasetDict({"train": _data()})
     with caplog.at_level(logging.INFO):
@@ -322,7 +322,7 @@ def test_a_damaged_entry_is_reported_and_tokenized_again(tmp_path, tokenizer, ca
 def test_a_cache_dir_that_cannot_be_written_tokenizes_for_this_run(tmp_path, tokenizer):
     import pytest
 
-    from lightning_seqmem.token_cache import tokenize_cached
+    from lightning_seqmem.data.token_cache import tokenize_cached
 
     blocked = tmp_path / "cache"
     blocked.write_text("a file where the cache directory should be")
@@ -350,7 +350,7 @@ def test_seqmem_cache_lists_entries_and_removes_the_old_ones(tmp_path, tokenizer
     assert set(entries) == {f"{data} (train)", "an in-memory dataset of 48 rows (train)"}
     assert entries[f"{data} (train)"].rows == 30 and all(e.size > 0 for e in entries.values())
 
-    listing = subprocess.run([sys.executable, "-m", "lightning_seqmem.cache", "--cache-dir", str(root)],
+    listing = subprocess.run([sys.executable, "-m", "lightning_seqmem.apps.cache", "--cache-dir", str(root)],
                              capture_output=True, text=True, timeout=120)
     assert listing.returncode == 0, listing.stderr
     assert f"Cache {root}: 2 entries" in listing.stdout and "pages.jsonl (train)" in listing.stdout

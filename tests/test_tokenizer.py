@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_seqmem.tokenizer import load_tokenizer
+from lightning_seqmem.data.tokenizer import load_tokenizer
 
 
 def test_default_tokenizer_round_trips_and_has_special_tokens(tokenizer):

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_seqmem.collate import PackCollator, PadCollator
-from lightning_seqmem.packing import pack_lengths, pack_sequences
-from lightning_seqmem.tokens import (
+from lightning_seqmem.batching.collate import PackCollator, PadCollator
+from lightning_seqmem.batching import pack_lengths, pack_sequences
+from lightning_seqmem.data.tokens import (
     ARROW_GATHER_MIN_SEGMENTS,
     ConcatView,
     ConstantView,

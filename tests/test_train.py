@@ -27,7 +27,7 @@ SHRINK = [
 
 def run_in_process(tmp_path, overrides=()):
     """Compose like the app does, point the run directory at tmp_path, and train."""
-    from lightning_seqmem.train import train
+    from lightning_seqmem.apps.train import train
 
     with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
         cfg = compose("config", overrides=SHRINK + list(overrides), return_hydra_config=True)
@@ -63,7 +63,7 @@ def test_console_script_run(tmp_path):
     each log line once, the bar counts steps out of max_steps, no upstream deprecation noise, a final validation."""
     run_dir = tmp_path / "run"
     shrink = [o for o in SHRINK if "enable_progress_bar" not in o and "max_steps" not in o]
-    cmd = [sys.executable, "-m", "lightning_seqmem.train", *shrink, "trainer.max_steps=5", "model=tiny_gpt2",
+    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", *shrink, "trainer.max_steps=5", "model=tiny_gpt2",
            "data=pack_bfd", "logger=[csv,tensorboard]", "~callbacks.preallocate", f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -91,7 +91,7 @@ def test_noise_is_silenced_at_entry_points_only():
     """Importing the library (and Lightning) leaves warning filters alone; the entry point's call adds them."""
     code = (
         "import warnings, logging\n"
-        "import lightning.pytorch, lightning_seqmem, lightning_seqmem.train, lightning_seqmem.cli\n"
+        "import lightning.pytorch, lightning_seqmem, lightning_seqmem.apps.train, lightning_seqmem.apps.cli\n"
         "from lightning_seqmem import console\n"
         "def ours():\n"
         "    return [f for f in warnings.filters if f[1] is not None and f[1].pattern in console.UPSTREAM_NOISE]\n"
@@ -124,7 +124,7 @@ def test_data_local_trains_on_the_given_file(tmp_path):
 
 def test_bad_input_fails_clearly_and_records_it(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "lightning_seqmem.train", "data.max_length=1", f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", "data.max_length=1", f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "max_length must be an int >= 2" in proc.stderr
@@ -133,13 +133,13 @@ def test_bad_input_fails_clearly_and_records_it(tmp_path):
 
 
 def test_unknown_group_option_lists_valid_ones(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "lightning_seqmem.train", "trainer=tpu",
+    proc = subprocess.run([sys.executable, "-m", "lightning_seqmem.apps.train", "trainer=tpu",
                            f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "Could not find 'trainer/tpu'" in proc.stderr and "ddp_spawn" in proc.stderr
 
 
-@pytest.mark.parametrize("name", ["lightning_seqmem.train", "lightning_seqmem.cli"])
+@pytest.mark.parametrize("name", ["lightning_seqmem.apps.train", "lightning_seqmem.apps.cli"])
 def test_allocator_configured_before_torch(name):
     """Every entry point sets the allocator settings while torch is not imported yet."""
     code = (
@@ -166,7 +166,7 @@ def test_pretokenized_parquet_through_the_main_job(tmp_path):
     pq.write_table(pa.table({"input_ids": rows}), tmp_path / "pages.parquet")
     run_dir = tmp_path / "run"
     shrink = [o for o in SHRINK if "max_steps" not in o]
-    cmd = [sys.executable, "-m", "lightning_seqmem.train", "data=local", "data.dataset=pages.parquet",
+    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", "data=local", "data.dataset=pages.parquet",
            "data.tokenizer=null", "data.pad_token_id=0", "data.eos_token_id=102", "model.vocab_size=30522",
            *shrink, "trainer.max_steps=2", "~callbacks.preallocate", f"hydra.run.dir={run_dir}"]
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
@@ -202,7 +202,7 @@ def test_trainer_auto_follows_the_machine(monkeypatch, capsys, gpus):
     simulated (the device count is what Lightning's accelerator="auto" asks too); an explicit option always wins."""
     import lightning.fabric.accelerators.cuda as cuda
 
-    from lightning_seqmem.train import choose_trainer
+    from lightning_seqmem.apps.train import choose_trainer
 
     monkeypatch.setattr(cuda, "num_cuda_devices", lambda: gpus)
     overrides = choose_trainer(["data=pad"])

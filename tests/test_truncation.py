@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_seqmem.truncation import (
+from lightning_seqmem.batching.truncation import (
     PromptCompletionLimits,
     count_truncated,
     prompt_completion_example,

@@ -17,7 +17,7 @@ from typing_extensions import override
 from lightning_seqmem.memory.allocator import expandable_segments_on
 from lightning_seqmem.memory.preallocate import CachePreallocator
 from lightning_seqmem.protocols import GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape
-from lightning_seqmem.varlen import PassesFlashVarlen, is_flash_attention
+from lightning_seqmem.training.varlen import PassesFlashVarlen, is_flash_attention
 
 CHECKS = ("eval_batch_size", "batch_size", "fp16_packing", "fp8_compile", "packing_attention", "flash_varlen",
           "dynamic_shapes")
@@ -49,9 +49,9 @@ def packed_safe_attention() -> frozenset[str]:
     ``transformers`` with ``masking_utils.find_packed_sequence_indices`` builds a block-diagonal mask for eager,
     sdpa and flex from ``position_ids``, whatever the batch size. Flash attention infers documents from
     ``position_ids`` only in one-row batches; with more rows it needs the varlen arguments
-    (:func:`~lightning_seqmem.varlen.flash_varlen_kwargs`), which the ``flash_varlen`` check asks for.
+    (:func:`~lightning_seqmem.training.varlen.flash_varlen_kwargs`), which the ``flash_varlen`` check asks for.
     """
-    # torch_varlen reads the varlen arguments or, without them, position_ids itself (lightning_seqmem.attention)
+    # torch_varlen reads the varlen arguments or, without them, position_ids itself (lightning_seqmem.training.attention)
     safe = {"flash_attention_2", "flash_attention_3", "torch_varlen"}
     try:
         from transformers import masking_utils
@@ -147,7 +147,7 @@ def find_problems(facts: RunFacts, safe_attention: frozenset[str] | None = None)
             f"(micro_batch_size={micro}, or eval_batch_size, or a warmup that reshapes rows): transformers separates "
             "packed documents for flash attention only in one-row batches, so without the varlen arguments the "
             "documents of a row attend to each other. In the module's step call "
-            "model(**batch, **flash_varlen_kwargs(batch['position_ids'])) (lightning_seqmem.varlen; CausalLM "
+            "model(**batch, **flash_varlen_kwargs(batch['position_ids'])) (lightning_seqmem.training.varlen; CausalLM "
             "does) and set `passes_flash_varlen_kwargs = True` on the module, or use attn_implementation='sdpa'."
         )
     if facts.on_cuda and facts.dynamic_shapes and not (facts.preallocating or facts.expandable_segments):

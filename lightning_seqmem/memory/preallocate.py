@@ -23,7 +23,8 @@ from lightning_seqmem.memory import stats
 from lightning_seqmem.memory.optimizer_state import (gradient_standins, state_standins, step_temporaries,
                                                       trained_parameters)
 from lightning_seqmem.memory.untouched import untouched
-from lightning_seqmem.memory.worst_batch import Layout, check_layout, default_layout, make_dummy_batch
+from lightning_seqmem.batch import Layout, default_layout
+from lightning_seqmem.memory.worst_batch import check_layout, make_dummy_batch
 from lightning_seqmem.messages import short_repr
 from lightning_seqmem.protocols import (GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape, GivesWorstBatchLayout,
                                         find_pad_token_id)

@@ -13,40 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_seqmem.batch import CU_SEQLENS, IGNORE_INDEX
-from lightning_seqmem.varlen import cu_seqlens
-
-Layout = tuple[tuple[int, ...], ...]  # per row, the lengths of its documents; the rest of the row is padding
-
-
-def full_rows(rows: int, length: int) -> Layout:
-    """Every row one document filling it (no padding, no packing): the mask-free attention path."""
-    return ((length,),) * rows
-
-
-def padded_rows(rows: int, length: int) -> Layout:
-    """Full rows but the last, which ends with one padding slot: the padded path (``attention_mask`` has a 0)."""
-    if length < 2:
-        return full_rows(rows, length)
-    return ((length,),) * (rows - 1) + ((length - 1,),)
-
-
-def packed_rows(rows: int, length: int) -> Layout:
-    """Two documents per row, position_ids restarting at the second: the packed path (block-diagonal mask)."""
-    if length < 2:
-        return full_rows(rows, length)
-    return ((length // 2, length - length // 2),) * rows
-
-
-def default_layout(rows: int, length: int, keys: Sequence[str]) -> Layout:
-    """The layout the batch contract's keys allow that costs the most: padded rows when there is an
-    ``attention_mask``, packed rows when there are ``position_ids`` without one, else full rows."""
-    if "attention_mask" in keys:
-        return padded_rows(rows, length)
-    if "position_ids" in keys:
-        return packed_rows(rows, length)
-    return full_rows(rows, length)
-
+from lightning_seqmem.batch import CU_SEQLENS, IGNORE_INDEX, Layout, default_layout
+from lightning_seqmem.training.varlen import cu_seqlens
 
 def check_layout(layout: Layout, rows: int, length: int) -> Layout:
     """``layout`` as a tuple of tuples, or a ``ValueError`` saying how it does not fit ``[rows, length]``."""

@@ -16,7 +16,7 @@ from collections.abc import MutableMapping
 import torch
 
 from lightning_seqmem.batch import CU_SEQLENS, IGNORE_INDEX, count_real_tokens, real_token_mask
-from lightning_seqmem.varlen import cu_seqlens
+from lightning_seqmem.training.varlen import cu_seqlens
 
 __all__ = [
     "apply_seq_length_warmup",

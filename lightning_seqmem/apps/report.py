@@ -427,7 +427,7 @@ def markdown(report: dict) -> str:
 def figure(jobs: list[Job], report: dict, per_job: bool = False):
     """Loss against time and against tokens (``plots.sweep_curves``): one line per setting, the mean over its seeds
     with a min-max band, or with ``per_job`` one line per job. Raises ``ImportError`` without matplotlib."""
-    from lightning_seqmem.plots import sweep_curves
+    from lightning_seqmem.apps.plots import sweep_curves
 
     keys = report["keys"]
     groups = seed_groups(jobs, keys) if report["seed_key"] else {label(job, keys): [job] for job in jobs}

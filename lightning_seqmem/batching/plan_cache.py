@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_seqmem.packed_rows import PackResult, pack_lengths
+from lightning_seqmem.batching.packed_rows import PackResult, pack_lengths
 
 # Below this many documents planning takes milliseconds: not worth a file in the cache.
 PLAN_CACHE_MIN_DOCUMENTS = 50_000

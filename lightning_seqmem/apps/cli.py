@@ -11,7 +11,7 @@ LightningModule/LightningDataModule; without one, ``lightning_seqmem.CausalLM`` 
 
 The CUDA allocator is configured before torch is imported. The progress bar counts optimizer steps
 (``StepProgressBar``) unless the config names another or turns it off, and upstream deprecation noise is
-silenced in this process (``lightning_seqmem.console``).
+silenced in this process (``lightning_seqmem.apps.console``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def build_cli_class():
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-    from lightning_seqmem.progress import StepProgressBar
+    from lightning_seqmem.training.progress import StepProgressBar
 
     class SeqMemCLI(LightningCLI):
         """LightningCLI with our model and DataModule as defaults and a progress bar over optimizer steps."""
@@ -77,7 +77,7 @@ def cli_main(args: list[str] | None = None, run: bool = True):
 def main() -> None:
     """Console-script entry point (``seqmem-cli``)."""
     _configure_allocator_early()
-    from lightning_seqmem.console import quiet_upstream_noise
+    from lightning_seqmem.apps.console import quiet_upstream_noise
 
     quiet_upstream_noise()
     cli_main()

@@ -12,7 +12,7 @@ Crash leftovers: every writer names its temporary file after its host and proces
 (``tokens-00000.arrow.<host>-<pid>.<random>.tmp``), so a later run removes the files of writers that are gone (a
 dead process on this host, or a file nobody has written to for a day) and never those of a live writer. A damaged
 entry (a truncated Arrow file, a manifest naming a missing file) and a cache directory that cannot be written are
-reported in one line and tokenized again. ``seqmem-cache`` (``lightning_seqmem.cache``) lists and removes entries.
+reported in one line and tokenized again. ``seqmem-cache`` (``lightning_seqmem.apps.cache``) lists and removes entries.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_seqmem.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
-from lightning_seqmem.data_source import document_frame, token_features, tokenize_function
+from lightning_seqmem.data.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
+from lightning_seqmem.data.encode import document_frame, token_features, tokenize_function
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
 SMALL_DATASET_ROWS = 20_000  # below this, extra processes cost more than they save
@@ -250,7 +250,7 @@ def _star_tokenize_shard(args: tuple[int, Shard]) -> tuple[str, int]:
 def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
                     completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
                     num_proc: int | None = None, cache_dir: str | os.PathLike | None = None, source: Any = None):
-    """``data_source.tokenize_dataset``, cached under ``cache_dir``: tokenize a split only the first time.
+    """``encode.tokenize_dataset``, cached under ``cache_dir``: tokenize a split only the first time.
 
     Args:
         dsd: ``DatasetDict`` of text (or prompt/completion) splits.
@@ -348,14 +348,14 @@ def _scratch_root() -> Path:
 
 
 def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, cache_dir: Any = None) -> bool:
-    """Check pre-tokenized token values (``data_source.check_token_values``) once per dataset version, then
+    """Check pre-tokenized token values (``columns.check_token_values``) once per dataset version, then
     remember it by the data's fingerprint, so later runs and every rank skip it: the check reads every token, and
     on a memory-mapped billion-token file that touches every page (4 GB of resident memory) on each run.
 
     Returns:
         Whether the check ran (``False``: an earlier run checked this data against the same vocabulary).
     """
-    from lightning_seqmem.data_source import check_token_values
+    from lightning_seqmem.data.columns import check_token_values
 
     fingerprint = getattr(ds, "_fingerprint", None)
     if fingerprint is None or not getattr(ds, "cache_files", None):  # in memory: no stable version to remember

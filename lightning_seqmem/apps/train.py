@@ -99,7 +99,7 @@ def train(cfg) -> dict[str, Any]:
     import lightning.pytorch as L
     from hydra.utils import instantiate
 
-    from lightning_seqmem.summary import RunSummary
+    from lightning_seqmem.apps.summary import RunSummary
 
     _check_required(cfg)
     L.seed_everything(cfg.seed, workers=True)
@@ -138,7 +138,7 @@ def _hydra_entry() -> None:
     def _main(cfg) -> float | None:
         from hydra.core.hydra_config import HydraConfig
 
-        from lightning_seqmem.console import log_each_line_once, quiet_upstream_noise
+        from lightning_seqmem.apps.console import log_each_line_once, quiet_upstream_noise
 
         quiet_upstream_noise()
         log_each_line_once()  # after Hydra has set up the job's logging

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from lightning_seqmem.memory.estimate import largest_fitting
-from lightning_seqmem.strategies import BatchingOptions, PadStrategy, largest_shape, make_strategy
-from lightning_seqmem.truncation import count_truncated
+from lightning_seqmem.batching.strategies import BatchingOptions, PadStrategy, largest_shape, make_strategy
+from lightning_seqmem.batching.truncation import count_truncated
 
 # Planner strategy names -> the SeqMemDataModule arguments that select them.
 STRATEGIES: dict[str, dict[str, Any]] = {
@@ -424,7 +424,7 @@ def plan(
 
     Example::
 
-        from lightning_seqmem.model import build_model_config
+        from lightning_seqmem.training.model import build_model_config
         dm = SeqMemDataModule(max_length=2048, strategy="pack")
         print(format_plan(plan(dm, build_model_config("tiny_llama", len(dm.tokenizer), 0), gpu_memory="24GiB")))
     """
@@ -462,8 +462,8 @@ def column_lengths(dm: Any, split: str = "train") -> dict[str, np.ndarray]:
 
 def _split_lengths(dm: Any) -> dict[str, dict[str, np.ndarray]]:
     """``{split: {part: non-empty token counts}}`` for train and validation, the validation split carved out once."""
-    from lightning_seqmem.data_source import ensure_validation_split
-    from lightning_seqmem.tokens import view_of_dataset
+    from lightning_seqmem.data.sources import ensure_validation_split
+    from lightning_seqmem.data.tokens import view_of_dataset
 
     tokenized, kind = dm.tokenized_documents()
     tokenized = ensure_validation_split(tokenized, seed=dm.seed)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_seqmem.truncation import count_truncated
+from lightning_seqmem.batching.truncation import count_truncated
 
 __all__ = ["length_histogram", "memory_bars", "save", "strategy_bars", "sweep_curves"]
 
@@ -131,7 +131,7 @@ def length_histogram(panels: Mapping[str, np.ndarray] | np.ndarray, max_lengths:
 def strategy_bars(plans: Sequence[Any], recommended: tuple[str, int] | None = None):
     """Token efficiency and share of tokens lost, one group of bars per strategy, one bar per max_length.
 
-    ``plans`` are :class:`~lightning_seqmem.plan.StrategyPlan` (``strategy``, ``max_length``, ``token_efficiency``,
+    ``plans`` are :class:`~lightning_seqmem.apps.planner.StrategyPlan` (``strategy``, ``max_length``, ``token_efficiency``,
     ``lost_share``); the ``recommended`` ``(strategy, max_length)`` bar is hatched.
     """
     strategies = list(dict.fromkeys(p.strategy for p in plans))
@@ -175,7 +175,7 @@ def memory_bars(memory: Any):
     """Peak training memory per micro_batch_size as stacked bars of what is live at the peak, one panel without
     and one with gradient checkpointing, with the budget and the margin kept back from it.
 
-    ``memory`` is a :class:`~lightning_seqmem.plan.MemoryPlan` (``estimates`` checkpointing -> rows ->
+    ``memory`` is a :class:`~lightning_seqmem.apps.planner.MemoryPlan` (``estimates`` checkpointing -> rows ->
     ``MemoryEstimate``, ``budget``, ``usable``, ``margin``, ``length``, ``fits``).
     """
     from lightning_seqmem.memory.stats import format_bytes

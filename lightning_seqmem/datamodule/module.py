@@ -1,6 +1,6 @@
 """``SeqMemDataModule``: text in, padded / truncated / packed batches out, with every lost token counted.
 
-The work happens in the pure modules (``data_source``, ``truncation``, ``packing``, ``collate``, ``sampling``);
+The work happens in the pure modules (``data``, ``batching``);
 this class only wires them to Lightning's ``prepare_data``/``setup``/``*_dataloader`` hooks.
 """
 
@@ -17,28 +17,24 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from typing_extensions import override
 
-from lightning_seqmem.data_source import (
-    check_columns,
-    document_frame,
-    ensure_validation_split,
-    load_text_dataset,
-    select_rows,
-)
+from lightning_seqmem.data.columns import check_columns
+from lightning_seqmem.data.encode import document_frame
+from lightning_seqmem.data.sources import ensure_validation_split, load_text_dataset, select_rows
 from lightning_seqmem.messages import short_repr
-from lightning_seqmem.packing import OVERFLOWS, StreamingPacker, check_packing
-from lightning_seqmem.sampling import BatchFetcher
-from lightning_seqmem.batch import IGNORE_INDEX, PACK_KEYS, PAD_KEYS  # noqa: F401  (old import path kept)
-from lightning_seqmem.strategies import (  # noqa: F401  (STRATEGIES: public name)
+from lightning_seqmem.batching import OVERFLOWS, StreamingPacker, check_packing
+from lightning_seqmem.batching.sampling import BatchFetcher
+from lightning_seqmem.batch import IGNORE_INDEX
+from lightning_seqmem.batching.strategies import (  # noqa: F401  (STRATEGIES: public name)
     STRATEGIES,
     BatchingOptions,
     PackedRows,
     largest_shape,
     make_strategy,
 )
-from lightning_seqmem.token_cache import default_cache_dir
-from lightning_seqmem.tokenizer import load_tokenizer
-from lightning_seqmem.tokens import ConcatView, ConstantView, view_of_dataset
-from lightning_seqmem.truncation import PromptCompletionLimits, check_truncation_side, prompt_completion_spans
+from lightning_seqmem.data.token_cache import default_cache_dir
+from lightning_seqmem.data.tokenizer import load_tokenizer
+from lightning_seqmem.data.tokens import ConcatView, ConstantView, view_of_dataset
+from lightning_seqmem.batching.truncation import PromptCompletionLimits, check_truncation_side, prompt_completion_spans
 
 try:  # exact mid-epoch resume through Lightning checkpoints when torchdata is installed
     from torchdata.stateful_dataloader import StatefulDataLoader as _Loader
@@ -305,7 +301,7 @@ class SeqMemDataModule(LightningDataModule):
         import datasets
 
         if isinstance(self.dataset, str) and self.dataset == "builtin":
-            from lightning_seqmem.corpus import load_builtin_corpus
+            from lightning_seqmem.data.corpus import load_builtin_corpus
 
             load_builtin_corpus()
         if isinstance(self.dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
@@ -325,8 +321,8 @@ class SeqMemDataModule(LightningDataModule):
         return self._documents
 
     def _load_documents(self):
-        from lightning_seqmem.data_source import PRETOKENIZED_KINDS
-        from lightning_seqmem.token_cache import check_values_once, tokenize_cached
+        from lightning_seqmem.data.columns import PRETOKENIZED_KINDS
+        from lightning_seqmem.data.token_cache import check_values_once, tokenize_cached
 
         raw = load_text_dataset(self.dataset)
         kind = check_columns(raw, self.text_column)
@@ -448,7 +444,7 @@ class SeqMemDataModule(LightningDataModule):
         self._stats = {split: {"streaming": True, "buffer_size": self.streaming_buffer_size} for split in self.datasets}
 
     def _encode(self, index: int, example: dict) -> list[int]:
-        """One streamed document to ``[bos] + tokens + [eos]``, as ``data_source`` does for map-style data."""
+        """One streamed document to ``[bos] + tokens + [eos]``, as ``data.encode`` does for map-style data."""
         text = example.get(self.text_column)
         if not isinstance(text, str):
             raise TypeError(

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from lightning_seqmem.batch import IGNORE_INDEX, real_token_mask  # noqa: F401  (old import path kept)
-from lightning_seqmem.tokens import as_token_source
-from lightning_seqmem.truncation import check_max_length, check_truncation_side, cut_tokens
+from lightning_seqmem.data.tokens import as_token_source
+from lightning_seqmem.batching.truncation import check_max_length, check_truncation_side, cut_tokens
 
 
 def as_examples(examples: Any) -> Sequence[Mapping[str, Any]]:

@@ -14,7 +14,7 @@ One line in a LightningModule's step::
 Each call waits for the device once (the segment count and the longest segment are data-dependent): at the start of
 a step that costs one kernel launch of idle time, not a pipeline drain. :func:`batch_varlen_kwargs` gives the same
 arguments for a batch dict, padded rows included (each run of padding its own segment), for ``torch_varlen``
-(:mod:`lightning_seqmem.attention`).
+(:mod:`lightning_seqmem.training.attention`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class PassesFlashVarlen(Protocol):
     passes_flash_varlen_kwargs: bool
 
 
-TORCH_VARLEN = "torch_varlen"  # torch's own varlen flash kernel (lightning_seqmem.attention)
+TORCH_VARLEN = "torch_varlen"  # torch's own varlen flash kernel (lightning_seqmem.training.attention)
 
 
 def is_flash_attention(attn_implementation: str | None) -> bool:

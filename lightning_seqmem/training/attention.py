@@ -8,7 +8,7 @@ flash-attn has one but no wheel for most setups. torch ships its own, ``torch.nn
 the signature it finds.
 
 :func:`varlen_attention_forward` takes the varlen arguments transformers hands to flash kernels
-(``cu_seq_lens_q``, ``max_length_q``: :func:`~lightning_seqmem.varlen.flash_varlen_kwargs`, which ``CausalLM``
+(``cu_seq_lens_q``, ``max_length_q``: :func:`~lightning_seqmem.training.varlen.flash_varlen_kwargs`, which ``CausalLM``
 passes). No mask function is registered for it, so transformers builds no mask (and runs none of its packed-sequence
 detection) before calling it.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_seqmem.varlen import TORCH_VARLEN, flash_varlen_kwargs
+from lightning_seqmem.training.varlen import TORCH_VARLEN, flash_varlen_kwargs
 
 AUTO = "auto"
 HALF_PRECISIONS = ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "16", "bf16")
@@ -126,7 +126,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise RuntimeError(f"attn_implementation={TORCH_VARLEN!r}: {reason}. Use 'sdpa' or 'auto'.")
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={TORCH_VARLEN!r} takes no attention mask: pass the varlen "
-                         "arguments (lightning_seqmem.varlen.flash_varlen_kwargs) to keep sequences apart.")
+                         "arguments (lightning_seqmem.training.varlen.flash_varlen_kwargs) to keep sequences apart.")
     if dropout and module.training:
         raise ValueError(f"attn_implementation={TORCH_VARLEN!r} has no attention dropout; set it to 0.")
     if getattr(module, "sliding_window", None):

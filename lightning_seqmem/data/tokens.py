@@ -85,7 +85,7 @@ class TokenView(_SourceMixin):
 
     def _reader(self):
         if "reader" not in self._files:
-            from lightning_seqmem.file_reads import SegmentReader, file_locations
+            from lightning_seqmem.data.file_reads import SegmentReader, file_locations
 
             locations = file_locations(self.chunks)
             self._files["reader"] = SegmentReader(locations, self.dtype.itemsize) if any(locations) else None

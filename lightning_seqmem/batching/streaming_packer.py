@@ -6,8 +6,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from lightning_seqmem.packed_rows import check_packing, pack_sequences
-from lightning_seqmem.truncation import check_max_length
+from lightning_seqmem.batching.packed_rows import check_packing, pack_sequences
+from lightning_seqmem.batching.truncation import check_max_length
 
 
 class StreamingPacker:

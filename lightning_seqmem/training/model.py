@@ -18,13 +18,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_seqmem.attention import AUTO, register_varlen_attention, resolve_attn_implementation
+from lightning_seqmem.training.attention import AUTO, register_varlen_attention, resolve_attn_implementation
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
-from lightning_seqmem.loss import TokenLossNormalizer
+from lightning_seqmem.training.loss import TokenLossNormalizer
 from lightning_seqmem.messages import short_repr
-from lightning_seqmem.metrics import TokenEfficiency
+from lightning_seqmem.training.metrics import TokenEfficiency
 from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
-from lightning_seqmem.varlen import TORCH_VARLEN, batch_varlen_kwargs, is_flash_attention
+from lightning_seqmem.training.varlen import TORCH_VARLEN, batch_varlen_kwargs, is_flash_attention
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 LOSS_NORMALIZATIONS = ("token", "micro_batch")
@@ -76,8 +76,8 @@ class CausalLM(LightningModule):
             ``"flash_attention_2"``/``"flash_attention_3"`` or a hub flash kernel. All keep packed documents apart
             (batches with ``position_ids`` and no ``attention_mask``): SDPA and eager through the block-diagonal
             mask transformers builds from ``position_ids``, flash and ``torch_varlen`` (torch's own varlen kernel,
-            :mod:`lightning_seqmem.attention`) through the varlen arguments this module passes
-            (:func:`~lightning_seqmem.varlen.batch_varlen_kwargs`; ``torch_varlen`` takes padded rows that way
+            :mod:`lightning_seqmem.training.attention`) through the varlen arguments this module passes
+            (:func:`~lightning_seqmem.training.varlen.batch_varlen_kwargs`; ``torch_varlen`` takes padded rows that way
             too, each run of padding its own segment). ``"auto"``: ``torch_varlen`` where it runs (CUDA,
             fp16/bf16 precision, torch >= 2.10), SDPA elsewhere, decided at ``setup``; ``"torch_varlen"`` where it
             cannot run is an error.
@@ -99,7 +99,7 @@ class CausalLM(LightningModule):
         Trainer(max_steps=100).fit(model, datamodule=SeqMemDataModule())
     """
 
-    passes_flash_varlen_kwargs = True  # lightning_seqmem.varlen.PassesFlashVarlen: forward adds them for flash
+    passes_flash_varlen_kwargs = True  # lightning_seqmem.training.varlen.PassesFlashVarlen: forward adds them for flash
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""``seqmem-cache`` (also ``python -m lightning_seqmem.cache``): what the cache directory holds, and removing it.
+"""``seqmem-cache`` (also ``python -m lightning_seqmem.apps.cache``): what the cache directory holds, and removing it.
 
 The cache (``$XDG_CACHE_HOME/lightning_seqmem``, or a DataModule's ``cache_dir``) grows with every dataset and
 tokenizer trained on and has no eviction of its own. This lists each entry — tokenized splits (dataset, tokenizer,
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_seqmem.memory.stats import format_bytes
-from lightning_seqmem.plan_cache import PLAN_META, PLANS, STAGING_PREFIX
-from lightning_seqmem.token_cache import (CHECKED, MANIFEST, STALE_AFTER_S, TOKENIZED, default_cache_dir,
+from lightning_seqmem.batching.plan_cache import PLAN_META, PLANS, STAGING_PREFIX
+from lightning_seqmem.data.token_cache import (CHECKED, MANIFEST, STALE_AFTER_S, TOKENIZED, default_cache_dir,
                                           stale_temporaries)
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lightning_seqmem.corpus import cache_dir, load_builtin_corpus
+from lightning_seqmem.data.corpus import cache_dir, load_builtin_corpus
 from lightning_seqmem.messages import short_repr
 
 DEFAULT_VOCAB_SIZE = 4096
@@ -19,7 +19,7 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>",
 
 
 def _default_path(vocab_size: int) -> Path:
-    from lightning_seqmem.corpus import _corpus_path
+    from lightning_seqmem.data.corpus import _corpus_path
 
     return cache_dir() / f"tokenizer-bpe{vocab_size}-{_corpus_path().name}"
 

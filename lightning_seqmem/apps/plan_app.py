@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from lightning_seqmem.train import CONFIG_PATH, choose_trainer
+from lightning_seqmem.apps.train import CONFIG_PATH, choose_trainer
 
 AUTO_PRECISION_WITHOUT_GPU = "bf16-mixed"  # what resolve_precision("auto") picks on any GPU made since 2020
 
@@ -51,7 +51,7 @@ def _devices(cfg) -> tuple[int, str]:
 
 
 def _model_config(cfg, vocab_size: int, pad_token_id: int | None):
-    from lightning_seqmem.model import build_model_config
+    from lightning_seqmem.training.model import build_model_config
 
     model = cfg.model
     if model.get("pretrained_path"):
@@ -67,10 +67,10 @@ def _model_config(cfg, vocab_size: int, pad_token_id: int | None):
 
 
 def plan_from_config(cfg, output_dir: str | None = None):
-    """Build the :class:`~lightning_seqmem.plan.Plan` for a composed ``plan.yaml`` config; returns ``(plan, notes)``."""
+    """Build the :class:`~lightning_seqmem.apps.planner.Plan` for a composed ``plan.yaml`` config; returns ``(plan, notes)``."""
     from hydra.utils import instantiate
 
-    from lightning_seqmem.plan import default_max_lengths, plan
+    from lightning_seqmem.apps.planner import default_max_lengths, plan
 
     p = cfg.plan
     dm = instantiate(cfg.data)
@@ -108,8 +108,8 @@ def plan_from_config(cfg, output_dir: str | None = None):
 def _pictures(plan, dm, max_lengths, output_dir: str, p) -> list[str]:
     """Write the length histogram (one panel per part of the examples), the strategy chart and the memory chart
     named in ``plan.histogram``, ``plan.strategy_chart`` and ``plan.memory_chart`` (null: not drawn)."""
-    from lightning_seqmem import plots
-    from lightning_seqmem.plan import column_lengths
+    from lightning_seqmem.apps import plots
+    from lightning_seqmem.apps.planner import column_lengths
 
     os.makedirs(output_dir, exist_ok=True)
     pictures = []
@@ -144,7 +144,7 @@ def _hydra_entry() -> None:
     def _main(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        from lightning_seqmem.plan import format_plan
+        from lightning_seqmem.apps.planner import format_plan
 
         plan, notes = plan_from_config(cfg, HydraConfig.get().runtime.output_dir)
         print(format_plan(plan))

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from lightning_seqmem.bin_packing import pack_bins
-from lightning_seqmem.tokens import ConcatView, ConstantView, TokenView, as_token_source
-from lightning_seqmem.truncation import check_max_length, count_truncated
+from lightning_seqmem.batching.bin_packing import pack_bins
+from lightning_seqmem.data.tokens import ConcatView, ConstantView, TokenView, as_token_source
+from lightning_seqmem.batching.truncation import check_max_length, count_truncated
 
 PACKINGS = ("bfd", "wrapped")
 OVERFLOWS = ("split", "truncate", "drop", "error")

@@ -16,14 +16,13 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from lightning_seqmem.batch import CU_SEQLENS, PACK_KEYS, PAD_KEYS
-from lightning_seqmem.collate import PackCollator, PadCollator, TruncateCollator
-from lightning_seqmem.memory.worst_batch import full_rows, packed_rows, padded_rows
-from lightning_seqmem.packed_rows import PackResult, pack_lengths
-from lightning_seqmem.plan_cache import cached_pack_lengths
-from lightning_seqmem.sampling import BatchList, LengthGroupedSampler, ShuffledBatchSampler, TokenBudgetBatchSampler
-from lightning_seqmem.tokens import as_token_source
-from lightning_seqmem.truncation import PromptCompletionLimits, count_truncated
+from lightning_seqmem.batch import CU_SEQLENS, PACK_KEYS, PAD_KEYS, full_rows, packed_rows, padded_rows
+from lightning_seqmem.batching.collate import PackCollator, PadCollator, TruncateCollator
+from lightning_seqmem.batching.packed_rows import PackResult, pack_lengths
+from lightning_seqmem.batching.plan_cache import cached_pack_lengths
+from lightning_seqmem.batching.sampling import BatchList, LengthGroupedSampler, ShuffledBatchSampler, TokenBudgetBatchSampler
+from lightning_seqmem.data.tokens import as_token_source
+from lightning_seqmem.batching.truncation import PromptCompletionLimits, count_truncated
 
 STRATEGIES = ("pad", "truncate", "pack")
 

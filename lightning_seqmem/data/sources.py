@@ -1,4 +1,4 @@
-"""Where the text comes from: resolve a dataset argument, check its columns, tokenize it with ``datasets.map``.
+"""Where the documents come from: resolve a dataset argument into a ``DatasetDict``, carve out validation.
 
 Accepted datasets: ``"builtin"`` (the standard-library corpus), a ``datasets.Dataset``/``DatasetDict``, a
 directory saved with ``save_to_disk``, local ``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
@@ -15,12 +15,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from lightning_seqmem.messages import short_repr  # noqa: F401  (also imported from here)
+from lightning_seqmem.messages import short_repr
 
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
 
@@ -103,7 +103,7 @@ def load_text_dataset(dataset: Any = "builtin"):
     import datasets
 
     if isinstance(dataset, str) and dataset == "builtin":
-        from lightning_seqmem.corpus import load_builtin_corpus
+        from lightning_seqmem.data.corpus import load_builtin_corpus
 
         dsd = load_builtin_corpus()
     elif isinstance(dataset, datasets.DatasetDict):
@@ -300,198 +300,3 @@ def json_problem(path: str) -> str | None:
                 return (f"{path}, line {number}: a JSON {type(row).__name__}, not an object; every line must be "
                         'an object such as {"text": "..."}.')
     return None
-
-
-PRETOKENIZED_KINDS = {"tokens": "text", "prompt_completion_tokens": "prompt_completion"}
-"""Pre-tokenized kinds and the rows they give: ``input_ids`` [+ ``labels``]; ``prompt_ids`` + ``completion_ids``."""
-
-
-def check_columns(dsd, text_column: str = "text", prompt_column: str = "prompt",
-                  completion_column: str = "completion") -> str:
-    """Which kind of data this is: ``"text"``, ``"prompt_completion"``, or pre-tokenized ``"tokens"``
-    (``input_ids``, optionally ``labels``) or ``"prompt_completion_tokens"`` (``prompt_ids``, ``completion_ids``).
-    Token columns win over text columns: a dataset that carries its tokens is used as it is.
-
-    Raises:
-        ValueError: none of these columns exist; the message lists what does.
-    """
-    columns = set(dsd["train"].column_names)
-    if "input_ids" in columns:
-        return "tokens"
-    if {"prompt_ids", "completion_ids"} <= columns:
-        return "prompt_completion_tokens"
-    if text_column in columns:
-        return "text"
-    if {prompt_column, completion_column} <= columns:
-        return "prompt_completion"
-    raise ValueError(
-        f"The dataset has no usable column: expected {text_column!r} (plain text), {prompt_column!r} and "
-        f"{completion_column!r} (prompt/completion), or token ids ('input_ids', or 'prompt_ids' and "
-        f"'completion_ids'); it has {sorted(columns)}. Pass text_column=<name> to SeqMemDataModule, or rename a "
-        "column with dataset.rename_column()."
-    )
-
-
-def check_token_values(ds, kind: str, split: str, vocab_size: int | None = None) -> None:
-    """Pre-tokenized data: every token id an integer in ``[0, vocab_size)`` (labels may also be -100).
-
-    Vectorised: a min/max per Arrow chunk, and only where that fails, the offending row (``searchsorted``).
-
-    Raises:
-        ValueError: a non-integer column, or an out-of-range id; the message names the split, column and row.
-    """
-    import pyarrow as pa
-
-    from lightning_seqmem.batch import IGNORE_INDEX
-    from lightning_seqmem.tokens import dataset_indices, view_of_arrow
-
-    columns = ["input_ids", "labels"] if kind == "tokens" else ["prompt_ids", "completion_ids"]
-    indices = dataset_indices(ds)
-    for column in columns:
-        if column not in ds.column_names:
-            continue
-        arrow = ds.data.column(column)
-        value_type = getattr(arrow.type, "value_type", None)
-        if value_type is None or not pa.types.is_integer(value_type):
-            raise ValueError(
-                f"Split {split!r}, column {column!r} holds {value_type or arrow.type} values: token ids must be lists "
-                "of integers (row 0 onward). "
-                f"Cast it (dataset.cast_column({column!r}, datasets.List(datasets.Value('int32')))) or tokenize again."
-            )
-        view = view_of_arrow(arrow)  # table rows, in order: starts are sorted
-        for chunk, base in zip(view.chunks, view.chunk_base[:-1].tolist()):
-            if not chunk.size:
-                continue
-            lo, hi = int(chunk.min()), int(chunk.max())
-            if lo >= 0 and (vocab_size is None or hi < vocab_size):
-                continue
-            bad = chunk < 0
-            if column == "labels":
-                bad &= chunk != IGNORE_INDEX  # the ignored label is the one negative value allowed
-            if vocab_size is not None:
-                bad |= chunk >= vocab_size
-            rows = np.unique(np.searchsorted(view.starts, base + np.flatnonzero(bad), side="right") - 1)
-            if indices is not None:  # table rows to the dataset's rows (rows it does not select are not ours)
-                rows = np.flatnonzero(np.isin(indices, rows))
-            if rows.size:
-                limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-                raise ValueError(
-                    f"Row {int(rows[0])} of split {split!r}, column {column!r} holds a token id outside {limit}"
-                    f"{' (or -100)' if column == 'labels' else ''} ({rows.size} such rows). Token ids must index the "
-                    "tokenizer's vocabulary: re-tokenize with the tokenizer you pass, or pass the one used."
-                )
-
-
-def _check_strings(batch: dict, columns: Sequence[str], indices: Sequence[int], split: str) -> None:
-    for column in columns:
-        for idx, value in zip(indices, batch[column]):
-            if not isinstance(value, str):
-                raise TypeError(
-                    f"Row {idx} of split {split!r}, column {column!r} is {type(value).__name__} ({value!r:.60}), not a string. "
-                    "Clean the dataset (e.g. dataset.filter(lambda r: isinstance(r[col], str))) or cast the column."
-                )
-
-
-def document_frame(tokenizer, add_bos: bool | None = None, add_eos: bool = True) -> tuple[list[int], list[int]]:
-    """The special tokens around every document: ``([bos], [eos])``.
-
-    BOS only where the tokenizer has one that differs from EOS (GPT-2 style tokenizers use one token for both,
-    and packing already separates documents), unless ``add_bos`` says otherwise.
-    """
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    if add_bos is None:
-        add_bos = bos is not None and bos != eos
-    return ([bos] if add_bos and bos is not None else []), ([eos] if add_eos and eos is not None else [])
-
-
-def token_features(kind: str):
-    """The ``datasets.Features`` of tokenized rows: int32 ids (half the disk and page cache of int64)."""
-    import datasets
-
-    sequence = datasets.List if hasattr(datasets, "List") else datasets.Sequence
-    ids = sequence(datasets.Value("int32"))
-    names = ["input_ids"] if kind == "text" else ["prompt_ids", "completion_ids"]
-    return datasets.Features({**{n: ids for n in names}, "length": datasets.Value("int64")})
-
-
-def batch_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
-    """``encode(texts) -> ids per text`` (no special tokens): the tokenizer's ``__call__``, or, for a stock fast
-    tokenizer, its Rust backend's ``encode_batch_fast``, which skips the offsets, token strings and masks that
-    ``__call__`` builds and throws away (about 1.6x faster, and less memory per batch).
-
-    The backend is used only where it must give the same ids: a ``transformers`` fast tokenizer whose encoding
-    methods are not overridden, with no truncation or padding set on the backend; and the first batch is encoded
-    both ways and compared, falling back to ``__call__`` for good on any difference.
-    """
-
-    def call(texts: list[str]) -> list[list[int]]:
-        # Only the ids: an attention mask would be one more Python int per token, thrown away.
-        return tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False,
-                         return_token_type_ids=False)["input_ids"]
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    methods = [getattr(type(tokenizer), name, None) for name in ("__call__", "_encode_plus", "_batch_encode_plus")]
-    stock = all(getattr(m, "__module__", "").startswith("transformers.") for m in methods if m is not None)
-    if (backend is None or not hasattr(backend, "encode_batch_fast") or not getattr(tokenizer, "is_fast", False)
-            or not stock or backend.truncation is not None or backend.padding is not None
-            or getattr(backend, "encode_special_tokens", False) != bool(getattr(tokenizer, "split_special_tokens", False))):
-        return call
-
-    state = {"checked": False, "fast": True}
-
-    def fast(texts: list[str]) -> list[list[int]]:
-        texts = list(texts)
-        if not state["fast"]:
-            return call(texts)
-        ids = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
-        if not state["checked"]:
-            state["checked"] = True
-            state["fast"] = ids == call(texts)
-            if not state["fast"]:
-                return call(texts)
-        return ids
-
-    return fast
-
-
-def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
-                      completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True):
-    """The batched ``datasets.map`` function of ``tokenize_dataset``: ``fn(batch, indices, split) -> columns``."""
-    prefix, suffix = document_frame(tokenizer, add_bos, add_eos)
-    encode = batch_encoder(tokenizer)
-
-    if kind == "text":
-        def fn(batch, indices, split):
-            _check_strings(batch, [text_column], indices, split)
-            ids = [prefix + t + suffix if t else [] for t in encode(batch[text_column])]
-            return {"input_ids": ids, "length": [len(x) for x in ids]}
-    else:
-        def fn(batch, indices, split):
-            _check_strings(batch, [prompt_column, completion_column], indices, split)
-            prompts = [prefix + t for t in encode(batch[prompt_column])]
-            completions = [t + suffix if t else [] for t in encode(batch[completion_column])]
-            return {"prompt_ids": prompts, "completion_ids": completions,
-                    "length": [len(p) + len(c) for p, c in zip(prompts, completions)]}
-    return fn
-
-
-def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
-                     completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
-                     num_proc: int | None = None):
-    """Tokenize every split with ``datasets.map`` (batched, cached by fingerprint).
-
-    Text rows become ``input_ids = [bos] + tokens + [eos]`` (bos only where the tokenizer has one and it differs
-    from eos, unless ``add_bos`` says otherwise), plus a ``length`` column. Prompt/completion rows become
-    ``prompt_ids`` and ``completion_ids`` (the EOS goes at the end of the completion), plus ``length``.
-    Empty documents are kept (length 0 after special tokens are stripped) so that the DataModule can count them.
-    ``token_cache.tokenize_cached`` does the same once per node, cached under a directory of ours.
-    """
-    fn = tokenize_function(tokenizer, kind, text_column, prompt_column, completion_column, add_bos, add_eos)
-
-    import datasets
-
-    return datasets.DatasetDict({
-        split: ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names, num_proc=num_proc,
-                      fn_kwargs={"split": split}, features=token_features(kind), desc=f"Tokenizing {split}")
-        for split, ds in dsd.items()
-    })

@@ -1,0 +1,28 @@
+"""From documents to batches: truncation, bin packing and packed rows (whole-split and streaming), the packing-plan
+cache, samplers, collators, and the strategies (pad, truncate, pack) that choose among them.
+
+The packing names are gathered here: ``from lightning_seqmem.batching import pack_sequences`` (the old
+``lightning_seqmem.packing`` path is this package).
+"""
+
+from __future__ import annotations
+
+from lightning_seqmem._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "best_fit_decreasing": "lightning_seqmem.batching.bin_packing",
+    "exact_fit_patterns": "lightning_seqmem.batching.bin_packing",
+    "pack_bins": "lightning_seqmem.batching.bin_packing",
+    "repack_partial_rows": "lightning_seqmem.batching.bin_packing",
+    "OVERFLOWS": "lightning_seqmem.batching.packed_rows",
+    "PACKINGS": "lightning_seqmem.batching.packed_rows",
+    "PackResult": "lightning_seqmem.batching.packed_rows",
+    "check_packing": "lightning_seqmem.batching.packed_rows",
+    "pack_lengths": "lightning_seqmem.batching.packed_rows",
+    "pack_sequences": "lightning_seqmem.batching.packed_rows",
+    "StreamingPacker": "lightning_seqmem.batching.streaming_packer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

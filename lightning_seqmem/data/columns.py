@@ -1,0 +1,84 @@
+"""What kind of data a dataset holds (its columns), and checks of pre-tokenized ids against a vocabulary."""
+
+from __future__ import annotations
+
+import numpy as np
+
+PRETOKENIZED_KINDS = {"tokens": "text", "prompt_completion_tokens": "prompt_completion"}
+"""Pre-tokenized kinds and the rows they give: ``input_ids`` [+ ``labels``]; ``prompt_ids`` + ``completion_ids``."""
+
+
+def check_columns(dsd, text_column: str = "text", prompt_column: str = "prompt",
+                  completion_column: str = "completion") -> str:
+    """Which kind of data this is: ``"text"``, ``"prompt_completion"``, or pre-tokenized ``"tokens"``
+    (``input_ids``, optionally ``labels``) or ``"prompt_completion_tokens"`` (``prompt_ids``, ``completion_ids``).
+    Token columns win over text columns: a dataset that carries its tokens is used as it is.
+
+    Raises:
+        ValueError: none of these columns exist; the message lists what does.
+    """
+    columns = set(dsd["train"].column_names)
+    if "input_ids" in columns:
+        return "tokens"
+    if {"prompt_ids", "completion_ids"} <= columns:
+        return "prompt_completion_tokens"
+    if text_column in columns:
+        return "text"
+    if {prompt_column, completion_column} <= columns:
+        return "prompt_completion"
+    raise ValueError(
+        f"The dataset has no usable column: expected {text_column!r} (plain text), {prompt_column!r} and "
+        f"{completion_column!r} (prompt/completion), or token ids ('input_ids', or 'prompt_ids' and "
+        f"'completion_ids'); it has {sorted(columns)}. Pass text_column=<name> to SeqMemDataModule, or rename a "
+        "column with dataset.rename_column()."
+    )
+
+
+def check_token_values(ds, kind: str, split: str, vocab_size: int | None = None) -> None:
+    """Pre-tokenized data: every token id an integer in ``[0, vocab_size)`` (labels may also be -100).
+
+    Vectorised: a min/max per Arrow chunk, and only where that fails, the offending row (``searchsorted``).
+
+    Raises:
+        ValueError: a non-integer column, or an out-of-range id; the message names the split, column and row.
+    """
+    import pyarrow as pa
+
+    from lightning_seqmem.batch import IGNORE_INDEX
+    from lightning_seqmem.data.tokens import dataset_indices, view_of_arrow
+
+    columns = ["input_ids", "labels"] if kind == "tokens" else ["prompt_ids", "completion_ids"]
+    indices = dataset_indices(ds)
+    for column in columns:
+        if column not in ds.column_names:
+            continue
+        arrow = ds.data.column(column)
+        value_type = getattr(arrow.type, "value_type", None)
+        if value_type is None or not pa.types.is_integer(value_type):
+            raise ValueError(
+                f"Split {split!r}, column {column!r} holds {value_type or arrow.type} values: token ids must be lists "
+                "of integers (row 0 onward). "
+                f"Cast it (dataset.cast_column({column!r}, datasets.List(datasets.Value('int32')))) or tokenize again."
+            )
+        view = view_of_arrow(arrow)  # table rows, in order: starts are sorted
+        for chunk, base in zip(view.chunks, view.chunk_base[:-1].tolist()):
+            if not chunk.size:
+                continue
+            lo, hi = int(chunk.min()), int(chunk.max())
+            if lo >= 0 and (vocab_size is None or hi < vocab_size):
+                continue
+            bad = chunk < 0
+            if column == "labels":
+                bad &= chunk != IGNORE_INDEX  # the ignored label is the one negative value allowed
+            if vocab_size is not None:
+                bad |= chunk >= vocab_size
+            rows = np.unique(np.searchsorted(view.starts, base + np.flatnonzero(bad), side="right") - 1)
+            if indices is not None:  # table rows to the dataset's rows (rows it does not select are not ours)
+                rows = np.flatnonzero(np.isin(indices, rows))
+            if rows.size:
+                limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise ValueError(
+                    f"Row {int(rows[0])} of split {split!r}, column {column!r} holds a token id outside {limit}"
+                    f"{' (or -100)' if column == 'labels' else ''} ({rows.size} such rows). Token ids must index the "
+                    "tokenizer's vocabulary: re-tokenize with the tokenizer you pass, or pass the one used."
+                )

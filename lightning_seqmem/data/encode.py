@@ -1,0 +1,120 @@
+"""Documents to token ids: the special tokens around a document, the fast batch encoder, the ``datasets.map``
+function that tokenizes a split (``token_cache`` runs it once per node)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+def _check_strings(batch: dict, columns: Sequence[str], indices: Sequence[int], split: str) -> None:
+    for column in columns:
+        for idx, value in zip(indices, batch[column]):
+            if not isinstance(value, str):
+                raise TypeError(
+                    f"Row {idx} of split {split!r}, column {column!r} is {type(value).__name__} ({value!r:.60}), not a string. "
+                    "Clean the dataset (e.g. dataset.filter(lambda r: isinstance(r[col], str))) or cast the column."
+                )
+
+
+def document_frame(tokenizer, add_bos: bool | None = None, add_eos: bool = True) -> tuple[list[int], list[int]]:
+    """The special tokens around every document: ``([bos], [eos])``.
+
+    BOS only where the tokenizer has one that differs from EOS (GPT-2 style tokenizers use one token for both,
+    and packing already separates documents), unless ``add_bos`` says otherwise.
+    """
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if add_bos is None:
+        add_bos = bos is not None and bos != eos
+    return ([bos] if add_bos and bos is not None else []), ([eos] if add_eos and eos is not None else [])
+
+
+def token_features(kind: str):
+    """The ``datasets.Features`` of tokenized rows: int32 ids (half the disk and page cache of int64)."""
+    import datasets
+
+    sequence = datasets.List if hasattr(datasets, "List") else datasets.Sequence
+    ids = sequence(datasets.Value("int32"))
+    names = ["input_ids"] if kind == "text" else ["prompt_ids", "completion_ids"]
+    return datasets.Features({**{n: ids for n in names}, "length": datasets.Value("int64")})
+
+
+def batch_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
+    """``encode(texts) -> ids per text`` (no special tokens): the tokenizer's ``__call__``, or, for a stock fast
+    tokenizer, its Rust backend's ``encode_batch_fast``, which skips the offsets, token strings and masks that
+    ``__call__`` builds and throws away (about 1.6x faster, and less memory per batch).
+
+    The backend is used only where it must give the same ids: a ``transformers`` fast tokenizer whose encoding
+    methods are not overridden, with no truncation or padding set on the backend; and the first batch is encoded
+    both ways and compared, falling back to ``__call__`` for good on any difference.
+    """
+
+    def call(texts: list[str]) -> list[list[int]]:
+        # Only the ids: an attention mask would be one more Python int per token, thrown away.
+        return tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False,
+                         return_token_type_ids=False)["input_ids"]
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    methods = [getattr(type(tokenizer), name, None) for name in ("__call__", "_encode_plus", "_batch_encode_plus")]
+    stock = all(getattr(m, "__module__", "").startswith("transformers.") for m in methods if m is not None)
+    if (backend is None or not hasattr(backend, "encode_batch_fast") or not getattr(tokenizer, "is_fast", False)
+            or not stock or backend.truncation is not None or backend.padding is not None
+            or getattr(backend, "encode_special_tokens", False) != bool(getattr(tokenizer, "split_special_tokens", False))):
+        return call
+
+    state = {"checked": False, "fast": True}
+
+    def fast(texts: list[str]) -> list[list[int]]:
+        texts = list(texts)
+        if not state["fast"]:
+            return call(texts)
+        ids = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        if not state["checked"]:
+            state["checked"] = True
+            state["fast"] = ids == call(texts)
+            if not state["fast"]:
+                return call(texts)
+        return ids
+
+    return fast
+
+
+def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
+                      completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True):
+    """The batched ``datasets.map`` function of ``tokenize_dataset``: ``fn(batch, indices, split) -> columns``."""
+    prefix, suffix = document_frame(tokenizer, add_bos, add_eos)
+    encode = batch_encoder(tokenizer)
+
+    if kind == "text":
+        def fn(batch, indices, split):
+            _check_strings(batch, [text_column], indices, split)
+            ids = [prefix + t + suffix if t else [] for t in encode(batch[text_column])]
+            return {"input_ids": ids, "length": [len(x) for x in ids]}
+    else:
+        def fn(batch, indices, split):
+            _check_strings(batch, [prompt_column, completion_column], indices, split)
+            prompts = [prefix + t for t in encode(batch[prompt_column])]
+            completions = [t + suffix if t else [] for t in encode(batch[completion_column])]
+            return {"prompt_ids": prompts, "completion_ids": completions,
+                    "length": [len(p) + len(c) for p, c in zip(prompts, completions)]}
+    return fn
+
+
+def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
+                     completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
+                     num_proc: int | None = None):
+    """Tokenize every split with ``datasets.map`` (batched, cached by fingerprint).
+
+    Text rows become ``input_ids = [bos] + tokens + [eos]`` (bos only where the tokenizer has one and it differs
+    from eos, unless ``add_bos`` says otherwise), plus a ``length`` column. Prompt/completion rows become
+    ``prompt_ids`` and ``completion_ids`` (the EOS goes at the end of the completion), plus ``length``.
+    Empty documents are kept (length 0 after special tokens are stripped) so that the DataModule can count them.
+    ``token_cache.tokenize_cached`` does the same once per node, cached under a directory of ours.
+    """
+    fn = tokenize_function(tokenizer, kind, text_column, prompt_column, completion_column, add_bos, add_eos)
+
+    import datasets
+
+    return datasets.DatasetDict({
+        split: ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names, num_proc=num_proc,
+                      fn_kwargs={"split": split}, features=token_features(kind), desc=f"Tokenizing {split}")
+        for split, ds in dsd.items()
+    })

@@ -1,0 +1,14 @@
+"""``SeqMemDataModule`` and what it is made of: the settings object, the split pipeline, streaming and resume."""
+
+from __future__ import annotations
+
+from lightning_seqmem._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "SeqMemDataModule": "lightning_seqmem.datamodule.module",
+    "STRATEGIES": "lightning_seqmem.batching.strategies",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
