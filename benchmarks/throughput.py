@@ -12,8 +12,8 @@ token, which is ``pad slots/s`` when both run at the same slots/s.
 Loops (``--device cpu|cuda``): the SAME packed batches (``SeqMemDataModule(strategy="pack")``, materialised once)
 through a bare PyTorch loop (forward, backward, AdamW foreach), the bare loop without ``position_ids`` (one causal
 sequence per row: the attention bound), and ``CausalLM`` + ``Trainer`` (gradient clipping 1.0, token-weighted loss,
-no logger or progress bar) per attention implementation; on CUDA also compiled loops (TRL's SFTTrainer on the same
-documents is not in this table yet). Real (label-bearing) tokens per second over the timed steps (per second of
+no logger or progress bar) per attention implementation, and TRL's SFTTrainer on the same documents, tokenizer and
+model config (packed and padded; ``pip install -e ".[bench]"``); on CUDA also compiled loops. Real (label-bearing) tokens per second over the timed steps (per second of
 wall-clock on CUDA, of process CPU time with one thread on CPU); each loop in a fresh subprocess, loops interleaved over
 ``--repeats`` rounds, the median reported. On CUDA: the 123.5 M Llama of issue 18
 (hidden 768, 12 layers, 12 heads / 3 key-value heads, MLP 2048, vocabulary 32,000), bf16-mixed, rows of 2,048,
@@ -137,6 +137,49 @@ def _ours(args: argparse.Namespace, attn="sdpa", clip=1.0, compiled=False, loss=
     return {"real_tok_s": real / (clock["end"] - clock["start"]), "attn": model.model.config._attn_implementation}
 
 
+def _trl(args: argparse.Namespace, packing: bool = True) -> dict:
+    """TRL's SFTTrainer on the same documents, tokenizer and model config: ``packing=True`` (its best-fit packing,
+    padding-free batches of ``rows`` packed sequences) or padded batches of ``rows`` documents. Real (label) tokens
+    are counted on the batches TRL builds, on the device (no host sync per step)."""
+    import tempfile
+
+    import torch
+    from trl import SFTConfig, SFTTrainer
+
+    from lightning_seqmem import CausalLM, SeqMemDataModule
+    from lightning_seqmem.batch import count_label_tokens
+    from lightning_seqmem.data.sources import load_text_dataset
+
+    device, config, vocab, pad, _, _, cuda = _setup(args)
+    tokenizer = SeqMemDataModule(max_length=args.max_length).tokenizer
+    documents = load_text_dataset("builtin")["train"]
+    model = CausalLM(model_config=_model_config(config), vocab_size=vocab, pad_token_id=pad,
+                     attn_implementation="sdpa").model
+    clock: dict = {"steps": 0, "real": torch.zeros((), dtype=torch.long, device=device)}
+
+    class Timed(SFTTrainer):
+        def training_step(self, model, inputs, *rest, **kwargs):
+            if clock["steps"] == args.warmup:
+                _sync(device)
+                clock["start"] = _clock(device)()
+            if clock["steps"] >= args.warmup:
+                clock["real"] += count_label_tokens(inputs)
+            clock["steps"] += 1
+            return super().training_step(model, inputs, *rest, **kwargs)
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = SFTConfig(output_dir=out, max_length=args.max_length, packing=packing,
+                        per_device_train_batch_size=args.rows, max_steps=args.warmup + args.steps, learning_rate=1e-4,
+                        lr_scheduler_type="constant", max_grad_norm=1.0, bf16=cuda, use_cpu=not cuda,
+                        gradient_checkpointing=False, logging_strategy="no", save_strategy="no", report_to="none",
+                        disable_tqdm=True, dataloader_num_workers=0, seed=0)
+        trainer = Timed(model=model, args=cfg, train_dataset=documents, processing_class=tokenizer)
+        trainer.train()
+        _sync(device)
+        end = _clock(device)()
+    return {"real_tok_s": int(clock["real"]) / (end - clock["start"])}
+
+
 # name: (what, CUDA only, the loop, its arguments)
 LOOPS = {
     "bare": ("bare PyTorch loop (forward, backward, AdamW foreach), SDPA, packed rows", False, _bare, {}),
@@ -154,6 +197,8 @@ LOOPS = {
     "ours_compiled": ("CausalLM(compile=True) + Trainer, SDPA", True, _ours, dict(compiled=True)),
     "ours_varlen_compiled": ("CausalLM(compile=True) + Trainer, torch_varlen", True, _ours,
                              dict(attn="torch_varlen", compiled=True)),
+    "trl_packed": ("TRL SFTTrainer, packing=True (best-fit, padding-free), SDPA, same documents", False, _trl, {}),
+    "trl_padded": ("TRL SFTTrainer, padded batches, SDPA, same documents", False, _trl, dict(packing=False)),
 }
 
 
