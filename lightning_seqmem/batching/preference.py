@@ -1,0 +1,346 @@
+"""Preference pairs (prompt, chosen, rejected): TRL's DPO truncation on lengths, the checks, the padded collator.
+
+Truncation as TRL's guide to reducing memory describes it, in two stages: the prompt keeps its end
+(``max_prompt_length``) and each completion keeps its start (``max_completion_length``); then each sequence
+(prompt + completion) is cut to ``max_length`` as TRL 1.16's ``DataCollatorForPreference`` cuts it:
+``keep_start`` keeps its first ``max_length`` tokens (the completion's end goes first), ``keep_end`` its last
+``max_length`` tokens (the prompt's start goes first, then the completion's start). Under ``keep_end`` the chosen
+and the rejected sequence of one pair may keep different parts of the prompt, so spans are per side.
+
+Everything is computed on lengths with numpy (:func:`preference_spans`) and counted at dataset level
+(:meth:`PairSpans.dropped`); the collators apply the same spans to the tokens and count nothing (they run in
+dataloader workers). Sequence order in a batch is TRL's: the chosen sequences of pairs ``0..P-1``, then the rejected
+ones, so per-sequence values ``chunk(2)`` into chosen and rejected.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_seqmem.batch import IGNORE_INDEX
+from lightning_seqmem.batching.collate import PadCollator, _fill
+from lightning_seqmem.batching.truncation import check_max_length
+
+CHOSEN, REJECTED = 0, 1
+"""Index of each side on the first axis of the ``[2, rows]`` arrays of :class:`PairSpans`."""
+
+PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+"""Keys of a tokenized pair (TRL's names)."""
+
+REF_LOGPS_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+"""Optional precomputed reference log-probabilities of a pair, passed through as ``[pairs]`` tensors (as TRL)."""
+
+COMPLETION_MASK = "completion_mask"
+"""Key of the ``[batch, seq]`` mask of completion tokens (1) against prompt and padding (0)."""
+
+SEQUENCE_INDEX = "sequence_index"
+"""Key of packed pair batches: ``[batch, seq]`` index of each token's sequence in the batch, -1 on padding."""
+
+PREFERENCE_PAD_KEYS = ("input_ids", "attention_mask", COMPLETION_MASK, "labels")
+"""Keys of a padded pair batch (TRL's three, plus this project's unshifted ``labels``, -100 off the completions)."""
+
+TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+@dataclass(frozen=True)
+class PreferenceLimits:
+    """Validated limits for preference pairs (TRL's names and meanings).
+
+    Args:
+        max_length: limit on each sequence, prompt + completion; ``None`` for none.
+        max_prompt_length: prompt limit; the END of the prompt is kept (the question sits next to the answers).
+        max_completion_length: limit on each completion; its START is kept.
+        truncation_mode: how ``max_length`` cuts a sequence: ``"keep_start"`` keeps its first ``max_length``
+            tokens, ``"keep_end"`` its last (TRL deprecates ``keep_end``; kept for parity).
+
+    Raises:
+        ValueError: a limit below its minimum, an unknown mode, or ``max_prompt_length >= max_length`` (a prompt at
+            its limit would leave no room for a completion).
+    """
+
+    max_length: int | None
+    max_prompt_length: int | None = None
+    max_completion_length: int | None = None
+    truncation_mode: str = "keep_start"
+
+    def __post_init__(self) -> None:
+        check_max_length(self.max_length)
+        if self.truncation_mode not in TRUNCATION_MODES:
+            raise ValueError(f"truncation_mode={self.truncation_mode!r} is not valid; use one of {TRUNCATION_MODES}.")
+        for name in ("max_prompt_length", "max_completion_length"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 (or None for no limit).")
+        if self.max_length is not None and self.max_prompt_length is not None \
+                and self.max_prompt_length >= self.max_length:
+            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) >= max_length ({self.max_length}) leaves "
+                             "no room for a completion: lower max_prompt_length or raise max_length.")
+
+
+def sequence_spans(prompt_lengths: np.ndarray, completion_lengths: np.ndarray, max_length: int | None,
+                   truncation_mode: str = "keep_start") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What ``max_length`` keeps of each prompt + completion sequence, as TRL's collator slices it.
+
+    Args:
+        prompt_lengths, completion_lengths: ``[n]`` token counts.
+        max_length: the limit; ``None`` keeps everything.
+        truncation_mode: ``"keep_start"`` (slice ``[:max_length]``) or ``"keep_end"`` (slice ``[-max_length:]``).
+
+    Returns:
+        ``(prompt_start, prompt_kept, completion_start, completion_kept)``, ``[n]`` each: a sequence keeps prompt
+        tokens ``prompt_start : prompt_start + prompt_kept`` and likewise for its completion.
+
+    Example::
+
+        >>> [a.tolist() for a in sequence_spans(np.array([4]), np.array([3]), 5, "keep_end")]
+        [[2], [2], [0], [3]]
+    """
+    p = np.asarray(prompt_lengths, dtype=np.int64)
+    c = np.asarray(completion_lengths, dtype=np.int64)
+    zero = np.zeros_like(p)
+    if max_length is None:
+        return zero, p, zero.copy(), c
+    if truncation_mode == "keep_start":
+        p_kept = np.minimum(p, max_length)
+        return zero, p_kept, zero.copy(), np.minimum(c, max_length - p_kept)
+    c_kept = np.minimum(c, max_length)
+    p_kept = np.minimum(p, max_length - c_kept)
+    return p - p_kept, p_kept, c - c_kept, c_kept
+
+
+def _rows(mask: np.ndarray, first_row: int, shown: int = 3) -> str:
+    """``"rows 4, 9, 12 (+2 more)"`` for the ``True`` places of ``mask``."""
+    rows = np.flatnonzero(mask) + first_row
+    more = f" (+{len(rows) - shown} more)" if len(rows) > shown else ""
+    return f"row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows[:shown].tolist()))}{more}"
+
+
+@dataclass(frozen=True)
+class PairSpans:
+    """What truncation keeps of every pair, on lengths: ``[2, rows]`` arrays (side :data:`CHOSEN`, :data:`REJECTED`).
+
+    Positions are in the original tokens: side ``s`` of pair ``i`` keeps prompt tokens ``prompt_start[s, i] :
+    prompt_start[s, i] + prompt_kept[s, i]`` and completion tokens ``completion_start[s, i] : ... +
+    completion_kept[s, i]``.
+    """
+
+    prompt_lengths: np.ndarray  # [rows]
+    completion_lengths: np.ndarray  # [2, rows]
+    prompt_start: np.ndarray
+    prompt_kept: np.ndarray
+    completion_start: np.ndarray
+    completion_kept: np.ndarray
+    identical: np.ndarray | None = None  # [rows] chosen == rejected, where known
+
+    @property
+    def lost(self) -> np.ndarray:
+        """``[rows]`` bool: pairs that lost a whole completion to truncation (no signal left: drop them)."""
+        return (self.completion_kept == 0).any(axis=0)
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        """``[2, rows]`` tokens of each sequence after truncation."""
+        return self.prompt_kept + self.completion_kept
+
+    @property
+    def pair_lengths(self) -> np.ndarray:
+        """``[rows]`` tokens of both sequences of each pair: the item a packed row takes."""
+        return self.sequence_lengths.sum(axis=0)
+
+    def dropped(self) -> dict[str, int]:
+        """Counts for ``stats()``: tokens cut from prompts (both sequences' copies), chosen and rejected
+        completions; pairs that lost a completion; pairs with chosen == rejected."""
+        return {
+            "prompt_tokens_truncated": int((self.prompt_lengths - self.prompt_kept).sum()),
+            "chosen_tokens_truncated": int((self.completion_lengths[CHOSEN] - self.completion_kept[CHOSEN]).sum()),
+            "rejected_tokens_truncated": int(
+                (self.completion_lengths[REJECTED] - self.completion_kept[REJECTED]).sum()),
+            "pairs_lost_completion": int(self.lost.sum()),
+            "pairs_identical": int(self.identical.sum()) if self.identical is not None else 0,
+        }
+
+
+def preference_spans(prompt_lengths: np.ndarray, chosen_lengths: np.ndarray, rejected_lengths: np.ndarray,
+                     limits: PreferenceLimits, first_row: int = 0) -> PairSpans:
+    """Both truncation stages for every pair at once, on lengths only (numpy, no tokens touched).
+
+    Args:
+        prompt_lengths, chosen_lengths, rejected_lengths: ``[rows]`` token counts.
+        limits: the limits.
+        first_row: dataset index of the first row, for error messages.
+
+    Raises:
+        ValueError: an empty completion, or a prompt longer than ``max_length`` on its own (after
+            ``max_prompt_length``), naming the rows.
+
+    Example::
+
+        >>> lim = PreferenceLimits(max_length=6, max_prompt_length=3, max_completion_length=4)
+        >>> spans = preference_spans(np.array([5]), np.array([5]), np.array([2]), lim)
+        >>> spans.sequence_lengths.tolist(), spans.prompt_start.tolist()
+        ([[6], [5]], [[2], [2]])
+    """
+    p = np.asarray(prompt_lengths, dtype=np.int64)
+    c = np.stack([np.asarray(chosen_lengths, dtype=np.int64), np.asarray(rejected_lengths, dtype=np.int64)])
+    for side, name in ((CHOSEN, "chosen"), (REJECTED, "rejected")):
+        if (c[side] == 0).any():
+            raise ValueError(f"{_rows(c[side] == 0, first_row)}: empty {name} completion; a pair needs both "
+                             "completions (drop such rows from the dataset).")
+    p1 = p if limits.max_prompt_length is None else np.minimum(p, limits.max_prompt_length)
+    if limits.max_length is not None and (p1 > limits.max_length).any():
+        raise ValueError(f"{_rows(p1 > limits.max_length, first_row)}: the prompt alone is longer than max_length="
+                         f"{limits.max_length}; set max_prompt_length below max_length or drop these rows.")
+    c1 = c if limits.max_completion_length is None else np.minimum(c, limits.max_completion_length)
+    p_start, p_kept, c_start, c_kept = sequence_spans(np.broadcast_to(p1, c1.shape), c1, limits.max_length,
+                                                      limits.truncation_mode)
+    return PairSpans(prompt_lengths=p, completion_lengths=c, prompt_start=p_start + (p - p1), prompt_kept=p_kept,
+                     completion_start=c_start, completion_kept=c_kept)
+
+
+def identical_completions(chosen_flat: np.ndarray, chosen_offsets: np.ndarray, rejected_flat: np.ndarray,
+                          rejected_offsets: np.ndarray) -> np.ndarray:
+    """``[rows]`` bool: chosen == rejected, on flat token arrays and ``[rows + 1]`` offsets (Arrow's layout).
+
+    Only rows of equal lengths are compared, token by token in one vectorised pass.
+    """
+    c_len, r_len = np.diff(chosen_offsets), np.diff(rejected_offsets)
+    same = np.flatnonzero(c_len == r_len)
+    lengths = c_len[same]
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    differs = chosen_flat[np.repeat(chosen_offsets[same], lengths) + within] != \
+        rejected_flat[np.repeat(rejected_offsets[same], lengths) + within]
+    out = np.zeros(len(c_len), dtype=bool)
+    out[same] = np.bincount(np.repeat(np.arange(len(same)), lengths), weights=differs, minlength=len(same)) == 0
+    return out
+
+
+def _flat(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    flat = np.concatenate(rows) if len(rows) else np.zeros(0, np.int64)
+    return flat, np.concatenate([[0], np.cumsum(lengths)])
+
+
+def pair_tokens(examples: Sequence[Mapping[str, Any]], first_row: int = 0) -> list[list[np.ndarray]]:
+    """``[prompts, chosen, rejected]``: the token arrays of every pair, checked.
+
+    Raises:
+        ValueError: a pair missing ``chosen_ids`` or ``rejected_ids`` (a missing prompt is an empty one), naming
+            the row.
+    """
+    out: list[list[np.ndarray]] = [[], [], []]
+    for i, ex in enumerate(examples):
+        for j, key in enumerate(PAIR_COLUMNS):
+            ids = ex.get(key)
+            if ids is None and j:
+                raise ValueError(f"row {first_row + i}: the pair has no {key!r} (keys: {sorted(ex)}); every pair "
+                                 f"needs {PAIR_COLUMNS[1]!r} and {PAIR_COLUMNS[2]!r}.")
+            out[j].append(np.asarray(ids if ids is not None else [], dtype=np.int64))
+    return out
+
+
+def check_pairs(examples: Sequence[Mapping[str, Any]], limits: PreferenceLimits, first_row: int = 0) -> PairSpans:
+    """Check a dataset's pairs and plan their truncation; warn about identical pairs and pairs that lose a
+    completion (both counted in :meth:`PairSpans.dropped`; drop ``spans.lost`` before batching).
+
+    Raises:
+        ValueError: as :func:`pair_tokens` and :func:`preference_spans`, naming the row.
+    """
+    prompts, chosen, rejected = pair_tokens(examples, first_row)
+    lengths = [np.fromiter(map(len, side), dtype=np.int64, count=len(side)) for side in (prompts, chosen, rejected)]
+    spans = preference_spans(*lengths, limits, first_row=first_row)
+    identical = identical_completions(*_flat(chosen), *_flat(rejected))
+    spans = replace(spans, identical=identical)
+    if identical.any():
+        warnings.warn(f"{int(identical.sum())} pair(s) with chosen == rejected ({_rows(identical, first_row)}): "
+                      "no preference signal in them.", stacklevel=2)
+    if spans.lost.any():
+        warnings.warn(f"{int(spans.lost.sum())} pair(s) lose a whole completion to truncation "
+                      f"({_rows(spans.lost, first_row)}): drop them (PairSpans.lost) or raise max_length.",
+                      stacklevel=2)
+    return spans
+
+
+def pair_sequences(examples: Sequence[Mapping[str, Any]], limits: PreferenceLimits
+                   ) -> tuple[list[np.ndarray], np.ndarray]:
+    """The ``2 * pairs`` truncated sequences of a batch in TRL's order (chosen ``0..P-1``, then rejected) and the
+    number of prompt tokens each keeps.
+
+    Raises:
+        ValueError: bad pairs (:func:`pair_tokens`, :func:`preference_spans`), or a pair that lost a completion
+            (it would be kept silently with no signal: drop ``PairSpans.lost`` at dataset level).
+    """
+    prompts, chosen, rejected = pair_tokens(examples)
+    lengths = [np.fromiter(map(len, side), dtype=np.int64, count=len(side)) for side in (prompts, chosen, rejected)]
+    spans = preference_spans(*lengths, limits)
+    if spans.lost.any():
+        raise ValueError(f"{_rows(spans.lost, 0)} of the batch lost a whole completion to truncation; drop such "
+                         "pairs before batching (check_pairs(...).lost).")
+    sequences = []
+    for side, completions in ((CHOSEN, chosen), (REJECTED, rejected)):
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            ps, cs = spans.prompt_start[side, i], spans.completion_start[side, i]
+            sequences.append(np.concatenate([prompt[ps : ps + spans.prompt_kept[side, i]],
+                                             completion[cs : cs + spans.completion_kept[side, i]]]))
+    return sequences, spans.prompt_kept.reshape(-1)
+
+
+def ref_logps(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """The precomputed reference log-probabilities the examples carry, as ``[pairs]`` tensors (TRL's keys)."""
+    return {key: torch.tensor([float(ex[key]) for ex in examples]) for key in REF_LOGPS_KEYS
+            if examples and key in examples[0]}
+
+
+class PreferenceCollator:
+    """Pairs to TRL's padded layout: ``[2B, L]`` rows, the chosen sequences first, then the rejected ones.
+
+    Args:
+        pad_token_id: id written into padding slots.
+        limits: truncation (:class:`PreferenceLimits`); with only ``max_length`` and ``truncation_mode`` the batch
+            equals TRL's ``DataCollatorForPreference(pad_token_id, max_length, truncation_mode,
+            pad_to_multiple_of)``.
+        pad_to_multiple_of: round ``L`` up to a multiple of this, never past ``max_length`` (TRL's may pass it).
+        pad_to_max_length: always ``L = max_length``, so the allocator reuses the same blocks.
+        return_labels: add ``labels`` (the tokens on completions, -100 elsewhere; the batch contract's key). Leave
+            it off for code that passes its own ``labels`` to the model (TRL's loss does).
+
+    Each example is ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (lists or arrays), optionally with
+    ``ref_chosen_logps`` and ``ref_rejected_logps`` (returned as ``[B]`` tensors). Returns ``input_ids``,
+    ``attention_mask``, ``completion_mask`` (and ``labels``), ``LongTensor[2B, L]``.
+
+    Example::
+
+        >>> out = PreferenceCollator(0, PreferenceLimits(None), pad_to_multiple_of=None)(
+        ...     [{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5]}])
+        >>> out["input_ids"].tolist(), out["completion_mask"].tolist()
+        ([[1, 2, 3, 0], [1, 2, 4, 5]], [[0, 0, 1, 0], [0, 0, 1, 1]])
+    """
+
+    def __init__(self, pad_token_id: int, limits: PreferenceLimits, pad_to_multiple_of: int | None = 8,
+                 pad_to_max_length: bool = False, return_labels: bool = True) -> None:
+        # The padded length follows the same rule as every other padded batch: PadCollator owns it.
+        self._pad = PadCollator(pad_token_id, max_length=limits.max_length, pad_to_multiple_of=pad_to_multiple_of,
+                                pad_to_max_length=pad_to_max_length)
+        self.limits = limits
+        self.return_labels = return_labels
+
+    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        sequences, prompt_kept = pair_sequences(examples, self.limits)
+        lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+        length = self._pad.padded_length(int(lengths.max(initial=1)))
+        input_ids = np.full((len(sequences), length), self._pad.pad_token_id, dtype=np.int64)
+        _fill(sequences, lengths, input_ids)
+        slots = np.arange(length)
+        attention_mask = slots < lengths[:, None]
+        completion_mask = attention_mask & (slots >= prompt_kept[:, None])
+        out = {"input_ids": torch.from_numpy(input_ids),
+               "attention_mask": torch.from_numpy(attention_mask.astype(np.int64)),
+               COMPLETION_MASK: torch.from_numpy(completion_mask.astype(np.int64))}
+        if self.return_labels:
+            out["labels"] = torch.from_numpy(np.where(completion_mask, input_ids, IGNORE_INDEX))
+        return {**out, **ref_logps(examples)}

@@ -1,0 +1,93 @@
+"""Per-pair completion log-probabilities and the sigmoid DPO loss, for padded and packed pair batches alike.
+
+A padded pair batch (``batching.preference.PreferenceCollator``, TRL's layout) holds one sequence per row, the
+chosen rows first; a packed one (``batching.pair_packing.PackedPairCollator``) holds several per row and says which
+with ``sequence_index``, numbered like the padded rows. Either way :func:`sequence_logps` sums each sequence's
+completion log-probabilities and splits them into chosen and rejected, so one loss serves both layouts.
+
+Torch only. The two key names below are owned by ``batching.preference`` (``COMPLETION_MASK``, ``SEQUENCE_INDEX``);
+training may not import batching (same floor), so they are repeated here until they move to the batch contract.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+_COMPLETION_MASK, _SEQUENCE_INDEX = "completion_mask", "sequence_index"
+
+
+def token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq - 1]`` log-probability of each next token: slot ``t`` scores ``input_ids[:, t + 1]``.
+
+    In fp32 whatever the logits' dtype (a sum over hundreds of tokens in bf16 loses the difference DPO needs).
+    """
+    rows, length, vocab = logits.shape
+    nll = F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), input_ids[:, 1:].reshape(-1), reduction="none")
+    return -nll.view(rows, length - 1)
+
+
+def sequence_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of each sequence's completion log-probabilities, split into ``(chosen, rejected)``, ``[pairs]`` each.
+
+    Args:
+        logits: ``[batch, seq, vocab]`` the model's output on ``batch``.
+        batch: a padded pair batch (``input_ids``, ``completion_mask``; rows ``0..P-1`` chosen, ``P..2P-1``
+            rejected) or a packed one (with ``sequence_index``: one host sync, for the number of sequences).
+
+    Example::
+
+        chosen, rejected = sequence_logps(model(**model_inputs).logits, batch)
+    """
+    mask = batch[_COMPLETION_MASK][:, 1:].bool()
+    per_token = token_logps(logits, batch["input_ids"]).masked_fill(~mask, 0.0)
+    if _SEQUENCE_INDEX not in batch:
+        sums = per_token.sum(dim=1)
+    else:
+        index = batch[_SEQUENCE_INDEX]
+        sequences = int(index.max()) + 1
+        # Padding (-1) lands on sequence 0 with a zero weight: its slots are masked above.
+        sums = per_token.new_zeros(sequences).index_add_(0, index[:, 1:].clamp(min=0).reshape(-1),
+                                                         per_token.reshape(-1))
+    if sums.numel() % 2:
+        raise ValueError(f"{sums.numel()} sequences in a pair batch: expected chosen and rejected for every pair.")
+    chosen, rejected = sums.chunk(2)
+    return chosen, rejected
+
+
+class DPOLoss(NamedTuple):
+    """Per-pair outputs of :func:`dpo_loss`, ``[pairs]`` each; rewards are detached (for logging)."""
+
+    losses: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float = 0.1, label_smoothing: float = 0.0) -> DPOLoss:
+    """The sigmoid DPO loss: ``-log σ(β ((π_c - ref_c) - (π_r - ref_r)))`` per pair (TRL's ``loss_type="sigmoid"``).
+
+    Args:
+        policy_chosen, policy_rejected, ref_chosen, ref_rejected: ``[pairs]`` sequence log-probabilities
+            (:func:`sequence_logps`; the reference ones without gradient).
+        beta: the inverse temperature; larger keeps the policy closer to the reference.
+        label_smoothing: the assumed share of flipped labels (conservative DPO), in ``[0, 0.5)``.
+
+    Raises:
+        ValueError: ``beta <= 0`` or ``label_smoothing`` outside ``[0, 0.5)``.
+
+    Example::
+
+        out = dpo_loss(*sequence_logps(logits, batch), batch["ref_chosen_logps"], batch["ref_rejected_logps"])
+        out.losses.mean().backward()
+    """
+    if beta <= 0:
+        raise ValueError(f"beta={beta} must be > 0.")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 0.5).")
+    chosen_ratio, rejected_ratio = policy_chosen - ref_chosen, policy_rejected - ref_rejected
+    margin = beta * (chosen_ratio - rejected_ratio)
+    losses = -(1 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
+    return DPOLoss(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
