@@ -1,0 +1,154 @@
+"""Chat templates: the built-in ChatML-style template, finding a tokenizer's template, rendering and tokenizing.
+
+Rendering goes through transformers' own Jinja renderer (``render_jinja_template``, the one
+``apply_chat_template`` calls) with the tokenizer's special tokens as template variables, so the text is the one
+``apply_chat_template`` and TRL produce; tokenizing the text once with character offsets lets every turn boundary
+and ``{% generation %}`` span be mapped to token indices without tokenizing again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import warnings
+from typing import Any
+
+import numpy as np
+
+BUILTIN_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- bos_token + message['role'] + '\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- generation -%}{{- message['content'] + eos_token -}}{%- endgeneration -%}"
+    "{%- else -%}"
+    "{{- message['content'] + eos_token -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- bos_token + 'assistant\n' -}}{%- endif -%}"
+)
+"""ChatML's layout (``<turn start>role\\ncontent<turn end>``) spelled with the tokenizer's own ``bos_token`` and
+``eos_token``, so the built-in tokenizer needs no new tokens (and the model no new embeddings). The assistant's
+content and its closing EOS sit inside ``{% generation %}``: the model is trained to stop. Set it with
+``tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE``."""
+
+MARKERS = "generation_markers"
+"""Mask method: the template's ``{% generation %}`` blocks say which tokens the assistant wrote."""
+PREFIX_DIFFERENCE = "prefix_difference"
+"""Mask method for templates without markers: a turn's tokens are what its message adds to the rendered prefix."""
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_warned_templates: set[str] = set()
+
+
+def has_generation_markers(template: str) -> bool:
+    """Whether ``template`` has ``{% generation %}`` blocks (whitespace-trim variants included)."""
+    return _GENERATION_TAG.search(template) is not None
+
+
+def chat_template_of(tokenizer: Any) -> str:
+    """The tokenizer's chat template as one string (the ``"default"`` one of a dict of named templates).
+
+    Raises:
+        ValueError: the tokenizer has no chat template; the message says how to set one.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not template:
+        raise ValueError(
+            f"Tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} has no chat template, "
+            "so conversations (a 'messages' column) cannot be rendered. Set one before passing it: "
+            "tokenizer.chat_template = '<jinja template>' (for the built-in tokenizer: tokenizer.chat_template = "
+            "lightning_seqmem.data.chat_template.BUILTIN_CHAT_TEMPLATE), or load the tokenizer of an instruct model."
+        )
+    return template
+
+
+def template_fingerprint(template: str) -> str:
+    """SHA-256 of the template text: part of the token-cache key, since a new template means new tokens."""
+    return hashlib.sha256(template.encode("utf-8")).hexdigest()
+
+
+def mask_method(template: str) -> str:
+    """Which mask method a template gets: :data:`MARKERS` or :data:`PREFIX_DIFFERENCE`, said once per template
+    (a ``UserWarning``) for the fallback."""
+    if has_generation_markers(template):
+        return MARKERS
+    key = template_fingerprint(template)
+    if key not in _warned_templates:
+        _warned_templates.add(key)
+        warnings.warn(
+            "The chat template has no {% generation %} markers: the trained tokens of each turn are found by "
+            "rendering growing prefixes of every conversation and taking the difference (checked on each "
+            "conversation: a template that renders an earlier turn differently depending on what follows is "
+            "refused). Add {% generation %}...{% endgeneration %} around the assistant's output to use the markers.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return PREFIX_DIFFERENCE
+
+
+class ChatRenderer:
+    """A tokenizer and its chat template, ready to render conversations and map characters to tokens.
+
+    Args:
+        tokenizer: a fast Hugging Face tokenizer (offsets are needed) with a chat template.
+
+    Raises:
+        ValueError: no chat template, or a tokenizer that cannot return offsets (a slow, Python one).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.template = chat_template_of(tokenizer)
+        self.method = mask_method(self.template)
+        if not getattr(tokenizer, "is_fast", True):
+            raise ValueError(
+                f"Tokenizer {type(tokenizer).__name__} is a slow (Python) tokenizer: conversations need character "
+                "offsets. Load the fast one (AutoTokenizer.from_pretrained(..., use_fast=True))."
+            )
+        self._variables = dict(tokenizer.special_tokens_map)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
+        """Render one conversation as ``apply_chat_template(tokenize=False)`` does (``None`` values dropped).
+
+        Returns:
+            ``(text, generation_spans)``: the character spans of the ``{% generation %}`` blocks (empty without
+            markers).
+        """
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        texts, spans = render_jinja_template(
+            conversations=[conversation],
+            chat_template=self.template,
+            return_assistant_tokens_mask=self.method == MARKERS,
+            add_generation_prompt=add_generation_prompt,
+            **self._variables,
+        )
+        return texts[0], [tuple(s) for s in spans[0]] if spans else []
+
+    def try_render(self, messages: list[dict], add_generation_prompt: bool = False) -> str | None:
+        """The rendered text, or ``None`` where the template refuses this (partial) conversation."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.render(messages, add_generation_prompt)[0]
+        except (TemplateError, IndexError, KeyError, TypeError, ValueError):
+            return None
+
+    def tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``input_ids`` (int32) of ``text`` as ``apply_chat_template`` tokenizes it (no special tokens added),
+        and the character end of each token (int64), to map characters to tokens with ``searchsorted``."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int32)
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        # Offsets of the pieces after a trimmed or unmapped character can step back to 0: keep ends non-decreasing.
+        ends = np.maximum.accumulate(offsets[:, 1]) if len(offsets) else offsets[:, 1]
+        return ids, ends
+
+
+def char_to_token(ends: np.ndarray, char: int) -> int:
+    """Index of the token that holds character ``char`` (the next token where that character is not mapped);
+    ``len(ends)`` past the end."""
+    return int(np.searchsorted(ends, char, side="right"))

@@ -1,0 +1,319 @@
+"""Conversations: ``messages`` rows checked, rendered with the chat template, masked per turn, truncated by turns.
+
+Pure functions on token lists and numpy arrays; no Lightning import. One conversation becomes an
+:class:`EncodedConversation`: its ``input_ids``, the token ranges that carry loss (``label_spans``) and where each
+turn ends (``turn_ends``), which is all truncation needs. Which tokens carry loss comes from the template's
+``{% generation %}`` markers where it has them, else from rendering growing prefixes and taking the difference,
+checked on every conversation (a template that rewrites an earlier turn once later turns follow is refused, never
+trained on a wrong mask). The tokens that close an assistant turn belong to that turn, so they are trained.
+Truncation by turns lives in :mod:`lightning_seqmem.data.chat_truncation`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_seqmem.data.chat_template import MARKERS, ChatRenderer, char_to_token
+from lightning_seqmem.messages import short_repr
+
+ROLES = ("system", "user", "assistant", "tool")
+TRAIN_ON = ("assistant", "last_assistant", "all")
+ON_EMPTY_LABELS = ("drop", "keep", "error")
+MESSAGES_COLUMN = "messages"
+DEFAULT_TRAIN_FIELD = "train"
+"""Per-message boolean that overrides ``train_on`` for that one turn."""
+
+
+def check_conversation(messages, row, train_field: str | None = DEFAULT_TRAIN_FIELD) -> None:
+    """A conversation is a non-empty list of ``{"role", "content"}`` turns with a known role.
+
+    Args:
+        messages: the turns of one conversation.
+        row: what names the conversation in errors (its row index).
+        train_field: the per-message override field; when present it must be a boolean.
+
+    Raises:
+        ValueError: an empty conversation, a turn that is not a mapping, without ``role`` or ``content``, with an
+            unknown role or a non-boolean override; the message names the row and the turn.
+    """
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or len(messages) == 0:
+        raise ValueError(
+            f"Conversation {row} is empty or not a list of turns ({short_repr(messages)}): each 'messages' row must "
+            "be a list of {'role': ..., 'content': ...} dicts; remove empty conversations from the data."
+        )
+    for turn, message in enumerate(messages):
+        where = f"Conversation {row}, turn {turn}"
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{where} is {short_repr(message)}, not a {{'role', 'content'}} dict.")
+        missing = [key for key in ("role", "content") if key not in message]
+        # An assistant turn that only calls tools may carry content=None (OpenAI's format).
+        if missing and not (missing == ["content"] and message.get("tool_calls")):
+            raise ValueError(
+                f"{where} has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(message)}): every turn needs "
+                "'role' and 'content'; rename the keys (e.g. 'from'/'value' -> 'role'/'content') before passing it."
+            )
+        if message["role"] not in ROLES:
+            raise ValueError(
+                f"{where} has role {short_repr(message['role'])}; use one of {ROLES} (map e.g. 'human' -> 'user', "
+                "'gpt' -> 'assistant')."
+            )
+        flag = message.get(train_field) if train_field else None
+        if flag is not None and not isinstance(flag, (bool, np.bool_)):
+            raise ValueError(f"{where}: {train_field!r} is {short_repr(flag)}; it must be true, false or absent.")
+
+
+def check_conversation_columns(columns: Iterable[str], messages_column: str = MESSAGES_COLUMN,
+                               other_columns: Sequence[str] = ("text", "prompt", "completion")) -> bool:
+    """Whether the data is conversations (it has ``messages_column``).
+
+    Raises:
+        ValueError: ``messages`` next to a text or prompt/completion column: which one to train on is ambiguous.
+    """
+    columns = set(columns)
+    if messages_column not in columns:
+        return False
+    clash = sorted(columns & set(other_columns))
+    if clash:
+        raise ValueError(
+            f"The dataset has a {messages_column!r} column (conversations) and {clash}: train on one kind of data. "
+            f"Remove the other with dataset.remove_columns({clash}) or dataset.remove_columns({messages_column!r})."
+        )
+    return True
+
+
+@dataclass(frozen=True)
+class ConversationSettings:
+    """How conversations become training tokens.
+
+    Args:
+        train_on: ``"assistant"`` (every assistant turn, its content and the tokens that close it),
+            ``"last_assistant"`` (the last one only) or ``"all"`` (every token).
+        train_field: per-message boolean that overrides ``train_on`` for that turn (``None``: no override).
+        on_empty_labels: a conversation with no trained token is ``"drop"``-ped (and counted), ``"keep"``-t
+            (it adds no loss) or an ``"error"``.
+        max_length: longest conversation kept, truncated by turns (``chat_truncation.truncate_turns``); ``None`` for none.
+    """
+
+    train_on: str = "assistant"
+    train_field: str | None = DEFAULT_TRAIN_FIELD
+    on_empty_labels: str = "drop"
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        from lightning_seqmem.batching.truncation import check_max_length
+
+        if self.train_on not in TRAIN_ON:
+            raise ValueError(f"train_on={self.train_on!r} is not valid; use one of {TRAIN_ON}.")
+        if self.on_empty_labels not in ON_EMPTY_LABELS:
+            raise ValueError(f"on_empty_labels={self.on_empty_labels!r} is not valid; use one of {ON_EMPTY_LABELS}.")
+        check_max_length(self.max_length)
+
+
+@dataclass(frozen=True)
+class EncodedConversation:
+    """One conversation as tokens.
+
+    Attributes:
+        input_ids: ``[tokens]`` int32.
+        label_spans: ``[spans, 2]`` int32, sorted, disjoint ``[start, end)`` token ranges that carry loss.
+        turn_ends: ``[turns]`` int32, the token end of each turn (the last is ``len(input_ids)``). A leading
+            preamble the template writes before any message (a BOS, a default system prompt) is a turn of its own;
+            turns a template cannot render apart are merged into one.
+        keep_turns: leading turns truncation never drops (the preamble and the system message).
+        num_truncated: tokens dropped by truncation.
+    """
+
+    input_ids: np.ndarray
+    label_spans: np.ndarray
+    turn_ends: np.ndarray
+    keep_turns: int = 0
+    num_truncated: int = 0
+
+    @property
+    def num_trained(self) -> int:
+        """Tokens that carry loss (0: nothing to learn from this conversation)."""
+        return int((self.label_spans[:, 1] - self.label_spans[:, 0]).sum())
+
+    def trained_mask(self) -> np.ndarray:
+        """``[tokens]`` bool, True where the token carries loss (TRL's ``assistant_masks``)."""
+        mask = np.zeros(len(self.input_ids), dtype=bool)
+        for start, end in self.label_spans:
+            mask[start:end] = True
+        return mask
+
+    def labels(self) -> np.ndarray:
+        """Unshifted labels ``[tokens]`` int64: the token where it carries loss, else -100."""
+        from lightning_seqmem.batch import IGNORE_INDEX
+
+        return np.where(self.trained_mask(), self.input_ids, IGNORE_INDEX).astype(np.int64)
+
+    def to_row(self) -> dict:
+        """Columns for an Arrow table: int32 lists, the spans flattened to ``[s0, e0, s1, e1, ...]``."""
+        return {
+            "input_ids": self.input_ids,
+            "label_spans": self.label_spans.reshape(-1),
+            "turn_ends": self.turn_ends,
+            "keep_turns": self.keep_turns,
+            "num_truncated": self.num_truncated,
+        }
+
+    @classmethod
+    def from_row(cls, row: Mapping) -> EncodedConversation:
+        """The inverse of :meth:`to_row` (lists or arrays)."""
+        return cls(
+            input_ids=np.asarray(row["input_ids"], dtype=np.int32),
+            label_spans=np.asarray(row["label_spans"], dtype=np.int32).reshape(-1, 2),
+            turn_ends=np.asarray(row["turn_ends"], dtype=np.int32),
+            keep_turns=int(row["keep_turns"]),
+            num_truncated=int(row["num_truncated"]),
+        )
+
+
+def _prefix_refused(row, turn: int, role: str, what: str) -> ValueError:
+    return ValueError(
+        f"Conversation {row}, turn {turn} ({role}): the chat template {what}, so the tokens of each turn cannot be "
+        "found by rendering growing prefixes (its mask would be wrong). Add {% generation %}...{% endgeneration %} "
+        "markers around the assistant's output in tokenizer.chat_template, or use a template that renders earlier "
+        "turns the same whatever follows (templates that drop past reasoning blocks do not)."
+    )
+
+
+def _wants_loss(i: int, message: Mapping, train_on: str, train_field: str | None, last_assistant: int) -> bool:
+    flag = message.get(train_field) if train_field else None
+    if flag is not None:
+        return bool(flag)
+    if train_on == "all":
+        return True
+    return message["role"] == "assistant" and (train_on == "assistant" or i == last_assistant)
+
+
+def merge_spans(spans: list[tuple[int, int]]) -> np.ndarray:
+    """``[k, 2]`` int32: the non-empty ``[start, end)`` ranges sorted, overlapping and touching ones joined."""
+    merged: list[list[int]] = []
+    for start, end in sorted(s for s in spans if s[1] > s[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return np.asarray(merged, dtype=np.int32).reshape(-1, 2)
+
+
+def encode_conversation(messages: Sequence[Mapping], renderer: ChatRenderer, row,
+                        settings: ConversationSettings = ConversationSettings()) -> EncodedConversation:
+    """Render one conversation and find its turns and trained tokens (no truncation: see ``chat_truncation.truncate``).
+
+    Args:
+        messages: the turns, checked with :func:`check_conversation`.
+        renderer: the tokenizer and its template.
+        row: names the conversation in errors.
+        settings: ``train_on`` and ``train_field`` are read here.
+
+    Returns:
+        The :class:`EncodedConversation`; ``num_trained == 0`` flags a conversation with nothing to learn.
+
+    Raises:
+        ValueError: a bad turn; a template without markers whose rendering of an earlier turn changes once later
+            turns follow; a template whose generation blocks do not match the assistant turns one to one.
+    """
+    check_conversation(messages, row, settings.train_field)
+    text, generation = renderer.render(messages)
+    ids, ends = renderer.tokenize(text)
+    n = len(messages)
+
+    # Character end of each message where the prefix up to it renders as the start of the whole text.
+    bounds: list[int | None] = []
+    for i in range(n - 1):
+        prefix = renderer.try_render(messages[: i + 1])
+        bounds.append(len(prefix) if prefix is not None and text.startswith(prefix) else None)
+    bounds.append(len(text))
+    preamble = renderer.try_render([])
+    preamble_end = len(preamble) if preamble and text.startswith(preamble) else 0
+
+    if renderer.method != MARKERS:
+        for i, bound in enumerate(bounds):
+            if bound is None:
+                raise _prefix_refused(row, i, messages[i]["role"], "renders it differently once later turns follow")
+
+    # Turns: the preamble, then one per message, merged where a boundary is missing (possible with markers only).
+    turn_ends, turn_of = ([char_to_token(ends, preamble_end)] if preamble_end else []), []
+    for bound in bounds:
+        turn_of.append(len(turn_ends))
+        if bound is not None:
+            turn_ends.append(char_to_token(ends, bound))
+    turn_starts = [0] + turn_ends[:-1]
+    keep_turns = (turn_of[0] + 1) if messages[0]["role"] == "system" else (1 if preamble_end else 0)
+
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    answers: dict[int, tuple[int, int]] = {}
+    if renderer.method == MARKERS:
+        if len(generation) != len(assistants):
+            raise ValueError(
+                f"Conversation {row}: the chat template writes {len(generation)} {{% generation %}} blocks for "
+                f"{len(assistants)} assistant turns; wrap every assistant turn's output in one block."
+            )
+        for i, (start, end) in zip(assistants, generation):
+            # As transformers' return_assistant_tokens_mask: from the token holding the first character to the
+            # token holding the last one.
+            answers[i] = (char_to_token(ends, start), char_to_token(ends, end - 1) + 1)
+    else:
+        for i in assistants:
+            opened = renderer.try_render(messages[:i], add_generation_prompt=True)
+            previous = bounds[i - 1] if i else preamble_end
+            if opened is None or not text.startswith(opened) or len(opened) < previous:
+                raise _prefix_refused(row, i, "assistant", "does not render the generation prompt as the start of "
+                                      "this turn")
+            answers[i] = (char_to_token(ends, len(opened)), char_to_token(ends, bounds[i]))
+
+    last_assistant = assistants[-1] if assistants else -1
+    spans = [(0, turn_ends[0])] if preamble_end and settings.train_on == "all" else []
+    for i, message in enumerate(messages):
+        if not _wants_loss(i, message, settings.train_on, settings.train_field, last_assistant):
+            continue
+        if i in answers and settings.train_on != "all":
+            spans.append(answers[i])
+        else:  # the whole turn: headers and closing tokens too (with the turns it is merged with, if any)
+            spans.append((turn_starts[turn_of[i]], turn_ends[turn_of[i]]))
+    return EncodedConversation(ids, merge_spans(spans), np.asarray(turn_ends, dtype=np.int32), keep_turns)
+
+
+def encode_rows(conversations: Sequence, rows: Sequence, renderer: ChatRenderer,
+                settings: ConversationSettings = ConversationSettings()) -> dict[str, list]:
+    """Columns for a batch of conversations (a ``datasets.map(batched=True, with_indices=True)`` body): the
+    :meth:`EncodedConversation.to_row` columns plus ``num_trained``. Untruncated and unfiltered, so the cached tokens
+    do not depend on ``max_length`` or ``on_empty_labels``: apply ``chat_truncation.truncate`` and :func:`select_trained` after."""
+    columns: dict[str, list] = {}
+    for messages, row in zip(conversations, rows):
+        encoded = encode_conversation(messages, renderer, row, settings)
+        for key, value in {**encoded.to_row(), "num_trained": encoded.num_trained}.items():
+            columns.setdefault(key, []).append(value)
+    return columns
+
+
+def select_trained(num_trained: Sequence[int] | np.ndarray, on_empty_labels: str = "drop",
+                   rows: Sequence | None = None) -> tuple[np.ndarray, int]:
+    """Which conversations to train on, given how many tokens of each carry loss.
+
+    Returns:
+        ``(indices, dropped)``: the positions kept, and how many conversations with no trained token were dropped
+        (0 unless ``on_empty_labels="drop"``).
+
+    Raises:
+        ValueError: ``on_empty_labels="error"`` and a conversation has no trained token (named by ``rows``).
+    """
+    if on_empty_labels not in ON_EMPTY_LABELS:
+        raise ValueError(f"on_empty_labels={on_empty_labels!r} is not valid; use one of {ON_EMPTY_LABELS}.")
+    counts = np.asarray(num_trained, dtype=np.int64)
+    empty = np.flatnonzero(counts == 0)
+    if len(empty) and on_empty_labels == "error":
+        first = rows[empty[0]] if rows is not None else int(empty[0])
+        raise ValueError(
+            f"{len(empty)} conversation(s) have no trained token (first: conversation {first}), e.g. no assistant "
+            "turn under train_on='assistant', or truncation left none: fix the data, or pass on_empty_labels='drop' "
+            "(dropped and counted) or 'keep' (trained on nothing)."
+        )
+    if on_empty_labels == "drop":
+        return np.flatnonzero(counts > 0), len(empty)
+    return np.arange(len(counts)), 0
