@@ -141,19 +141,24 @@ def test_unknown_group_option_lists_valid_ones(tmp_path):
 
 @pytest.mark.parametrize("name", ["lightning_seqmem.apps.train", "lightning_seqmem.apps.cli"])
 def test_allocator_configured_before_torch(name):
-    """Every entry point sets the allocator settings while torch is not imported yet."""
+    """Every entry point's ``main`` sets the allocator settings (``memory.allocator.configure_allocator``, the one
+    function both call) before anything imports torch: a finder stops the process at torch's first import and
+    exits 0 only when the settings are in the environment by then (3: they are not; 4: torch was never imported)."""
     code = (
-        "import sys, importlib\n"
+        "import importlib, os, sys\n"
+        "class StopAtTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            os._exit(0 if os.environ.get('PYTORCH_ALLOC_CONF') or os.environ.get('PYTORCH_CUDA_ALLOC_CONF') else 3)\n"
+        "sys.meta_path.insert(0, StopAtTorch())\n"
         f"mod = importlib.import_module('{name}')\n"
-        "assert 'torch' not in sys.modules, 'importing the entry point imported torch'\n"
-        "mod._configure_allocator_early()\n"
-        "import os\n"
-        "assert 'torch' not in sys.modules\n"
-        "assert os.environ.get('PYTORCH_ALLOC_CONF') or os.environ.get('PYTORCH_CUDA_ALLOC_CONF')\n"
+        "sys.argv = [sys.argv[0]]\n"
+        "mod.main()\n"
+        "os._exit(4)\n"
     )
     env = {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
 
 
 def test_pretokenized_parquet_through_the_main_job(tmp_path):

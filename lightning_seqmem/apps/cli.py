@@ -18,17 +18,10 @@ from __future__ import annotations
 
 import sys
 
+from lightning_seqmem.memory.allocator import configure_allocator
+
 DEFAULT_MODEL = "lightning_seqmem.CausalLM"
 DEFAULT_DATA = "lightning_seqmem.SeqMemDataModule"
-
-
-def _configure_allocator_early() -> None:
-    # Must run before torch is imported anywhere: the caching allocator reads its settings once.
-    try:
-        from lightning_seqmem.memory.allocator import configure_allocator
-    except ImportError:
-        return
-    configure_allocator()
 
 
 def build_cli_class():
@@ -76,7 +69,7 @@ def cli_main(args: list[str] | None = None, run: bool = True):
 
 def main() -> None:
     """Console-script entry point (``seqmem-cli``)."""
-    _configure_allocator_early()
+    configure_allocator()  # first: torch reads the allocator settings once, when CUDA starts
     from lightning_seqmem.apps.console import quiet_upstream_noise
 
     quiet_upstream_noise()

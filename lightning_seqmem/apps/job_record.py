@@ -1,10 +1,10 @@
 """Job Record
 ==========
 
-``JobRecord`` appends one row per validation to ``<run dir>/progress.csv``: optimizer step, training wall-clock,
-real tokens trained on and validation loss. That is all ``seqmem-report`` needs to compare the jobs of a sweep by
-time and by tokens, whatever the sweep varied. The training loss goes, on the same clocks, to
-``<run dir>/train_progress.csv`` (one row every ``train_every_n_steps`` optimizer steps).
+``JobRecord`` appends one row per validation to ``<run dir>/progress.csv`` (the run folder: ``run_files``):
+optimizer step, training wall-clock, real tokens trained on and validation loss. That is all ``seqmem-report``
+needs to compare the jobs of a sweep by time and by tokens, whatever the sweep varied. The training loss goes, on
+the same clocks, to ``<run dir>/train_progress.csv`` (one row every ``train_every_n_steps`` optimizer steps).
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
+from lightning_seqmem.apps.run_files import PROGRESS_FIELDS, PROGRESS_FILE, TRAIN_PROGRESS_FIELDS, TRAIN_PROGRESS_FILE
 from lightning_seqmem.batch import count_real_tokens
 from lightning_seqmem.protocols import find_pad_token_id
 
-__all__ = ["FIELDS", "TRAIN_FIELDS", "JobRecord"]
-
-FIELDS = ("step", "wall_clock_s", "elapsed_s", "cpu_s", "tokens_seen", "val_loss")
-TRAIN_FIELDS = ("step", "wall_clock_s", "cpu_s", "tokens_seen", "train_loss")
-TRAIN_FILE = "train_progress.csv"
+__all__ = ["JobRecord"]
 
 
 class JobRecord(Callback):
@@ -75,7 +72,7 @@ class JobRecord(Callback):
         self._warned = False
 
     def _file(self, trainer: Trainer) -> str:
-        return self.path or os.path.join(trainer.default_root_dir, "progress.csv")
+        return self.path or os.path.join(trainer.default_root_dir, PROGRESS_FILE)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -89,7 +86,7 @@ class JobRecord(Callback):
             self._reset_file(trainer)
 
     def _train_file(self, trainer: Trainer) -> str:
-        return os.path.join(os.path.dirname(self._file(trainer)) or ".", TRAIN_FILE)
+        return os.path.join(os.path.dirname(self._file(trainer)) or ".", TRAIN_PROGRESS_FILE)
 
     @rank_zero_only
     def _reset_file(self, trainer: Trainer) -> None:
@@ -159,11 +156,11 @@ class JobRecord(Callback):
 
     @rank_zero_only
     def _append(self, trainer: Trainer, row: dict[str, Any]) -> None:
-        _append_row(self._file(trainer), FIELDS, row)
+        _append_row(self._file(trainer), PROGRESS_FIELDS, row)
 
     @rank_zero_only
     def _append_train(self, trainer: Trainer, row: dict[str, Any]) -> None:
-        _append_row(self._train_file(trainer), TRAIN_FIELDS, row)
+        _append_row(self._train_file(trainer), TRAIN_PROGRESS_FIELDS, row)
 
 
 def _append_row(path: str, fields: tuple[str, ...], row: dict[str, Any]) -> None:

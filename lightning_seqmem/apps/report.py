@@ -1,10 +1,11 @@
 """``seqmem-report <sweep dir>``: one table and one plot for a Hydra sweep of ``seqmem-train``.
 
 Each job folder of the sweep holds ``.hydra/overrides.yaml`` (what the job changed), ``progress.csv`` (one row per
-validation: step, wall-clock, real tokens seen, val loss; written by ``JobRecord``) and ``job_status.json``. The
-report compares every job with a baseline job: the wall-clock and tokens each needs to reach a target validation
-loss (by default the loss the baseline ends at), and the speed-up that gives. It works for a sweep over any
-parameter; jobs that failed or never validated are listed, not fatal. Plain Python: no torch, no Lightning.
+validation: step, wall-clock, real tokens seen, val loss; written by ``JobRecord``) and ``job_status.json``
+(``run_files``; read back by ``sweep_jobs``). The report compares every job with a baseline job: the wall-clock
+and tokens each needs to reach a target validation loss (by default the loss the baseline ends at), and the
+speed-up that gives. It works for a sweep over any parameter; jobs that failed or never validated are listed, not
+fatal. Plain Python: no torch, no Lightning.
 
 Seeds: when the sweep varies ``seed`` (or any ``*.seed``), the jobs that differ only by it form a group, and a
 second table gives each group's mean ± sd over seeds of the final loss, time to target and tokens to target, with
@@ -17,125 +18,18 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import statistics
 import sys
-from dataclasses import dataclass, field
 
-__all__ = ["Job", "ReportError", "build_report", "figure", "load_jobs", "main", "reach", "seed_groups",
-           "write_report"]
+from lightning_seqmem.apps.run_files import PROGRESS_FILE
+from lightning_seqmem.apps.sweep_jobs import (DID_NOT_FINISH, Job, ReportError, label, load_jobs, seed_groups, seed_key,
+                                              varying_keys)
 
-PROGRESS_FILE = "progress.csv"
-TRAIN_PROGRESS_FILE = "train_progress.csv"  # JobRecord's training-loss rows
+__all__ = ["ReportError", "build_report", "figure", "load_jobs", "main", "reach", "write_report"]
+
 CLOCKS = {"wall": "wall_clock_s", "cpu": "cpu_s"}  # --clock choice -> progress.csv column
-
-
-class ReportError(Exception):
-    """Nothing to report: the message says what was expected where."""
-
-
-@dataclass
-class Job:
-    """One job of a sweep: its folder, its command-line overrides, its status and its validation curve."""
-
-    path: str
-    name: str
-    overrides: dict[str, str]
-    status: str
-    error: str | None = None
-    rows: list[dict[str, float]] = field(default_factory=list)
-    train_rows: list[dict[str, float]] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return self.status == "finished"
-
-    @property
-    def final(self) -> dict[str, float] | None:
-        return self.rows[-1] if self.rows else None
-
-
-# ------------------------------------------------------------------------------------------------------ loading
-def _read_overrides(job_dir: str) -> dict[str, str]:
-    import yaml
-
-    with open(os.path.join(job_dir, ".hydra", "overrides.yaml")) as f:
-        items = yaml.safe_load(f) or []
-    overrides = {}
-    for item in items:
-        key, _, value = str(item).partition("=")
-        overrides[key.lstrip("+")] = value  # "~key" (deleted) stays as it is
-    return overrides
-
-
-def _read_progress(job_dir: str, name: str = PROGRESS_FILE, loss: str = "val_loss") -> list[dict[str, float]]:
-    path = os.path.join(job_dir, name)
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            try:
-                rows.append({k: float(v) for k, v in row.items() if v not in (None, "")})
-            except ValueError:  # a half-written last line of a killed job
-                continue
-    return sorted((r for r in rows if loss in r and "wall_clock_s" in r), key=lambda r: r.get("step", 0))
-
-
-def _read_status(job_dir: str) -> tuple[str, str | None]:
-    path = os.path.join(job_dir, "job_status.json")
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                record = json.load(f)
-            status = record.get("status", "unknown")
-            return ("did not finish" if status == "running" else status), record.get("error")
-        except (OSError, ValueError):
-            pass
-    if os.path.exists(os.path.join(job_dir, "summary.json")):
-        return "finished", None
-    return "did not finish", None
-
-
-def _job_dirs(sweep_dir: str) -> list[str]:
-    found = []
-    for root, dirs, _ in os.walk(sweep_dir):
-        if os.path.exists(os.path.join(root, ".hydra", "overrides.yaml")):
-            found.append(root)
-            dirs.clear()  # a job's own sub-folders (logs, DDP ranks) are not jobs
-        else:
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-
-    def key(path: str):
-        name = os.path.relpath(path, sweep_dir)
-        return (0, int(name), "") if name.isdigit() else (1, 0, name)
-
-    return sorted(found, key=key)
-
-
-def load_jobs(sweep_dir: str) -> list[Job]:
-    """Every Hydra job folder under ``sweep_dir`` (the folder itself when it is a single run).
-
-    Raises:
-        ReportError: the folder does not exist or holds no job folders.
-    """
-    if not os.path.isdir(sweep_dir):
-        raise ReportError(f"{sweep_dir!r} is not a directory. Pass the sweep folder seqmem-train -m printed "
-                          "(multirun/<date>/<time> by default, or your hydra.sweep.dir).")
-    dirs = _job_dirs(sweep_dir)
-    if not dirs:
-        raise ReportError(f"No jobs in {sweep_dir!r}: expected job folders with .hydra/overrides.yaml, as "
-                          "`seqmem-train -m ...` writes them. Is this the sweep folder, and did any job start?")
-    jobs = []
-    for path in dirs:
-        status, error = _read_status(path)
-        name = os.path.relpath(path, sweep_dir)
-        jobs.append(Job(path=path, name="." if name == "." else name, overrides=_read_overrides(path),
-                        status=status, error=error, rows=_read_progress(path),
-                        train_rows=_read_progress(path, TRAIN_PROGRESS_FILE, "train_loss")))
-    return jobs
 
 
 # ----------------------------------------------------------------------------------------------------- analysis
@@ -164,31 +58,6 @@ def _same_value(a: str, b: str) -> bool:
         return float(a) == float(b)
     except ValueError:
         return a.strip("'\"") == b.strip("'\"")
-
-
-def varying_keys(jobs: list[Job]) -> list[str]:
-    """Override keys whose value is not the same in every job (what the sweep varied)."""
-    keys = list(dict.fromkeys(k for job in jobs for k in job.overrides))
-    return [k for k in keys if len({job.overrides.get(k) for job in jobs}) > 1]
-
-
-def label(job: Job, keys: list[str]) -> str:
-    shown = [f"{k}={job.overrides[k]}" for k in keys if k in job.overrides]
-    return ", ".join(shown) if shown else f"job {job.name}"
-
-
-def seed_key(keys: list[str]) -> str | None:
-    """The varying override that is a seed (``seed``, ``data.seed``, ...), if any."""
-    return next((k for k in keys if k.split(".")[-1] == "seed"), None)
-
-
-def seed_groups(jobs: list[Job], keys: list[str]) -> dict[str, list[Job]]:
-    """Jobs keyed by their label without the seed: the seeds of one configuration, in sweep order."""
-    other = [k for k in keys if k != seed_key(keys)]
-    groups: dict[str, list[Job]] = {}
-    for job in jobs:
-        groups.setdefault(label(job, other), []).append(job)
-    return groups
 
 
 def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
@@ -325,7 +194,7 @@ def build_report(jobs: list[Job], target_loss: float | None = None, baseline: st
     unfinished = [job for job in jobs if not job.finished]
     for job in unfinished:
         what = f"{len(job.rows)} validation point(s) kept" if job.rows else "no metrics"
-        status = "" if job.status == "did not finish" else f": {job.status}"
+        status = "" if job.status == DID_NOT_FINISH else f": {job.status}"
         notes.append(f"Job {job.name} ({label(job, keys)}) did not finish{status}"
                      + (f" — {job.error}" if job.error else "") + f"; {what}.")
     return {"rows": rows, "baseline": base, "target": target, "keys": keys, "notes": notes,

@@ -16,8 +16,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from lightning_seqmem.apps.run_files import SUMMARY_FILE
 from lightning_seqmem.memory.stats import peak_rss_bytes
-from lightning_seqmem.protocols import GivesDataStats
+from lightning_seqmem.protocols import CountsTrainingTokens, DescribesBatching, GivesDataStats
 
 
 def peak_memory_bytes(device: torch.device | None = None) -> tuple[int, str]:
@@ -43,8 +44,9 @@ def format_table(rows: dict[str, Any]) -> str:
 class RunSummary(Callback):
     """Print (and save as JSON) a summary of the run at the end of ``fit``.
 
-    Reads the counters of :class:`~lightning_seqmem.CausalLM` (``real_tokens_seen``, ``slots_seen``) and the
-    DataModule's ``stats()`` where they exist; anything missing is left out rather than guessed.
+    Asks the LightningModule for its token counters (``protocols.CountsTrainingTokens``: ``CausalLM``) and the
+    DataModule for its batching (``DescribesBatching``) and ``stats()`` (``GivesDataStats``); what a component does
+    not answer is left out rather than guessed.
 
     Args:
         path: where to write the summary as JSON; default ``<trainer.default_root_dir>/summary.json``.
@@ -68,22 +70,18 @@ class RunSummary(Callback):
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         wall = time.perf_counter() - self._start
-        dm = getattr(trainer, "datamodule", None)
+        dm = trainer.datamodule
         summary: dict[str, Any] = {}
-        if dm is not None:
-            summary["strategy"] = getattr(dm, "strategy", "?")
-            packing = getattr(dm, "packing", None)
-            if summary["strategy"] == "pack" and packing:
-                summary["strategy"] = f"pack ({packing})"
-            if hasattr(dm, "max_length"):
-                summary["max_length"] = dm.max_length
-        real = getattr(pl_module, "real_tokens_seen", None)
-        slots = getattr(pl_module, "slots_seen", None)
-        # Sum over ranks: every rank saw different data.
-        if real is not None and slots is not None:
-            counts = torch.tensor([float(real), float(slots)])
-            counts = trainer.strategy.reduce(counts.to(pl_module.device), reduce_op="sum").cpu()
-            real, slots = int(counts[0]), int(counts[1])
+        if isinstance(dm, DescribesBatching):
+            summary["strategy"] = dm.batching_label()
+        if dm is not None and hasattr(dm, "max_length"):
+            summary["max_length"] = dm.max_length
+        counts = isinstance(pl_module, CountsTrainingTokens)
+        if counts:
+            # Sum over ranks: every rank saw different data.
+            both = torch.tensor([float(pl_module.real_tokens_seen), float(pl_module.slots_seen)])
+            both = trainer.strategy.reduce(both.to(pl_module.device), reduce_op="sum").cpu()
+            real, slots = int(both[0]), int(both[1])
             summary["real_tokens_trained"] = real
             summary["slots_fed_to_model"] = slots
             summary["real_token_fraction"] = real / max(slots, 1)
@@ -94,9 +92,8 @@ class RunSummary(Callback):
                 summary[f"dataset_{key}"] = train_stats[key]
         summary["optimizer_steps"] = trainer.global_step
         summary["wall_clock_s"] = wall
-        train_time = getattr(pl_module, "_train_time", 0.0) or wall
-        if real is not None:
-            summary["real_tokens_per_s"] = real / max(train_time, 1e-9)
+        if counts:
+            summary["real_tokens_per_s"] = real / max(pl_module.train_seconds or wall, 1e-9)
         peak, what = peak_memory_bytes(pl_module.device)
         summary[f"peak_memory_mib ({what})"] = peak / 2**20
         for key in ("val/loss", "train/loss"):
@@ -108,7 +105,7 @@ class RunSummary(Callback):
 
     @rank_zero_only
     def _write(self, trainer: Trainer) -> None:
-        path = self.path or os.path.join(trainer.default_root_dir, "summary.json")
+        path = self.path or os.path.join(trainer.default_root_dir, SUMMARY_FILE)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump(self.summary, f, indent=2)

@@ -12,16 +12,10 @@ import os
 import sys
 from typing import Any
 
+from lightning_seqmem.apps.run_files import FAILED, FINISHED, JOB_STATUS_FILE, RUNNING, SUMMARY_FILE
+from lightning_seqmem.memory.allocator import configure_allocator
+
 CONFIG_PATH = "pkg://lightning_seqmem.conf"
-
-
-def _configure_allocator_early() -> None:
-    # Must run before torch is imported anywhere: the caching allocator reads its settings once.
-    try:
-        from lightning_seqmem.memory.allocator import configure_allocator
-    except ImportError:  # the memory module is optional for the job itself
-        return
-    configure_allocator()
 
 
 def choose_trainer(overrides: list[str], doing: str = "training with") -> list[str]:
@@ -113,7 +107,7 @@ def train(cfg) -> dict[str, Any]:
         if isinstance(cb, RunSummary) and cb.summary:
             return cb.summary
     # ddp_spawn trains in child processes: their callbacks wrote summary.json, this process's copies stay empty.
-    path = os.path.join(trainer.default_root_dir, "summary.json")
+    path = os.path.join(trainer.default_root_dir, SUMMARY_FILE)
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
@@ -127,7 +121,7 @@ def _write_status(output_dir: str, status: str, error: BaseException | None = No
     if error is not None:
         record["error"] = f"{type(error).__name__}: {error}"[:2000]
     os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "job_status.json"), "w") as f:
+    with open(os.path.join(output_dir, JOB_STATUS_FILE), "w") as f:
         json.dump(record, f, indent=2)
 
 
@@ -144,15 +138,15 @@ def _hydra_entry() -> None:
         log_each_line_once()  # after Hydra has set up the job's logging
         output_dir = HydraConfig.get().runtime.output_dir
         if _is_rank_zero():
-            _write_status(output_dir, "running")
+            _write_status(output_dir, RUNNING)
         try:
             summary = train(cfg)
         except BaseException as err:  # KeyboardInterrupt too: the report must not count this job as finished
             if _is_rank_zero():
-                _write_status(output_dir, "failed", err)
+                _write_status(output_dir, FAILED, err)
             raise
         if _is_rank_zero():
-            _write_status(output_dir, "finished")
+            _write_status(output_dir, FINISHED)
         value = summary.get("final_val_loss")
         return float(value) if value is not None else None  # what Hydra sweepers optimise
 
@@ -161,7 +155,7 @@ def _hydra_entry() -> None:
 
 def main() -> None:
     """Console-script entry point (``seqmem-train``)."""
-    _configure_allocator_early()
+    configure_allocator()  # first: torch reads the allocator settings once, when CUDA starts
     sys.argv[1:] = choose_trainer(sys.argv[1:])
     _hydra_entry()
 

@@ -171,7 +171,7 @@ class CausalLM(LightningModule):
     def setup(self, stage: str) -> None:
         """Take vocabulary size and pad id from the DataModule's tokenizer when they were not given; check that the
         DataModule's rows fit the model's positions."""
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        dm = self.trainer.datamodule if self._trainer is not None else None
         tok = getattr(dm, "tokenizer", None)
         if tok is not None and self.hparams.vocab_size is None:
             self.hparams.vocab_size = len(tok)
@@ -252,6 +252,11 @@ class CausalLM(LightningModule):
     def real_tokens_seen(self) -> int:
         """Real tokens trained on so far, this rank (reads the device counter: one sync)."""
         return int(self._real_tokens)
+
+    @property
+    def train_seconds(self) -> float:
+        """Wall-clock seconds spent in training batches so far, this rank (``protocols.CountsTrainingTokens``)."""
+        return self._train_time
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         rows = batch["input_ids"].shape[0]
