@@ -9,8 +9,9 @@ import lightning.pytorch as L
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from lightning_seqmem.data.cache_dir import default_cache_dir
+from lightning_seqmem.data.token_cache import tokenizer_fingerprint
 from lightning_seqmem.datamodule.module import SeqMemDataModule
-from lightning_seqmem.data.token_cache import default_cache_dir, tokenizer_fingerprint
 
 
 class CountingTokenizer(PreTrainedTokenizerFast):
@@ -364,3 +365,18 @@ def test_seqmem_cache_lists_entries_and_removes_the_old_ones(tmp_path, tokenizer
     assert cache_app.main(["--cache-dir", str(root), "--all", "--dry-run"]) == 0 and len(cache_app.list_entries(root)) == 1
     assert cache_app.main(["--cache-dir", str(root), "--all"]) == 0 and cache_app.list_entries(root) == []
     assert cache_app.parse_age("12h") == 12 * 3600 and cache_app.parse_age("2") == 2 * 86400
+
+
+def test_seqmem_cache_finds_the_built_in_corpus_and_tokenizer_by_their_owners_names(monkeypatch, tmp_path):
+    """The corpus and the tokenizer name their cache entries (data/corpus.py, data/tokenizer.py) under the one cache
+    root; seqmem-cache lists them by those names."""
+    from lightning_seqmem.apps.cache import list_entries
+    from lightning_seqmem.data.corpus import corpus_path
+    from lightning_seqmem.data.tokenizer import _default_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for entry in (corpus_path(), _default_path(4096)):
+        assert entry.parent == default_cache_dir() == tmp_path / "lightning_seqmem"
+        entry.mkdir(parents=True)
+        (entry / "data").write_text("x")
+    assert sorted(e.kind for e in list_entries()) == ["corpus", "tokenizer"]

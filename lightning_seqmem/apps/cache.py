@@ -22,10 +22,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_seqmem.memory.stats import format_bytes
 from lightning_seqmem.batching.plan_cache import PLAN_META, PLANS, STAGING_PREFIX
-from lightning_seqmem.data.token_cache import (CHECKED, MANIFEST, STALE_AFTER_S, TOKENIZED, default_cache_dir,
-                                          stale_temporaries)
+from lightning_seqmem.data.cache_dir import default_cache_dir
+from lightning_seqmem.data.corpus import CORPUS_PREFIX
+from lightning_seqmem.data.token_cache import CHECKED, MANIFEST, STALE_AFTER_S, TOKENIZED, stale_temporaries
+from lightning_seqmem.data.tokenizer import TOKENIZER_PREFIX
+from lightning_seqmem.memory.stats import format_bytes
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -97,9 +99,9 @@ def list_entries(root: str | os.PathLike | None = None) -> list[CacheEntry]:
     for path in sorted(root.glob(f"{CHECKED}/*")):
         entries.append(CacheEntry("checked", path, "marker: pre-tokenized values checked", "-", None, 0,
                                   path.stat().st_mtime))
-    for path in sorted(root.glob("corpus-*")):
+    for path in sorted(root.glob(f"{CORPUS_PREFIX}*")):
         entries.append(CacheEntry("corpus", path, "built-in corpus", "-", None, *_scan(path)))
-    for path in sorted(root.glob("tokenizer-*")):
+    for path in sorted(root.glob(f"{TOKENIZER_PREFIX}*")):
         entries.append(CacheEntry("tokenizer", path, "-", "built-in BPE", None, *_scan(path)))
     return sorted(entries, key=lambda e: e.last_use)
 

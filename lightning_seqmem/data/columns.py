@@ -34,6 +34,12 @@ def check_columns(dsd, text_column: str = "text", prompt_column: str = "prompt",
     )
 
 
+def id_columns(kind: str) -> tuple[str, ...]:
+    """The token-id columns of a pre-tokenized kind (``"tokens"`` or ``"prompt_completion_tokens"``) whose values
+    ``check_token_values`` checks; ``labels`` may be missing from a dataset."""
+    return ("input_ids", "labels") if kind == "tokens" else ("prompt_ids", "completion_ids")
+
+
 def check_token_values(ds, kind: str, split: str, vocab_size: int | None = None) -> None:
     """Pre-tokenized data: every token id an integer in ``[0, vocab_size)`` (labels may also be -100).
 
@@ -47,9 +53,8 @@ def check_token_values(ds, kind: str, split: str, vocab_size: int | None = None)
     from lightning_seqmem.batch import IGNORE_INDEX
     from lightning_seqmem.data.tokens import dataset_indices, view_of_arrow
 
-    columns = ["input_ids", "labels"] if kind == "tokens" else ["prompt_ids", "completion_ids"]
     indices = dataset_indices(ds)
-    for column in columns:
+    for column in id_columns(kind):
         if column not in ds.column_names:
             continue
         arrow = ds.data.column(column)

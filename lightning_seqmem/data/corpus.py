@@ -20,22 +20,19 @@ import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lightning_seqmem.data.cache_dir import default_cache_dir
+
 if TYPE_CHECKING:
     import datasets
 
 CORPUS_VERSION = 1
+CORPUS_PREFIX = "corpus-"  # the cache entry's name: <cache dir>/corpus-py<major><minor>-v<CORPUS_VERSION>
 # Directories of the standard library that are not library text (tests, bundled wheels, demos, third party).
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "ensurepip",
               "turtledemo", "lib2to3", "tkinter", "config-3", "pydoc_data"}
 _FULL_SOURCE_EVERY = 8  # one module in eight also contributes its whole source as one long document
 _MAX_SOURCE_CHARS = 60_000  # keep the longest documents long, but bounded, so the corpus stays small
 _VALIDATION_EVERY = 20  # about 5% of documents, chosen by content hash (stable under reordering)
-
-
-def cache_dir() -> Path:
-    """Where lightning_seqmem caches its corpus and tokenizer (respects ``XDG_CACHE_HOME``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lightning_seqmem"
 
 
 def _stdlib_files() -> list[Path]:
@@ -104,9 +101,10 @@ def length_percentiles(lengths: list[int], qs=(50, 90, 99, 100)) -> dict[int, in
     return {q: ordered[min(len(ordered) - 1, max(0, -(-q * len(ordered) // 100) - 1))] for q in qs}
 
 
-def _corpus_path() -> Path:
+def corpus_path() -> Path:
+    """The built-in corpus's cache entry for this Python (its standard library is the corpus)."""
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-v{CORPUS_VERSION}"
-    return cache_dir() / f"corpus-{tag}"
+    return default_cache_dir() / f"{CORPUS_PREFIX}{tag}"
 
 
 def load_builtin_corpus(verbose: bool = True) -> "datasets.DatasetDict":
@@ -116,7 +114,7 @@ def load_builtin_corpus(verbose: bool = True) -> "datasets.DatasetDict":
     """
     import datasets
 
-    path = _corpus_path()
+    path = corpus_path()
     if (path / "dataset_dict.json").exists():
         return datasets.load_from_disk(str(path))
     docs = build_documents()

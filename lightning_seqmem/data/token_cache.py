@@ -24,11 +24,15 @@ import re
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from lightning_seqmem.batch import IGNORE_INDEX
 from lightning_seqmem.data.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
+from lightning_seqmem.data.cache_dir import default_cache_dir
 from lightning_seqmem.data.encode import document_frame, token_features, tokenize_function
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
@@ -39,12 +43,6 @@ STALE_AFTER_S = 24 * 3600
 # The cache's layout, read back by seqmem-cache (cache.py): <root>/TOKENIZED/<key>/MANIFEST, <root>/CHECKED/<key>
 TOKENIZED, MANIFEST, CHECKED = "tokenized", "manifest.json", "checked"
 _TMP_NAME = re.compile(r"^(?:tokens-\d+\.arrow|manifest\.json)\.(?P<host>.+)-(?P<pid>\d+)\.[^.]+\.tmp$")
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/lightning_seqmem``, else ``~/.cache/lightning_seqmem``."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "lightning_seqmem"
 
 
 def default_num_proc(rows: int) -> int:
@@ -72,6 +70,21 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 def _writer_prefix(name: str) -> str:
     """``<name>.<host>-<pid>.``: the start of a temporary file's name that says which process writes it."""
     return f"{name}.{socket.gethostname()}-{os.getpid()}."
+
+
+@contextmanager
+def _file_of_this_writer(directory: str | os.PathLike, name: str) -> Iterator[str]:
+    """A temporary file of this writer's own in ``directory``, renamed to ``name`` when the block completes and
+    removed when it does not (a failed pass leaves nothing behind). Ranks that reach ``setup`` without
+    ``prepare_data`` write the same entry at once: each renames its complete file into place."""
+    handle, tmp = tempfile.mkstemp(prefix=_writer_prefix(name), suffix=".tmp", dir=directory)
+    os.close(handle)
+    try:
+        yield tmp
+        os.replace(tmp, os.path.join(directory, name))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _writer_is_gone(path: Path, now: float, max_age: float) -> bool:
@@ -141,15 +154,11 @@ def _load(directory: Path):
             raise ValueError(f"{len(ds)} rows on disk, the manifest says {meta['rows']}")
     except (OSError, ValueError, KeyError, TypeError) as err:
         _say(f"[lightning_seqmem] Token cache entry {directory} is damaged ({err}); tokenizing again.", warn=True)
-        try:
+        with suppress(OSError):
             manifest.unlink()
-        except OSError:
-            pass
         return None
-    try:
+    with suppress(OSError):  # a read-only cache still serves
         os.utime(manifest)  # the entry's last use, for seqmem-cache --older-than
-    except OSError:  # a read-only cache still serves
-        pass
     return ds
 
 
@@ -188,7 +197,6 @@ def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, 
                            job.add_bos, job.add_eos)
     schema = token_features(job.kind).arrow_schema
     name = f"tokens-{index:05d}.arrow"
-    path = os.path.join(job.directory, name)
     rows, pending, pending_tokens = 0, [], 0
 
     def flush(writer) -> None:
@@ -196,28 +204,20 @@ def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, 
         writer.write_table(pa.Table.from_batches(pending, schema=schema).combine_chunks())
         pending.clear()
 
-    # A temporary file of this writer's own: ranks that reach setup without prepare_data tokenize the same split
-    # into the same directory at once, and each must be able to rename its complete file into place.
-    handle, tmp = tempfile.mkstemp(prefix=_writer_prefix(name), suffix=".tmp", dir=job.directory)
-    os.close(handle)
-    try:
-        with system_memory_pool(), pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            for first, batch in iter_shard(ds, shard, job.columns, batch_rows=256):
-                columns = fn(batch.to_pydict(), range(first, first + batch.num_rows), job.split)
-                pending.append(pa.RecordBatch.from_pydict(columns, schema=schema))
-                pending_tokens += sum(columns["length"])
-                if pending_tokens >= _TOKENS_PER_RECORD_BATCH:
-                    flush(writer)
-                    pending_tokens = 0
-                rows += batch.num_rows
-                if progress is not None:
-                    progress.update(batch.num_rows)
-            if pending or rows == 0:
+    with (_file_of_this_writer(job.directory, name) as tmp, system_memory_pool(), pa.OSFile(tmp, "wb") as sink,
+          pa.ipc.new_stream(sink, schema) as writer):
+        for first, batch in iter_shard(ds, shard, job.columns, batch_rows=256):
+            columns = fn(batch.to_pydict(), range(first, first + batch.num_rows), job.split)
+            pending.append(pa.RecordBatch.from_pydict(columns, schema=schema))
+            pending_tokens += sum(columns["length"])
+            if pending_tokens >= _TOKENS_PER_RECORD_BATCH:
                 flush(writer)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):  # a failed pass leaves nothing behind
-            os.unlink(tmp)
+                pending_tokens = 0
+            rows += batch.num_rows
+            if progress is not None:
+                progress.update(batch.num_rows)
+        if pending or rows == 0:
+            flush(writer)
     return name, rows
 
 
@@ -328,14 +328,8 @@ def _write_entry(ds, job: _Job, procs: int, about: dict[str, Any]) -> None:
     directory = Path(job.directory)
     directory.mkdir(parents=True, exist_ok=True)  # the scratch directory's entry
     files = _tokenize_split(ds, job, procs)
-    handle, tmp = tempfile.mkstemp(prefix=_writer_prefix(MANIFEST), suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(handle, "w") as f:
-            json.dump({"files": files, **about, "created": time.time()}, f)
-        os.replace(tmp, directory / MANIFEST)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _file_of_this_writer(directory, MANIFEST) as tmp, open(tmp, "w") as f:
+        json.dump({"files": files, **about, "created": time.time()}, f)
 
 
 _SCRATCH: list[tempfile.TemporaryDirectory] = []  # this process's stand-in for an unwritable cache
@@ -355,7 +349,7 @@ def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, 
     Returns:
         Whether the check ran (``False``: an earlier run checked this data against the same vocabulary).
     """
-    from lightning_seqmem.data.columns import check_token_values
+    from lightning_seqmem.data.columns import check_token_values, id_columns
 
     fingerprint = getattr(ds, "_fingerprint", None)
     if fingerprint is None or not getattr(ds, "cache_files", None):  # in memory: no stable version to remember
@@ -365,8 +359,7 @@ def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, 
     marker = Path(cache_dir or default_cache_dir()) / CHECKED / key
     if marker.exists():
         return False
-    columns = ["input_ids", "labels"] if kind == "tokens" else ["prompt_ids", "completion_ids"]
-    if not _streamed_values_ok([f["filename"] for f in ds.cache_files], columns, vocab_size):
+    if not _streamed_values_ok([f["filename"] for f in ds.cache_files], id_columns(kind), vocab_size):
         check_token_values(ds, kind, split, vocab_size)  # the exact check names the bad row; raises: no marker
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
@@ -376,8 +369,8 @@ def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, 
     return True
 
 
-def _streamed_values_ok(files: list[str], columns: list[str], vocab_size: int | None) -> bool:
-    """Whether every id in the Arrow files is an integer in ``[0, vocab_size)`` (labels may be -100).
+def _streamed_values_ok(files: list[str], columns: tuple[str, ...], vocab_size: int | None) -> bool:
+    """Whether every id in the Arrow files is an integer in ``[0, vocab_size)`` (labels may be ``IGNORE_INDEX``).
 
     The files are read record batch by record batch, not memory-mapped, so resident memory stays one batch
     however large the data. ``False`` means "not shown clean" (a bad id, a non-integer column, or a file that is
@@ -397,7 +390,7 @@ def _streamed_values_ok(files: list[str], columns: list[str], vocab_size: int | 
                         if not pa.types.is_integer(values.type):
                             return False
                         if column == "labels":
-                            values = pc.filter(values, pc.not_equal(values, -100))
+                            values = pc.filter(values, pc.not_equal(values, IGNORE_INDEX))
                         low, high = pc.min_max(values).values()
                         if low.is_valid and (low.as_py() < 0 or (vocab_size is not None and high.as_py() >= vocab_size)):
                             return False

@@ -11,17 +11,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lightning_seqmem.data.corpus import cache_dir, load_builtin_corpus
+from lightning_seqmem.data.cache_dir import default_cache_dir
+from lightning_seqmem.data.corpus import corpus_path, load_builtin_corpus
 from lightning_seqmem.messages import short_repr
 
 DEFAULT_VOCAB_SIZE = 4096
+TOKENIZER_PREFIX = "tokenizer-"  # the cache entry's name: <cache dir>/tokenizer-bpe<vocab size>-<corpus entry>
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
 def _default_path(vocab_size: int) -> Path:
-    from lightning_seqmem.data.corpus import _corpus_path
-
-    return cache_dir() / f"tokenizer-bpe{vocab_size}-{_corpus_path().name}"
+    return default_cache_dir() / f"{TOKENIZER_PREFIX}bpe{vocab_size}-{corpus_path().name}"
 
 
 def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
