@@ -82,17 +82,10 @@ def on_cuda() -> bool:
 
 
 def cpu_fsdp_strategy():
-    """FSDP on a CPU rank (smoke runs only): Lightning builds the wrapper with ``device_id=None`` there, which FSDP
-    refuses without an accelerator; this passes ``device_id=cpu``. On CUDA Lightning's own ``FSDPStrategy``."""
-    import torch
-    from lightning.pytorch.strategies import FSDPStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    class CPUFSDPStrategy(FSDPStrategy):
-        def _setup_model(self, model):
-            return FullyShardedDataParallel(module=model, cpu_offload=self.cpu_offload, device_id=torch.device("cpu"),
-                                            mixed_precision=self.mixed_precision_config,
-                                            sharding_strategy=self.sharding_strategy, **self.kwargs)
+    """FSDP on a CPU rank (smoke runs only): the test suite's stand-in (``tests/_memory_cpu_fsdp.py``, one owner;
+    a test device, not a feature of the package). On CUDA Lightning's own ``FSDPStrategy``."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from _memory_cpu_fsdp import CPUFSDPStrategy
 
     return CPUFSDPStrategy(process_group_backend="gloo")
 
@@ -165,35 +158,21 @@ def child_prealloc(size: dict, name: str, strategy: str, prealloc: bool, expanda
 
 
 def child_planner(size: dict) -> list[dict]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from lightning_seqmem.memory.estimate import (adamw, estimate_training_memory, lightning_steps,
-                                                  measured_training_peak)
+    from lightning_seqmem.memory.estimate import estimate_training_memory
+    from lightning_seqmem.memory.measured import measured_training_peak
     from lightning_seqmem.memory.worst_batch import make_dummy_batch
     from lightning_seqmem.training.model import build_model_config
 
-    cuda, out = on_cuda(), []
+    device, out = "cuda" if on_cuda() else "cpu", []
     rows, length = size["planner_shape"]
-    keys, precision = ("input_ids", "attention_mask", "labels"), "bf16-mixed" if on_cuda() else "32-true"
+    keys, precision = ("input_ids", "attention_mask", "labels"), "bf16-mixed" if device == "cuda" else "32-true"
     for hidden, layers, heads, kv, inter in size["planner"]:
         config = build_model_config(dict(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
                                          num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
                                          max_position_embeddings=length), size["planner_vocab"], 0)
-        est = estimate_training_memory(config, rows, length, keys, precision, device="cuda" if cuda else "cpu")
+        est = estimate_training_memory(config, rows, length, keys, precision, device=device)
         batch = make_dummy_batch(rows, length, keys, size["planner_vocab"])
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            with torch.device("cuda"):
-                model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-            model.train()
-            lightning_steps(model, adamw(model, "cuda"), {k: v.cuda() for k, v in batch.items()}, precision)
-            measured = torch.cuda.max_memory_allocated() - base
-            del model
-        else:
-            measured = measured_training_peak(config, batch, precision)
+        measured = measured_training_peak(config, batch, precision, device=device)
         out.append({"params": est.num_parameters, "estimate": est.peak, "measured": measured})
     return out
 

@@ -12,24 +12,12 @@ import datasets
 import lightning.pytorch as L
 import numpy as np
 import torch
+from _memory_cpu_fsdp import CPUFSDPStrategy
 from _memory_helpers import Probe, assert_same
-from lightning.pytorch.strategies import FSDPStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_seqmem import CausalLM, SeqMemDataModule
 from lightning_seqmem.memory.preallocate import CachePreallocator
-
-
-class CPUFSDPStrategy(FSDPStrategy):
-    """FSDP on CPU ranks, standing in for GPUs: Lightning passes ``device_id=None`` for a CPU root device, which
-    FSDP refuses without an accelerator, so the wrapper is built with ``device_id=cpu``. Everything else (the
-    wrapped module, FSDPPrecision, the optimizer over sharded parameters) is Lightning's own."""
-
-    def _setup_model(self, model):
-        return FullyShardedDataParallel(module=model, cpu_offload=self.cpu_offload,
-                                        mixed_precision=self.mixed_precision_config,
-                                        sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
-                                        **self.kwargs)
 
 
 class RecordingLM(CausalLM):

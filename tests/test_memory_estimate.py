@@ -6,13 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_seqmem.memory.estimate import (
-    TraceError,
-    closed_form_state_bytes,
-    estimate_training_memory,
-    measured_training_peak,
-    normalize_precision,
-)
+from lightning_seqmem.memory.estimate import estimate_training_memory
+from lightning_seqmem.memory.measured import measured_training_peak
+from lightning_seqmem.memory.precision import closed_form_state_bytes, normalize_precision
+from lightning_seqmem.memory.trace import TraceError
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
 from lightning_seqmem.training.model import build_model_config
 
@@ -154,3 +151,11 @@ def test_a_7b_llama_is_estimated_in_seconds_without_allocating_it():
     assert 6.7e9 < est.num_parameters < 6.8e9
     assert est.state["parameters"] >= 4 * est.num_parameters and est.peak > 16 * est.num_parameters
     assert psutil.Process().memory_info().rss - rss < 2 * 2**30  # 100+ GiB estimated, nothing like it allocated
+
+
+def test_measured_peak_on_cpu_is_the_default_device():
+    batch = make_dummy_batch(2, 32, PAD_KEYS, VOCAB)
+    default = measured_training_peak(config("tiny_llama"), batch)
+    on_cpu = measured_training_peak(config("tiny_llama"), batch, device=torch.device("cpu"))
+    assert abs(on_cpu - default) <= 0.01 * default
+    assert default > sum(p.numel() for p in _real_model("tiny_llama").parameters()) * 16  # weights, grads, AdamW

@@ -1,6 +1,6 @@
 """FSDP trains with norm clipping and pre-allocation, and its token-weighted gradient is DDP's.
 
-Two CPU ranks over gloo stand in for two GPUs (``_memory_fsdp_script.CPUFSDPStrategy``: only the wrapper's
+Two CPU ranks over gloo stand in for two GPUs (``_memory_cpu_fsdp.CPUFSDPStrategy``: only the wrapper's
 ``device_id`` differs from Lightning's ``FSDPStrategy``). The same run on a CUDA machine: ``benchmarks/gpu.py``.
 """
 

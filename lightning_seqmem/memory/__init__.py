@@ -1,4 +1,4 @@
-"""Memory: cache pre-allocation, allocator settings, a memory monitor and config checks.
+"""Memory: cache pre-allocation, allocator settings, a memory monitor, config checks and the memory estimate.
 
 Exports resolve lazily (PEP 562), so ``from lightning_seqmem.memory.allocator import configure_allocator`` (and even
 ``from lightning_seqmem.memory import configure_allocator``) runs before torch is imported.
@@ -23,7 +23,9 @@ _EXPORTS: dict[str, str] = {
     "resolve_precision": "lightning_seqmem.memory.checks",
     "estimate_training_memory": "lightning_seqmem.memory.estimate",
     "MemoryEstimate": "lightning_seqmem.memory.estimate",
-    "TraceError": "lightning_seqmem.memory.estimate",
+    "TraceError": "lightning_seqmem.memory.trace",
+    "ModelFacts": "lightning_seqmem.memory.model_facts",
+    "model_facts": "lightning_seqmem.memory.model_facts",
 }
 
 __all__ = sorted(_EXPORTS)

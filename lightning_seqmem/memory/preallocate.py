@@ -18,12 +18,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_seqmem.batch import PAD_KEYS
+from lightning_seqmem.batch import PAD_KEYS, Layout, default_layout
 from lightning_seqmem.memory import stats
+from lightning_seqmem.memory.model_facts import model_facts
 from lightning_seqmem.memory.optimizer_state import (gradient_standins, state_standins, step_temporaries,
                                                       trained_parameters)
 from lightning_seqmem.memory.untouched import untouched
-from lightning_seqmem.batch import Layout, default_layout
 from lightning_seqmem.memory.worst_batch import check_layout, make_dummy_batch
 from lightning_seqmem.messages import short_repr
 from lightning_seqmem.protocols import (GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape, GivesWorstBatchLayout,
@@ -94,15 +94,6 @@ def _is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _vocab_size(pl_module: LightningModule) -> int | None:
-    config = getattr(getattr(pl_module, "model", None), "config", None)
-    for source in (config, getattr(pl_module, "hparams", None), pl_module):
-        value = getattr(source, "vocab_size", None) if source is not None else None
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def _loss(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
         return output
@@ -149,7 +140,8 @@ class CachePreallocator(Callback):
         rows: rows of the worst-case micro-batch; with ``length``, overrides the DataModule.
         length: tokens per row of the worst-case micro-batch.
         keys: batch keys; default the DataModule's ``batch_keys()``, else ``input_ids``, ``attention_mask``, ``labels``.
-        vocab_size: token ids are drawn below it; default ``pl_module.model.config.vocab_size`` (else zeros).
+        vocab_size: token ids are drawn below it; default the module's (``model_facts``: ``pl_module.model.config``,
+            hparams or attribute; else zeros).
         rereserve: on CUDA, run again in ``on_train_start`` when ``empty_cache`` released the reservation.
 
     Raises:
@@ -279,7 +271,7 @@ class CachePreallocator(Callback):
         report = self.report
         device = pl_module.device
         on_cuda = _is_cuda(device)
-        vocab_size = self.vocab_size or _vocab_size(pl_module)
+        vocab_size = self.vocab_size or model_facts(pl_module).vocab_size
         pad = find_pad_token_id(trainer.datamodule, pl_module, pl_module.hparams) or 0
         wrapper = trainer.strategy.model if _through_wrapper(trainer) else None
         optimizers = list(trainer.optimizers)

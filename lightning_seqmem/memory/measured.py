@@ -1,0 +1,75 @@
+"""The tracer's check: the peak live tensor bytes of the same training steps, run for real and measured by torch.
+
+No bookkeeping of ours is involved. On CPU, ``torch.profiler`` records every allocation and free of torch's
+allocators (``profile_memory=True``), and the peak of their running sum is the peak of live tensor bytes; on CUDA,
+the caching allocator's own ``max_memory_allocated`` after ``reset_peak_memory_stats``. ``tests`` compare
+:func:`~lightning_seqmem.memory.estimate.estimate_training_memory` with it on CPU, ``benchmarks/gpu.py`` on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from lightning_seqmem.memory.precision import normalize_precision
+from lightning_seqmem.memory.trace import adamw, build_model, lightning_steps
+
+
+def measured_peak_bytes(run: Callable[[], Any], device: str | torch.device = "cpu") -> int:
+    """Peak live tensor bytes of the real allocations ``run()`` makes on ``device``, above what was allocated before.
+
+    CPU: from ``torch.profiler``'s allocation events (build the model inside ``run`` so its weights count). CUDA:
+    ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, less the bytes allocated before ``run``.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        run()
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    allocations, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.typed[0] == _EventType.Allocation:
+            allocations.append((event.start_time_ns, event.typed[1].alloc_size))
+        stack.extend(event.children)
+    live = peak = 0
+    for _, size in sorted(allocations):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def measured_training_peak(
+    model_config,
+    batch: Mapping[str, torch.Tensor],
+    precision: str = "32-true",
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> int:
+    """Peak live tensor bytes of the steps :func:`~lightning_seqmem.memory.estimate.estimate_training_memory`
+    traces, run for real on ``device`` (``"cpu"`` or ``"cuda"``).
+
+    The model (real random weights) and the batch's copy on ``device`` are made inside the measured region, so
+    they count; measured with :func:`measured_peak_bytes`, not with the tracer's ``LiveBytes``.
+    """
+    precision = normalize_precision(precision)
+
+    def run() -> None:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = build_model(model_config, attn_implementation, precision, gradient_checkpointing)
+        lightning_steps(model, adamw(model, torch.device(device).type), {k: v.to(device) for k, v in batch.items()},
+                        precision)
+
+    return measured_peak_bytes(run, device)

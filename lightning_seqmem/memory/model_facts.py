@@ -1,0 +1,91 @@
+"""What the memory callbacks need to know about a LightningModule's model, read in one place.
+
+``CachePreallocator`` (token ids below the vocabulary), the memory estimate (the ``transformers`` config, attention
+and checkpointing to trace) and ``ConfigChecks`` (attention implementation, ``torch.compile``) accept any
+LightningModule, so they cannot ask it through a protocol of ours: a user's module is duck-typed, and this module is
+the one place that does it. ``CausalLM`` answers everything; a module of your own answers what it has (a Hugging
+Face model as ``.model``, ``vocab_size`` / ``attn_implementation`` / ``compile`` attributes or hyperparameters), and
+each unknown fact is ``None`` or ``False``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Facts about a LightningModule's model; ``None`` where the module does not say.
+
+    Attributes:
+        config: the ``transformers`` config of ``pl_module.model`` (a config with ``to_json_string`` and
+            ``vocab_size``: what the memory tracer needs), ``None`` without a Hugging Face model.
+        vocab_size: a positive int from the model's config, else ``hparams.vocab_size``, else ``pl_module.vocab_size``.
+        attn_implementation: the model config's ``_attn_implementation`` (what runs), else the module's
+            ``attn_implementation`` attribute or hyperparameter (what was asked for).
+        gradient_checkpointing: the Hugging Face model recomputes its layers in backward.
+        compiled: the module or a submodule is compiled (``torch.compile``, ``nn.Module.compile``, Lightning's
+            ``from_compiled``), or its hyperparameters ask for it (``compile=True``).
+    """
+
+    config: Any = None
+    vocab_size: int | None = None
+    attn_implementation: str | None = None
+    gradient_checkpointing: bool = False
+    compiled: bool = False
+
+
+def model_facts(pl_module: torch.nn.Module) -> ModelFacts:
+    """Read :class:`ModelFacts` from any LightningModule (or ``nn.Module``); missing attributes are unknown.
+
+    Example::
+
+        facts = model_facts(CausalLM(model_config="tiny_llama", vocab_size=32000))
+        facts.vocab_size, facts.attn_implementation  # (32000, 'sdpa')
+    """
+    model = getattr(pl_module, "model", None)
+    config = getattr(model, "config", None)
+    hparams = getattr(pl_module, "hparams", None)
+    return ModelFacts(
+        config=config if hasattr(config, "to_json_string") and hasattr(config, "vocab_size") else None,
+        vocab_size=_first("vocab_size", (config, hparams, pl_module), _positive_int),
+        attn_implementation=(_first("_attn_implementation", (config,), _string)
+                             or _first("attn_implementation", (pl_module, hparams), _string)),
+        gradient_checkpointing=_checkpointing(model),
+        compiled=_compiled(pl_module, hparams),
+    )
+
+
+def _first(name: str, owners: tuple[object, ...], accept: Callable[[object], bool]) -> Any:
+    """The first accepted ``name`` among ``owners``: an attribute, or a key of a mapping such as ``hparams``."""
+    for owner in owners:
+        value = owner.get(name) if isinstance(owner, Mapping) else getattr(owner, name, None)
+        if accept(value):
+            return value
+    return None
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _string(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _checkpointing(model: object) -> bool:
+    """transformers 5 renamed ``is_gradient_checkpointing`` to ``is_activation_checkpointing``."""
+    if hasattr(model, "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+def _compiled(pl_module: torch.nn.Module, hparams: object) -> bool:
+    if getattr(pl_module, "_compiler_ctx", None) or (isinstance(hparams, Mapping) and hparams.get("compile")):
+        return True  # Lightning's from_compiled, or CausalLM(compile=True)
+    return any(getattr(module, "_compiled_call_impl", None) is not None or type(module).__name__ == "OptimizedModule"
+               for module in pl_module.modules())
