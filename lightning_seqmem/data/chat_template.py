@@ -108,13 +108,15 @@ class ChatRenderer:
                 "offsets. Load the fast one (AutoTokenizer.from_pretrained(..., use_fast=True))."
             )
         self._variables = dict(tokenizer.special_tokens_map)
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False,
+               spans: bool = True) -> tuple[str, list[tuple[int, int]]]:
         """Render one conversation as ``apply_chat_template(tokenize=False)`` does (``None`` values dropped).
 
         Returns:
             ``(text, generation_spans)``: the character spans of the ``{% generation %}`` blocks (empty without
-            markers).
+            markers, or when ``spans`` is False: finding them costs a second pass).
         """
         from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -122,7 +124,7 @@ class ChatRenderer:
         texts, spans = render_jinja_template(
             conversations=[conversation],
             chat_template=self.template,
-            return_assistant_tokens_mask=self.method == MARKERS,
+            return_assistant_tokens_mask=spans and self.method == MARKERS,
             add_generation_prompt=add_generation_prompt,
             **self._variables,
         )
@@ -133,16 +135,21 @@ class ChatRenderer:
         from jinja2 import TemplateError
 
         try:
-            return self.render(messages, add_generation_prompt)[0]
+            return self.render(messages, add_generation_prompt, spans=False)[0]
         except (TemplateError, IndexError, KeyError, TypeError, ValueError):
             return None
 
     def tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """``input_ids`` (int32) of ``text`` as ``apply_chat_template`` tokenizes it (no special tokens added),
         and the character end of each token (int64), to map characters to tokens with ``searchsorted``."""
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(enc["input_ids"], dtype=np.int32)
-        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        if self._backend is not None:  # the Rust tokenizer itself: no per-token Python objects for the offsets
+            enc = self._backend.encode(text, add_special_tokens=False)
+            ids, offsets = enc.ids, enc.offsets
+        else:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        ids = np.asarray(ids, dtype=np.int32)
+        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
         # Offsets of the pieces after a trimmed or unmapped character can step back to 0: keep ends non-decreasing.
         ends = np.maximum.accumulate(offsets[:, 1]) if len(offsets) else offsets[:, 1]
         return ids, ends
