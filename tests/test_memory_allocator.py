@@ -75,13 +75,18 @@ def test_warns_when_cuda_is_already_initialised(monkeypatch):
         configure_allocator(env={})
 
 
-def test_runtime_variant_applies_to_the_live_allocator_and_warns_when_late(monkeypatch):
+def _fake_cuda(monkeypatch, initialized: bool) -> list[str]:
+    """torch 2.13 with a GPU, CUDA started or not; returns the list the live allocator's settings are applied to."""
     applied = []
-    cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True)
-    fake_torch = types.SimpleNamespace(cuda=cuda)
-    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: initialized)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
     monkeypatch.setattr(allocator, "_torch_version", lambda: (2, 13))
     monkeypatch.setattr(allocator, "_set_live_settings", applied.append)
+    return applied
+
+
+def test_runtime_variant_applies_to_the_live_allocator_and_warns_when_late(monkeypatch):
+    applied = _fake_cuda(monkeypatch, initialized=True)
     env = {}
     with pytest.warns(RuntimeWarning, match="only new segments follow"):
         assert apply_allocator_settings(env=env) == OURS
@@ -89,12 +94,7 @@ def test_runtime_variant_applies_to_the_live_allocator_and_warns_when_late(monke
 
 
 def test_runtime_variant_is_quiet_before_cuda_starts(monkeypatch, recwarn):
-    applied = []
-    cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: False)
-    fake_torch = types.SimpleNamespace(cuda=cuda)
-    monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    monkeypatch.setattr(allocator, "_torch_version", lambda: (2, 13))
-    monkeypatch.setattr(allocator, "_set_live_settings", applied.append)
+    applied = _fake_cuda(monkeypatch, initialized=False)
     assert apply_allocator_settings(env={}) == OURS
     assert applied == [OURS]
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
