@@ -11,7 +11,9 @@ Rows follow the pack layout of the batch contract (``collate.PackCollator`` buil
 0 for every sequence, padding is a segment of its own, no ``attention_mask``), plus ``completion_mask`` and
 ``sequence_index`` (the sequence of each token, -1 on padding). Sequences are numbered as the rows of TRL's padded
 batch: the chosen sequence of the batch's pair ``k`` is ``k``, its rejected one ``P + k``, so per-sequence sums
-``chunk(2)`` into chosen and rejected exactly as padded rows do.
+``chunk(2)`` into chosen and rejected exactly as padded rows do. Call the model with ``use_cache=False``, as for any
+packed batch: with a cache, transformers' SDPA path does not look for packed sequences in ``position_ids`` and
+lets them attend to each other.
 """
 
 from __future__ import annotations

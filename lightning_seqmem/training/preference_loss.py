@@ -30,7 +30,7 @@ def token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of each sequence's completion log-probabilities, split into ``(chosen, rejected)``, ``[pairs]`` each.
+    """Sum of each sequence's completion log-probabilities, split into ``(chosen, rejected)``, ``[pairs]`` float64.
 
     Args:
         logits: ``[batch, seq, vocab]`` the model's output on ``batch``.
@@ -42,7 +42,9 @@ def sequence_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tupl
         chosen, rejected = sequence_logps(model(**model_inputs).logits, batch)
     """
     mask = batch[_COMPLETION_MASK][:, 1:].bool()
-    per_token = token_logps(logits, batch["input_ids"]).masked_fill(~mask, 0.0)
+    # Summed in float64: a sum of hundreds of terms near -1..-10 rounds by ~1e-5 in fp32, more than the two layouts
+    # differ by (their per-token values agree within 1e-6), and the layouts add in different orders.
+    per_token = token_logps(logits, batch["input_ids"]).masked_fill(~mask, 0.0).double()
     if _SEQUENCE_INDEX not in batch:
         sums = per_token.sum(dim=1)
     else:
