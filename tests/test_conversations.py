@@ -6,7 +6,6 @@ milliseconds) whose end-of-turn token ``<|im_end|>`` is not its EOS ``</s>``.
 
 import warnings
 
-import numpy as np
 import pytest
 
 from lightning_seqmem.data.chat_template import (

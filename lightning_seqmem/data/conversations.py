@@ -84,6 +84,11 @@ def check_conversation_columns(columns: Iterable[str], messages_column: str = ME
     return True
 
 
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; use one of {choices}.")
+
+
 @dataclass(frozen=True)
 class ConversationSettings:
     """How conversations become training tokens.
@@ -94,22 +99,15 @@ class ConversationSettings:
         train_field: per-message boolean that overrides ``train_on`` for that turn (``None``: no override).
         on_empty_labels: a conversation with no trained token is ``"drop"``-ped (and counted), ``"keep"``-t
             (it adds no loss) or an ``"error"``.
-        max_length: longest conversation kept, truncated by turns (``chat_truncation.truncate_turns``); ``None`` for none.
     """
 
     train_on: str = "assistant"
     train_field: str | None = DEFAULT_TRAIN_FIELD
     on_empty_labels: str = "drop"
-    max_length: int | None = None
 
     def __post_init__(self) -> None:
-        from lightning_seqmem.batching.truncation import check_max_length
-
-        if self.train_on not in TRAIN_ON:
-            raise ValueError(f"train_on={self.train_on!r} is not valid; use one of {TRAIN_ON}.")
-        if self.on_empty_labels not in ON_EMPTY_LABELS:
-            raise ValueError(f"on_empty_labels={self.on_empty_labels!r} is not valid; use one of {ON_EMPTY_LABELS}.")
-        check_max_length(self.max_length)
+        _check_choice("train_on", self.train_on, TRAIN_ON)
+        _check_choice("on_empty_labels", self.on_empty_labels, ON_EMPTY_LABELS)
 
 
 @dataclass(frozen=True)
@@ -282,8 +280,9 @@ def encode_conversation(messages: Sequence[Mapping], renderer: ChatRenderer, row
 def encode_rows(conversations: Sequence, rows: Sequence, renderer: ChatRenderer,
                 settings: ConversationSettings = ConversationSettings()) -> dict[str, list]:
     """Columns for a batch of conversations (a ``datasets.map(batched=True, with_indices=True)`` body): the
-    :meth:`EncodedConversation.to_row` columns plus ``num_trained``. Untruncated and unfiltered, so the cached tokens
-    do not depend on ``max_length`` or ``on_empty_labels``: apply ``chat_truncation.truncate`` and :func:`select_trained` after."""
+    :meth:`EncodedConversation.to_row` columns plus ``num_trained``. Untruncated and unfiltered, so the cached
+    tokens do not depend on ``max_length`` or ``on_empty_labels``: apply ``chat_truncation.truncate`` and
+    :func:`select_trained` after."""
     columns: dict[str, list] = {}
     for messages, row in zip(conversations, rows):
         encoded = encode_conversation(messages, renderer, row, settings)
@@ -303,8 +302,7 @@ def select_trained(num_trained: Sequence[int] | np.ndarray, on_empty_labels: str
     Raises:
         ValueError: ``on_empty_labels="error"`` and a conversation has no trained token (named by ``rows``).
     """
-    if on_empty_labels not in ON_EMPTY_LABELS:
-        raise ValueError(f"on_empty_labels={on_empty_labels!r} is not valid; use one of {ON_EMPTY_LABELS}.")
+    _check_choice("on_empty_labels", on_empty_labels, ON_EMPTY_LABELS)
     counts = np.asarray(num_trained, dtype=np.int64)
     empty = np.flatnonzero(counts == 0)
     if len(empty) and on_empty_labels == "error":
