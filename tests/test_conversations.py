@@ -258,3 +258,25 @@ def test_rows_are_cheap_arrow_columns(builtin_tok):
 def test_template_fingerprint_changes_with_the_template(builtin_tok):
     assert chat_template_of(builtin_tok) == BUILTIN_CHAT_TEMPLATE
     assert template_fingerprint(BUILTIN_CHAT_TEMPLATE) != template_fingerprint(CHATML)
+
+
+def test_fallback_refuses_template_that_cannot_render_a_prefix(chatml_tok):
+    saved = chatml_tok.chat_template
+    try:  # a template that insists on ending with an assistant turn
+        chatml_tok.chat_template = _without_markers(CHATML, "raises") + (
+            "{%- if messages[-1]['role'] != 'assistant' -%}{{ raise_exception('end on assistant') }}{%- endif -%}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            renderer = ChatRenderer(chatml_tok)
+        with pytest.raises(ValueError, match=r"Conversation 3, turn 0 \(system\): the chat template cannot render"):
+            encode_conversation(CONVERSATION, renderer, 3)
+    finally:
+        chatml_tok.chat_template = saved
+
+
+def test_tool_turns_are_context(chatml_tok):
+    messages = [{"role": "user", "content": "What is 6 x 7?"}, {"role": "assistant", "content": "Calling."},
+                {"role": "tool", "content": "42"}, {"role": "assistant", "content": "It is 42."}]
+    enc = encode_conversation(messages, ChatRenderer(chatml_tok), 0)
+    assert _spans_text(chatml_tok, enc) == ["Calling.<|im_end|>", "It is 42.<|im_end|>"]
+    assert len(enc.turn_ends) == 4 and enc.keep_turns == 0

@@ -233,7 +233,10 @@ def encode_conversation(messages: Sequence[Mapping], renderer: ChatRenderer, row
     if renderer.method != MARKERS:
         for i, bound in enumerate(bounds):
             if bound is None:
-                raise _prefix_refused(row, i, messages[i]["role"], "renders it differently once later turns follow")
+                what = ("cannot render the conversation up to it alone (it raised)"
+                        if renderer.try_render(messages[: i + 1]) is None
+                        else "renders it differently once later turns follow")
+                raise _prefix_refused(row, i, messages[i]["role"], what)
 
     # Turns: the preamble, then one per message, merged where a boundary is missing (possible with markers only).
     turn_ends, turn_of = ([char_to_token(ends, preamble_end)] if preamble_end else []), []
