@@ -84,6 +84,7 @@ def test_a_pair_that_loses_a_completion_is_counted_warned_and_refused_by_the_col
     with pytest.warns(UserWarning, match=r"1 pair\(s\) lose a whole completion to truncation \(row 11\)"):
         spans = check_pairs(pairs, limits, first_row=10)
     assert spans.lost.tolist() == [False, True] and spans.dropped()["pairs_lost_completion"] == 1
+    assert spans.dropped()["pairs_identical"] == 0  # two lost completions are not a tie
     with pytest.raises(ValueError, match="row 1 of the batch lost a whole completion"):
         PreferenceCollator(0, limits)(pairs)
     PreferenceCollator(0, limits)([p for p, lost in zip(pairs, spans.lost) if not lost])
@@ -114,6 +115,9 @@ def test_identical_pairs_are_counted_and_warned():
     with pytest.warns(UserWarning, match=r"1 pair\(s\) with chosen == rejected \(row 0\): no preference signal"):
         spans = check_pairs(pairs, PreferenceLimits(None))
     assert spans.identical.tolist() == [True, False, False] and spans.dropped()["pairs_identical"] == 1
+    # Completions that differ only in what truncation cuts carry no signal either.
+    with pytest.warns(UserWarning, match=r"3 pair\(s\) with chosen == rejected \(rows 0, 1, 2\)"):
+        spans = check_pairs(pairs, PreferenceLimits(None, max_completion_length=1))
 
 
 def test_identical_completions_vectorised_agrees_with_comparing_rows():
@@ -167,7 +171,8 @@ def test_padded_shapes_follow_the_padding_settings(tokenizer):
     assert PreferenceCollator(0, limits, pad_to_multiple_of=8)(pairs)["input_ids"].shape == (8, -(-longest // 8) * 8)
     assert PreferenceCollator(0, limits, pad_to_max_length=True)(pairs)["input_ids"].shape == (8, 40)
     # The multiple never pads past max_length (a shape the memory plan did not count).
-    assert PreferenceCollator(0, PreferenceLimits(22, max_prompt_length=12), pad_to_multiple_of=16)(pairs)["input_ids"].shape[1] <= 22
+    capped = PreferenceCollator(0, PreferenceLimits(22, max_prompt_length=12), pad_to_multiple_of=16)(pairs)
+    assert capped["input_ids"].shape[1] <= 22
     assert "labels" not in PreferenceCollator(0, limits, return_labels=False)(pairs)
     with pytest.raises(ValueError, match="pad_to_max_length=True needs max_length"):
         PreferenceCollator(0, PreferenceLimits(None), pad_to_max_length=True)

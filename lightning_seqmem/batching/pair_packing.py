@@ -27,7 +27,7 @@ import torch
 from lightning_seqmem.batch import IGNORE_INDEX
 from lightning_seqmem.batching.bin_packing import pack_bins
 from lightning_seqmem.batching.collate import PackCollator, _fill
-from lightning_seqmem.batching.preference import (COMPLETION_MASK, SEQUENCE_INDEX, PreferenceLimits, _rows,
+from lightning_seqmem.batching.preference import (COMPLETION_MASK, SEQUENCE_INDEX, PreferenceLimits, name_rows,
                                                   pair_sequences, ref_logps)
 from lightning_seqmem.batching.truncation import check_max_length
 
@@ -59,10 +59,10 @@ def plan_pair_rows(pair_lengths: np.ndarray, row_length: int, first_row: int = 0
     check_max_length(row_length, "row_length")
     lengths = np.asarray(pair_lengths, dtype=np.int64)
     if (lengths > row_length).any():
-        raise ValueError(f"{_rows(lengths > row_length, first_row)}: the pair (chosen + rejected) is longer than "
+        raise ValueError(f"{name_rows(lengths > row_length, first_row)}: the pair (chosen + rejected) is longer than "
                          f"row_length={row_length}; use row_length >= 2 * max_length so every pair fits.")
     if (lengths < 1).any():
-        raise ValueError(f"{_rows(lengths < 1, first_row)}: empty pair; drop pairs that lost a completion first.")
+        raise ValueError(f"{name_rows(lengths < 1, first_row)}: empty pair; drop pairs that lost a completion first.")
     order, bin_of = pack_bins(lengths, row_length)
     by_row = np.argsort(bin_of, kind="stable")
     counts = np.bincount(bin_of, minlength=int(bin_of.max(initial=-1)) + 1)

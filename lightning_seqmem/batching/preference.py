@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from lightning_seqmem.batch import IGNORE_INDEX
+from lightning_seqmem.messages import short_repr
 from lightning_seqmem.batching.collate import PadCollator, _fill
 from lightning_seqmem.batching.truncation import check_max_length
 
@@ -114,8 +115,8 @@ def sequence_spans(prompt_lengths: np.ndarray, completion_lengths: np.ndarray, m
     return p - p_kept, p_kept, c - c_kept, c_kept
 
 
-def _rows(mask: np.ndarray, first_row: int, shown: int = 3) -> str:
-    """``"rows 4, 9, 12 (+2 more)"`` for the ``True`` places of ``mask``."""
+def name_rows(mask: np.ndarray, first_row: int, shown: int = 3) -> str:
+    """``"rows 4, 9, 12 (+2 more)"`` for the ``True`` places of ``mask`` (bounded, for error messages)."""
     rows = np.flatnonzero(mask) + first_row
     more = f" (+{len(rows) - shown} more)" if len(rows) > shown else ""
     return f"row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows[:shown].tolist()))}{more}"
@@ -136,7 +137,7 @@ class PairSpans:
     prompt_kept: np.ndarray
     completion_start: np.ndarray
     completion_kept: np.ndarray
-    identical: np.ndarray | None = None  # [rows] chosen == rejected, where known
+    identical: np.ndarray | None = None  # [rows] chosen == rejected after truncation, where known
 
     @property
     def lost(self) -> np.ndarray:
@@ -190,11 +191,11 @@ def preference_spans(prompt_lengths: np.ndarray, chosen_lengths: np.ndarray, rej
     c = np.stack([np.asarray(chosen_lengths, dtype=np.int64), np.asarray(rejected_lengths, dtype=np.int64)])
     for side, name in ((CHOSEN, "chosen"), (REJECTED, "rejected")):
         if (c[side] == 0).any():
-            raise ValueError(f"{_rows(c[side] == 0, first_row)}: empty {name} completion; a pair needs both "
+            raise ValueError(f"{name_rows(c[side] == 0, first_row)}: empty {name} completion; a pair needs both "
                              "completions (drop such rows from the dataset).")
     p1 = p if limits.max_prompt_length is None else np.minimum(p, limits.max_prompt_length)
     if limits.max_length is not None and (p1 > limits.max_length).any():
-        raise ValueError(f"{_rows(p1 > limits.max_length, first_row)}: the prompt alone is longer than max_length="
+        raise ValueError(f"{name_rows(p1 > limits.max_length, first_row)}: the prompt alone is longer than max_length="
                          f"{limits.max_length}; set max_prompt_length below max_length or drop these rows.")
     c1 = c if limits.max_completion_length is None else np.minimum(c, limits.max_completion_length)
     p_start, p_kept, c_start, c_kept = sequence_spans(np.broadcast_to(p1, c1.shape), c1, limits.max_length,
@@ -238,8 +239,8 @@ def pair_tokens(examples: Sequence[Mapping[str, Any]], first_row: int = 0) -> li
         for j, key in enumerate(PAIR_COLUMNS):
             ids = ex.get(key)
             if ids is None and j:
-                raise ValueError(f"row {first_row + i}: the pair has no {key!r} (keys: {sorted(ex)}); every pair "
-                                 f"needs {PAIR_COLUMNS[1]!r} and {PAIR_COLUMNS[2]!r}.")
+                raise ValueError(f"row {first_row + i}: the pair has no {key!r} (keys: {short_repr(sorted(ex))}); "
+                                 f"every pair needs {PAIR_COLUMNS[1]!r} and {PAIR_COLUMNS[2]!r}.")
             out[j].append(np.asarray(ids if ids is not None else [], dtype=np.int64))
     return out
 
@@ -254,14 +255,18 @@ def check_pairs(examples: Sequence[Mapping[str, Any]], limits: PreferenceLimits,
     prompts, chosen, rejected = pair_tokens(examples, first_row)
     lengths = [np.fromiter(map(len, side), dtype=np.int64, count=len(side)) for side in (prompts, chosen, rejected)]
     spans = preference_spans(*lengths, limits, first_row=first_row)
-    identical = identical_completions(*_flat(chosen), *_flat(rejected))
+    # Compared as kept: completions that differ only in what truncation cuts carry no signal either (and equal
+    # kept completions mean equal sequences: the prompt part then has the same length on both sides).
+    kept = [[ids[a : a + n] for ids, a, n in zip(side, spans.completion_start[s], spans.completion_kept[s])]
+            for s, side in ((CHOSEN, chosen), (REJECTED, rejected))]
+    identical = identical_completions(*_flat(kept[CHOSEN]), *_flat(kept[REJECTED])) & ~spans.lost
     spans = replace(spans, identical=identical)
     if identical.any():
-        warnings.warn(f"{int(identical.sum())} pair(s) with chosen == rejected ({_rows(identical, first_row)}): "
-                      "no preference signal in them.", stacklevel=2)
+        warnings.warn(f"{int(identical.sum())} pair(s) with chosen == rejected ({name_rows(identical, first_row)}): "
+                      "no preference signal in them (compared after truncation).", stacklevel=2)
     if spans.lost.any():
         warnings.warn(f"{int(spans.lost.sum())} pair(s) lose a whole completion to truncation "
-                      f"({_rows(spans.lost, first_row)}): drop them (PairSpans.lost) or raise max_length.",
+                      f"({name_rows(spans.lost, first_row)}): drop them (PairSpans.lost) or raise max_length.",
                       stacklevel=2)
     return spans
 
@@ -279,7 +284,7 @@ def pair_sequences(examples: Sequence[Mapping[str, Any]], limits: PreferenceLimi
     lengths = [np.fromiter(map(len, side), dtype=np.int64, count=len(side)) for side in (prompts, chosen, rejected)]
     spans = preference_spans(*lengths, limits)
     if spans.lost.any():
-        raise ValueError(f"{_rows(spans.lost, 0)} of the batch lost a whole completion to truncation; drop such "
+        raise ValueError(f"{name_rows(spans.lost, 0)} of the batch lost a whole completion to truncation; drop such "
                          "pairs before batching (check_pairs(...).lost).")
     sequences = []
     for side, completions in ((CHOSEN, chosen), (REJECTED, rejected)):
