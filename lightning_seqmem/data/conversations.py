@@ -110,7 +110,7 @@ class ConversationSettings:
         _check_choice("on_empty_labels", self.on_empty_labels, ON_EMPTY_LABELS)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # numpy fields: compare them with np.array_equal, not ==
 class EncodedConversation:
     """One conversation as tokens.
 
