@@ -67,7 +67,8 @@ def test_spans_equal_truncating_the_tokens(limits):
     assert dropped["prompt_tokens_truncated"] == int((2 * p - spans.prompt_kept.sum(0)).sum())
     assert dropped["chosen_tokens_truncated"] + dropped["rejected_tokens_truncated"] == \
         int(c.sum() - spans.completion_kept.sum())
-    assert dropped["pairs_lost_completion"] == int(spans.lost.sum())
+    assert dropped["tokens_truncated"] == int(2 * p.sum() + c.sum() - spans.sequence_lengths.sum())
+    assert dropped["rows_without_completion"] == int(spans.lost.sum())
 
 
 def test_sequence_spans_is_trls_slice():
@@ -83,8 +84,8 @@ def test_a_pair_that_loses_a_completion_is_counted_warned_and_refused_by_the_col
              {"prompt_ids": [1] * 6, "chosen_ids": [3], "rejected_ids": [4, 5]}]  # the prompt fills max_length
     with pytest.warns(UserWarning, match=r"1 pair\(s\) lose a whole completion to truncation \(row 11\)"):
         spans = check_pairs(pairs, limits, first_row=10)
-    assert spans.lost.tolist() == [False, True] and spans.dropped()["pairs_lost_completion"] == 1
-    assert spans.dropped()["pairs_identical"] == 0  # two lost completions are not a tie
+    assert spans.lost.tolist() == [False, True] and spans.dropped()["rows_without_completion"] == 1
+    assert spans.dropped()["rows_chosen_equals_rejected"] == 0  # two lost completions are not a tie
     with pytest.raises(ValueError, match="row 1 of the batch lost a whole completion"):
         PreferenceCollator(0, limits)(pairs)
     PreferenceCollator(0, limits)([p for p, lost in zip(pairs, spans.lost) if not lost])
@@ -114,7 +115,7 @@ def test_identical_pairs_are_counted_and_warned():
              {"prompt_ids": [1], "chosen_ids": [3], "rejected_ids": [3, 4]}]
     with pytest.warns(UserWarning, match=r"1 pair\(s\) with chosen == rejected \(row 0\): no preference signal"):
         spans = check_pairs(pairs, PreferenceLimits(None))
-    assert spans.identical.tolist() == [True, False, False] and spans.dropped()["pairs_identical"] == 1
+    assert spans.identical.tolist() == [True, False, False] and spans.dropped()["rows_chosen_equals_rejected"] == 1
     # Completions that differ only in what truncation cuts carry no signal either.
     with pytest.warns(UserWarning, match=r"3 pair\(s\) with chosen == rejected \(rows 0, 1, 2\)"):
         spans = check_pairs(pairs, PreferenceLimits(None, max_completion_length=1))

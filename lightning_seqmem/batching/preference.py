@@ -155,15 +155,18 @@ class PairSpans:
         return self.sequence_lengths.sum(axis=0)
 
     def dropped(self) -> dict[str, int]:
-        """Counts for ``stats()``: tokens cut from prompts (both sequences' copies), chosen and rejected
-        completions; pairs that lost a completion; pairs with chosen == rejected."""
+        """Counts for ``stats()``, named as the other data kinds name them: tokens cut (in all, and from prompts,
+        both sequences' copies, from chosen and from rejected completions), pairs that lost a completion, pairs
+        with chosen == rejected."""
+        prompt = int((self.prompt_lengths - self.prompt_kept).sum())
+        chosen, rejected = (int(n) for n in (self.completion_lengths - self.completion_kept).sum(axis=1))
         return {
-            "prompt_tokens_truncated": int((self.prompt_lengths - self.prompt_kept).sum()),
-            "chosen_tokens_truncated": int((self.completion_lengths[CHOSEN] - self.completion_kept[CHOSEN]).sum()),
-            "rejected_tokens_truncated": int(
-                (self.completion_lengths[REJECTED] - self.completion_kept[REJECTED]).sum()),
-            "pairs_lost_completion": int(self.lost.sum()),
-            "pairs_identical": int(self.identical.sum()) if self.identical is not None else 0,
+            "tokens_truncated": prompt + chosen + rejected,
+            "prompt_tokens_truncated": prompt,
+            "chosen_tokens_truncated": chosen,
+            "rejected_tokens_truncated": rejected,
+            "rows_without_completion": int(self.lost.sum()),
+            "rows_chosen_equals_rejected": int(self.identical.sum()) if self.identical is not None else 0,
         }
 
 
