@@ -248,6 +248,13 @@ def pair_tokens(examples: Sequence[Mapping[str, Any]], first_row: int = 0) -> li
     return out
 
 
+def _tokens_and_spans(examples: Sequence[Mapping[str, Any]], limits: PreferenceLimits, first_row: int = 0
+                      ) -> tuple[list[list[np.ndarray]], PairSpans]:
+    tokens = pair_tokens(examples, first_row)
+    lengths = [np.fromiter(map(len, side), dtype=np.int64, count=len(side)) for side in tokens]
+    return tokens, preference_spans(*lengths, limits, first_row=first_row)
+
+
 def check_pairs(examples: Sequence[Mapping[str, Any]], limits: PreferenceLimits, first_row: int = 0) -> PairSpans:
     """Check a dataset's pairs and plan their truncation; warn about identical pairs and pairs that lose a
     completion (both counted in :meth:`PairSpans.dropped`; drop ``spans.lost`` before batching).
@@ -255,9 +262,7 @@ def check_pairs(examples: Sequence[Mapping[str, Any]], limits: PreferenceLimits,
     Raises:
         ValueError: as :func:`pair_tokens` and :func:`preference_spans`, naming the row.
     """
-    prompts, chosen, rejected = pair_tokens(examples, first_row)
-    lengths = [np.fromiter(map(len, side), dtype=np.int64, count=len(side)) for side in (prompts, chosen, rejected)]
-    spans = preference_spans(*lengths, limits, first_row=first_row)
+    (prompts, chosen, rejected), spans = _tokens_and_spans(examples, limits, first_row)
     # Compared as kept: completions that differ only in what truncation cuts carry no signal either (and equal
     # kept completions mean equal sequences: the prompt part then has the same length on both sides).
     kept = [[ids[a : a + n] for ids, a, n in zip(side, spans.completion_start[s], spans.completion_kept[s])]
@@ -283,9 +288,7 @@ def pair_sequences(examples: Sequence[Mapping[str, Any]], limits: PreferenceLimi
         ValueError: bad pairs (:func:`pair_tokens`, :func:`preference_spans`), or a pair that lost a completion
             (it would be kept silently with no signal: drop ``PairSpans.lost`` at dataset level).
     """
-    prompts, chosen, rejected = pair_tokens(examples)
-    lengths = [np.fromiter(map(len, side), dtype=np.int64, count=len(side)) for side in (prompts, chosen, rejected)]
-    spans = preference_spans(*lengths, limits)
+    (prompts, chosen, rejected), spans = _tokens_and_spans(examples, limits)
     if spans.lost.any():
         raise ValueError(f"{name_rows(spans.lost, 0)} of the batch lost a whole completion to truncation; drop such "
                          "pairs before batching (check_pairs(...).lost).")
