@@ -1,17 +1,19 @@
-"""Batching strategies: pad, truncate, pack. Chosen once; each owns its rows, collator, sampler, keys and shapes.
+"""Batching strategies: pad, truncate, pack. Chosen once; each answers every question about its batches.
 
 A strategy turns a split's documents (a ``tokens.TokenSource`` plus optional per-token labels) into rows the
-model sees, and says how to batch them: ``plan`` (rows, real tokens per row, what was cut; ``plan_lengths`` the
+model sees, and says how to batch them: ``rows`` (rows, real tokens per row, what was cut; ``row_lengths`` the
 same from document lengths alone), ``collator``, ``sampler``/``split_sampler``, ``keys``, ``shapes`` (``(rows,
-length)`` of every batch, from lengths alone) and ``epoch_stats``. No Lightning import; ``SeqMemDataModule`` holds one
-strategy per split (``eval_strategy`` may differ from training) and ``seqmem-plan`` asks the same objects, so the
-planner's numbers are the DataModule's by construction.
+length)`` of every batch, from lengths alone), ``epoch_stats``, and for checks and reports ``label``,
+``constant_shapes`` and ``packs``. Built from frozen ``BatchingSettings`` (``make_strategy``) once the data kind is
+known, and never changed. No Lightning import; ``SeqMemDataModule`` holds one strategy per split (``eval_strategy``
+may differ from training) and ``seqmem-plan`` asks the same objects, so the planner's numbers are the DataModule's
+by construction. This module is the only place that knows the strategies by name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -25,6 +27,61 @@ from lightning_seqmem.data.tokens import as_token_source
 from lightning_seqmem.batching.truncation import PromptCompletionLimits, count_truncated
 
 STRATEGIES = ("pad", "truncate", "pack")
+
+# ``seqmem-plan``'s strategy names (user-facing) -> the settings that select them.
+PLANNER_STRATEGIES: dict[str, dict[str, Any]] = {
+    "pad": {"strategy": "pad", "pad_to_max_length": False},
+    "pad_to_max_length": {"strategy": "pad", "pad_to_max_length": True},
+    "truncate": {"strategy": "truncate"},
+    "pack_bfd": {"strategy": "pack", "packing": "bfd"},
+    "pack_wrapped": {"strategy": "pack", "packing": "wrapped"},
+}
+
+
+def planner_name(settings: Any) -> str:
+    """The planner's name for the train loader of ``settings`` (``strategy="pack", packing="bfd"`` -> ``"pack_bfd"``)."""
+    return next(name for name, values in PLANNER_STRATEGIES.items()
+                if all(getattr(settings, key) == value for key, value in values.items()))
+
+
+class Strategy(Protocol):
+    """What ``SeqMemDataModule``, the planner and the checks ask a split's strategy (pad, truncate and pack answer)."""
+
+    name: str  # the ``strategy`` argument that selects it (for messages)
+    packs: bool  # several documents per row
+    full_length_rows: bool  # every row is ``max_length`` long (a token budget then fixes the rows per batch)
+
+    @property
+    def label(self) -> str: ...  # for reports: "pad", "truncate", "pack (bfd)"
+
+    @property
+    def keys(self) -> tuple[str, ...]: ...
+
+    @property
+    def constant_shapes(self) -> bool: ...  # every batch one shape: the CUDA allocator reuses its blocks
+
+    @property
+    def budget_shapes(self) -> bool: ...  # rows and length vary together (a token budget on padded batches)
+
+    @property
+    def prompt_completion_limits(self) -> PromptCompletionLimits: ...
+
+    def rows(self, source: Any, labels: Any = None) -> SplitRows: ...
+
+    def row_lengths(self, lengths: np.ndarray) -> tuple[np.ndarray, dict[str, int]]: ...
+
+    def collator(self, pad_token_id: int): ...
+
+    def rows_per_batch(self, split: str) -> int: ...
+
+    def split_sampler(self, lengths: np.ndarray, split: str, num_replicas: int | None = None,
+                      rank: int | None = None): ...
+
+    def epoch_stats(self, lengths: np.ndarray, sampler) -> EpochStats: ...
+
+    def worst_layout(self, rows: int, length: int, lengths: np.ndarray | None = None): ...
+
+    def lost_tokens_fix(self, prompt_completion: bool) -> str: ...
 
 
 class DocumentRows(Dataset):
@@ -57,7 +114,7 @@ class PackedRows(Dataset):
 
 
 @dataclass
-class Plan:
+class SplitRows:
     """A split after its strategy: the rows served, real tokens per row, and counts of what was cut."""
 
     rows: Dataset
@@ -81,48 +138,64 @@ class EpochStats:
                 "token_efficiency": self.token_efficiency}
 
 
-@dataclass
-class BatchingOptions:
-    """Options shared by every strategy (the DataModule's arguments)."""
-
-    max_length: int
-    pad_to_multiple_of: int | None = 8
-    pad_to_max_length: bool = False
-    truncation_side: str = "right"
-    group_by_length: bool = False
-    max_tokens_per_batch: int | None = None
-    packing: str = "bfd"
-    overflow: str = "split"
-    return_cu_seqlens: bool = False
-    plan_cache: str | None = None  # where packing plans of large datasets are kept (``plan_cache``)
-
-
 class PadStrategy:
-    """Each batch padded to its longest row (rounded up to ``pad_to_multiple_of``), rows cut at ``max_length``."""
+    """Each batch padded to its longest row (rounded up to ``pad_to_multiple_of``), rows cut at ``max_length``.
+
+    Args:
+        settings: the frozen ``BatchingSettings`` (read, never changed).
+        kind: the data kind (``"text"`` or ``"prompt_completion"``): it decides the overflow rule.
+        plan_cache: where packing plans of large datasets are kept (``plan_cache``); ``None``: not cached.
+    """
 
     name = "pad"
-    keys = PAD_KEYS
+    packs = False
+    full_length_rows = False
 
-    def __init__(self, options: BatchingOptions) -> None:
-        self.options = options
+    def __init__(self, settings: Any, kind: str = "text", plan_cache: str | None = None) -> None:
+        self.settings, self.overflow, self.plan_cache = settings, settings.overflow_for(kind), plan_cache
         self._shape_collator = None
 
-    def prompt_completion_limits(self, limits: PromptCompletionLimits) -> PromptCompletionLimits:
+    @property
+    def label(self) -> str:
+        return self.name
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return PAD_KEYS
+
+    @property
+    def constant_shapes(self) -> bool:
+        """Rows of ``max_length`` always, or padded to it (``pad_to_max_length``) with no token budget."""
+        s = self.settings
+        return self.full_length_rows or (s.pad_to_max_length and s.max_tokens_per_batch is None)
+
+    @property
+    def budget_shapes(self) -> bool:
+        """Whether rows and length vary together (a token budget on padded batches): the largest batch is then the
+        one with the most slots, not the largest rows and the largest length apart."""
+        return not self.full_length_rows and self.settings.max_tokens_per_batch is not None
+
+    @property
+    def prompt_completion_limits(self) -> PromptCompletionLimits:
         """The limits applied at dataset level to prompt/completion rows (all of them: rows fit ``max_length``)."""
-        return limits
+        return self.settings.limits
 
-    def plan(self, source: Any, labels: Any = None) -> Plan:
-        return Plan(DocumentRows(source, labels), *self.plan_lengths(source.lengths))
+    def rows(self, source: Any, labels: Any = None) -> SplitRows:
+        return SplitRows(DocumentRows(source, labels), *self.row_lengths(source.lengths))
 
-    def plan_lengths(self, lengths: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
+    def row_lengths(self, lengths: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
         """``([rows] real tokens per row, counts of what was cut)`` from ``[documents]`` lengths alone."""
-        m = self.options.max_length
+        m = self.settings.max_length
         return np.minimum(lengths, m), {"tokens_truncated": count_truncated(lengths, m)}
 
+    def lost_tokens_fix(self, prompt_completion: bool) -> str:
+        """How to keep the tokens this strategy cut (the end of the DataModule's warning)."""
+        return "Raise max_length, or use strategy='pack' (overflow='split') to keep them."
+
     def collator(self, pad_token_id: int):
-        o = self.options
-        return PadCollator(pad_token_id, max_length=o.max_length, pad_to_multiple_of=o.pad_to_multiple_of,
-                           pad_to_max_length=o.pad_to_max_length, truncation_side=o.truncation_side)
+        s = self.settings
+        return PadCollator(pad_token_id, max_length=s.max_length, pad_to_multiple_of=s.pad_to_multiple_of,
+                           pad_to_max_length=s.pad_to_max_length, truncation_side=s.truncation_side)
 
     def padded_length(self, longest: int) -> int:
         """The ``seq`` of a batch whose longest row has ``longest`` tokens (asked once per batch by samplers)."""
@@ -130,23 +203,27 @@ class PadStrategy:
             self._shape_collator = self.collator(0)
         return self._shape_collator.padded_length(longest)
 
-    def rows_per_batch(self, batch_size: int) -> int:
+    def rows_per_batch(self, split: str) -> int:
+        """Rows of ``split``'s batches (a ``pad`` token budget varies them: this is the cap without one)."""
+        return self._rows(self.settings.batch_size(split))
+
+    def _rows(self, batch_size: int) -> int:
         return batch_size
 
     def sampler(self, lengths: np.ndarray, batch_size: int, **common):
-        o = self.options
-        if o.max_tokens_per_batch is not None:
-            return TokenBudgetBatchSampler(lengths, o.max_tokens_per_batch, padded_length=self.padded_length, **common)
-        if o.group_by_length:
+        s = self.settings
+        if s.max_tokens_per_batch is not None:
+            return TokenBudgetBatchSampler(lengths, s.max_tokens_per_batch, padded_length=self.padded_length, **common)
+        if s.group_by_length:
             return LengthGroupedSampler(lengths, batch_size, **common)
         return ShuffledBatchSampler(len(lengths), batch_size, **common)
 
-    def split_sampler(self, lengths: np.ndarray, batch_size: int, train: bool, seed: int, drop_last: bool,
-                      num_replicas: int | None = None, rank: int | None = None):
-        """A split's sampler: train shuffles (``seed + epoch``) and honours ``drop_last``; validation keeps order
+    def split_sampler(self, lengths: np.ndarray, split: str, num_replicas: int | None = None, rank: int | None = None):
+        """``split``'s sampler: train shuffles (``seed + epoch``) and honours ``drop_last``; validation keeps order
         and every row."""
-        return self.sampler(lengths, batch_size, shuffle=train, seed=seed, num_replicas=num_replicas, rank=rank,
-                            drop_last=drop_last and train)
+        train = split == "train"
+        return self.sampler(lengths, self.settings.batch_size(split), shuffle=train, seed=self.settings.seed,
+                            num_replicas=num_replicas, rank=rank, drop_last=self.settings.drop_last and train)
 
     def shapes(self, batches: BatchList, lengths: np.ndarray) -> list[tuple[int, int]]:
         """``(rows, length)`` of each batch."""
@@ -163,12 +240,6 @@ class PadStrategy:
         return EpochStats(rows=len(lengths), batches=len(shapes), rows_dropped_per_epoch=sampler.num_dropped,
                           token_efficiency=fed / max(sum(r * n for r, n in shapes), 1),
                           largest=self.largest(shapes) if shapes else None)
-
-    @property
-    def budget_shapes(self) -> bool:
-        """Whether rows and length vary together (a token budget on padded batches): the largest batch is then the
-        one with the most slots, not the largest rows and the largest length apart."""
-        return self.options.max_tokens_per_batch is not None
 
     def largest(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
         """The shape to pre-allocate for: with a token budget rows and length vary together (most slots)."""
@@ -189,54 +260,67 @@ class TruncateStrategy(PadStrategy):
     """Every row cut and padded to ``max_length``: one constant shape ``[rows, max_length]``."""
 
     name = "truncate"
+    full_length_rows = True  # a budget fixes the rows: every batch is [rows, max_length]
 
     def collator(self, pad_token_id: int):
-        o = self.options
-        return TruncateCollator(pad_token_id, o.max_length, truncation_side=o.truncation_side)
+        s = self.settings
+        return TruncateCollator(pad_token_id, s.max_length, truncation_side=s.truncation_side)
 
-    def rows_per_batch(self, batch_size: int) -> int:
-        budget = self.options.max_tokens_per_batch
-        return batch_size if budget is None else budget // self.options.max_length
+    def _rows(self, batch_size: int) -> int:
+        budget = self.settings.max_tokens_per_batch
+        return batch_size if budget is None else budget // self.settings.max_length
 
     def sampler(self, lengths: np.ndarray, batch_size: int, **common):
-        return ShuffledBatchSampler(len(lengths), self.rows_per_batch(batch_size), **common)
-
-    budget_shapes = False  # a budget fixes the rows: every batch is [rows, max_length]
+        return ShuffledBatchSampler(len(lengths), self._rows(batch_size), **common)
 
     def shapes(self, batches: BatchList, lengths: np.ndarray) -> list[tuple[int, int]]:
-        return [(rows, self.options.max_length) for rows in _as_batch_list(batches).sizes.tolist()]
+        return [(rows, self.settings.max_length) for rows in _as_batch_list(batches).sizes.tolist()]
 
     def _never_padded(self, shortest: int, longest: int) -> bool:
-        return shortest >= self.options.max_length
+        return shortest >= self.settings.max_length
 
 
 class PackStrategy(TruncateStrategy):
     """Documents packed into ``max_length`` rows once per split (epochs reshuffle rows, never re-pack)."""
 
     name = "pack"
+    packs = True
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.settings.packing})"
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return PACK_KEYS + ((CU_SEQLENS,) if self.options.return_cu_seqlens else ())
+        return PACK_KEYS + ((CU_SEQLENS,) if self.settings.return_cu_seqlens else ())
 
-    def prompt_completion_limits(self, limits: PromptCompletionLimits) -> PromptCompletionLimits:
+    @property
+    def prompt_completion_limits(self) -> PromptCompletionLimits:
         """``overflow="truncate"`` (the prompt/completion default): the full limits, so every row fits a row and
         keeps its prompt's end and its completion's start; otherwise only the per-part limits (overflow decides)."""
-        if self.options.overflow == "truncate":
+        limits = self.settings.limits
+        if self.overflow == "truncate":
             return limits
         return PromptCompletionLimits(None, limits.max_prompt_length, limits.max_completion_length)
 
-    def plan(self, source: Any, labels: Any = None) -> Plan:
-        o = self.options
+    def rows(self, source: Any, labels: Any = None) -> SplitRows:
+        s = self.settings
         # ``pack_sequences`` without a separator token, its plan planned once per node and mapped from disk
         source = as_token_source(source)
-        packed = cached_pack_lengths(source.lengths, o.max_length, o.packing, o.overflow, o.plan_cache)
+        packed = cached_pack_lengths(source.lengths, s.max_length, s.packing, self.overflow, self.plan_cache)
         packed.source = source
-        return Plan(PackedRows(packed, labels), *self._rows_and_cuts(packed))
+        return SplitRows(PackedRows(packed, labels), *self._rows_and_cuts(packed))
 
-    def plan_lengths(self, lengths: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
-        o = self.options
-        return self._rows_and_cuts(pack_lengths(lengths, o.max_length, o.packing, o.overflow))
+    def row_lengths(self, lengths: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
+        s = self.settings
+        return self._rows_and_cuts(pack_lengths(lengths, s.max_length, s.packing, self.overflow))
+
+    def lost_tokens_fix(self, prompt_completion: bool) -> str:
+        if prompt_completion:
+            return "Raise max_length, or max_prompt_length / max_completion_length, to keep them."
+        if self.overflow != "split":
+            return "Use overflow='split' to keep them (a long document becomes max_length pieces)."
+        return "Raise max_prompt_length / max_completion_length to keep them."
 
     @staticmethod
     def _rows_and_cuts(packed: PackResult) -> tuple[np.ndarray, dict[str, int]]:
@@ -249,7 +333,7 @@ class PackStrategy(TruncateStrategy):
         return packed_rows(rows, length)
 
     def collator(self, pad_token_id: int):
-        return PackCollator(pad_token_id, self.options.max_length, return_cu_seqlens=self.options.return_cu_seqlens)
+        return PackCollator(pad_token_id, self.settings.max_length, return_cu_seqlens=self.settings.return_cu_seqlens)
 
 
 def _as_batch_list(batches) -> BatchList:
@@ -264,14 +348,20 @@ def _as_batch_list(batches) -> BatchList:
 _BY_NAME = {cls.name: cls for cls in (PadStrategy, TruncateStrategy, PackStrategy)}
 
 
-def make_strategy(name: str, options: BatchingOptions) -> PadStrategy:
-    """The strategy object for ``name`` (``"pad"``, ``"truncate"`` or ``"pack"``)."""
+def strategy_class(name: str) -> type[PadStrategy]:
+    """The class of strategy ``name`` (``"pad"``, ``"truncate"`` or ``"pack"``); its ``packs`` and
+    ``full_length_rows`` answer before any data are read."""
     if name not in _BY_NAME:
         raise ValueError(f"Unknown strategy {name!r}; choose one of {list(STRATEGIES)}.")
-    return _BY_NAME[name](options)
+    return _BY_NAME[name]
 
 
-def largest_shape(strategies: list[PadStrategy], largest: list[tuple[int, int]]) -> tuple[int, int]:
+def make_strategy(settings: Any, split: str = "train", kind: str = "text", plan_cache: str | None = None) -> Strategy:
+    """The strategy object of ``split``'s loader under ``settings`` (``BatchingSettings``), for data of ``kind``."""
+    return strategy_class(settings.strategy_for(split))(settings, kind, plan_cache)
+
+
+def largest_shape(strategies: list[Strategy], largest: list[tuple[int, int]]) -> tuple[int, int]:
     """The shape to pre-allocate for across splits, from each split's ``largest``: with a token budget on a ``pad``
     split rows and length vary together (the shape with the most slots), else the largest rows and length."""
     if any(s.budget_shapes for s in strategies):

@@ -12,6 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 
 TRUNCATION_SIDES = ("right", "left")
+MIN_MAX_LENGTH = 2  # a causal LM needs an input and a target: the one rule every max_length check applies
+
+
+def valid_max_length(value: object) -> bool:
+    """Whether ``value`` is an integral ``max_length`` of at least :data:`MIN_MAX_LENGTH` tokens."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= MIN_MAX_LENGTH
 
 
 def check_truncation_side(side: str) -> None:
@@ -22,8 +28,8 @@ def check_truncation_side(side: str) -> None:
 
 def check_max_length(max_length: int | None, name: str = "max_length") -> None:
     """A causal LM needs at least two tokens to predict one, so any limit below 2 is a configuration error."""
-    if max_length is not None and (not isinstance(max_length, (int, np.integer)) or max_length < 2):
-        raise ValueError(f"{name}={max_length!r} is too small: set {name} to an integer >= 2.")
+    if max_length is not None and not valid_max_length(max_length):
+        raise ValueError(f"{name}={max_length!r} is too small: set {name} to an integer >= {MIN_MAX_LENGTH}.")
 
 
 def count_truncated(lengths: Sequence[int] | np.ndarray, max_length: int | None) -> int:

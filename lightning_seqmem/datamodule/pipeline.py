@@ -1,0 +1,142 @@
+"""The split pipeline: documents -> token source -> rows -> plan -> statistics. Pure: no Lightning import.
+
+``SeqMemDataModule.setup`` runs it for train and validation and emits the warnings it returns; ``seqmem-plan`` reads
+the same documents (:func:`split_documents`) for its lengths, so both see the same non-empty documents of the same
+validation split. Everything works on numpy views of the Arrow columns and on lengths: no token is copied here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lightning_seqmem.batch import IGNORE_INDEX
+from lightning_seqmem.batching.strategies import EpochStats, Strategy
+from lightning_seqmem.batching.truncation import prompt_completion_spans
+from lightning_seqmem.data.sources import ensure_validation_split, select_rows
+from lightning_seqmem.data.tokens import ConcatView, ConstantView, view_of_dataset
+
+SPLITS = ("train", "validation")
+PARTS = {"text": {"documents": "input_ids"},
+         "prompt_completion": {"prompt": "prompt_ids", "completion": "completion_ids"}}
+
+
+@dataclass(frozen=True)
+class Documents:
+    """A split's non-empty documents as token views, per part (``documents``; or ``prompt`` and ``completion``)."""
+
+    dataset: Any  # the split's rows, empty documents left out (an index selection: no tokens copied)
+    kind: str  # "text" or "prompt_completion"
+    parts: dict[str, Any]  # part name -> token source (``tokens.TokenSource``)
+    labels: Any  # text with a ``labels`` column: its token source; else None
+    empty: int  # empty documents left out
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``[documents]`` token counts (prompt + completion for prompt/completion rows)."""
+        return sum(source.lengths for source in self.parts.values())
+
+
+def documents(ds: Any, kind: str) -> Documents:
+    """The token views of ``ds``'s columns for data of ``kind``, empty documents left out."""
+    parts = {name: view_of_dataset(ds, column) for name, column in PARTS[kind].items()}
+    labels = view_of_dataset(ds, "labels") if kind == "text" and "labels" in ds.column_names else None
+    lengths = sum(source.lengths for source in parts.values())
+    keep = np.flatnonzero(lengths > 0)
+    empty = len(lengths) - len(keep)
+    if empty:
+        ds = select_rows(ds, keep, "non-empty")
+        parts = {name: source.select(keep) for name, source in parts.items()}
+        labels = labels.select(keep) if labels is not None else None
+    return Documents(ds, kind, parts, labels, empty)
+
+
+def split_documents(tokenized: Any, kind: str, seed: int) -> dict[str, Documents]:
+    """Train and validation :class:`Documents` of a tokenized ``DatasetDict`` (validation carved out with ``seed``
+    when the data have none)."""
+    tokenized = ensure_validation_split(tokenized, seed=seed)
+    return {split: documents(tokenized[split], kind) for split in SPLITS}
+
+
+@dataclass
+class PreparedSplit:
+    """A split after the pipeline: what its loader serves and what ``stats()`` reports."""
+
+    dataset: Any
+    rows: Any  # the rows served (a ``Dataset`` gathering tokens on demand)
+    lengths: np.ndarray  # [rows] real tokens per row fed to the model
+    labels: Any  # the token source of labels, where rows carry their own
+    stats: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)  # for ``rank_zero_warn``
+    infos: list[str] = field(default_factory=list)  # for ``rank_zero_info``
+
+
+def prepare_split(split: str, docs: Documents, strategy: Strategy, max_length: int,
+                  completion_only_loss: bool = True) -> PreparedSplit:
+    """Truncate or pack ``docs`` with ``strategy`` and count every token that will not reach the model."""
+    lengths = docs.lengths
+    if split == "train" and len(lengths) == 0:
+        raise ValueError("Every training document is empty after tokenization: there is nothing to train on.")
+    stats = {
+        "documents": len(lengths), "empty_documents_skipped": docs.empty, "tokens": int(lengths.sum()),
+        "tokens_truncated": 0, "tokens_dropped": 0, "documents_split": 0,
+        "documents_over_max_length": int((lengths > max_length).sum()),
+        "longest_document": int(lengths.max(initial=0)),
+    }
+    warnings = []
+    if docs.kind == "prompt_completion":
+        source, labels, emptied = _prompt_completion_rows(docs, strategy, stats, completion_only_loss)
+        if emptied:
+            warnings.append(
+                f"{split}: {emptied} prompt/completion rows have no completion left after truncation and are "
+                "skipped. Lower max_prompt_length or raise max_length to keep them."
+            )
+    else:
+        source, labels = docs.parts["documents"], docs.labels
+    planned = strategy.rows(source, labels)
+    for key, value in planned.stats.items():
+        stats[key] += value  # adds to any prompt/completion truncation
+    stats.update(epoch_stats(strategy, planned.lengths, split).counts())
+    warnings += _lost_tokens(split, stats, strategy, max_length)
+    infos = [f"[lightning_seqmem] {split}: skipped {docs.empty} empty documents."] if docs.empty else []
+    return PreparedSplit(docs.dataset, planned.rows, planned.lengths, labels, stats, warnings, infos)
+
+
+def epoch_stats(strategy: Strategy, lengths: np.ndarray, split: str) -> EpochStats:
+    """Epoch 0 of ``split`` on one process, rows of ``[rows]`` real tokens (``strategies.EpochStats``)."""
+    return strategy.epoch_stats(lengths, strategy.split_sampler(lengths, split, num_replicas=1, rank=0))
+
+
+def _prompt_completion_rows(docs: Documents, strategy: Strategy, stats: dict, completion_only_loss: bool):
+    """Truncate prompt/completion pairs once, at dataset level and on lengths, so every cut token is counted
+    exactly; rows are views (the kept part of the prompt, then of the completion), gathered when served.
+    Returns ``(source, labels, rows left without a completion)``."""
+    prompt, completion = docs.parts["prompt"], docs.parts["completion"]
+    p_off, p_keep, c_keep = prompt_completion_spans(prompt.lengths, completion.lengths,
+                                                    strategy.prompt_completion_limits)
+    truncated = int((prompt.lengths + completion.lengths - p_keep - c_keep).sum())
+    kept = np.flatnonzero(c_keep > 0)
+    emptied = len(c_keep) - len(kept)  # nothing to learn from: reported, never trained on silently
+    truncated += int((p_keep[c_keep == 0]).sum())
+    prompt = prompt.trim(p_off, p_keep).select(kept)
+    completion = completion.trim(np.zeros_like(c_keep), c_keep).select(kept)
+    source = ConcatView(prompt, completion)
+    labels = ConcatView(ConstantView(IGNORE_INDEX, prompt.lengths) if completion_only_loss else prompt, completion)
+    stats.update(tokens_truncated=truncated, rows_without_completion=emptied)
+    return source, labels, emptied
+
+
+def _lost_tokens(split: str, stats: dict, strategy: Strategy, max_length: int) -> list[str]:
+    """The warning for tokens that never reach the model, with the strategy's own fix."""
+    truncated, dropped = stats["tokens_truncated"], stats["tokens_dropped"]
+    if not truncated + dropped:
+        return []
+    fix = strategy.lost_tokens_fix("rows_without_completion" in stats)
+    return [
+        f"{split}: {stats['documents_over_max_length']} documents are longer than max_length={max_length}; "
+        f"with strategy={strategy.name!r}, {truncated + dropped:,} of {stats['tokens']:,} tokens "
+        f"({100 * (truncated + dropped) / max(stats['tokens'], 1):.2f}%) never reach the model "
+        f"({truncated:,} truncated, {dropped:,} dropped). {fix}"
+    ]

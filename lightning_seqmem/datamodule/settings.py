@@ -1,0 +1,80 @@
+"""``SeqMemSettings``: ``SeqMemDataModule``'s arguments as one frozen, validated object, built once in ``__init__``.
+
+Two concerns composed: :class:`DataSettings` (where documents come from and how they are read) and
+``batching.settings.BatchingSettings`` (how they become rows and batches: what the strategies, the planner and the
+resume signature read). Every default and check is resolved in the ``__post_init__`` of the class that owns the
+field; the rest of the package reads these objects, never the raw arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lightning_seqmem.batching.settings import BatchingSettings, check_integers, integer
+from lightning_seqmem.data.token_cache import default_cache_dir
+
+RESUME_MISMATCH = ("error", "restart_epoch")
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """Where the documents come from and how they are read (``SeqMemDataModule``'s data arguments, same meaning)."""
+
+    text_column: str = "text"
+    """The column holding the text."""
+    num_workers: int = integer(0, 0)
+    """DataLoader worker processes."""
+    streaming_buffer_size: int = integer(1000, 1)
+    """Streaming datasets: documents held in the best-fit window."""
+    streaming_validation_documents: int = integer(100, 0)
+    """A stream without a ``validation`` split gives its first this many documents to validation."""
+    num_proc: int | None = integer(None, 1, " or None (automatic)", optional=True)
+    """Processes for tokenization; ``None``: chosen from the dataset's size."""
+    cache_dir: str | os.PathLike | None = None
+    """Where tokenized datasets (and packing plans) are cached; ``None``: the default cache folder."""
+    pad_token_id: int | None = integer(None, 0, " or None (from the tokenizer)", optional=True)
+    """Pre-tokenized data: the pad id, when no tokenizer gives it."""
+    eos_token_id: int | None = integer(None, 0, " or None (from the tokenizer)", optional=True)
+    """Pre-tokenized data: the EOS id, when no tokenizer gives it."""
+    on_resume_mismatch: str = "error"
+    """A checkpoint saved with other data: ``"error"`` or ``"restart_epoch"``."""
+
+    def __post_init__(self) -> None:
+        check_integers(self)
+        if self.on_resume_mismatch not in RESUME_MISMATCH:
+            raise ValueError(f"on_resume_mismatch={self.on_resume_mismatch!r} is not valid; use one of "
+                             f"{RESUME_MISMATCH}.")
+
+    @property
+    def plan_cache(self) -> str:
+        """Where packing plans of large datasets are kept: ``cache_dir``, else the default cache folder."""
+        return str(self.cache_dir) if self.cache_dir is not None else str(default_cache_dir())
+
+
+@dataclass(frozen=True)
+class SeqMemSettings:
+    """Everything ``SeqMemDataModule`` was configured with, checked: ``batching`` and ``data``.
+
+    Example::
+
+        settings = SeqMemSettings.from_arguments(max_length=512, strategy="pack", num_workers=2)
+        settings.batching.overflow_for("text")  # 'split'
+    """
+
+    batching: BatchingSettings
+    data: DataSettings
+
+    @classmethod
+    def from_arguments(cls, **arguments: Any) -> SeqMemSettings:
+        """The settings of ``SeqMemDataModule(**arguments)`` (its arguments other than ``dataset`` and
+        ``tokenizer``); each goes to the class that declares it (batching first, as the arguments are listed)."""
+        parts = {}
+        for name, part in (("batching", BatchingSettings), ("data", DataSettings)):
+            mine = {f.name for f in fields(part)}
+            parts[name] = part(**{k: v for k, v in arguments.items() if k in mine})
+        unknown = set(arguments) - {f.name for part in (BatchingSettings, DataSettings) for f in fields(part)}
+        if unknown:
+            raise TypeError(f"Unknown settings {sorted(unknown)}.")
+        return cls(**parts)
