@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from lightning_seqmem import SeqMemDataModule
+from lightning_seqmem.batching.settings import BatchingSettings
 from lightning_seqmem.memory.estimate import estimate_training_memory
 from lightning_seqmem.training.model import build_model_config
 from lightning_seqmem.apps.planner import (
     PEAK_NOTES,
     STRATEGIES,
-    DataSettings,
     build_plan,
     datamodule_lengths,
     format_plan,
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*")
 
 def _check_equal(dm, lengths, strategy, max_length):
     stats, shape = dm.stats()["train"], dm.max_batch_shape()
-    got = plan_strategy(lengths, strategy, max_length, DataSettings.from_datamodule(dm))
+    got = plan_strategy(lengths, strategy, max_length, dm.settings.batching)
     assert got.token_efficiency == stats["token_efficiency"]
     assert (got.rows, got.batches, got.tokens) == (stats["rows"], stats["batches"], stats["tokens"])
     assert got.tokens_lost == stats["tokens_truncated"] + stats["tokens_dropped"]
@@ -69,15 +69,15 @@ def test_pretokenized_data_without_a_tokenizer_is_planned_from_its_offsets(tmp_p
 
 def test_optimizer_steps_follow_devices_and_accumulation(small_text_dataset):
     lengths = datamodule_lengths(SeqMemDataModule(dataset=small_text_dataset))
-    one = plan_strategy(lengths, "pad", 64, DataSettings(micro_batch_size=2))
-    four = plan_strategy(lengths, "pad", 64, DataSettings(micro_batch_size=2), devices=2, accumulate_grad_batches=3)
+    one = plan_strategy(lengths, "pad", 64, BatchingSettings(micro_batch_size=2))
+    four = plan_strategy(lengths, "pad", 64, BatchingSettings(micro_batch_size=2), devices=2, accumulate_grad_batches=3)
     assert one.optimizer_steps == one.batches == math.ceil(one.rows / 2)
     assert four.optimizer_steps == math.ceil(math.ceil(one.rows / 4) / 3)
 
 
 def test_bad_input_says_what_is_wrong():
     lengths = {"train": np.array([3, 5, 9]), "validation": np.array([4])}
-    settings = DataSettings()
+    settings = BatchingSettings()
     with pytest.raises(ValueError, match="choose from"):
         build_plan(lengths, ["pad", "paddington"], [64], settings, ("pad", 64))
     with pytest.raises(ValueError, match="non-empty list of ints >= 2"):
@@ -117,7 +117,7 @@ def test_no_micro_batch_fits_says_what_would():
 
 def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset):
     lengths = datamodule_lengths(SeqMemDataModule(dataset=small_text_dataset))
-    plan = build_plan(lengths, list(STRATEGIES), [32, 128], DataSettings(micro_batch_size=4), ("pad", 128),
+    plan = build_plan(lengths, list(STRATEGIES), [32, 128], BatchingSettings(micro_batch_size=4), ("pad", 128),
                       estimate=_tiny_estimate(), micro_batch_sizes=[1, 2, 4], budget=2**30)
     text = format_plan(plan)
     assert len(plan.strategies) == 10 and "<- config" in text and "Recommended:" in text
@@ -147,14 +147,14 @@ def test_plan_api_from_a_datamodule_and_a_model_config(small_text_dataset):
                                                    ("pack", "bfd", "split"), ("pack", "bfd", "drop"),
                                                    ("pack", "bfd", "truncate"), ("pack", "wrapped", "split")])
 def test_lengths_only_plan_equals_the_token_plan(name, packing, overflow):
-    from lightning_seqmem.batching.strategies import BatchingOptions, make_strategy
+    from lightning_seqmem.batching.strategies import make_strategy
     from lightning_seqmem.data.tokens import as_token_source
 
     docs = [list(range(n)) for n in np.random.default_rng(0).integers(1, 40, 50)]
-    strategy = make_strategy(name, BatchingOptions(16, packing=packing, overflow=overflow))
+    strategy = make_strategy(BatchingSettings(max_length=16, strategy=name, packing=packing, overflow=overflow))
     source = as_token_source(docs)
-    full = strategy.plan(source)
-    lengths, cut = strategy.plan_lengths(source.lengths)
+    full = strategy.rows(source)
+    lengths, cut = strategy.row_lengths(source.lengths)
     assert np.array_equal(lengths, full.lengths) and cut == full.stats and len(full.rows) == len(lengths)
     lost = sum(cut.get(k, 0) for k in ("tokens_truncated", "tokens_dropped"))
     assert lost + int(lengths.sum()) == sum(map(len, docs))  # every token fed or counted

@@ -67,19 +67,20 @@ def _model_config(cfg, vocab_size: int, pad_token_id: int | None):
 
 
 def plan_from_config(cfg, output_dir: str | None = None):
-    """Build the :class:`~lightning_seqmem.apps.planner.Plan` for a composed ``plan.yaml`` config; returns ``(plan, notes)``."""
+    """Build the :class:`~lightning_seqmem.apps.planner.RunPlan` for a composed ``plan.yaml`` config; returns ``(plan, notes)``."""
     from hydra.utils import instantiate
 
-    from lightning_seqmem.apps.planner import default_max_lengths, plan
+    from lightning_seqmem.apps.planner import check_text, default_max_lengths, plan
 
     p = cfg.plan
     dm = instantiate(cfg.data)
     dm.prepare_data()  # tokenize once (cached: the planner and the training run after it read the same tokens)
-    max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else default_max_lengths(dm.max_length)
-    if dm.tokenized_documents()[1] != "text":
+    max_length = dm.settings.batching.max_length
+    max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else default_max_lengths(max_length)
+    kind = dm.tokenized_documents()[1]
+    if kind != "text":  # draw what can be drawn, then refuse
         where = _pictures(None, dm, max_lengths, output_dir, p) if output_dir is not None else []
-        raise ValueError("seqmem-plan plans text datasets; prompt/completion data is not supported yet"
-                         + (f" (its prompt and completion lengths are drawn in {where[0]})." if where else "."))
+        check_text(kind, f" (its prompt and completion lengths are drawn in {where[0]})" if where else "")
     precision, note_precision = _precision(cfg)
     devices, note_devices = _devices(cfg)
     notes = [n for n in (note_precision, note_devices) if n]
