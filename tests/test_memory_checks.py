@@ -11,6 +11,19 @@ from lightning_seqmem.memory.checks import CHECKS, ConfigChecks, RunFacts, find_
 
 SAFE = frozenset({"flash_attention_2", "eager", "sdpa"})
 
+
+class PackedTinyData(TinyData):
+    """TinyData that says it packs (``protocols.DescribesBatching``), as ``SeqMemDataModule(strategy="pack")`` does."""
+
+    def batching_label(self) -> str:
+        return "pack (bfd)"
+
+    def constant_shapes(self) -> bool:
+        return True
+
+    def packs_documents(self) -> bool:
+        return True
+
 # One case per check: the facts that trigger it (on top of a quiet baseline).
 CASES = {
     "eval_batch_size": dict(micro_batch_size=8, eval_batch_size=32),
@@ -71,9 +84,8 @@ def test_flash_varlen_reads_the_module_and_says_the_fix(tmp_path):
                                       eval_batch_size=1, dynamic_shapes=True), SAFE)  # warmup may reshape rows
     assert list(problems) == ["flash_varlen"]
     assert "flash_varlen_kwargs(batch['position_ids'])" in problems["flash_varlen"]
-    model, dm = TinyLM(), TinyData()
+    model, dm = TinyLM(), PackedTinyData()
     model.model.config._attn_implementation = "flash_attention_2"
-    dm.strategy = "pack"
     t = trainer(tmp_path, [], max_steps=1)
     t.strategy.connect(model)
     t.datamodule = dm
@@ -99,8 +111,7 @@ def test_callback_reads_a_real_run_and_warns_once(tmp_path):
 def test_callback_gathers_facts_defensively(tmp_path):
     model = TinyLM()
     model.model.config._attn_implementation = "my_custom_attention"
-    dm = TinyData()
-    dm.strategy = "pack"
+    dm = PackedTinyData()
     t = trainer(tmp_path, [], max_steps=1)
     t.strategy.connect(model)
     t.datamodule = dm  # what fit() does
@@ -126,3 +137,31 @@ def test_resolve_precision(monkeypatch):
     assert resolve_precision() == "bf16-mixed"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     assert resolve_precision() == "16-mixed"
+
+
+TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 2}
+
+
+@pytest.mark.filterwarnings("ignore:.*never reach the model.*")
+@pytest.mark.parametrize(
+    "settings, dynamic, packing",
+    [
+        (dict(strategy="pad"), True, False),
+        (dict(strategy="pad", pad_to_max_length=True), False, False),  # one shape: no dynamic-shapes warning
+        (dict(strategy="pack"), False, True),
+        (dict(strategy="pack", eval_strategy="pad"), True, True),  # validation batches change shape
+    ],
+)
+def test_dynamic_shapes_and_packing_are_asked_of_the_datamodule(tmp_path, small_text_dataset, settings, dynamic,
+                                                                  packing):
+    """A real fit: the facts come from the DataModule's strategies (train and validation), not a strategy name."""
+    from lightning_seqmem import CausalLM, SeqMemDataModule
+
+    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=2, **settings)
+    t = trainer(tmp_path, [ConfigChecks()], max_steps=1)
+    t.fit(CausalLM(model_config=TINY), datamodule=dm)
+    facts = checks.gather_facts(t, t.lightning_module)
+    assert (facts.dynamic_shapes, facts.packing) == (dynamic, packing)
+    on_cuda = find_problems(RunFacts(**{**vars(facts), "on_cuda": True}), SAFE)  # what a GPU run would warn
+    assert ("dynamic_shapes" in on_cuda) == dynamic

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_seqmem.memory.allocator import expandable_segments_on
 from lightning_seqmem.memory.preallocate import CachePreallocator
-from lightning_seqmem.protocols import GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape
+from lightning_seqmem.protocols import DescribesBatching, GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape
 from lightning_seqmem.training.varlen import PassesFlashVarlen, is_flash_attention
 
 CHECKS = ("eval_batch_size", "batch_size", "fp16_packing", "fp8_compile", "packing_attention", "flash_varlen",
@@ -189,9 +189,11 @@ def _is_compiled(pl_module: LightningModule) -> bool:
 def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
     """Read :class:`RunFacts` from any Trainer, DataModule and LightningModule (missing attributes are unknown)."""
     dm = trainer.datamodule
-    strategy = _setting(dm, "strategy") if dm is not None else None
+    batching = dm if isinstance(dm, DescribesBatching) else None  # else unknown: those checks stay quiet
     warmup = any(isinstance(cb, GivesWarmupShape) for cb in trainer.callbacks)
-    dynamic = strategy == "pad" or warmup  # padded batches follow their longest row; warmup grows the length
+    # any loader whose batches change shape (padded to their longest row, a token budget), or a warmup that grows
+    # the length
+    dynamic = (batching is not None and not batching.constant_shapes()) or warmup
     config = getattr(getattr(pl_module, "model", None), "config", None)
     attn = getattr(config, "_attn_implementation", None) or _setting(pl_module, "attn_implementation")
     trainable = [p for p in pl_module.parameters() if p.requires_grad]
@@ -203,7 +205,7 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
         batch_size=_int_or_none(_setting(dm, "batch_size")) if dm is not None else None,
         accumulate_grad_batches=int(trainer.accumulate_grad_batches),
         world_size=int(trainer.world_size),
-        packing=strategy == "pack",
+        packing=batching is not None and batching.packs_documents(),
         dynamic_shapes=dynamic,
         attn_implementation=attn if isinstance(attn, str) else None,
         flash_varlen=isinstance(pl_module, PassesFlashVarlen) and pl_module.passes_flash_varlen_kwargs is True,
@@ -230,7 +232,7 @@ class ConfigChecks(Callback):
     (``passes_flash_varlen_kwargs = True``; ``CausalLM`` does); ``dynamic_shapes``: changing shapes on
     CUDA without ``CachePreallocator`` or expandable segments; ``memory``: on CUDA, the traced peak of the worst-case
     step (``memory/estimate.py``) exceeds the free device memory (the message names the micro_batch_size that fits).
-    Facts are read defensively (DataModule attributes or ``hparams``,
+    Facts are read defensively (``protocols.DescribesBatching`` for the batching, DataModule attributes or ``hparams``,
     ``pl_module.model.config._attn_implementation``), so any model and DataModule work; an unknown fact
     keeps its check quiet. The warnings found are in :attr:`problems`.
 
