@@ -1,0 +1,119 @@
+"""SeqMemDataModule's settings: one frozen object, checked once with today's messages, read by the strategies, the
+planner and the resume signature; strategies built from it in setup and never changed afterwards."""
+
+import dataclasses
+import re
+
+import datasets
+import pytest
+
+from lightning_seqmem import SeqMemDataModule
+from lightning_seqmem.apps import planner
+from lightning_seqmem.batching.settings import BatchingSettings
+from lightning_seqmem.batching.strategies import make_strategy, planner_name
+from lightning_seqmem.datamodule.settings import SeqMemSettings
+from lightning_seqmem.protocols import DescribesBatching
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*", "ignore:.*no completion left.*")
+
+
+def test_the_settings_are_frozen_and_built_once_from_the_arguments():
+    dm = SeqMemDataModule(max_length=64, strategy="pack", num_workers=1)
+    assert dm.settings == SeqMemSettings.from_arguments(max_length=64, strategy="pack", num_workers=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dm.settings.batching.max_length = 32
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dm.settings.data.num_workers = 4
+    assert dm.hparams["max_length"] == 64 and dm.hparams["eval_strategy"] == "pack"  # saved as before
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_length=1), "max_length must be an int >= 2 (a row needs an input and a target), got 1."),
+        (dict(strategy="bogus"), "Unknown strategy 'bogus'; choose one of ['pad', 'truncate', 'pack']."),
+        (dict(eval_strategy="bogus"), "Unknown eval_strategy 'bogus'; choose one of ['pad', 'truncate', 'pack']."),
+        (dict(overflow="x"), "overflow='x' is not valid; use one of ('split', 'truncate', 'drop', 'error') (or None: "
+                             "split text, truncate prompt/completion rows)."),
+        (dict(strategy="pack", max_length=32, max_tokens_per_batch=16),
+         "max_tokens_per_batch=16 is smaller than one row of max_length=32 tokens (strategy='pack' rows are always "
+         "max_length long); set it to at least 32."),
+        (dict(eval_batch_size=0), "eval_batch_size must be an int >= 1 or None (= micro_batch_size), got 0."),
+        (dict(num_workers=-1), "num_workers must be an int >= 0, got -1."),
+        (dict(on_resume_mismatch="skip"), "on_resume_mismatch='skip' is not valid; use one of ('error', "
+                                          "'restart_epoch')."),
+    ],
+)
+def test_bad_arguments_keep_their_messages(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        SeqMemDataModule(**kwargs)
+
+
+def test_a_pad_budget_may_be_shorter_than_a_row():
+    dm = SeqMemDataModule(strategy="pad", max_length=32, max_tokens_per_batch=16)  # rows vary: no refusal
+    assert dm.settings.batching.max_tokens_per_batch == 16
+
+
+def test_setup_does_not_change_the_strategies_or_the_settings(tokenizer):
+    """Prompt/completion data resolve overflow to truncate: the pack strategy is built with it (full limits), once."""
+    ds = datasets.Dataset.from_dict({"prompt": ["Question: what is two plus two?"] * 4, "completion": [" Four."] * 4})
+    dm = SeqMemDataModule(dataset=datasets.DatasetDict(train=ds, validation=ds), tokenizer=tokenizer, max_length=16,
+                          strategy="pack", eval_strategy="pad", max_prompt_length=12)
+    before = dm.settings
+    expected = make_strategy(before.batching, "train", "prompt_completion").prompt_completion_limits
+    assert expected == before.batching.limits  # overflow=None on prompt/completion data: truncate, all limits
+    assert make_strategy(before.batching, "train", "text").prompt_completion_limits.max_length is None  # split
+    dm.setup("fit")
+    train = dm._strategies["train"]
+    assert dm.settings is before and train.prompt_completion_limits == expected and train.overflow == "truncate"
+    next(iter(dm.train_dataloader()))
+    assert dm._strategies["train"] is train and train.prompt_completion_limits == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, label, constant, packs",
+    [
+        (dict(strategy="pad"), "pad", False, False),
+        (dict(strategy="pad", pad_to_max_length=True), "pad", True, False),
+        (dict(strategy="pad", pad_to_max_length=True, max_tokens_per_batch=256), "pad", False, False),
+        (dict(strategy="truncate"), "truncate", True, False),
+        (dict(strategy="pack", packing="wrapped"), "pack (wrapped)", True, True),
+        (dict(strategy="pack", eval_strategy="pad"), "pack (bfd)", False, True),
+        (dict(strategy="truncate", eval_strategy="pack"), "truncate", True, True),
+    ],
+)
+def test_the_datamodule_describes_its_batching_through_its_strategies(small_text_dataset, kwargs, label, constant,
+                                                                      packs):
+    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, **kwargs)
+    assert isinstance(dm, DescribesBatching)
+    assert (dm.batching_label(), dm.constant_shapes(), dm.packs_documents()) == (label, constant, packs)
+
+
+def test_the_planner_reads_the_datamodules_settings(small_text_dataset, monkeypatch):
+    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=4, strategy="pack")
+    seen = {}
+
+    def build_plan(lengths, strategies, max_lengths, settings, configured, *args):
+        seen.update(settings=settings, configured=configured)
+
+    monkeypatch.setattr(planner, "build_plan", build_plan)
+    planner.plan(dm)
+    assert seen["settings"] is dm.settings.batching and seen["configured"] == ("pack_bfd", 64)
+    assert planner_name(dataclasses.replace(dm.settings.batching, strategy="pad", pad_to_max_length=True)) == \
+        "pad_to_max_length"
+
+
+def test_the_planners_names_select_valid_settings():
+    for name, values in planner.STRATEGIES.items():
+        settings = dataclasses.replace(BatchingSettings(), **values)
+        assert planner_name(settings) == name
+
+
+def test_data_signature_keeps_its_key_names(small_text_dataset):
+    """Checkpoints saved before the settings object compare equal: the same keys, overflow resolved."""
+    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, strategy="pack")
+    signature = dm.data_signature()
+    assert set(signature) == {"strategy", "max_length", "micro_batch_size", "seed", "packing", "overflow",
+                              "group_by_length", "max_tokens_per_batch", "drop_last", "train_rows",
+                              "train_lengths_crc32"}
+    assert signature["overflow"] == "split" and signature["strategy"] == "pack"
