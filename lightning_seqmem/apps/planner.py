@@ -54,7 +54,8 @@ def check_max_lengths(max_lengths: Sequence[int]) -> tuple[int, ...]:
     values = tuple(max_lengths)
     if not values or not all(valid_max_length(v) for v in values):
         raise ValueError(
-            f"max_lengths must be a non-empty list of ints >= {MIN_MAX_LENGTH}, got {list(values)[:8]}; e.g. [512, 1024, 2048]."
+            f"max_lengths must be a non-empty list of ints >= {MIN_MAX_LENGTH}, got {list(values)[:8]}; "
+            "e.g. [512, 1024, 2048]."
         )
     return tuple(sorted(set(values)))
 

@@ -39,7 +39,7 @@ PLANNER_STRATEGIES: dict[str, dict[str, Any]] = {
 
 
 def planner_name(settings: Any) -> str:
-    """The planner's name for the train loader of ``settings`` (``strategy="pack", packing="bfd"`` -> ``"pack_bfd"``)."""
+    """The planner's name for the train loader of ``settings``: ``strategy="pack", packing="bfd"`` -> ``"pack_bfd"``."""
     return next(name for name, values in PLANNER_STRATEGIES.items()
                 if all(getattr(settings, key) == value for key, value in values.items()))
 

@@ -20,13 +20,17 @@ from typing_extensions import override
 
 from lightning_seqmem.batching.sampling import BatchFetcher
 from lightning_seqmem.batching.strategies import Strategy, largest_shape, make_strategy
-from lightning_seqmem.data.columns import check_columns
-from lightning_seqmem.data.sources import load_text_dataset
 from lightning_seqmem.data.tokenizer import load_tokenizer
-from lightning_seqmem.datamodule.pipeline import SPLITS, epoch_stats, prepare_split, split_documents
+from lightning_seqmem.datamodule.pipeline import SPLITS, epoch_stats, load_documents, prepare_split, split_documents
 from lightning_seqmem.datamodule.resume import ResumableLoader, check_signature, data_signature
 from lightning_seqmem.datamodule.settings import SeqMemSettings
-from lightning_seqmem.datamodule.streaming import check_streaming, encode_document, streaming_loader, streaming_splits
+from lightning_seqmem.datamodule.streaming import (
+    check_streaming,
+    encode_document,
+    is_stream,
+    streaming_loader,
+    streaming_splits,
+)
 
 
 class SeqMemDataModule(LightningDataModule):
@@ -200,7 +204,7 @@ class SeqMemDataModule(LightningDataModule):
             from lightning_seqmem.data.corpus import load_builtin_corpus
 
             load_builtin_corpus()
-        if self._is_stream():
+        if is_stream(self.dataset):
             _ = self.tokenizer
             return
         self.tokenized_documents()
@@ -213,31 +217,10 @@ class SeqMemDataModule(LightningDataModule):
         ``seqmem-plan`` read (the planner only the lengths). Computed once per process: ``prepare_data`` and
         ``setup`` on local rank 0 share it."""
         if self._documents is None:
-            self._documents = self._load_documents()
+            tokenized, kind, self._pretokenized = load_documents(
+                self.dataset, self.settings.data, lambda: self.tokenizer, self._tokenizer_arg is not None)
+            self._documents = tokenized, kind
         return self._documents
-
-    def _load_documents(self):
-        from lightning_seqmem.data.columns import PRETOKENIZED_KINDS
-        from lightning_seqmem.data.token_cache import check_values_once, tokenize_cached
-
-        data = self.settings.data
-        raw = load_text_dataset(self.dataset)
-        kind = check_columns(raw, data.text_column)
-        if kind in PRETOKENIZED_KINDS:
-            self._pretokenized = True
-            explicit = self._tokenizer_arg is not None
-            vocab = len(self.tokenizer) if explicit else None
-            for split, ds in raw.items():
-                check_values_once(ds, kind, split, vocab, cache_dir=data.cache_dir)
-            return raw, PRETOKENIZED_KINDS[kind]
-        tokenized = tokenize_cached(raw, self.tokenizer, kind, data.text_column, num_proc=data.num_proc,
-                                    cache_dir=data.cache_dir, source=self.dataset)
-        return tokenized, kind
-
-    def _is_stream(self) -> bool:
-        import datasets
-
-        return isinstance(self.dataset, (datasets.IterableDataset, datasets.IterableDatasetDict))
 
     def _choose_strategies(self, kind: str) -> None:
         """The strategy objects of both splits, built once the data kind is known (it decides the overflow rule)."""
@@ -250,7 +233,7 @@ class SeqMemDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.datasets is not None:
             return
-        if self._is_stream():
+        if is_stream(self.dataset):
             self._choose_strategies("text")
             check_streaming(self._strategies)
             self.streaming = True
@@ -271,9 +254,9 @@ class SeqMemDataModule(LightningDataModule):
                 rank_zero_warn(message)
             for message in prepared.infos:
                 rank_zero_info(message)
-            self.datasets[split], self._rows[split], self._lengths[split] = prepared.dataset, prepared.rows, \
-                prepared.lengths
-            self._labels[split], self._stats[split] = prepared.labels, prepared.stats
+            self.datasets[split], self._rows[split] = prepared.dataset, prepared.rows
+            self._lengths[split], self._labels[split], self._stats[split] = prepared.lengths, prepared.labels, \
+                prepared.stats
 
     # ------------------------------------------------------------------------------------------------ loaders
     def _loader(self, split: str) -> DataLoader:

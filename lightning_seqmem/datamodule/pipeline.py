@@ -1,4 +1,4 @@
-"""The split pipeline: documents -> token source -> rows -> plan -> statistics. Pure: no Lightning import.
+"""The split pipeline: documents -> token source -> rows -> plan -> statistics. No Lightning import.
 
 ``SeqMemDataModule.setup`` runs it for train and validation and emits the warnings it returns; ``seqmem-plan`` reads
 the same documents (:func:`split_documents`) for its lengths, so both see the same non-empty documents of the same
@@ -7,6 +7,7 @@ validation split. Everything works on numpy views of the Arrow columns and on le
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,12 +16,37 @@ import numpy as np
 from lightning_seqmem.batch import IGNORE_INDEX
 from lightning_seqmem.batching.strategies import EpochStats, Strategy
 from lightning_seqmem.batching.truncation import prompt_completion_spans
-from lightning_seqmem.data.sources import ensure_validation_split, select_rows
+from lightning_seqmem.data.columns import PRETOKENIZED_KINDS, check_columns
+from lightning_seqmem.data.sources import ensure_validation_split, load_text_dataset, select_rows
 from lightning_seqmem.data.tokens import ConcatView, ConstantView, view_of_dataset
 
 SPLITS = ("train", "validation")
 PARTS = {"text": {"documents": "input_ids"},
          "prompt_completion": {"prompt": "prompt_ids", "completion": "completion_ids"}}
+
+
+def load_documents(dataset: Any, data: Any, tokenizer: Callable[[], Any], explicit_tokenizer: bool):
+    """``(DatasetDict of token columns, kind, pretokenized)``: ``dataset`` tokenized through the tokenize-once cache,
+    or pre-tokenized data as they are (their values checked once); ``kind`` is ``"text"`` or ``"prompt_completion"``.
+
+    Args:
+        dataset: what ``SeqMemDataModule(dataset=...)`` takes.
+        data: the ``DataSettings`` (text column, cache folder, tokenization processes).
+        tokenizer: gives the tokenizer when needed (loading it may be slow, and pre-tokenized data need none).
+        explicit_tokenizer: the user gave one: pre-tokenized ids are checked against its vocabulary.
+    """
+    from lightning_seqmem.data.token_cache import check_values_once, tokenize_cached
+
+    raw = load_text_dataset(dataset)
+    kind = check_columns(raw, data.text_column)
+    if kind in PRETOKENIZED_KINDS:
+        vocab = len(tokenizer()) if explicit_tokenizer else None
+        for split, ds in raw.items():
+            check_values_once(ds, kind, split, vocab, cache_dir=data.cache_dir)
+        return raw, PRETOKENIZED_KINDS[kind], True
+    tokenized = tokenize_cached(raw, tokenizer(), kind, data.text_column, num_proc=data.num_proc,
+                                cache_dir=data.cache_dir, source=dataset)
+    return tokenized, kind, False
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,14 @@ from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
 from lightning_seqmem.data.encode import document_frame
 
-__all__ = ["StreamingRows", "check_streaming", "encode_document", "streaming_loader", "streaming_splits"]
+__all__ = ["StreamingRows", "check_streaming", "encode_document", "is_stream", "streaming_loader", "streaming_splits"]
+
+
+def is_stream(dataset: Any) -> bool:
+    """Whether ``dataset`` is a ``datasets`` stream (``IterableDataset``/``IterableDatasetDict``)."""
+    import datasets
+
+    return isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict))
 
 
 class StreamingRows(IterableDataset):
