@@ -1,4 +1,4 @@
-"""Peak live tensor bytes per named range of a run, from torch.profiler (as ``estimate.measured_peak_bytes``).
+"""Peak live tensor bytes per named range of a run, from torch.profiler (as ``measured.measured_peak_bytes``).
 
 The profiler records every allocation and free of torch's allocators; the running sum of their sizes is the live
 tensor bytes since profiling started (build everything inside the profile so weights count). A range is a
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import lightning.pytorch as L
 import numpy as np
-from torch._C._profiler import _EventType
 from torch.profiler import record_function
+
+from lightning_seqmem.memory.measured import profiled_allocations, profiled_events
 
 
 class StepRanges(L.Callback):
@@ -26,16 +27,11 @@ class StepRanges(L.Callback):
 
 def range_peaks(prof, names: tuple[str, ...] = ("CachePreallocator", "train_step")) -> dict[str, list[int]]:
     """For each range name, the peak live bytes inside each of its ranges, in time order."""
-    allocations, spans = [], {name: [] for name in names}
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.typed[0] == _EventType.Allocation:
-            allocations.append((event.start_time_ns, event.typed[1].alloc_size))
-        elif event.name in spans:
+    allocations = profiled_allocations(prof)
+    spans = {name: [] for name in names}
+    for event in profiled_events(prof):
+        if event.name in spans:
             spans[event.name].append((event.start_time_ns, event.end_time_ns))
-        stack.extend(event.children)
-    allocations.sort()
     times = np.array([t for t, _ in allocations], dtype=np.int64)
     live = np.cumsum([size for _, size in allocations])
     peaks = {}

@@ -154,9 +154,9 @@ def sharded(est: MemoryEstimate, shards: int) -> MemoryEstimate:
     """``est`` on one of ``shards`` ranks that split weights, gradients and optimizer state (FSDP full shard)."""
     if shards <= 1:
         return est
-    split = {name: getattr(est, name) // shards for name in ("parameters", "gradients", "optimizer_state")}
-    peak = est.peak - sum(getattr(est, name) - value for name, value in split.items())
-    return replace(est, peak=peak, **split)
+    whole = {"parameters": est.parameters, "gradients": est.gradients, "optimizer_state": est.optimizer_state}
+    split = {name: value // shards for name, value in whole.items()}
+    return replace(est, peak=est.peak - sum(whole.values()) + sum(split.values()), **split)
 
 
 def shortfall_message(

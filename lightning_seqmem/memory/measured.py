@@ -8,7 +8,7 @@ the caching allocator's own ``max_memory_allocated`` after ``reset_peak_memory_s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,22 +30,33 @@ def measured_peak_bytes(run: Callable[[], Any], device: str | torch.device = "cp
         base = torch.cuda.memory_allocated(device)
         run()
         return torch.cuda.max_memory_allocated(device) - base
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    allocations, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.typed[0] == _EventType.Allocation:
-            allocations.append((event.start_time_ns, event.typed[1].alloc_size))
-        stack.extend(event.children)
     live = peak = 0
-    for _, size in sorted(allocations):
+    for _, size in profiled_allocations(prof):
         live += size
         peak = max(peak, live)
     return peak
+
+
+def profiled_events(prof) -> Iterator[Any]:
+    """Every event of a finished ``torch.profiler`` run (``profile_memory=True``), allocations included."""
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        yield event
+        stack.extend(event.children)
+
+
+def profiled_allocations(prof) -> list[tuple[int, int]]:
+    """``(time_ns, bytes)`` of every allocation (bytes > 0) and free (bytes < 0) in a profile, in time order:
+    their running sum is the live tensor bytes since profiling started."""
+    from torch._C._profiler import _EventType
+
+    return sorted((event.start_time_ns, event.typed[1].alloc_size) for event in profiled_events(prof)
+                  if event.typed[0] == _EventType.Allocation)
 
 
 def measured_training_peak(

@@ -16,6 +16,7 @@ import torch
 from lightning_seqmem.batch import CU_SEQLENS, IGNORE_INDEX, Layout, default_layout
 from lightning_seqmem.training.varlen import cu_seqlens
 
+
 def check_layout(layout: Layout, rows: int, length: int) -> Layout:
     """``layout`` as a tuple of tuples, or a ``ValueError`` saying how it does not fit ``[rows, length]``."""
     layout = tuple(tuple(int(n) for n in row) for row in layout)
