@@ -18,9 +18,9 @@ from _flash_reference import CALLS, TORCH_VARLEN_FORMS, use_reference_flash, use
 from lightning_seqmem import CausalLM, SeqMemDataModule
 from lightning_seqmem.batching.collate import PackCollator
 from lightning_seqmem.memory.checks import ConfigChecks
-from lightning_seqmem import attention
+from lightning_seqmem.training import attention
 from lightning_seqmem.training.varlen import (batch_varlen_kwargs, cu_seqlens, flash_varlen_kwargs, is_flash_attention,
-                                     segment_starts)
+                                              segment_starts)
 from lightning_seqmem.warmup.transform import set_batch_sequence_length
 
 TINY = {

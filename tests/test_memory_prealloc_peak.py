@@ -15,8 +15,8 @@ from _memory_peaks import StepRanges, range_peaks
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_seqmem import CausalLM, SeqMemDataModule
-from lightning_seqmem.memory.preallocate import CachePreallocator
 from lightning_seqmem.batch import full_rows
+from lightning_seqmem.memory.preallocate import CachePreallocator
 from lightning_seqmem.warmup.callback import SeqLengthWarmup
 
 VOCAB, LENGTH = 64, 256

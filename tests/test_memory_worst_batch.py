@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_seqmem.batch import IGNORE_INDEX
+from lightning_seqmem.batch import IGNORE_INDEX, default_layout, full_rows
 from lightning_seqmem.batching.collate import PackCollator
-from lightning_seqmem.batch import default_layout, full_rows
+from lightning_seqmem.batching.settings import BatchingSettings
+from lightning_seqmem.batching.strategies import make_strategy
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
 from lightning_seqmem.protocols import GivesWorstBatchLayout
-from lightning_seqmem.batching.strategies import BatchingOptions, make_strategy
 
 PACK = ("input_ids", "labels", "position_ids")
 PAD = ("input_ids", "attention_mask", "labels")
@@ -41,8 +41,8 @@ def test_padded_rows_and_defaults_by_keys():
 
 
 def test_strategies_say_when_rows_are_never_padded():
-    options = BatchingOptions(max_length=16)
-    pad, truncate, pack = (make_strategy(name, options) for name in ("pad", "truncate", "pack"))
+    pad, truncate, pack = (make_strategy(BatchingSettings(max_length=16, strategy=name))
+                           for name in ("pad", "truncate", "pack"))
     assert pad.worst_layout(2, 16, np.array([3, 16])) == ((16,), (15,))
     assert pad.worst_layout(2, 16, np.array([16, 16])) == full_rows(2, 16)  # every row 16 tokens: no padding
     assert pad.worst_layout(2, 16, None) == ((16,), (15,))  # unknown: assume padding
