@@ -29,7 +29,7 @@ from lightning_seqmem.messages import short_repr
 from lightning_seqmem.protocols import (GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape, GivesWorstBatchLayout,
                                         find_pad_token_id)
 
-__all__ = ["CachePreallocator", "PreallocationOOMError", "PreallocationReport", "make_dummy_batch"]
+__all__ = ["CachePreallocator", "PreallocationOOMError", "PreallocationReport"]
 
 DEFAULT_KEYS = PAD_KEYS
 
