@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "pack_lengths": "lightning_seqmem.batching.packed_rows",
     "pack_sequences": "lightning_seqmem.batching.packed_rows",
     "StreamingPacker": "lightning_seqmem.batching.streaming_packer",
+    "BatchingSettings": "lightning_seqmem.batching.settings",
 }
 
 __all__ = sorted(_EXPORTS)

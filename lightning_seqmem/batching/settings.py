@@ -94,8 +94,7 @@ class BatchingSettings:
 
     def __post_init__(self) -> None:
         check_integers(self)
-        for name in ("strategy", "eval_strategy"):
-            value = self.strategy_for("validation") if name == "eval_strategy" else self.strategy
+        for name, value in (("strategy", self.strategy), ("eval_strategy", self.strategy_for("validation"))):
             if value not in STRATEGIES:
                 raise ValueError(f"Unknown {name} {value!r}; choose one of {list(STRATEGIES)}.")
         if self.overflow is not None and self.overflow not in OVERFLOWS:

@@ -6,6 +6,7 @@ from lightning_seqmem._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "SeqMemDataModule": "lightning_seqmem.datamodule.module",
+    "SeqMemSettings": "lightning_seqmem.datamodule.settings",
     "STRATEGIES": "lightning_seqmem.batching.strategies",
 }
 
