@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from lightning_seqmem import SeqMemDataModule, plots
+from lightning_seqmem.batching.settings import BatchingSettings
 from lightning_seqmem.apps.planner import (
     STRATEGIES,
-    DataSettings,
     column_lengths,
     default_max_lengths,
     length_distribution,
@@ -104,7 +104,7 @@ def test_no_lengths_is_a_clear_error():
 
 def test_strategy_chart_shows_the_planners_table():
     lengths = {"train": column_lengths(SeqMemDataModule())["documents"], "validation": np.array([5])}
-    plans = plan_strategies(lengths, list(STRATEGIES), [64, 256], DataSettings())
+    plans = plan_strategies(lengths, list(STRATEGIES), [64, 256], BatchingSettings())
     best, _ = recommend_data(plans, 256)
     fig = plots.strategy_bars(plans, (best.strategy, best.max_length))
     efficiency, lost = fig.axes

@@ -6,7 +6,6 @@ The checks are a pure function, :func:`find_problems`, on :class:`RunFacts` (pla
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_seqmem.memory.allocator import expandable_segments_on
+from lightning_seqmem.memory.model_facts import model_facts
 from lightning_seqmem.memory.preallocate import CachePreallocator
 from lightning_seqmem.protocols import DescribesBatching, GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape
 from lightning_seqmem.training.varlen import PassesFlashVarlen, is_flash_attention
@@ -176,16 +176,6 @@ def _int_or_none(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _is_compiled(pl_module: LightningModule) -> bool:
-    hparams = getattr(pl_module, "hparams", None)
-    if getattr(pl_module, "_compiler_ctx", None) or (isinstance(hparams, Mapping) and hparams.get("compile")):
-        return True
-    for module in pl_module.modules():
-        if getattr(module, "_compiled_call_impl", None) is not None or type(module).__name__ == "OptimizedModule":
-            return True
-    return False
-
-
 def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
     """Read :class:`RunFacts` from any Trainer, DataModule and LightningModule (missing attributes are unknown)."""
     dm = trainer.datamodule
@@ -194,8 +184,7 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
     # any loader whose batches change shape (padded to their longest row, a token budget), or a warmup that grows
     # the length
     dynamic = (batching is not None and not batching.constant_shapes()) or warmup
-    config = getattr(getattr(pl_module, "model", None), "config", None)
-    attn = getattr(config, "_attn_implementation", None) or _setting(pl_module, "attn_implementation")
+    model = model_facts(pl_module)
     trainable = [p for p in pl_module.parameters() if p.requires_grad]
     return RunFacts(
         on_cuda=trainer.strategy.root_device.type == "cuda",
@@ -207,10 +196,10 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
         world_size=int(trainer.world_size),
         packing=batching is not None and batching.packs_documents(),
         dynamic_shapes=dynamic,
-        attn_implementation=attn if isinstance(attn, str) else None,
+        attn_implementation=model.attn_implementation,
         flash_varlen=isinstance(pl_module, PassesFlashVarlen) and pl_module.passes_flash_varlen_kwargs is True,
         fp16_weights=bool(trainable) and all(p.dtype == torch.float16 for p in trainable),
-        compiled=_is_compiled(pl_module),
+        compiled=model.compiled,
         preallocating=any(isinstance(cb, CachePreallocator) for cb in trainer.callbacks),
         expandable_segments=expandable_segments_on(),
     )
