@@ -18,3 +18,9 @@ def short_repr(value: Any) -> str:
         "['a long document', 'a long document', 'a long document', ...]"
     """
     return _SHORT.repr(value)
+
+
+def check_choice(name: str, value: Any, choices: tuple) -> None:
+    """Raise a ``ValueError`` naming the setting and its valid choices when ``value`` is not one of them."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; use one of {choices}.")

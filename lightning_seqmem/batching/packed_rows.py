@@ -18,6 +18,7 @@ import numpy as np
 from lightning_seqmem.batching.bin_packing import pack_bins
 from lightning_seqmem.data.tokens import ConcatView, ConstantView, TokenView, as_token_source
 from lightning_seqmem.batching.truncation import check_max_length, count_truncated
+from lightning_seqmem.messages import check_choice
 
 PACKINGS = ("bfd", "wrapped")
 OVERFLOWS = ("split", "truncate", "drop", "error")
@@ -36,10 +37,8 @@ def _gather_pool() -> ThreadPoolExecutor:
 
 def check_packing(packing: str, overflow: str = "split") -> None:
     """Raise a ``ValueError`` listing the valid choices for an unknown ``packing`` or ``overflow``."""
-    if packing not in PACKINGS:
-        raise ValueError(f"packing={packing!r} is not valid; use one of {PACKINGS}.")
-    if overflow not in OVERFLOWS:
-        raise ValueError(f"overflow={overflow!r} is not valid; use one of {OVERFLOWS}.")
+    check_choice("packing", packing, PACKINGS)
+    check_choice("overflow", overflow, OVERFLOWS)
 
 
 @dataclass

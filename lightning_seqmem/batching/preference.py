@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from lightning_seqmem.batch import IGNORE_INDEX
-from lightning_seqmem.messages import short_repr
+from lightning_seqmem.messages import check_choice, short_repr
 from lightning_seqmem.batching.collate import PadCollator, _fill
-from lightning_seqmem.batching.truncation import check_max_length
+from lightning_seqmem.batching.truncation import check_max_length, check_part_limits
 
 CHOSEN, REJECTED = 0, 1
 """Index of each side on the first axis of the ``[2, rows]`` arrays of :class:`PairSpans`."""
@@ -72,12 +72,8 @@ class PreferenceLimits:
 
     def __post_init__(self) -> None:
         check_max_length(self.max_length)
-        if self.truncation_mode not in TRUNCATION_MODES:
-            raise ValueError(f"truncation_mode={self.truncation_mode!r} is not valid; use one of {TRUNCATION_MODES}.")
-        for name in ("max_prompt_length", "max_completion_length"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}={value} must be >= 1 (or None for no limit).")
+        check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
+        check_part_limits(self.max_prompt_length, self.max_completion_length)
         if self.max_length is not None and self.max_prompt_length is not None \
                 and self.max_prompt_length >= self.max_length:
             raise ValueError(f"max_prompt_length ({self.max_prompt_length}) >= max_length ({self.max_length}) leaves "

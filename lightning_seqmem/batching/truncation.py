@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_seqmem.messages import check_choice
+
 TRUNCATION_SIDES = ("right", "left")
 MIN_MAX_LENGTH = 2  # a causal LM needs an input and a target: the one rule every max_length check applies
 
@@ -22,8 +24,7 @@ def valid_max_length(value: object) -> bool:
 
 def check_truncation_side(side: str) -> None:
     """Raise a ``ValueError`` listing the valid sides when ``side`` is not one of them."""
-    if side not in TRUNCATION_SIDES:
-        raise ValueError(f"truncation_side={side!r} is not valid; use one of {TRUNCATION_SIDES}.")
+    check_choice("truncation_side", side, TRUNCATION_SIDES)
 
 
 def check_max_length(max_length: int | None, name: str = "max_length") -> None:
@@ -66,6 +67,13 @@ def truncate_ids(ids: Sequence[int], max_length: int | None, side: str = "right"
     return cut_tokens(list(ids), max_length, side)
 
 
+def check_part_limits(max_prompt_length: int | None, max_completion_length: int | None) -> None:
+    """The per-part limits of prompt/completion and preference data: each ``None`` (no limit) or ``>= 1``."""
+    for name, value in (("max_prompt_length", max_prompt_length), ("max_completion_length", max_completion_length)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name}={value} must be >= 1 (or None for no limit).")
+
+
 @dataclass(frozen=True)
 class PromptCompletionLimits:
     """Validated limits for prompt/completion truncation.
@@ -89,10 +97,7 @@ class PromptCompletionLimits:
     def __post_init__(self) -> None:
         check_max_length(self.max_length)
         check_truncation_side(self.truncation_side)
-        for name in ("max_prompt_length", "max_completion_length"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}={value} must be >= 1 (or None for no limit).")
+        check_part_limits(self.max_prompt_length, self.max_completion_length)
         if (
             self.max_length is not None
             and self.max_prompt_length is not None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_seqmem.data.chat_template import MARKERS, ChatRenderer, char_to_token
-from lightning_seqmem.messages import short_repr
+from lightning_seqmem.messages import check_choice, short_repr
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "last_assistant", "all")
@@ -84,11 +84,6 @@ def check_conversation_columns(columns: Iterable[str], messages_column: str = ME
     return True
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; use one of {choices}.")
-
-
 @dataclass(frozen=True)
 class ConversationSettings:
     """How conversations become training tokens.
@@ -106,8 +101,8 @@ class ConversationSettings:
     on_empty_labels: str = "drop"
 
     def __post_init__(self) -> None:
-        _check_choice("train_on", self.train_on, TRAIN_ON)
-        _check_choice("on_empty_labels", self.on_empty_labels, ON_EMPTY_LABELS)
+        check_choice("train_on", self.train_on, TRAIN_ON)
+        check_choice("on_empty_labels", self.on_empty_labels, ON_EMPTY_LABELS)
 
 
 @dataclass(frozen=True, eq=False)  # numpy fields: compare them with np.array_equal, not ==
@@ -305,7 +300,7 @@ def select_trained(num_trained: Sequence[int] | np.ndarray, on_empty_labels: str
     Raises:
         ValueError: ``on_empty_labels="error"`` and a conversation has no trained token (named by ``rows``).
     """
-    _check_choice("on_empty_labels", on_empty_labels, ON_EMPTY_LABELS)
+    check_choice("on_empty_labels", on_empty_labels, ON_EMPTY_LABELS)
     counts = np.asarray(num_trained, dtype=np.int64)
     empty = np.flatnonzero(counts == 0)
     if len(empty) and on_empty_labels == "error":

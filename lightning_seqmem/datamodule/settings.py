@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning_seqmem.batching.settings import BatchingSettings, check_integers, integer
 from lightning_seqmem.data.token_cache import default_cache_dir
+from lightning_seqmem.messages import check_choice
 
 RESUME_MISMATCH = ("error", "restart_epoch")
 
@@ -43,9 +44,7 @@ class DataSettings:
 
     def __post_init__(self) -> None:
         check_integers(self)
-        if self.on_resume_mismatch not in RESUME_MISMATCH:
-            raise ValueError(f"on_resume_mismatch={self.on_resume_mismatch!r} is not valid; use one of "
-                             f"{RESUME_MISMATCH}.")
+        check_choice("on_resume_mismatch", self.on_resume_mismatch, RESUME_MISMATCH)
 
     @property
     def plan_cache(self) -> str:
