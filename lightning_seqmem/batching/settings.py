@@ -131,7 +131,8 @@ class BatchingSettings:
         prompt/completion rows (a piece of an SFT example without its prompt would train on an answer to nothing)."""
         if self.overflow is not None:
             return self.overflow
-        return "truncate" if kind == "prompt_completion" else "split"
+        # Conversations arrive already cut to max_length by whole turns (``conversation_rows``): never split.
+        return "truncate" if kind in ("prompt_completion", "conversations") else "split"
 
     def packs_any(self) -> bool:
         """Whether the train or the validation loader packs documents (packing is planned at ``prepare_data``)."""

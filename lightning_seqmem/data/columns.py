@@ -10,25 +10,31 @@ PRETOKENIZED_KINDS = {"tokens": "text", "prompt_completion_tokens": "prompt_comp
 
 def check_columns(dsd, text_column: str = "text", prompt_column: str = "prompt",
                   completion_column: str = "completion") -> str:
-    """Which kind of data this is: ``"text"``, ``"prompt_completion"``, or pre-tokenized ``"tokens"``
-    (``input_ids``, optionally ``labels``) or ``"prompt_completion_tokens"`` (``prompt_ids``, ``completion_ids``).
-    Token columns win over text columns: a dataset that carries its tokens is used as it is.
+    """Which kind of data this is: ``"text"``, ``"prompt_completion"``, ``"conversations"`` (a ``messages``
+    column of turns), or pre-tokenized ``"tokens"`` (``input_ids``, optionally ``labels``) or
+    ``"prompt_completion_tokens"`` (``prompt_ids``, ``completion_ids``). Token columns win over text columns: a
+    dataset that carries its tokens is used as it is.
 
     Raises:
-        ValueError: none of these columns exist; the message lists what does.
+        ValueError: none of these columns exist (the message lists what does), or ``messages`` next to a text or
+            prompt/completion column.
     """
+    from lightning_seqmem.data.conversations import check_conversation_columns
+
     columns = set(dsd["train"].column_names)
     if "input_ids" in columns:
         return "tokens"
     if {"prompt_ids", "completion_ids"} <= columns:
         return "prompt_completion_tokens"
+    if check_conversation_columns(columns, other_columns=(text_column, prompt_column, completion_column)):
+        return "conversations"
     if text_column in columns:
         return "text"
     if {prompt_column, completion_column} <= columns:
         return "prompt_completion"
     raise ValueError(
         f"The dataset has no usable column: expected {text_column!r} (plain text), {prompt_column!r} and "
-        f"{completion_column!r} (prompt/completion), or token ids ('input_ids', or 'prompt_ids' and "
+        f"{completion_column!r} (prompt/completion), 'messages' (conversations), or token ids ('input_ids', or 'prompt_ids' and "
         f"'completion_ids'); it has {sorted(columns)}. Pass text_column=<name> to SeqMemDataModule, or rename a "
         "column with dataset.rename_column()."
     )

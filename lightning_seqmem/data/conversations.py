@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_seqmem.data.chat_template import MARKERS, ChatRenderer, char_to_token
+from lightning_seqmem.data.chat_template import (
+    MARKERS,
+    ChatRenderer,
+    char_to_token,
+    chat_template_of,
+    mask_method,
+    template_fingerprint,
+)
 from lightning_seqmem.messages import short_repr
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -108,6 +115,17 @@ class ConversationSettings:
     def __post_init__(self) -> None:
         _check_choice("train_on", self.train_on, TRAIN_ON)
         _check_choice("on_empty_labels", self.on_empty_labels, ON_EMPTY_LABELS)
+
+    def cache_key(self, tokenizer) -> list[str]:
+        """What decides the cached tokens and trained spans besides the tokenizer's vocabulary: its chat template
+        (and so its mask method, said here once, before any tokenizing worker forks), ``train_on`` and
+        ``train_field``; not ``on_empty_labels`` (applied after the cache, like ``max_length``).
+
+        Raises:
+            ValueError: the tokenizer has no chat template (the message says how to set one).
+        """
+        template = chat_template_of(tokenizer)
+        return [template_fingerprint(template), mask_method(template), self.train_on, str(self.train_field)]
 
 
 @dataclass(frozen=True, eq=False)  # numpy fields: compare them with np.array_equal, not ==

@@ -33,6 +33,10 @@ def token_features(kind: str):
 
     sequence = datasets.List if hasattr(datasets, "List") else datasets.Sequence
     ids = sequence(datasets.Value("int32"))
+    if kind == "conversations":  # ``conversations.EncodedConversation.to_row`` and its trained-token count
+        return datasets.Features({"input_ids": ids, "label_spans": ids, "turn_ends": ids,
+                                  "keep_turns": datasets.Value("int32"), "num_truncated": datasets.Value("int32"),
+                                  "num_trained": datasets.Value("int64"), "length": datasets.Value("int64")})
     names = ["input_ids"] if kind == "text" else ["prompt_ids", "completion_ids"]
     return datasets.Features({**{n: ids for n in names}, "length": datasets.Value("int64")})
 
@@ -78,8 +82,14 @@ def batch_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
 
 
 def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
-                      completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True):
-    """The batched ``datasets.map`` function of ``tokenize_dataset``: ``fn(batch, indices, split) -> columns``."""
+                      completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
+                      conversation=None):
+    """The batched ``datasets.map`` function of ``tokenize_dataset``: ``fn(batch, indices, split) -> columns``.
+
+    ``kind="conversations"``: ``text_column`` holds the turns, rendered with the tokenizer's chat template (no
+    BOS/EOS added: the template writes its own) under ``conversation`` (``ConversationSettings``)."""
+    if kind == "conversations":
+        return _conversation_function(tokenizer, text_column, conversation)
     prefix, suffix = document_frame(tokenizer, add_bos, add_eos)
     encode = batch_encoder(tokenizer)
 
@@ -118,3 +128,17 @@ def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "tex
                       fn_kwargs={"split": split}, features=token_features(kind), desc=f"Tokenizing {split}")
         for split, ds in dsd.items()
     })
+
+
+def _conversation_function(tokenizer, column: str, settings):
+    from lightning_seqmem.data.chat_template import ChatRenderer
+    from lightning_seqmem.data.conversations import ConversationSettings, encode_rows
+
+    renderer = ChatRenderer(tokenizer)
+    settings = settings or ConversationSettings()
+
+    def fn(batch, indices, split):
+        columns = encode_rows(batch[column], list(indices), renderer, settings)
+        columns["length"] = [len(ids) for ids in columns["input_ids"]]
+        return columns
+    return fn

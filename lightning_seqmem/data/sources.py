@@ -3,7 +3,8 @@
 Accepted datasets: ``"builtin"`` (the standard-library corpus), a ``datasets.Dataset``/``DatasetDict``, a
 directory saved with ``save_to_disk``, local ``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
 a glob or a list), a hub name (loaded with ``datasets.load_dataset``; only when the user asks for it), or the
-data itself: a list of strings (documents) or of dicts (rows).
+data itself: a list of strings (documents), of dicts (rows) or of conversations (lists of ``{"role", "content"}``
+dicts, which become a ``messages`` column).
 
 A list is files when every item is an existing file or directory or a glob that matches files; otherwise it is
 documents (strings) or rows (dicts). A list that mixes existing files with strings that are not, or whose items
@@ -48,6 +49,12 @@ def _looks_like_file_name(item: str) -> bool:
     return not any(c.isspace() for c in item) and os.path.splitext(item)[1].lower() in _LOCAL_BUILDERS
 
 
+def _is_conversation(item: Any) -> bool:
+    """A list of dicts (turns): one conversation of a list of conversations."""
+    return (isinstance(item, Sequence) and not isinstance(item, (str, bytes, os.PathLike))
+            and all(isinstance(turn, Mapping) for turn in item))
+
+
 def _dataset_from_items(items: Sequence[Any]):
     """A list given as ``dataset=``: files (every item names existing files), else documents or rows.
 
@@ -60,6 +67,8 @@ def _dataset_from_items(items: Sequence[Any]):
     items = list(items)
     if not items:
         raise ValueError("dataset is an empty list: pass documents (strings), rows (dicts) or file paths.")
+    if all(_is_conversation(x) for x in items):  # conversations: each a list of {"role", "content"} turns
+        items = [{"messages": [dict(turn) for turn in x]} for x in items]
     if all(isinstance(x, Mapping) for x in items):
         rows = [dict(x) for x in items]
         try:
@@ -69,8 +78,8 @@ def _dataset_from_items(items: Sequence[Any]):
                              f"{short_repr(str(err))}. Give every row the same keys with values of one type.") from err
     if not all(isinstance(x, (str, os.PathLike)) for x in items):
         kinds = sorted({type(x).__name__ for x in items})
-        raise TypeError(f"dataset is a list of {', '.join(kinds)}: pass strings (documents or file paths) or "
-                        "dicts (rows), not a mix.")
+        raise TypeError(f"dataset is a list of {', '.join(kinds)}: pass strings (documents or file paths), "
+                        "dicts (rows) or conversations (lists of {'role', 'content'} dicts), not a mix.")
     items = [os.fspath(x) for x in items]
     missing = [x for x in items if not _matches(x)]
     if not missing:

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_seqmem.batching.sampling import BatchFetcher
 from lightning_seqmem.batching.strategies import Strategy, largest_shape, make_strategy
+from lightning_seqmem.data.chat_template import chat_template_of, mask_method
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.pipeline import SPLITS, epoch_stats, load_documents, prepare_split, split_documents
 from lightning_seqmem.datamodule.resume import ResumableLoader, check_signature, data_signature
@@ -43,7 +44,8 @@ class SeqMemDataModule(LightningDataModule):
     Args:
         dataset: ``"builtin"`` (the standard-library corpus), a ``datasets.Dataset``/``DatasetDict``, local
             json/jsonl/parquet/txt/csv files (path, glob or list), a ``save_to_disk`` directory, or a hub name.
-            A ``text`` column, or ``prompt`` and ``completion`` columns; or pre-tokenized: ``input_ids``
+            A ``text`` column, ``prompt`` and ``completion`` columns, or a ``messages`` column of conversations (a
+            Python list of conversations too); or pre-tokenized: ``input_ids``
             (optionally ``labels``), or ``prompt_ids`` and ``completion_ids``, used as they are.
         tokenizer: ``None`` for the built-in BPE tokenizer, a name or local path for ``AutoTokenizer``, or a
             tokenizer object.
@@ -89,6 +91,13 @@ class SeqMemDataModule(LightningDataModule):
             strategy, dataset, batch size or seed): ``"error"`` (default) refuses to resume and names what
             changed; ``"restart_epoch"`` keeps the checkpoint's model and optimizer but starts the current epoch
             from its first batch.
+        train_on: conversations (a ``messages`` column of ``{"role", "content"}`` turns, rendered with the
+            tokenizer's chat template): which tokens carry loss. ``"assistant"`` (every assistant turn, its content
+            and the tokens that close it), ``"last_assistant"`` or ``"all"``. A conversation over ``max_length``
+            loses whole oldest turns first (the system message stays); conversations are never split by ``pack``.
+        train_field: conversations: a per-message boolean that overrides ``train_on`` for that turn (``None``: none).
+        on_empty_labels: conversations with no trained token (no assistant turn, or none left after truncation):
+            ``"drop"`` (counted in ``stats()``), ``"keep"`` (they add no loss) or ``"error"``.
 
     Example::
 
@@ -133,12 +142,16 @@ class SeqMemDataModule(LightningDataModule):
         pad_token_id: int | None = None,
         eos_token_id: int | None = None,
         on_resume_mismatch: str = "error",
+        train_on: str = "assistant",
+        train_field: str | None = "train",
+        on_empty_labels: str = "drop",
     ) -> None:
         super().__init__()
         arguments = {k: v for k, v in locals().items() if k not in ("self", "dataset", "tokenizer", "__class__")}
         self.settings = SeqMemSettings.from_arguments(**arguments)  # every argument checked here, once
         b = self.settings.batching
-        self.save_hyperparameters(dict(vars(b), **vars(self.settings.data), eval_strategy=b.strategy_for("validation")))
+        self.save_hyperparameters(dict(vars(b), **vars(self.settings.data), **vars(self.settings.conversation),
+                                       eval_strategy=b.strategy_for("validation")))
         self.dataset = dataset
         self.streaming = False
         self._tokenizer_arg = tokenizer
@@ -218,7 +231,8 @@ class SeqMemDataModule(LightningDataModule):
         ``setup`` on local rank 0 share it."""
         if self._documents is None:
             tokenized, kind, self._pretokenized = load_documents(
-                self.dataset, self.settings.data, lambda: self.tokenizer, self._tokenizer_arg is not None)
+                self.dataset, self.settings.data, lambda: self.tokenizer, self._tokenizer_arg is not None,
+                self.settings.conversation)
             self._documents = tokenized, kind
         return self._documents
 
@@ -249,7 +263,10 @@ class SeqMemDataModule(LightningDataModule):
         documents = split_documents(tokenized, kind, b.seed)
         self.datasets = {}
         for split, docs in documents.items():
-            prepared = prepare_split(split, docs, self._strategies[split], b.max_length, b.completion_only_loss)
+            prepared = prepare_split(split, docs, self._strategies[split], b.max_length, b.completion_only_loss,
+                                     self.settings.conversation.on_empty_labels)
+            if kind == "conversations":
+                prepared.stats["mask_method"] = mask_method(chat_template_of(self.tokenizer))
             for message in prepared.warnings:
                 rank_zero_warn(message)
             for message in prepared.infos:
@@ -324,7 +341,8 @@ class SeqMemDataModule(LightningDataModule):
     def stats(self) -> dict[str, Any]:
         """Per split: documents, tokens, tokens truncated/dropped, documents split, empty documents skipped,
         rows, batches, rows ``drop_last`` leaves out, and token efficiency (real tokens / slots in one epoch);
-        for prompt/completion data also the rows skipped because no completion was left."""
+        for prompt/completion data also the rows skipped because no completion was left; for conversations also
+        ``conversations_dropped_empty``, ``trained_tokens``, ``trained_share`` and ``mask_method``."""
         self._ready()
         return {split: dict(values) for split, values in self._stats.items()}
 

@@ -14,26 +14,32 @@ from typing import Any
 import numpy as np
 
 from lightning_seqmem.batch import IGNORE_INDEX
+from lightning_seqmem.batching.conversation_rows import conversation_rows
 from lightning_seqmem.batching.strategies import EpochStats, Strategy
 from lightning_seqmem.batching.truncation import prompt_completion_spans
 from lightning_seqmem.data.columns import PRETOKENIZED_KINDS, check_columns
+from lightning_seqmem.data.conversations import MESSAGES_COLUMN, ConversationSettings
 from lightning_seqmem.data.sources import ensure_validation_split, load_text_dataset, select_rows
 from lightning_seqmem.data.tokens import ConcatView, ConstantView, view_of_dataset
 
 SPLITS = ("train", "validation")
 PARTS = {"text": {"documents": "input_ids"},
-         "prompt_completion": {"prompt": "prompt_ids", "completion": "completion_ids"}}
+         "prompt_completion": {"prompt": "prompt_ids", "completion": "completion_ids"},
+         "conversations": {"documents": "input_ids"}}
 
 
-def load_documents(dataset: Any, data: Any, tokenizer: Callable[[], Any], explicit_tokenizer: bool):
+def load_documents(dataset: Any, data: Any, tokenizer: Callable[[], Any], explicit_tokenizer: bool,
+                   conversation: ConversationSettings | None = None):
     """``(DatasetDict of token columns, kind, pretokenized)``: ``dataset`` tokenized through the tokenize-once cache,
-    or pre-tokenized data as they are (their values checked once); ``kind`` is ``"text"`` or ``"prompt_completion"``.
+    or pre-tokenized data as they are (their values checked once); ``kind`` is ``"text"``, ``"prompt_completion"``
+    or ``"conversations"``.
 
     Args:
         dataset: what ``SeqMemDataModule(dataset=...)`` takes.
         data: the ``DataSettings`` (text column, cache folder, tokenization processes).
         tokenizer: gives the tokenizer when needed (loading it may be slow, and pre-tokenized data need none).
         explicit_tokenizer: the user gave one: pre-tokenized ids are checked against its vocabulary.
+        conversation: how conversations become trained tokens (``train_on``, ``train_field``: part of the cache key).
     """
     from lightning_seqmem.data.token_cache import check_values_once, tokenize_cached
 
@@ -44,8 +50,10 @@ def load_documents(dataset: Any, data: Any, tokenizer: Callable[[], Any], explic
         for split, ds in raw.items():
             check_values_once(ds, kind, split, vocab, cache_dir=data.cache_dir)
         return raw, PRETOKENIZED_KINDS[kind], True
-    tokenized = tokenize_cached(raw, tokenizer(), kind, data.text_column, num_proc=data.num_proc,
-                                cache_dir=data.cache_dir, source=dataset)
+    chat = kind == "conversations"
+    tokenized = tokenize_cached(raw, tokenizer(), kind, MESSAGES_COLUMN if chat else data.text_column,
+                                num_proc=data.num_proc, cache_dir=data.cache_dir, source=dataset,
+                                conversation=(conversation or ConversationSettings()) if chat else None)
     return tokenized, kind, False
 
 
@@ -54,7 +62,7 @@ class Documents:
     """A split's non-empty documents as token views, per part (``documents``; or ``prompt`` and ``completion``)."""
 
     dataset: Any  # the split's rows, empty documents left out (an index selection: no tokens copied)
-    kind: str  # "text" or "prompt_completion"
+    kind: str  # "text", "prompt_completion" or "conversations"
     parts: dict[str, Any]  # part name -> token source (``tokens.TokenSource``)
     labels: Any  # text with a ``labels`` column: its token source; else None
     empty: int  # empty documents left out
@@ -100,8 +108,12 @@ class PreparedSplit:
 
 
 def prepare_split(split: str, docs: Documents, strategy: Strategy, max_length: int,
-                  completion_only_loss: bool = True) -> PreparedSplit:
-    """Truncate or pack ``docs`` with ``strategy`` and count every token that will not reach the model."""
+                  completion_only_loss: bool = True, on_empty_labels: str = "drop") -> PreparedSplit:
+    """Truncate or pack ``docs`` with ``strategy`` and count every token that will not reach the model.
+
+    Conversations are first cut to ``max_length`` by whole turns and those left with no trained token handled by
+    ``on_empty_labels`` (``batching.conversation_rows``); their stats add ``conversations_dropped_empty``,
+    ``trained_tokens`` and ``trained_share`` (trained tokens / tokens fed to the model)."""
     lengths = docs.lengths
     if split == "train" and len(lengths) == 0:
         raise ValueError("Every training document is empty after tokenization: there is nothing to train on.")
@@ -111,8 +123,20 @@ def prepare_split(split: str, docs: Documents, strategy: Strategy, max_length: i
         "documents_over_max_length": int((lengths > max_length).sum()),
         "longest_document": int(lengths.max(initial=0)),
     }
-    warnings = []
-    if docs.kind == "prompt_completion":
+    warnings, dataset = [], docs.dataset
+    if docs.kind == "conversations":
+        chat = conversation_rows(docs.dataset, max_length, on_empty_labels)
+        source, labels = chat.source, chat.labels
+        stats.update(chat.stats)
+        if chat.stats["conversations_dropped_empty"]:
+            dataset = select_rows(docs.dataset, chat.keep, "trained")
+            warnings.append(
+                f"{split}: {chat.stats['conversations_dropped_empty']} conversations have no trained token (no "
+                "assistant turn under train_on='assistant', or truncation left none) and are dropped "
+                f"({chat.stats['tokens_dropped']:,} tokens, counted in tokens_dropped). Pass on_empty_labels='error' "
+                "to find them, or 'keep' to train on them without loss."
+            )
+    elif docs.kind == "prompt_completion":
         source, labels, emptied = _prompt_completion_rows(docs, strategy, stats, completion_only_loss)
         if emptied:
             warnings.append(
@@ -125,9 +149,11 @@ def prepare_split(split: str, docs: Documents, strategy: Strategy, max_length: i
     for key, value in planned.stats.items():
         stats[key] += value  # adds to any prompt/completion truncation
     stats.update(epoch_stats(strategy, planned.lengths, split).counts())
-    warnings += _lost_tokens(split, stats, strategy, max_length)
+    if docs.kind == "conversations":
+        stats["trained_share"] = stats["trained_tokens"] / max(int(planned.lengths.sum()), 1)
+    warnings += _lost_tokens(split, stats, strategy, max_length, docs.kind)
     infos = [f"[lightning_seqmem] {split}: skipped {docs.empty} empty documents."] if docs.empty else []
-    return PreparedSplit(docs.dataset, planned.rows, planned.lengths, labels, stats, warnings, infos)
+    return PreparedSplit(dataset, planned.rows, planned.lengths, labels, stats, warnings, infos)
 
 
 def epoch_stats(strategy: Strategy, lengths: np.ndarray, split: str) -> EpochStats:
@@ -154,12 +180,13 @@ def _prompt_completion_rows(docs: Documents, strategy: Strategy, stats: dict, co
     return source, labels, emptied
 
 
-def _lost_tokens(split: str, stats: dict, strategy: Strategy, max_length: int) -> list[str]:
+def _lost_tokens(split: str, stats: dict, strategy: Strategy, max_length: int, kind: str = "text") -> list[str]:
     """The warning for tokens that never reach the model, with the strategy's own fix."""
     truncated, dropped = stats["tokens_truncated"], stats["tokens_dropped"]
     if not truncated + dropped:
         return []
-    fix = strategy.lost_tokens_fix("rows_without_completion" in stats)
+    fix = ("Conversations lose whole oldest turns first (the system message stays); raise max_length to keep them."
+           if kind == "conversations" else strategy.lost_tokens_fix("rows_without_completion" in stats))
     return [
         f"{split}: {stats['documents_over_max_length']} documents are longer than max_length={max_length}; "
         f"with strategy={strategy.name!r}, {truncated + dropped:,} of {stats['tokens']:,} tokens "
