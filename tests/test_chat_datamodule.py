@@ -161,8 +161,10 @@ def test_train_on_and_the_template_are_part_of_the_cache_key(tmp_path, chat_tok,
 def test_bad_conversations_and_tokenizers_are_refused_with_the_fix(tmp_path, chat_tok, conversations):
     from lightning_seqmem.data.tokenizer import load_tokenizer
 
-    with pytest.raises(ValueError, match="has no chat template"):
-        _dm(conversations, load_tokenizer(), tmp_path)
+    plain = load_tokenizer()
+    plain.chat_template = None
+    with pytest.raises(ValueError, match=r"has no chat template.*tokenizer\.chat_template = "):
+        _dm(conversations, plain, tmp_path)
     with pytest.raises(ValueError, match=r"'messages' column \(conversations\) and \['text'\]"):
         _dm(datasets.Dataset.from_dict({"messages": conversations[:2], "text": ["a", "b"]}), chat_tok, tmp_path)
     bad = conversations[:3] + [[{"role": "user", "content": "hi"}, {"role": "gpt", "content": "hello"}]]
@@ -183,3 +185,54 @@ def test_a_real_trainer_fits_on_packed_conversations(tmp_path, chat_tok, convers
     trainer.fit(model, datamodule=dm)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
     assert 0 < dm.stats()["train"]["trained_share"] < 1
+
+
+def test_wrapped_packing_is_refused_for_conversations(tmp_path, chat_tok, conversations):
+    with pytest.raises(ValueError, match="packing='wrapped' cuts rows .* Use packing='bfd'"):
+        _dm(conversations, chat_tok, tmp_path, strategy="pack", packing="wrapped")
+
+
+def _compose(name, overrides):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
+        return compose(name, overrides=overrides, return_hydra_config=name == "config")
+
+
+def test_seqmem_train_data_chat_trains_on_the_builtin_conversations(tmp_path):
+    """``seqmem-train data=chat``: the built-in tokenizer with its template, the built-in conversations, packed."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from lightning_seqmem.apps.train import train
+
+    cfg = _compose("config", ["data=chat", "data.max_length=64", "trainer.max_steps=3", "trainer.limit_val_batches=2",
+                              "trainer.val_check_interval=3", "+trainer.enable_progress_bar=false",
+                              "+trainer.enable_model_summary=false", "print_summary=false",
+                              f"data.cache_dir={tmp_path / 'cache'}"])
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(tmp_path)
+        cfg.hydra.job.num = 0
+    HydraConfig.instance().set_config(cfg)
+    summary = train(cfg)
+    assert summary["optimizer_steps"] == 3 and np.isfinite(summary["final_val_loss"])
+    assert summary["strategy"] == "pack (bfd)" and summary["dataset_documents_split"] == 0
+
+
+def test_seqmem_plan_data_chat_reports_the_trained_share_the_datamodule_measures(tmp_path):
+    from hydra.utils import instantiate
+
+    from lightning_seqmem.apps.plan_app import plan_from_config
+    from lightning_seqmem.apps.planner import format_plan
+
+    overrides = ["data=chat", "data.max_length=256", f"data.cache_dir={tmp_path / 'cache'}"]
+    plan, _ = plan_from_config(_compose("plan", overrides + ["plan.memory=false", "plan.max_lengths=[128,256]"]))
+    dm = instantiate(_compose("config", overrides).data)
+    train = dm.stats()["train"]
+    configured = plan.configured
+    assert (configured.strategy, configured.max_length) == ("pack_bfd", 256)
+    assert configured.token_efficiency == train["token_efficiency"]
+    assert configured.trained_share == pytest.approx(train["trained_share"])
+    assert configured.tokens_lost == train["tokens_truncated"] + train["tokens_dropped"]
+    assert "pack_wrapped" not in {s.strategy for s in plan.strategies}  # conversations are packed whole
+    assert any("efficiency" in line and "trained" in line for line in format_plan(plan).splitlines())

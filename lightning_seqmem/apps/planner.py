@@ -32,12 +32,50 @@ from lightning_seqmem.batching.truncation import MIN_MAX_LENGTH, count_truncated
 from lightning_seqmem.datamodule.pipeline import split_documents
 
 PERCENTILES = (50, 90, 95, 99, 100)
+PLANNED_KINDS = ("text", "conversations")
 
 
 def check_text(kind: str, detail: str = "") -> None:
     """Refuse data the planner cannot plan yet (``detail``: where to look instead)."""
-    if kind != "text":
-        raise ValueError(f"seqmem-plan plans text datasets; prompt/completion data is not supported yet{detail}.")
+    if kind not in PLANNED_KINDS:
+        raise ValueError(f"seqmem-plan plans text datasets and conversations; prompt/completion data is not "
+                         f"supported yet{detail}.")
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """A split of conversations for the planner: their rows depend on ``max_length`` (whole oldest turns dropped,
+    those left with no trained token handled by ``on_empty_labels``), so they are cut per candidate length, the
+    way ``SeqMemDataModule.setup`` cuts them (``batching.conversation_rows``)."""
+
+    dataset: Any  # the split's cached conversation columns
+    on_empty_labels: str = "drop"
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``[conversations]`` whole token counts."""
+        from lightning_seqmem.data.tokens import view_of_dataset
+
+        return view_of_dataset(self.dataset, "input_ids").lengths
+
+    def at(self, max_length: int) -> tuple[np.ndarray, int, int]:
+        """``(row lengths, tokens lost, trained tokens)`` at ``max_length``."""
+        from lightning_seqmem.batching.conversation_rows import conversation_rows
+
+        rows = conversation_rows(self.dataset, max_length, self.on_empty_labels)
+        return rows.source.lengths, rows.stats["tokens_truncated"] + rows.stats["tokens_dropped"], \
+            rows.stats["trained_tokens"]
+
+
+def _at(docs: Any, max_length: int) -> tuple[np.ndarray, int, int | None]:
+    """Documents of a split at ``max_length``: ``(lengths, tokens lost before batching, trained tokens or None)``."""
+    if isinstance(docs, Conversations):
+        return docs.at(max_length)
+    return np.asarray(docs, dtype=np.int64), 0, None
+
+
+def _whole(docs: Any) -> np.ndarray:
+    return docs.lengths if isinstance(docs, Conversations) else np.asarray(docs)
 
 
 def check_strategies(strategies: Sequence[str]) -> tuple[str, ...]:
@@ -75,11 +113,11 @@ def length_distribution(lengths: np.ndarray, max_lengths: Sequence[int]) -> dict
     }
 
 
-def _strategy(strategy: str, max_length: int, settings: BatchingSettings) -> Strategy:
+def _strategy(strategy: str, max_length: int, settings: BatchingSettings, kind: str = "text") -> Strategy:
     """The train strategy a ``SeqMemDataModule`` with ``settings``, this strategy and ``max_length`` would hold
     (one strategy for both splits, as the planner's rows compare strategies)."""
     varied = replace(settings, max_length=max_length, eval_strategy=None, **STRATEGIES[strategy])
-    return make_strategy(varied, "train", "text")
+    return make_strategy(varied, "train", kind)
 
 
 @dataclass(frozen=True)
@@ -96,6 +134,7 @@ class StrategyPlan:
     optimizer_steps: int  # per epoch, per the devices and accumulate_grad_batches given
     max_batch_shape: tuple[int, int]  # (rows, length), the largest batch of any split
     rows_dropped_per_epoch: int = 0
+    trained_share: float | None = None  # conversations: tokens that carry loss / tokens fed to the model
 
     @property
     def lost_share(self) -> float:
@@ -113,7 +152,8 @@ def plan_strategy(
     """What ``SeqMemDataModule`` would measure with ``strategy`` and ``max_length`` on documents of ``lengths``.
 
     Args:
-        lengths: split name -> ``[documents]`` token counts (empty documents already left out), with ``"train"``.
+        lengths: split name -> ``[documents]`` token counts (empty documents already left out), with ``"train"``;
+            or :class:`Conversations`.
         strategy: a key of :data:`STRATEGIES`.
         max_length: row capacity.
         settings: the DataModule's batching settings (``dm.settings.batching``): all but strategy and max_length.
@@ -124,17 +164,20 @@ def plan_strategy(
     check_max_lengths([max_length])
     if "train" not in lengths:
         raise ValueError(f"lengths needs a 'train' split, got {sorted(lengths)}.")
-    batcher, largest = _strategy(strategy, max_length, settings), []
+    kind = "conversations" if isinstance(lengths["train"], Conversations) else "text"
+    batcher, largest = _strategy(strategy, max_length, settings, kind), []
     for split, docs in lengths.items():
         train = split == "train"
-        rows, cut = batcher.row_lengths(np.asarray(docs, dtype=np.int64))
+        kept, lost, trained = _at(docs, max_length)
+        rows, cut = batcher.row_lengths(kept)
         epoch = batcher.epoch_stats(rows, batcher.split_sampler(rows, "train" if train else split, 1, 0))
         largest += [epoch.largest] if epoch.largest is not None else []
         if train:
             per_rank = len(batcher.split_sampler(rows, "train", devices, 0))
-            counts = dict(epoch.counts(), tokens=int(np.asarray(docs).sum()),
-                          tokens_lost=cut["tokens_truncated"] + cut.get("tokens_dropped", 0),
-                          optimizer_steps=math.ceil(per_rank / accumulate_grad_batches))
+            counts = dict(epoch.counts(), tokens=int(_whole(docs).sum()),
+                          tokens_lost=lost + cut["tokens_truncated"] + cut.get("tokens_dropped", 0),
+                          optimizer_steps=math.ceil(per_rank / accumulate_grad_batches),
+                          trained_share=None if trained is None else trained / max(int(rows.sum()), 1))
     return StrategyPlan(strategy=strategy, max_length=max_length, max_batch_shape=largest_shape([batcher], largest),
                         **counts)
 
@@ -197,11 +240,14 @@ def format_plan(plan: RunPlan) -> str:
     lines = [f"Train documents: {d['documents']:,}, {d['tokens']:,} tokens, mean {d['mean']:.1f} tokens; {pct}",
              "max_length | documents longer | tokens beyond it"]
     lines += [f"{m:>10} | {o['documents']:>16.2%} | {o['tokens']:>16.2%}" for m, o in d["over"].items()]
-    lines += ["", "strategy           max_length  efficiency        tokens lost     rows  batches   steps  largest batch"]
+    chat = any(s.trained_share is not None for s in plan.strategies)  # conversations: the trained share too
+    lines += ["", "strategy           max_length  efficiency" + ("     trained" if chat else "")
+              + "        tokens lost     rows  batches   steps  largest batch"]
     for s in plan.strategies:
         mark = " <- config" if plan.configured is not None and (s.strategy, s.max_length) == (
             plan.configured.strategy, plan.configured.max_length) else ""
-        lines.append(f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}  {s.tokens_lost:>9,} "
+        trained = f"  {s.trained_share:>10.1%}" if chat else ""
+        lines.append(f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}{trained}  {s.tokens_lost:>9,} "
                      f"({s.lost_share:>5.1%}) {s.rows:>8,} {s.batches:>8,} {s.optimizer_steps:>7,}  "
                      f"{s.max_batch_shape[0]} x {s.max_batch_shape[1]}{mark}")
     lines += ["", *memory_table(plan.memory)] if plan.memory is not None else []
@@ -242,9 +288,10 @@ def build_plan(
         # The recommended rows are longer or shorter than the configured run's: size its micro-batch on its own.
         other = plan_memory(estimate, best.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
         recommended, reason = recommend(plans, other, settings.micro_batch_size, config_length)
-    return RunPlan(distribution=length_distribution(lengths["train"], max_lengths), strategies=plans,
-                configured=current, memory=memory, recommendation=reason, recommended=recommended,
-                train_lengths=np.asarray(lengths["train"]))
+    train = _whole(lengths["train"])
+    return RunPlan(distribution=length_distribution(train, max_lengths), strategies=plans,
+                   configured=current, memory=memory, recommendation=reason, recommended=recommended,
+                   train_lengths=train)
 
 
 def default_max_lengths(max_length: int) -> list[int]:
@@ -296,14 +343,23 @@ def plan(
         estimate = lambda rows, length, checkpointing: estimate_training_memory(  # noqa: E731
             model_config, rows, length, keys, precision, device, attn_implementation, checkpointing)
     budget = parse_bytes(gpu_memory) if gpu_memory is not None else None
-    return build_plan(datamodule_lengths(dm), strategies, max_lengths, settings, configured,
+    lengths = datamodule_lengths(dm)
+    if isinstance(lengths["train"], Conversations):  # packed whole only (``BatchingSettings.check_kind``)
+        strategies = [s for s in strategies if STRATEGIES[s].get("packing") != "wrapped"]
+    return build_plan(lengths, strategies, max_lengths, settings, configured,
                       estimate, micro_batch_sizes, budget, margin, devices, accumulate_grad_batches)
 
 
 def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
     """Per split, the token count of every non-empty document, as ``SeqMemDataModule(...)`` sees them: through
-    its tokenize-once cache (which the training run then reuses) or pre-tokenized, from Arrow offsets only."""
-    check_text(dm.tokenized_documents()[1])
+    its tokenize-once cache (which the training run then reuses) or pre-tokenized, from Arrow offsets only;
+    conversations as :class:`Conversations` (cut per candidate ``max_length``)."""
+    tokenized, kind = dm.tokenized_documents()
+    check_text(kind)
+    if kind == "conversations":
+        documents = split_documents(tokenized, kind, dm.settings.batching.seed)
+        return {split: Conversations(docs.dataset, dm.settings.conversation.on_empty_labels)
+                for split, docs in documents.items()}
     return {split: parts["documents"] for split, parts in _split_lengths(dm).items()}
 
 
@@ -322,7 +378,7 @@ def _split_lengths(dm: Any) -> dict[str, dict[str, np.ndarray]]:
             for split, docs in documents.items()}
 
 
-__all__ = ["DEFAULT_MARGIN", "PEAK_NOTES", "STRATEGIES", "MemoryPlan", "RunPlan", "StrategyPlan", "build_plan",
+__all__ = ["DEFAULT_MARGIN", "PEAK_NOTES", "STRATEGIES", "Conversations", "MemoryPlan", "RunPlan", "StrategyPlan", "build_plan",
            "check_text", "column_lengths", "datamodule_lengths", "default_max_lengths", "format_plan",
            "length_distribution", "memory_table", "parse_bytes", "plan", "plan_memory", "plan_strategies",
            "plan_strategy", "recommend", "recommend_data"]

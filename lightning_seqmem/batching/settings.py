@@ -140,6 +140,12 @@ class BatchingSettings:
 
     def check_kind(self, kind: str) -> None:
         """Refuse settings that do not suit data of ``kind`` (known only once the data are read)."""
+        if kind == "conversations" and self.packing == "wrapped" and self.packs_any():
+            raise ValueError(
+                "packing='wrapped' cuts rows at max_length wherever a conversation ends, and a piece of a "
+                "conversation without its start would be trained on without its context. Use packing='bfd' "
+                "(conversations packed whole)."
+            )
         if kind == "prompt_completion" and self.overflow == "split" and not self.allow_split_prompt_completion \
                 and self.packs_any():
             raise ValueError(

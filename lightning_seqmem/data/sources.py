@@ -1,7 +1,7 @@
 """Where the documents come from: resolve a dataset argument into a ``DatasetDict``, carve out validation.
 
-Accepted datasets: ``"builtin"`` (the standard-library corpus), a ``datasets.Dataset``/``DatasetDict``, a
-directory saved with ``save_to_disk``, local ``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
+Accepted datasets: ``"builtin"`` (the standard-library corpus), ``"builtin_chat"`` (the same as conversations), a
+``datasets.Dataset``/``DatasetDict``, a directory saved with ``save_to_disk``, local ``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
 a glob or a list), a hub name (loaded with ``datasets.load_dataset``; only when the user asks for it), or the
 data itself: a list of strings (documents), of dicts (rows) or of conversations (lists of ``{"role", "content"}``
 dicts, which become a ``messages`` column).
@@ -23,6 +23,8 @@ import numpy as np
 
 from lightning_seqmem.messages import short_repr
 
+BUILTIN_CHAT = "builtin_chat"
+"""``dataset="builtin_chat"``: the built-in corpus as multi-turn conversations (``data.chat_corpus``)."""
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
 
 def _matches(item: str) -> list[str]:
@@ -115,6 +117,11 @@ def load_text_dataset(dataset: Any = "builtin"):
         from lightning_seqmem.data.corpus import load_builtin_corpus
 
         dsd = load_builtin_corpus()
+    elif isinstance(dataset, str) and dataset == BUILTIN_CHAT:
+        from lightning_seqmem.data.chat_corpus import load_builtin_chat_corpus
+
+        dsd = datasets.DatasetDict({split: datasets.Dataset.from_list(rows)
+                                    for split, rows in load_builtin_chat_corpus().items()})
     elif isinstance(dataset, datasets.DatasetDict):
         dsd = dataset
     elif isinstance(dataset, datasets.Dataset):

@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_seqmem.batching.sampling import BatchFetcher
 from lightning_seqmem.batching.strategies import Strategy, largest_shape, make_strategy
 from lightning_seqmem.data.chat_template import chat_template_of, mask_method
+from lightning_seqmem.data.sources import BUILTIN_CHAT
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.pipeline import SPLITS, epoch_stats, load_documents, prepare_split, split_documents
 from lightning_seqmem.datamodule.resume import ResumableLoader, check_signature, data_signature
@@ -42,11 +43,12 @@ class SeqMemDataModule(LightningDataModule):
     Tokenization runs once per node (``prepare_data``) and is cached under ``cache_dir``.
 
     Args:
-        dataset: ``"builtin"`` (the standard-library corpus), a ``datasets.Dataset``/``DatasetDict``, local
-            json/jsonl/parquet/txt/csv files (path, glob or list), a ``save_to_disk`` directory, or a hub name.
-            A ``text`` column, ``prompt`` and ``completion`` columns, or a ``messages`` column of conversations (a
-            Python list of conversations too); or pre-tokenized: ``input_ids``
-            (optionally ``labels``), or ``prompt_ids`` and ``completion_ids``, used as they are.
+        dataset: ``"builtin"`` (the standard-library corpus), ``"builtin_chat"`` (it as conversations), a
+            ``datasets.Dataset``/``DatasetDict``, local json/jsonl/parquet/txt/csv files (path, glob or list), a
+            ``save_to_disk`` directory, a hub name, or a Python list of documents, rows or conversations.
+            A ``text`` column, ``prompt`` and ``completion`` columns, or a ``messages`` column of conversations; or
+            pre-tokenized: ``input_ids`` (optionally ``labels``), or ``prompt_ids`` and ``completion_ids``, used as
+            they are.
         tokenizer: ``None`` for the built-in BPE tokenizer, a name or local path for ``AutoTokenizer``, or a
             tokenizer object.
         max_length: longest row fed to the model, in tokens.
@@ -213,7 +215,7 @@ class SeqMemDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         """Build what is cached on disk, once per node (Lightning calls this on local rank 0 only): the built-in
         corpus, the default tokenizer and the tokenized dataset; ``setup`` on every rank then only reads them."""
-        if isinstance(self.dataset, str) and self.dataset == "builtin":
+        if isinstance(self.dataset, str) and self.dataset in ("builtin", BUILTIN_CHAT):
             from lightning_seqmem.data.corpus import load_builtin_corpus
 
             load_builtin_corpus()
