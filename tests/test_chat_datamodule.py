@@ -236,3 +236,41 @@ def test_seqmem_plan_data_chat_reports_the_trained_share_the_datamodule_measures
     assert configured.tokens_lost == train["tokens_truncated"] + train["tokens_dropped"]
     assert "pack_wrapped" not in {s.strategy for s in plan.strategies}  # conversations are packed whole
     assert any("efficiency" in line and "trained" in line for line in format_plan(plan).splitlines())
+
+
+def _template_tokenizer(template):
+    from lightning_seqmem.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    tok.chat_template = template
+    return tok
+
+
+NO_MARKERS = BUILTIN_CHAT_TEMPLATE.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
+
+
+def test_a_template_without_markers_gives_the_same_rows_by_prefix_difference(tmp_path, chat_tok, conversations):
+    """The fallback (rendering growing prefixes) reaches the loaders with the same labels as the markers."""
+    with pytest.warns(UserWarning, match="no {% generation %} markers"):
+        fallback = _dm(_both(conversations[:12]), _template_tokenizer(NO_MARKERS + "{#- dm -#}"), tmp_path / "a",
+                       strategy="pad")
+    markers = _dm(_both(conversations[:12]), chat_tok, tmp_path / "b", strategy="pad")
+    assert fallback.stats()["validation"]["mask_method"] == "prefix_difference"
+    rows = [[(ids.tolist(), labels.tolist()) for ids, labels in _rows(b)] for dm in (fallback, markers)
+            for b in [next(iter(dm.val_dataloader()))]]
+    assert rows[0] == rows[1]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_turn(tmp_path, conversations):
+    """A template that drops past reasoning blocks renders an earlier turn differently once later turns follow:
+    its prefix-difference mask would be wrong, so the DataModule refuses it."""
+    drops_reasoning = NO_MARKERS.replace(
+        "message['content'] + eos_token -}}{%- else -%}",
+        "(message['content'] if loop.last else message['content'].split('</think>')[-1]) + eos_token -}}"
+        "{%- else -%}", 1)
+    assert drops_reasoning != NO_MARKERS
+    convs = conversations[:3] + [[{"role": "user", "content": "Why?"},
+                                  {"role": "assistant", "content": "<think>hm</think>Because."},
+                                  {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]]
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"Conversation 3, turn 1 \(assistant\)"):
+        _dm(convs, _template_tokenizer(drops_reasoning), tmp_path)

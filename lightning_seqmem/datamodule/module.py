@@ -351,9 +351,13 @@ class SeqMemDataModule(LightningDataModule):
     # ------------------------------------------------------------------------------------------------ resume
     def data_signature(self) -> dict[str, Any]:
         """What a saved loader position refers to: the settings that decide the train rows and their batches
-        (``BatchingSettings.signature``), and a checksum of the train row lengths."""
+        (``BatchingSettings.signature``; for conversations also which tokens carry loss), and a checksum of the
+        train row lengths."""
         self._ready()
-        return data_signature(self.settings.batching.signature(self._kind), self._lengths.get("train"))
+        decides = self.settings.batching.signature(self._kind)
+        if self._kind == "conversations":
+            decides = dict(decides, **vars(self.settings.conversation))
+        return data_signature(decides, self._lengths.get("train"))
 
     @override
     def state_dict(self) -> dict[str, Any]:
