@@ -11,7 +11,7 @@ template, which has ``{% generation %}`` markers) go into two fresh processes ea
   tokenize-once cache: ``input_ids``, trained spans, turn ends) and ``setup("fit")`` (truncation by turns, rows).
 
 Both tokenize with one process (``num_proc`` 1, ``TOKENIZERS_PARALLELISM=false``). Wall is the whole child
-process; peak RSS its own ``ru_maxrss`` (one process: no workers); "after imports" is what the pipeline adds to the RSS its imports left (TRL's
+process; peak RSS its own ``VmHWM`` (one process: no workers); "after imports" is what the pipeline adds to the RSS its imports left (TRL's
 import and ours both load torch; ours also Lightning). Then, from our cache, token efficiency and the share of fed
 tokens that carry loss, pad vs pack, at ``max_length``.
 
@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import shutil
 import subprocess
 import sys
@@ -53,9 +52,11 @@ def conversations(n: int, seed: int = 0):
         yield {"messages": messages}
 
 
-def _resident() -> int:
+def _resident(field: str = "VmRSS") -> int:
+    """This process's resident set now (``VmRSS``) or its peak (``VmHWM``), bytes. Not ``ru_maxrss``: Linux keeps
+    that across ``execve``, so a child would report the peak of the parent it was forked from."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 def _tokenizer():
@@ -124,7 +125,7 @@ def child_strategies(task: dict) -> dict:
 
 
 def run_child(kind: str, task: dict, env: dict) -> dict:
-    """One child in a fresh process: its wall, and the peak RSS it reports (its own ``ru_maxrss``)."""
+    """One child in a fresh process: its wall, and the peak RSS it reports (its own ``VmHWM``)."""
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as out:
         result_path = out.name
     start = time.perf_counter()
@@ -189,7 +190,7 @@ def main(argv=None) -> None:
 
 def _child_main(kind: str, task_json: str, result_path: str) -> None:
     result = {"trl": child_trl, "ours": child_ours, "strategies": child_strategies}[kind](json.loads(task_json))
-    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss"] = _resident("VmHWM")
     with open(result_path, "w") as f:
         json.dump(result, f)
 
