@@ -318,7 +318,7 @@ def encode_rows(conversations: Sequence, rows: Sequence, renderer: ChatRenderer,
     columns: dict[str, list] = {}
     conversations, rows = list(conversations), list(rows)
     rendered = [_render_checked(messages, renderer, row, settings) for messages, row in zip(conversations, rows)]
-    tokens = renderer.tokenize_batch([text for text, _ in rendered])  # one call: the Rust tokenizer's threads
+    tokens = renderer.tokenize_batch([text for text, _ in rendered])  # one tokenizer call per batch
     for messages, row, (text, generation), (ids, ends) in zip(conversations, rows, rendered, tokens):
         encoded = _encode_rendered(messages, text, generation, ids, ends, renderer, row, settings)
         for key, value in {**encoded.to_row(), "num_trained": encoded.num_trained}.items():
