@@ -20,10 +20,15 @@ from collections.abc import Mapping, Sequence
 import torch
 
 __all__ = [
+    "COMPLETION_MASK",
     "CU_SEQLENS",
     "IGNORE_INDEX",
     "PACK_KEYS",
     "PAD_KEYS",
+    "PREFERENCE_PACK_KEYS",
+    "PREFERENCE_PAD_KEYS",
+    "REF_LOGPS_KEYS",
+    "SEQUENCE_INDEX",
     "Layout",
     "count_label_tokens",
     "default_layout",
@@ -45,6 +50,22 @@ PACK_KEYS = ("input_ids", "labels", "position_ids")
 
 CU_SEQLENS = "cu_seqlens"
 """Optional key of packed batches: 1-D int32 cumulative segment lengths over the flattened batch."""
+
+COMPLETION_MASK = "completion_mask"
+"""Preference pairs: ``[batch, seq]`` mask of completion tokens (1) against prompt and padding (0)."""
+
+SEQUENCE_INDEX = "sequence_index"
+"""Packed preference pairs: ``[batch, seq]`` index of each token's sequence in the batch, -1 on padding."""
+
+REF_LOGPS_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+"""Optional precomputed reference log-probabilities of a pair, passed through as 1-D ``[pairs]`` tensors (TRL's)."""
+
+PREFERENCE_PAD_KEYS = ("input_ids", "attention_mask", COMPLETION_MASK, "labels")
+"""Keys of a padded pair batch ``[2B, L]``, chosen rows then rejected rows (TRL's three, plus unshifted ``labels``,
+-100 off the completions)."""
+
+PREFERENCE_PACK_KEYS = ("input_ids", "labels", "position_ids", COMPLETION_MASK, SEQUENCE_INDEX)
+"""Keys of a packed pair batch (no ``attention_mask``: ``position_ids`` keep the sequences apart)."""
 
 
 def real_token_mask(batch: Mapping[str, torch.Tensor], pad_token_id: int | None = None) -> torch.Tensor:

@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_seqmem.batching.sampling import BatchFetcher
-from lightning_seqmem.batching.strategies import Strategy, largest_shape, make_strategy
+from lightning_seqmem.batching.pair_strategies import make_split_strategy
+from lightning_seqmem.batching.strategies import Strategy, largest_shape
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.pipeline import SPLITS, epoch_stats, load_documents, prepare_split, split_documents
 from lightning_seqmem.datamodule.resume import ResumableLoader, check_signature, data_signature
@@ -226,7 +227,8 @@ class SeqMemDataModule(LightningDataModule):
         """The strategy objects of both splits, built once the data kind is known (it decides the overflow rule)."""
         self.settings.batching.check_kind(kind)
         self._kind = kind
-        self._strategies = {split: make_strategy(self.settings.batching, split, kind, self.settings.data.plan_cache)
+        self._strategies = {split: make_split_strategy(self.settings.batching, split, kind,
+                                                      self.settings.data.plan_cache)
                             for split in SPLITS}
 
     @override
