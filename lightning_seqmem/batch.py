@@ -73,7 +73,7 @@ def real_token_mask(batch: Mapping[str, torch.Tensor], pad_token_id: int | None 
 
     Decided from what the batch carries, most precise first:
 
-    1. ``attention_mask`` (pad / truncate layouts): its non-zero slots.
+    1. ``attention_mask`` (pad / truncate layouts): its non-zero slots; packed pairs: ``sequence_index >= 0``.
     2. ``labels`` and a known ``pad_token_id`` (pack layout): a slot is padding only when it holds the pad id *and*
        the loss ignores it, since a real token may equal the pad id (e.g. EOS used for padding).
     3. ``labels`` without a pad id: the slots the loss reads (``labels != -100``); a packed document's first token
@@ -91,6 +91,8 @@ def real_token_mask(batch: Mapping[str, torch.Tensor], pad_token_id: int | None 
     """
     if "attention_mask" in batch:
         return batch["attention_mask"].bool()
+    if SEQUENCE_INDEX in batch:  # packed preference pairs say which sequence every slot holds (-1: padding)
+        return batch[SEQUENCE_INDEX] >= 0
     if "labels" in batch:
         ignored = batch["labels"] == IGNORE_INDEX
         if pad_token_id is None or "input_ids" not in batch:

@@ -1,6 +1,7 @@
 """Where the documents come from: resolve a dataset argument into a ``DatasetDict``, carve out validation.
 
-Accepted datasets: ``"builtin"`` (the standard-library corpus), a ``datasets.Dataset``/``DatasetDict``, a
+Accepted datasets: ``"builtin"`` (the standard-library corpus), ``"builtin_preference"`` (its documents as
+preference pairs, ``data.preference_corpus``), a ``datasets.Dataset``/``DatasetDict``, a
 directory saved with ``save_to_disk``, local ``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
 a glob or a list), a hub name (loaded with ``datasets.load_dataset``; only when the user asks for it), or the
 data itself: a list of strings (documents) or of dicts (rows).
@@ -106,6 +107,10 @@ def load_text_dataset(dataset: Any = "builtin"):
         from lightning_seqmem.data.corpus import load_builtin_corpus
 
         dsd = load_builtin_corpus()
+    elif isinstance(dataset, str) and dataset == "builtin_preference":
+        from lightning_seqmem.data.preference_corpus import load_builtin_preference_corpus
+
+        dsd = load_builtin_preference_corpus()
     elif isinstance(dataset, datasets.DatasetDict):
         dsd = dataset
     elif isinstance(dataset, datasets.Dataset):

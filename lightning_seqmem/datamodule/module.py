@@ -44,8 +44,13 @@ class SeqMemDataModule(LightningDataModule):
     Args:
         dataset: ``"builtin"`` (the standard-library corpus), a ``datasets.Dataset``/``DatasetDict``, local
             json/jsonl/parquet/txt/csv files (path, glob or list), a ``save_to_disk`` directory, or a hub name.
-            A ``text`` column, or ``prompt`` and ``completion`` columns; or pre-tokenized: ``input_ids``
-            (optionally ``labels``), or ``prompt_ids`` and ``completion_ids``, used as they are.
+            A ``text`` column, or ``prompt`` and ``completion`` columns, or preference pairs (``prompt``,
+            ``chosen``, ``rejected``); or pre-tokenized: ``input_ids`` (optionally ``labels``), ``prompt_ids`` and
+            ``completion_ids``, or ``prompt_ids``, ``chosen_ids`` and ``rejected_ids``, used as they are.
+            ``"builtin_preference"``: the built-in corpus as preference pairs. Pairs are batched in TRL's padded
+            layout (``pad``/``truncate``: ``[2B, L]``, chosen rows then rejected rows, with ``completion_mask``) or
+            packed whole (``pack``: ``B`` rows of ``2 * max_length``, with ``sequence_index``); optional
+            ``ref_chosen_logps``/``ref_rejected_logps`` columns come along as ``[pairs]`` tensors.
         tokenizer: ``None`` for the built-in BPE tokenizer, a name or local path for ``AutoTokenizer``, or a
             tokenizer object.
         max_length: longest row fed to the model, in tokens.
@@ -72,8 +77,12 @@ class SeqMemDataModule(LightningDataModule):
             rows, ``truncate``/``pack`` get ``max_tokens_per_batch // max_length`` rows.
         truncation_side: ``"right"`` keeps the start of a long document, ``"left"`` its end. Prompt/completion
             rows over ``max_length``: ``"right"`` cuts the completion's end first, ``"left"`` the prompt's start.
-        max_prompt_length: prompt/completion data: keep the last ``max_prompt_length`` prompt tokens.
-        max_completion_length: prompt/completion data: keep the first ``max_completion_length`` completion tokens.
+        max_prompt_length: prompt/completion and preference data: keep the last ``max_prompt_length`` prompt tokens.
+        max_completion_length: prompt/completion and preference data: keep the first ``max_completion_length``
+            completion tokens (each of a pair's two).
+        truncation_mode: preference data: how ``max_length`` then cuts each prompt + completion, TRL's
+            ``"keep_start"`` or ``"keep_end"``; ``None``: ``"keep_start"`` for ``truncation_side="right"``,
+            ``"keep_end"`` for ``"left"``.
         completion_only_loss: prompt/completion data: labels -100 on the prompt.
         return_cu_seqlens: ``pack`` only: also yield ``cu_seqlens`` for custom varlen attention.
         drop_last: drop the incomplete tail of an epoch (counted in ``stats()``) instead of smaller last batches.
@@ -124,6 +133,7 @@ class SeqMemDataModule(LightningDataModule):
         truncation_side: str = "right",
         max_prompt_length: int | None = None,
         max_completion_length: int | None = None,
+        truncation_mode: str | None = None,
         completion_only_loss: bool = True,
         return_cu_seqlens: bool = False,
         drop_last: bool = False,
