@@ -22,7 +22,7 @@ import numpy as np
 from lightning_seqmem.batch import CU_SEQLENS, PREFERENCE_PACK_KEYS, PREFERENCE_PAD_KEYS, packed_rows
 from lightning_seqmem.batching.pair_packing import PackedPairCollator, plan_pair_rows
 from lightning_seqmem.batching.pair_rows import PackedPairRows, PairRows, PairSource
-from lightning_seqmem.batching.preference import PreferenceCollator
+from lightning_seqmem.batching.preference import PairSpans, PreferenceCollator, preference_spans
 from lightning_seqmem.batching.sampling import ShuffledBatchSampler
 from lightning_seqmem.batching.strategies import (EpochStats, SplitRows, _as_batch_list, largest_shape,
                                                   make_strategy, strategy_class)
@@ -31,6 +31,17 @@ PREFERENCE = "preference"
 """The data kind of preference pairs (``data.columns``: text or pre-tokenized)."""
 
 _FIX = "Raise max_length, or max_prompt_length / max_completion_length, to keep them."
+
+
+def pair_cuts(lengths: np.ndarray, limits: Any) -> tuple[PairSpans, dict[str, int]]:
+    """The planner's view of a split's pairs: spans and counts from ``[pairs, 3]`` (prompt, chosen, rejected)
+    token counts, as ``pair_rows.plan_pairs`` counts them (a prompt counts once per sequence; pairs left without
+    a completion are dropped)."""
+    p, c, r = np.asarray(lengths, dtype=np.int64).reshape(-1, 3).T
+    spans = preference_spans(p, c, r, limits)
+    counts = spans.dropped()
+    return spans, {"tokens": int((2 * p + c + r).sum()), "tokens_truncated": counts["tokens_truncated"],
+                   "tokens_dropped": int(spans.sequence_lengths[:, spans.lost].sum())}
 
 
 def _epoch_stats(strategy: Any, lengths: np.ndarray, sampler, shapes) -> EpochStats:
@@ -97,7 +108,10 @@ class PairPadStrategy:
         return SplitRows(PairRows(source), np.ascontiguousarray(source.sequence_lengths.T), {})
 
     def row_lengths(self, lengths: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
-        return np.asarray(lengths), {}
+        """From ``[pairs, 3]`` prompt/chosen/rejected token counts alone (the planner): ``[pairs, 2]`` truncated
+        sequence lengths of the pairs kept, and the counts of what was cut."""
+        spans, cuts = pair_cuts(lengths, self.pair_limits)
+        return np.ascontiguousarray(spans.sequence_lengths[:, ~spans.lost].T), cuts
 
     def collator(self, pad_token_id: int) -> PreferenceCollator:
         s = self.settings
@@ -169,8 +183,13 @@ class PairPackStrategy:
         return SplitRows(PackedPairRows(source, pairs, offsets), lengths.astype(np.int64), {})
 
     def row_lengths(self, lengths: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
-        pairs, offsets = plan_pair_rows(lengths, self.row_length)
-        return np.add.reduceat(np.asarray(lengths)[pairs], offsets[:-1]) if len(pairs) else np.zeros(0), {}
+        """From ``[pairs, 3]`` prompt/chosen/rejected token counts alone (the planner): ``[rows]`` real tokens per
+        packed row, and the counts of what was cut."""
+        spans, cuts = pair_cuts(lengths, self.pair_limits)
+        pair_lengths = spans.pair_lengths[~spans.lost]
+        pairs, offsets = plan_pair_rows(pair_lengths, self.row_length)
+        rows = np.add.reduceat(pair_lengths[pairs], offsets[:-1]) if len(pairs) else np.zeros(0, np.int64)
+        return rows.astype(np.int64), cuts
 
     def collator(self, pad_token_id: int) -> PackedPairCollator:
         s = self.settings
