@@ -336,7 +336,9 @@ class SeqMemDataModule(LightningDataModule):
     def stats(self) -> dict[str, Any]:
         """Per split: documents, tokens, tokens truncated/dropped, documents split, empty documents skipped,
         rows, batches, rows ``drop_last`` leaves out, and token efficiency (real tokens / slots in one epoch);
-        for prompt/completion data also the rows skipped because no completion was left."""
+        for prompt/completion data also the rows skipped because no completion was left; for preference pairs
+        (``documents`` = pairs) also the prompt / chosen / rejected tokens truncated, the pairs left without a
+        completion and the pairs whose kept completions are identical."""
         self._ready()
         return {split: dict(values) for split, values in self._stats.items()}
 
