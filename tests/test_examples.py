@@ -61,3 +61,11 @@ def test_cli_yaml(tmp_path, monkeypatch):
     assert [type(cb).__name__ for cb in cli.trainer.callbacks][:6] == [
         "SeqLengthWarmup", "CachePreallocator", "MemoryMonitor", "ConfigChecks", "RunSummary", "JobRecord"]
     assert (tmp_path / "progress.csv").exists() and (tmp_path / "summary.json").exists()
+
+
+def test_dpo_pairs(tmp_path):
+    out = run_example("dpo.py", "--max-steps", "3", "--max-length", "64", "--out", str(tmp_path / "run"),
+                      cwd=tmp_path)
+    line = next(l for l in out.splitlines() if l.startswith("first batch"))
+    assert "sequence_index" in line and "completion_mask" in line  # packed pairs
+    assert "final_val_loss" in out and "val/reward_accuracy" in out

@@ -85,6 +85,9 @@ class BatchingSettings:
     """``pad`` only: every batch ``[rows, max_length]``."""
     truncation_side: str = "right"
     """``"right"`` keeps a long document's start, ``"left"`` its end."""
+    truncation_mode: str | None = None
+    """Preference pairs: how ``max_length`` cuts prompt + completion, TRL's ``"keep_start"`` or ``"keep_end"``;
+    ``None``: from ``truncation_side`` (``"right"`` -> ``"keep_start"``, ``"left"`` -> ``"keep_end"``)."""
     completion_only_loss: bool = True
     """Prompt/completion data: labels -100 on the prompt."""
     return_cu_seqlens: bool = False
@@ -103,6 +106,8 @@ class BatchingSettings:
         check_packing(self.packing, self.overflow or "split")
         check_truncation_side(self.truncation_side)
         _ = self.limits  # max_prompt_length + max_completion_length must fit max_length
+        if self.truncation_mode is not None:
+            _ = self.preference_limits  # a known mode
         budget, fixed = self.max_tokens_per_batch, [strategy_class(self.strategy_for(s)).full_length_rows
                                                     for s in SPLITS]
         if budget is not None and budget < self.max_length and any(fixed):
@@ -117,6 +122,15 @@ class BatchingSettings:
         """The prompt/completion truncation limits (validated)."""
         return PromptCompletionLimits(self.max_length, self.max_prompt_length, self.max_completion_length,
                                       self.truncation_side)
+
+    @property
+    def preference_limits(self):
+        """The preference-pair truncation limits (``batching.preference.PreferenceLimits``, validated): TRL's
+        two stages with ``max_prompt_length``, ``max_completion_length``, then ``max_length``."""
+        from lightning_seqmem.batching.preference import PreferenceLimits
+
+        mode = self.truncation_mode or ("keep_start" if self.truncation_side == "right" else "keep_end")
+        return PreferenceLimits(self.max_length, self.max_prompt_length, self.max_completion_length, mode)
 
     def strategy_for(self, split: str) -> str:
         """The strategy name of ``split``'s loader (validation: ``eval_strategy``, else ``strategy``)."""

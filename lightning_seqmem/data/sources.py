@@ -1,7 +1,9 @@
 """Where the documents come from: resolve a dataset argument into a ``DatasetDict``, carve out validation.
 
-Accepted datasets: ``"builtin"`` (the standard-library corpus), ``"builtin_chat"`` (the same as conversations), a
-``datasets.Dataset``/``DatasetDict``, a directory saved with ``save_to_disk``, local ``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
+Accepted datasets: ``"builtin"`` (the standard-library corpus), ``"builtin_chat"`` (the same as conversations),
+``"builtin_preference"`` (its documents as preference pairs, ``data.preference_corpus``), a
+``datasets.Dataset``/``DatasetDict``, a directory saved with ``save_to_disk``, local
+``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
 a glob or a list), a hub name (loaded with ``datasets.load_dataset``; only when the user asks for it), or the
 data itself: a list of strings (documents), of dicts (rows) or of conversations (lists of ``{"role", "content"}``
 dicts, which become a ``messages`` column).
@@ -122,6 +124,10 @@ def load_text_dataset(dataset: Any = "builtin"):
 
         dsd = datasets.DatasetDict({split: datasets.Dataset.from_list(rows)
                                     for split, rows in load_builtin_chat_corpus().items()})
+    elif isinstance(dataset, str) and dataset == "builtin_preference":
+        from lightning_seqmem.data.preference_corpus import load_builtin_preference_corpus
+
+        dsd = load_builtin_preference_corpus()
     elif isinstance(dataset, datasets.DatasetDict):
         dsd = dataset
     elif isinstance(dataset, datasets.Dataset):

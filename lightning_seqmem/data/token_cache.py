@@ -33,7 +33,7 @@ from typing import Any
 from lightning_seqmem.batch import IGNORE_INDEX
 from lightning_seqmem.data.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
 from lightning_seqmem.data.cache_dir import default_cache_dir
-from lightning_seqmem.data.encode import document_frame, token_features, tokenize_function
+from lightning_seqmem.data.encode import document_frame, source_columns, token_features, tokenize_function
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
 SMALL_DATASET_ROWS = 20_000  # below this, extra processes cost more than they save
@@ -271,7 +271,7 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     remove_stale_temporaries(root)
     frame = document_frame(tokenizer, add_bos, add_eos)
-    columns = [text_column] if kind in ("text", "conversations") else [prompt_column, completion_column]
+    columns = source_columns(kind, text_column, prompt_column, completion_column)
     chat = conversation.cache_key(tokenizer) if conversation is not None else []  # the template, train_on, ...
     common = json.dumps([_FORMAT, tokenizer_fingerprint(tokenizer), frame, kind, columns, *chat], default=str)
     out = {}

@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_seqmem.batching.sampling import BatchFetcher
-from lightning_seqmem.batching.strategies import Strategy, largest_shape, make_strategy
+from lightning_seqmem.batching.pair_strategies import make_split_strategy
+from lightning_seqmem.batching.strategies import Strategy, largest_shape
 from lightning_seqmem.data.chat_template import chat_template_of, mask_method
 from lightning_seqmem.data.sources import BUILTIN_CHAT
 from lightning_seqmem.data.tokenizer import load_tokenizer
@@ -43,12 +44,17 @@ class SeqMemDataModule(LightningDataModule):
     Tokenization runs once per node (``prepare_data``) and is cached under ``cache_dir``.
 
     Args:
-        dataset: ``"builtin"`` (the standard-library corpus), ``"builtin_chat"`` (it as conversations), a
-            ``datasets.Dataset``/``DatasetDict``, local json/jsonl/parquet/txt/csv files (path, glob or list), a
-            ``save_to_disk`` directory, a hub name, or a Python list of documents, rows or conversations.
-            A ``text`` column, ``prompt`` and ``completion`` columns, or a ``messages`` column of conversations; or
-            pre-tokenized: ``input_ids`` (optionally ``labels``), or ``prompt_ids`` and ``completion_ids``, used as
-            they are.
+        dataset: ``"builtin"`` (the standard-library corpus), ``"builtin_chat"`` (it as conversations),
+            ``"builtin_preference"`` (it as preference pairs), a ``datasets.Dataset``/``DatasetDict``, local
+            json/jsonl/parquet/txt/csv files (path, glob or list), a ``save_to_disk`` directory, a hub name, or a
+            Python list of documents, rows or conversations. A ``text`` column, ``prompt`` and ``completion``
+            columns, a ``messages`` column of conversations, or preference pairs (``prompt``, ``chosen``,
+            ``rejected``); or pre-tokenized: ``input_ids`` (optionally ``labels``), ``prompt_ids`` and
+            ``completion_ids``, or ``prompt_ids``, ``chosen_ids`` and ``rejected_ids``, used as they are.
+            Pairs are batched in TRL's padded layout (``pad``/``truncate``: ``[2B, L]``, chosen rows then rejected
+            rows, with ``completion_mask``) or packed whole (``pack``: ``B`` rows of ``2 * max_length``, with
+            ``sequence_index``); optional ``ref_chosen_logps``/``ref_rejected_logps`` columns come along as
+            ``[pairs]`` tensors.
         tokenizer: ``None`` for the built-in BPE tokenizer, a name or local path for ``AutoTokenizer``, or a
             tokenizer object.
         max_length: longest row fed to the model, in tokens.
@@ -75,8 +81,12 @@ class SeqMemDataModule(LightningDataModule):
             rows, ``truncate``/``pack`` get ``max_tokens_per_batch // max_length`` rows.
         truncation_side: ``"right"`` keeps the start of a long document, ``"left"`` its end. Prompt/completion
             rows over ``max_length``: ``"right"`` cuts the completion's end first, ``"left"`` the prompt's start.
-        max_prompt_length: prompt/completion data: keep the last ``max_prompt_length`` prompt tokens.
-        max_completion_length: prompt/completion data: keep the first ``max_completion_length`` completion tokens.
+        max_prompt_length: prompt/completion and preference data: keep the last ``max_prompt_length`` prompt tokens.
+        max_completion_length: prompt/completion and preference data: keep the first ``max_completion_length``
+            completion tokens (each of a pair's two).
+        truncation_mode: preference data: how ``max_length`` then cuts each prompt + completion, TRL's
+            ``"keep_start"`` or ``"keep_end"``; ``None``: ``"keep_start"`` for ``truncation_side="right"``,
+            ``"keep_end"`` for ``"left"``.
         completion_only_loss: prompt/completion data: labels -100 on the prompt.
         return_cu_seqlens: ``pack`` only: also yield ``cu_seqlens`` for custom varlen attention.
         drop_last: drop the incomplete tail of an epoch (counted in ``stats()``) instead of smaller last batches.
@@ -134,6 +144,7 @@ class SeqMemDataModule(LightningDataModule):
         truncation_side: str = "right",
         max_prompt_length: int | None = None,
         max_completion_length: int | None = None,
+        truncation_mode: str | None = None,
         completion_only_loss: bool = True,
         return_cu_seqlens: bool = False,
         drop_last: bool = False,
@@ -158,7 +169,7 @@ class SeqMemDataModule(LightningDataModule):
         self.streaming = False
         self._tokenizer_arg = tokenizer
         self._tokenizer = None
-        self._kind: str | None = None  # "text" or "prompt_completion", once the data are read
+        self._kind: str | None = None  # "text", "prompt_completion", "conversations", "preference", once read
         # Chosen once the data kind is known (setup), then never changed: every question about a split's batches
         # goes to its strategy object.
         self._strategies: dict[str, Strategy] = {}
@@ -228,7 +239,8 @@ class SeqMemDataModule(LightningDataModule):
 
     def tokenized_documents(self):
         """``(DatasetDict of token columns, kind)``: the documents tokenized through the tokenize-once cache, or
-        pre-tokenized data as is; ``kind`` is ``"text"`` or ``"prompt_completion"``. What ``setup`` and
+        pre-tokenized data as is; ``kind`` is ``"text"``, ``"prompt_completion"``, ``"conversations"`` or
+        ``"preference"``. What ``setup`` and
         ``seqmem-plan`` read (the planner only the lengths). Computed once per process: ``prepare_data`` and
         ``setup`` on local rank 0 share it."""
         if self._documents is None:
@@ -242,7 +254,8 @@ class SeqMemDataModule(LightningDataModule):
         """The strategy objects of both splits, built once the data kind is known (it decides the overflow rule)."""
         self.settings.batching.check_kind(kind)
         self._kind = kind
-        self._strategies = {split: make_strategy(self.settings.batching, split, kind, self.settings.data.plan_cache)
+        self._strategies = {split: make_split_strategy(self.settings.batching, split, kind,
+                                                      self.settings.data.plan_cache)
                             for split in SPLITS}
 
     @override
@@ -344,7 +357,9 @@ class SeqMemDataModule(LightningDataModule):
         """Per split: documents, tokens, tokens truncated/dropped, documents split, empty documents skipped,
         rows, batches, rows ``drop_last`` leaves out, and token efficiency (real tokens / slots in one epoch);
         for prompt/completion data also the rows skipped because no completion was left; for conversations also
-        ``conversations_dropped_empty``, ``trained_tokens``, ``trained_share`` and ``mask_method``."""
+        ``conversations_dropped_empty``, ``trained_tokens``, ``trained_share`` and ``mask_method``; for preference
+        pairs (``documents`` = pairs) also the prompt / chosen / rejected tokens truncated, the pairs left without a
+        completion and the pairs whose kept completions are identical."""
         self._ready()
         return {split: dict(values) for split, values in self._stats.items()}
 
