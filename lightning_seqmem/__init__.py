@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     # foundation
     "CausalLM": "lightning_seqmem.training.model",
+    "DPO": "lightning_seqmem.training.dpo",
     "SeqMemDataModule": "lightning_seqmem.datamodule.module",
     "load_builtin_corpus": "lightning_seqmem.data.corpus",
     "load_tokenizer": "lightning_seqmem.data.tokenizer",

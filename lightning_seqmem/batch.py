@@ -20,10 +20,15 @@ from collections.abc import Mapping, Sequence
 import torch
 
 __all__ = [
+    "COMPLETION_MASK",
     "CU_SEQLENS",
     "IGNORE_INDEX",
     "PACK_KEYS",
     "PAD_KEYS",
+    "PREFERENCE_PACK_KEYS",
+    "PREFERENCE_PAD_KEYS",
+    "REF_LOGPS_KEYS",
+    "SEQUENCE_INDEX",
     "Layout",
     "count_label_tokens",
     "default_layout",
@@ -46,13 +51,29 @@ PACK_KEYS = ("input_ids", "labels", "position_ids")
 CU_SEQLENS = "cu_seqlens"
 """Optional key of packed batches: 1-D int32 cumulative segment lengths over the flattened batch."""
 
+COMPLETION_MASK = "completion_mask"
+"""Preference pairs: ``[batch, seq]`` mask of completion tokens (1) against prompt and padding (0)."""
+
+SEQUENCE_INDEX = "sequence_index"
+"""Packed preference pairs: ``[batch, seq]`` index of each token's sequence in the batch, -1 on padding."""
+
+REF_LOGPS_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+"""Optional precomputed reference log-probabilities of a pair, passed through as 1-D ``[pairs]`` tensors (TRL's)."""
+
+PREFERENCE_PAD_KEYS = ("input_ids", "attention_mask", COMPLETION_MASK, "labels")
+"""Keys of a padded pair batch ``[2B, L]``, chosen rows then rejected rows (TRL's three, plus unshifted ``labels``,
+-100 off the completions)."""
+
+PREFERENCE_PACK_KEYS = ("input_ids", "labels", "position_ids", COMPLETION_MASK, SEQUENCE_INDEX)
+"""Keys of a packed pair batch (no ``attention_mask``: ``position_ids`` keep the sequences apart)."""
+
 
 def real_token_mask(batch: Mapping[str, torch.Tensor], pad_token_id: int | None = None) -> torch.Tensor:
     """Which slots hold real (document) tokens, not padding: ``BoolTensor[batch, seq]``.
 
     Decided from what the batch carries, most precise first:
 
-    1. ``attention_mask`` (pad / truncate layouts): its non-zero slots.
+    1. ``attention_mask`` (pad / truncate layouts): its non-zero slots; packed pairs: ``sequence_index >= 0``.
     2. ``labels`` and a known ``pad_token_id`` (pack layout): a slot is padding only when it holds the pad id *and*
        the loss ignores it, since a real token may equal the pad id (e.g. EOS used for padding).
     3. ``labels`` without a pad id: the slots the loss reads (``labels != -100``); a packed document's first token
@@ -70,6 +91,8 @@ def real_token_mask(batch: Mapping[str, torch.Tensor], pad_token_id: int | None 
     """
     if "attention_mask" in batch:
         return batch["attention_mask"].bool()
+    if SEQUENCE_INDEX in batch:  # packed preference pairs say which sequence every slot holds (-1: padding)
+        return batch[SEQUENCE_INDEX] >= 0
     if "labels" in batch:
         ignored = batch["labels"] == IGNORE_INDEX
         if pad_token_id is None or "input_ids" not in batch:

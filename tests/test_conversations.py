@@ -62,7 +62,7 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def builtin_tok():
-    """A fresh copy of the built-in tokenizer (the session fixture stays without a template)."""
+    """A fresh copy of the built-in tokenizer, with the built-in template (its default)."""
     from lightning_seqmem.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
@@ -122,8 +122,11 @@ def test_conversation_columns():
 def test_no_chat_template_says_how_to_set_one():
     from lightning_seqmem.data.tokenizer import load_tokenizer
 
+    tok = load_tokenizer()
+    assert tok.chat_template == BUILTIN_CHAT_TEMPLATE  # the built-in tokenizer has one
+    tok.chat_template = None
     with pytest.raises(ValueError, match=r"has no chat template.*tokenizer\.chat_template = "):
-        ChatRenderer(load_tokenizer())
+        ChatRenderer(tok)
 
 
 def test_settings_are_checked():

@@ -33,6 +33,18 @@ def test_sft_packing_completion_only_loss(tmp_path):
     assert "final_val_loss" in out
 
 
+def test_chat_sft_trains_on_assistant_turns(tmp_path):
+    out = run_example("chat_sft.py", "--max-steps", "3", "--out", str(tmp_path / "run"), cwd=tmp_path)
+    stats = next(l for l in out.splitlines() if l.startswith("conversations:"))
+    assert "mask from generation_markers" in stats
+    share = float(stats.split(", ")[2].split("%")[0])
+    assert 0 < share < 100  # the user turns and headers carry no loss
+    batch = next(l for l in out.splitlines() if l.startswith("first batch"))
+    assert int(batch.split(": ")[1].split(" segments")[0]) > 8  # whole conversations packed together
+    assert "Mixing" in batch and "</s>" in batch  # the assistant's answer and the EOS closing its turn
+    assert "final_val_loss" in out
+
+
 def test_cli_yaml(tmp_path, monkeypatch):
     from lightning_seqmem.apps.cli import cli_main
 
@@ -49,3 +61,11 @@ def test_cli_yaml(tmp_path, monkeypatch):
     assert [type(cb).__name__ for cb in cli.trainer.callbacks][:6] == [
         "SeqLengthWarmup", "CachePreallocator", "MemoryMonitor", "ConfigChecks", "RunSummary", "JobRecord"]
     assert (tmp_path / "progress.csv").exists() and (tmp_path / "summary.json").exists()
+
+
+def test_dpo_pairs(tmp_path):
+    out = run_example("dpo.py", "--max-steps", "3", "--max-length", "64", "--out", str(tmp_path / "run"),
+                      cwd=tmp_path)
+    line = next(l for l in out.splitlines() if l.startswith("first batch"))
+    assert "sequence_index" in line and "completion_mask" in line  # packed pairs
+    assert "final_val_loss" in out and "val/reward_accuracy" in out

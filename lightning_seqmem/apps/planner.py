@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_seqmem.apps.plan_lengths import Conversations, lengths_at, whole_lengths
 from lightning_seqmem.apps.plan_memory import (
     DEFAULT_MARGIN,
     PEAK_NOTES,
@@ -27,17 +28,22 @@ from lightning_seqmem.apps.plan_memory import (
 )
 from lightning_seqmem.batching.settings import BatchingSettings
 from lightning_seqmem.batching.strategies import PLANNER_STRATEGIES as STRATEGIES
-from lightning_seqmem.batching.strategies import Strategy, largest_shape, make_strategy, planner_name
+from lightning_seqmem.batching.pair_strategies import PREFERENCE, make_split_strategy
+from lightning_seqmem.batching.strategies import Strategy, largest_shape, planner_name
 from lightning_seqmem.batching.truncation import MIN_MAX_LENGTH, count_truncated, valid_max_length
 from lightning_seqmem.datamodule.pipeline import split_documents
 
 PERCENTILES = (50, 90, 95, 99, 100)
+PAIR_UNPLANNED = ("pack_wrapped",)  # pairs and conversations are packed whole (best fit): wrapped would split them
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")  # what a memory trace hands the model
+PLANNED_KINDS = ("text", "conversations", PREFERENCE)
 
 
 def check_text(kind: str, detail: str = "") -> None:
     """Refuse data the planner cannot plan yet (``detail``: where to look instead)."""
-    if kind != "text":
-        raise ValueError(f"seqmem-plan plans text datasets; prompt/completion data is not supported yet{detail}.")
+    if kind not in PLANNED_KINDS:
+        raise ValueError(f"seqmem-plan plans text datasets, conversations and preference pairs; prompt/completion "
+                         f"data is not supported yet{detail}.")
 
 
 def check_strategies(strategies: Sequence[str]) -> tuple[str, ...]:
@@ -75,11 +81,11 @@ def length_distribution(lengths: np.ndarray, max_lengths: Sequence[int]) -> dict
     }
 
 
-def _strategy(strategy: str, max_length: int, settings: BatchingSettings) -> Strategy:
+def _strategy(strategy: str, max_length: int, settings: BatchingSettings, kind: str = "text") -> Strategy:
     """The train strategy a ``SeqMemDataModule`` with ``settings``, this strategy and ``max_length`` would hold
-    (one strategy for both splits, as the planner's rows compare strategies)."""
+    for data of ``kind`` (one strategy for both splits, as the planner's rows compare strategies)."""
     varied = replace(settings, max_length=max_length, eval_strategy=None, **STRATEGIES[strategy])
-    return make_strategy(varied, "train", "text")
+    return make_split_strategy(varied, "train", kind)
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,7 @@ class StrategyPlan:
     optimizer_steps: int  # per epoch, per the devices and accumulate_grad_batches given
     max_batch_shape: tuple[int, int]  # (rows, length), the largest batch of any split
     rows_dropped_per_epoch: int = 0
+    trained_share: float | None = None  # conversations: tokens that carry loss / tokens fed to the model
 
     @property
     def lost_share(self) -> float:
@@ -109,40 +116,47 @@ def plan_strategy(
     settings: BatchingSettings = BatchingSettings(),
     devices: int = 1,
     accumulate_grad_batches: int = 1,
+    kind: str = "text",
 ) -> StrategyPlan:
     """What ``SeqMemDataModule`` would measure with ``strategy`` and ``max_length`` on documents of ``lengths``.
 
     Args:
-        lengths: split name -> ``[documents]`` token counts (empty documents already left out), with ``"train"``.
+        lengths: split name -> ``[documents]`` token counts (empty documents already left out), with ``"train"``;
+            or :class:`Conversations`.
         strategy: a key of :data:`STRATEGIES`.
         max_length: row capacity.
         settings: the DataModule's batching settings (``dm.settings.batching``): all but strategy and max_length.
         devices: data-parallel processes (optimizer steps count each rank's batches).
         accumulate_grad_batches: micro-batches per optimizer step.
+        kind: ``"text"``, or ``"preference"``: then ``lengths`` are ``[pairs, 3]`` prompt/chosen/rejected counts
+            (conversations: given as :class:`Conversations`, the kind follows).
     """
     check_strategies([strategy])
     check_max_lengths([max_length])
     if "train" not in lengths:
         raise ValueError(f"lengths needs a 'train' split, got {sorted(lengths)}.")
-    batcher, largest = _strategy(strategy, max_length, settings), []
+    kind = "conversations" if isinstance(lengths["train"], Conversations) else kind
+    batcher, largest = _strategy(strategy, max_length, settings, kind), []
     for split, docs in lengths.items():
         train = split == "train"
-        rows, cut = batcher.row_lengths(np.asarray(docs, dtype=np.int64))
+        kept, lost, trained = lengths_at(docs, max_length)
+        rows, cut = batcher.row_lengths(kept)
         epoch = batcher.epoch_stats(rows, batcher.split_sampler(rows, "train" if train else split, 1, 0))
         largest += [epoch.largest] if epoch.largest is not None else []
         if train:
             per_rank = len(batcher.split_sampler(rows, "train", devices, 0))
-            counts = dict(epoch.counts(), tokens=int(np.asarray(docs).sum()),
-                          tokens_lost=cut["tokens_truncated"] + cut.get("tokens_dropped", 0),
-                          optimizer_steps=math.ceil(per_rank / accumulate_grad_batches))
+            counts = dict(epoch.counts(), tokens=cut.get("tokens", int(whole_lengths(docs).sum())),
+                          tokens_lost=lost + cut["tokens_truncated"] + cut.get("tokens_dropped", 0),
+                          optimizer_steps=math.ceil(per_rank / accumulate_grad_batches),
+                          trained_share=None if trained is None else trained / max(int(rows.sum()), 1))
     return StrategyPlan(strategy=strategy, max_length=max_length, max_batch_shape=largest_shape([batcher], largest),
                         **counts)
 
 
 def plan_strategies(lengths, strategies, max_lengths, settings=BatchingSettings(), devices=1,
-                    accumulate_grad_batches=1) -> list[StrategyPlan]:
+                    accumulate_grad_batches=1, kind="text") -> list[StrategyPlan]:
     """:func:`plan_strategy` for every strategy x max_length."""
-    return [plan_strategy(lengths, s, m, settings, devices, accumulate_grad_batches)
+    return [plan_strategy(lengths, s, m, settings, devices, accumulate_grad_batches, kind)
             for s in check_strategies(strategies) for m in check_max_lengths(max_lengths)]
 
 
@@ -197,11 +211,14 @@ def format_plan(plan: RunPlan) -> str:
     lines = [f"Train documents: {d['documents']:,}, {d['tokens']:,} tokens, mean {d['mean']:.1f} tokens; {pct}",
              "max_length | documents longer | tokens beyond it"]
     lines += [f"{m:>10} | {o['documents']:>16.2%} | {o['tokens']:>16.2%}" for m, o in d["over"].items()]
-    lines += ["", "strategy           max_length  efficiency        tokens lost     rows  batches   steps  largest batch"]
+    chat = any(s.trained_share is not None for s in plan.strategies)  # conversations: the trained share too
+    lines += ["", "strategy           max_length  efficiency" + ("     trained" if chat else "")
+              + "        tokens lost     rows  batches   steps  largest batch"]
     for s in plan.strategies:
         mark = " <- config" if plan.configured is not None and (s.strategy, s.max_length) == (
             plan.configured.strategy, plan.configured.max_length) else ""
-        lines.append(f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}  {s.tokens_lost:>9,} "
+        trained = f"  {s.trained_share:>10.1%}" if chat else ""
+        lines.append(f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}{trained}  {s.tokens_lost:>9,} "
                      f"({s.lost_share:>5.1%}) {s.rows:>8,} {s.batches:>8,} {s.optimizer_steps:>7,}  "
                      f"{s.max_batch_shape[0]} x {s.max_batch_shape[1]}{mark}")
     lines += ["", *memory_table(plan.memory)] if plan.memory is not None else []
@@ -226,13 +243,15 @@ def build_plan(
     margin: float = DEFAULT_MARGIN,
     devices: int = 1,
     accumulate_grad_batches: int = 1,
+    kind: str = "text",
 ) -> RunPlan:
-    """The whole plan from document lengths (``estimate`` ``None``: data half only)."""
+    """The whole plan from document lengths (``estimate`` ``None``: data half only); preference pairs
+    (``kind="preference"``): ``[pairs, 3]`` lengths, and ``estimate`` takes a micro_batch_size in pairs."""
     strategies, max_lengths = check_strategies(strategies), check_max_lengths(max_lengths)
     config_strategy, config_length = configured
-    plans = plan_strategies(lengths, strategies, max_lengths, settings, devices, accumulate_grad_batches)
+    plans = plan_strategies(lengths, strategies, max_lengths, settings, devices, accumulate_grad_batches, kind)
     current = _with_config(plans, config_strategy, config_length) or plan_strategy(
-        lengths, config_strategy, config_length, settings, devices, accumulate_grad_batches)
+        lengths, config_strategy, config_length, settings, devices, accumulate_grad_batches, kind)
     memory = None
     if estimate is not None:
         memory = plan_memory(estimate, current.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
@@ -242,9 +261,12 @@ def build_plan(
         # The recommended rows are longer or shorter than the configured run's: size its micro-batch on its own.
         other = plan_memory(estimate, best.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
         recommended, reason = recommend(plans, other, settings.micro_batch_size, config_length)
-    return RunPlan(distribution=length_distribution(lengths["train"], max_lengths), strategies=plans,
-                configured=current, memory=memory, recommendation=reason, recommended=recommended,
-                train_lengths=np.asarray(lengths["train"]))
+    train = whole_lengths(lengths["train"])
+    if kind == PREFERENCE:  # the distribution of sequences (prompt + chosen, prompt + rejected), as max_length cuts
+        train = (train[:, :1] + train[:, 1:]).reshape(-1)
+    return RunPlan(distribution=length_distribution(train, max_lengths), strategies=plans,
+                   configured=current, memory=memory, recommendation=reason, recommended=recommended,
+                   train_lengths=train)
 
 
 def default_max_lengths(max_length: int) -> list[int]:
@@ -288,22 +310,41 @@ def plan(
     from lightning_seqmem.memory.estimate import estimate_training_memory
 
     dm, settings = datamodule, datamodule.settings.batching
+    kind = dm.tokenized_documents()[1]
     configured = (planner_name(settings), settings.max_length)
     max_lengths = default_max_lengths(settings.max_length) if max_lengths is None else list(max_lengths)
+    if kind in ("conversations", PREFERENCE):  # packed whole only (``BatchingSettings.check_kind``, pair strategies)
+        strategies = [s for s in strategies if s not in PAIR_UNPLANNED]
+    if kind == PREFERENCE:  # a max_length must leave room after the prompt
+        max_lengths = [m for m in max_lengths if m > (settings.max_prompt_length or 0)] or [settings.max_length]
     estimate = None
-    if model_config is not None:  # (rows, length, checkpointing) -> MemoryEstimate
-        keys = dm.batch_keys()
+    if model_config is not None:  # (micro_batch_size, length, checkpointing) -> MemoryEstimate
+        keys = [k for k in dm.batch_keys() if k in MODEL_KEYS]  # pair bookkeeping keys cost next to nothing
+        # Rows per micro_batch_size: 2 for padded pairs (chosen and rejected rows), else 1 (documents, packed rows).
+        per = _strategy(configured[0], settings.max_length, settings, kind).rows_per_batch("train") \
+            // settings.micro_batch_size
         estimate = lambda rows, length, checkpointing: estimate_training_memory(  # noqa: E731
-            model_config, rows, length, keys, precision, device, attn_implementation, checkpointing)
+            model_config, per * rows, length, keys, precision, device, attn_implementation, checkpointing)
     budget = parse_bytes(gpu_memory) if gpu_memory is not None else None
     return build_plan(datamodule_lengths(dm), strategies, max_lengths, settings, configured,
-                      estimate, micro_batch_sizes, budget, margin, devices, accumulate_grad_batches)
+                      estimate, micro_batch_sizes, budget, margin, devices, accumulate_grad_batches, kind)
 
 
 def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
     """Per split, the token count of every non-empty document, as ``SeqMemDataModule(...)`` sees them: through
-    its tokenize-once cache (which the training run then reuses) or pre-tokenized, from Arrow offsets only."""
-    check_text(dm.tokenized_documents()[1])
+    its tokenize-once cache (which the training run then reuses) or pre-tokenized, from Arrow offsets only;
+    conversations as :class:`Conversations` (cut per candidate ``max_length``), preference pairs as ``[pairs, 3]``
+    prompt/chosen/rejected counts."""
+    tokenized, kind = dm.tokenized_documents()
+    check_text(kind)
+    if kind == "conversations":
+        documents = split_documents(tokenized, kind, dm.settings.batching.seed)
+        return {split: Conversations(docs.dataset, dm.settings.conversation.on_empty_labels)
+                for split, docs in documents.items()}
+    if kind == PREFERENCE:  # [pairs, 3]: prompt, chosen, rejected (an empty prompt is a valid pair)
+        documents = split_documents(tokenized, kind, dm.settings.batching.seed)
+        return {split: np.stack([docs.parts[p].lengths for p in ("prompt", "chosen", "rejected")], axis=1)
+                for split, docs in documents.items()}
     return {split: parts["documents"] for split, parts in _split_lengths(dm).items()}
 
 
@@ -322,7 +363,8 @@ def _split_lengths(dm: Any) -> dict[str, dict[str, np.ndarray]]:
             for split, docs in documents.items()}
 
 
-__all__ = ["DEFAULT_MARGIN", "PEAK_NOTES", "STRATEGIES", "MemoryPlan", "RunPlan", "StrategyPlan", "build_plan",
+__all__ = ["DEFAULT_MARGIN", "PEAK_NOTES", "PLANNED_KINDS", "STRATEGIES", "Conversations", "MemoryPlan", "RunPlan",
+           "StrategyPlan", "build_plan",
            "check_text", "column_lengths", "datamodule_lengths", "default_max_lengths", "format_plan",
            "length_distribution", "memory_table", "parse_bytes", "plan", "plan_memory", "plan_strategies",
            "plan_strategy", "recommend", "recommend_data"]

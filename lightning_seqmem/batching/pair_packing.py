@@ -24,16 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_seqmem.batch import IGNORE_INDEX
+from lightning_seqmem.batch import COMPLETION_MASK, IGNORE_INDEX, PREFERENCE_PACK_KEYS, SEQUENCE_INDEX
 from lightning_seqmem.batching.bin_packing import pack_bins
 from lightning_seqmem.batching.collate import PackCollator, _fill
-from lightning_seqmem.batching.preference import (COMPLETION_MASK, SEQUENCE_INDEX, PreferenceLimits, name_rows,
-                                                  pair_sequences, ref_logps)
+from lightning_seqmem.batching.preference import PreferenceLimits, name_rows, pair_sequences, ref_logps
 from lightning_seqmem.batching.truncation import check_max_length
-
-PREFERENCE_PACK_KEYS = ("input_ids", "labels", "position_ids", COMPLETION_MASK, SEQUENCE_INDEX)
-"""Keys of a packed pair batch (no ``attention_mask``: ``position_ids`` keep the sequences apart)."""
-
 
 def plan_pair_rows(pair_lengths: np.ndarray, row_length: int, first_row: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Pack whole pairs into rows of ``row_length`` tokens (``bin_packing.pack_bins``: best fit, then the exact

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_seqmem.batch import IGNORE_INDEX
+from lightning_seqmem.batch import COMPLETION_MASK, IGNORE_INDEX, PREFERENCE_PAD_KEYS, REF_LOGPS_KEYS, SEQUENCE_INDEX
 from lightning_seqmem.messages import check_choice, short_repr
 from lightning_seqmem.batching.collate import PadCollator, _fill
 from lightning_seqmem.batching.truncation import check_max_length, check_part_limits
@@ -33,18 +33,6 @@ CHOSEN, REJECTED = 0, 1
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 """Keys of a tokenized pair (TRL's names)."""
-
-REF_LOGPS_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
-"""Optional precomputed reference log-probabilities of a pair, passed through as ``[pairs]`` tensors (as TRL)."""
-
-COMPLETION_MASK = "completion_mask"
-"""Key of the ``[batch, seq]`` mask of completion tokens (1) against prompt and padding (0)."""
-
-SEQUENCE_INDEX = "sequence_index"
-"""Key of packed pair batches: ``[batch, seq]`` index of each token's sequence in the batch, -1 on padding."""
-
-PREFERENCE_PAD_KEYS = ("input_ids", "attention_mask", COMPLETION_MASK, "labels")
-"""Keys of a padded pair batch (TRL's three, plus this project's unshifted ``labels``, -100 off the completions)."""
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 

@@ -85,6 +85,9 @@ class BatchingSettings:
     """``pad`` only: every batch ``[rows, max_length]``."""
     truncation_side: str = "right"
     """``"right"`` keeps a long document's start, ``"left"`` its end."""
+    truncation_mode: str | None = None
+    """Preference pairs: how ``max_length`` cuts prompt + completion, TRL's ``"keep_start"`` or ``"keep_end"``;
+    ``None``: from ``truncation_side`` (``"right"`` -> ``"keep_start"``, ``"left"`` -> ``"keep_end"``)."""
     completion_only_loss: bool = True
     """Prompt/completion data: labels -100 on the prompt."""
     return_cu_seqlens: bool = False
@@ -103,6 +106,8 @@ class BatchingSettings:
         check_packing(self.packing, self.overflow or "split")
         check_truncation_side(self.truncation_side)
         _ = self.limits  # max_prompt_length + max_completion_length must fit max_length
+        if self.truncation_mode is not None:
+            _ = self.preference_limits  # a known mode
         budget, fixed = self.max_tokens_per_batch, [strategy_class(self.strategy_for(s)).full_length_rows
                                                     for s in SPLITS]
         if budget is not None and budget < self.max_length and any(fixed):
@@ -118,6 +123,15 @@ class BatchingSettings:
         return PromptCompletionLimits(self.max_length, self.max_prompt_length, self.max_completion_length,
                                       self.truncation_side)
 
+    @property
+    def preference_limits(self):
+        """The preference-pair truncation limits (``batching.preference.PreferenceLimits``, validated): TRL's
+        two stages with ``max_prompt_length``, ``max_completion_length``, then ``max_length``."""
+        from lightning_seqmem.batching.preference import PreferenceLimits
+
+        mode = self.truncation_mode or ("keep_start" if self.truncation_side == "right" else "keep_end")
+        return PreferenceLimits(self.max_length, self.max_prompt_length, self.max_completion_length, mode)
+
     def strategy_for(self, split: str) -> str:
         """The strategy name of ``split``'s loader (validation: ``eval_strategy``, else ``strategy``)."""
         return self.strategy if split == "train" else self.eval_strategy or self.strategy
@@ -131,7 +145,8 @@ class BatchingSettings:
         prompt/completion rows (a piece of an SFT example without its prompt would train on an answer to nothing)."""
         if self.overflow is not None:
             return self.overflow
-        return "truncate" if kind == "prompt_completion" else "split"
+        # Conversations arrive already cut to max_length by whole turns (``conversation_rows``): never split.
+        return "truncate" if kind in ("prompt_completion", "conversations") else "split"
 
     def packs_any(self) -> bool:
         """Whether the train or the validation loader packs documents (packing is planned at ``prepare_data``)."""
@@ -139,6 +154,12 @@ class BatchingSettings:
 
     def check_kind(self, kind: str) -> None:
         """Refuse settings that do not suit data of ``kind`` (known only once the data are read)."""
+        if kind == "conversations" and self.packing == "wrapped" and self.packs_any():
+            raise ValueError(
+                "packing='wrapped' cuts rows at max_length wherever a conversation ends, and a piece of a "
+                "conversation without its start would be trained on without its context. Use packing='bfd' "
+                "(conversations packed whole)."
+            )
         if kind == "prompt_completion" and self.overflow == "split" and not self.allow_split_prompt_completion \
                 and self.packs_any():
             raise ValueError(

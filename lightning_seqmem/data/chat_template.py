@@ -109,6 +109,8 @@ class ChatRenderer:
             )
         self._variables = dict(tokenizer.special_tokens_map)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.preamble = self.try_render([])
+        """What the template writes before any message (a BOS, a default system prompt), or ``None``."""
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False,
                spans: bool = True) -> tuple[str, list[tuple[int, int]]]:
@@ -142,17 +144,22 @@ class ChatRenderer:
     def tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """``input_ids`` (int32) of ``text`` as ``apply_chat_template`` tokenizes it (no special tokens added),
         and the character end of each token (int64), to map characters to tokens with ``searchsorted``."""
+        return self.tokenize_batch([text])[0]
+
+    def tokenize_batch(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`tokenize` of each text, in one call to the Rust tokenizer (which spreads a batch over threads)."""
         if self._backend is not None:  # the Rust tokenizer itself: no per-token Python objects for the offsets
-            enc = self._backend.encode(text, add_special_tokens=False)
-            ids, offsets = enc.ids, enc.offsets
-        else:
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids, offsets = enc["input_ids"], enc["offset_mapping"]
-        ids = np.asarray(ids, dtype=np.int32)
-        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-        # Offsets of the pieces after a trimmed or unmapped character can step back to 0: keep ends non-decreasing.
-        ends = np.maximum.accumulate(offsets[:, 1]) if len(offsets) else offsets[:, 1]
-        return ids, ends
+            return [_ids_and_ends(e.ids, e.offsets) for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+        enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return [_ids_and_ends(ids, offsets) for ids, offsets in zip(enc["input_ids"], enc["offset_mapping"])]
+
+
+def _ids_and_ends(ids, offsets) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.asarray(ids, dtype=np.int32)
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    # Offsets of the pieces after a trimmed or unmapped character can step back to 0: keep ends non-decreasing.
+    ends = np.maximum.accumulate(offsets[:, 1]) if len(offsets) else offsets[:, 1]
+    return ids, ends
 
 
 def char_to_token(ends: np.ndarray, char: int) -> int:

@@ -4,40 +4,75 @@ from __future__ import annotations
 
 import numpy as np
 
-PRETOKENIZED_KINDS = {"tokens": "text", "prompt_completion_tokens": "prompt_completion"}
-"""Pre-tokenized kinds and the rows they give: ``input_ids`` [+ ``labels``]; ``prompt_ids`` + ``completion_ids``."""
+PRETOKENIZED_KINDS = {"tokens": "text", "prompt_completion_tokens": "prompt_completion",
+                      "preference_tokens": "preference"}
+"""Pre-tokenized kinds and the rows they give: ``input_ids`` [+ ``labels``]; ``prompt_ids`` + ``completion_ids``;
+``prompt_ids`` + ``chosen_ids`` + ``rejected_ids``."""
+
+PREFERENCE_TEXT = ("prompt", "chosen", "rejected")
+"""Text columns of preference pairs (TRL's names); the prompt is shared by both sequences of a pair."""
+
+PREFERENCE_IDS = ("prompt_ids", "chosen_ids", "rejected_ids")
+"""Token columns of preference pairs (TRL's names)."""
+
+ID_COLUMNS = {"tokens": ("input_ids", "labels"), "prompt_completion_tokens": ("prompt_ids", "completion_ids"),
+              "preference_tokens": PREFERENCE_IDS}
 
 
 def check_columns(dsd, text_column: str = "text", prompt_column: str = "prompt",
                   completion_column: str = "completion") -> str:
-    """Which kind of data this is: ``"text"``, ``"prompt_completion"``, or pre-tokenized ``"tokens"``
-    (``input_ids``, optionally ``labels``) or ``"prompt_completion_tokens"`` (``prompt_ids``, ``completion_ids``).
-    Token columns win over text columns: a dataset that carries its tokens is used as it is.
+    """Which kind of data this is: ``"text"``, ``"prompt_completion"``, ``"conversations"`` (a ``messages``
+    column of turns), or pre-tokenized ``"tokens"`` (``input_ids``, optionally ``labels``) or
+    ``"prompt_completion_tokens"`` (``prompt_ids``, ``completion_ids``); preference pairs: ``"preference"``
+    (``prompt``, ``chosen``, ``rejected`` text) or ``"preference_tokens"`` (``prompt_ids``, ``chosen_ids``,
+    ``rejected_ids``). Token columns win over text columns: a dataset that carries its tokens is used as it is.
 
     Raises:
-        ValueError: none of these columns exist; the message lists what does.
+        ValueError: none of these columns exist (the message lists what does), or ``messages`` next to a text or
+            prompt/completion column.
     """
+    from lightning_seqmem.data.conversations import check_conversation_columns
+
     columns = set(dsd["train"].column_names)
     if "input_ids" in columns:
         return "tokens"
+    if {"chosen_ids", "rejected_ids"} & columns or {"chosen", "rejected"} & columns:
+        return _preference_kind(columns)
     if {"prompt_ids", "completion_ids"} <= columns:
         return "prompt_completion_tokens"
+    if check_conversation_columns(columns, other_columns=(text_column, prompt_column, completion_column)):
+        return "conversations"
     if text_column in columns:
         return "text"
     if {prompt_column, completion_column} <= columns:
         return "prompt_completion"
     raise ValueError(
         f"The dataset has no usable column: expected {text_column!r} (plain text), {prompt_column!r} and "
-        f"{completion_column!r} (prompt/completion), or token ids ('input_ids', or 'prompt_ids' and "
+        f"{completion_column!r} (prompt/completion), 'messages' (conversations), or token ids ('input_ids', or 'prompt_ids' and "
         f"'completion_ids'); it has {sorted(columns)}. Pass text_column=<name> to SeqMemDataModule, or rename a "
         "column with dataset.rename_column()."
     )
 
 
+def _preference_kind(columns: set[str]) -> str:
+    """``"preference_tokens"`` or ``"preference"``: a dataset with ``chosen``/``rejected`` columns (text or ids) must
+    have all three of TRL's columns of one form (a missing ``prompt`` is refused: say ``prompt=""`` explicitly)."""
+    for kind, names in (("preference_tokens", PREFERENCE_IDS), ("preference", PREFERENCE_TEXT)):
+        if set(names) <= columns:
+            return kind
+    have = sorted(columns & set(PREFERENCE_TEXT + PREFERENCE_IDS))
+    raise ValueError(
+        f"Preference data need the columns {list(PREFERENCE_TEXT)} (text) or {list(PREFERENCE_IDS)} (token ids); "
+        f"the dataset has {have} of them (all columns: {sorted(columns)}). Add the missing column (a pair without a "
+        "prompt: an empty string), or rename one with dataset.rename_column(). Conversation-form pairs are not "
+        "supported yet."
+    )
+
+
 def id_columns(kind: str) -> tuple[str, ...]:
-    """The token-id columns of a pre-tokenized kind (``"tokens"`` or ``"prompt_completion_tokens"``) whose values
-    ``check_token_values`` checks; ``labels`` may be missing from a dataset."""
-    return ("input_ids", "labels") if kind == "tokens" else ("prompt_ids", "completion_ids")
+    """The token-id columns of a pre-tokenized kind (``"tokens"``, ``"prompt_completion_tokens"`` or
+    ``"preference_tokens"``) whose values ``check_token_values`` checks; ``labels`` may be missing from a dataset."""
+    return ID_COLUMNS[kind]
 
 
 def check_token_values(ds, kind: str, split: str, vocab_size: int | None = None) -> None:

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_seqmem.data.chat_template import MARKERS, ChatRenderer, char_to_token
+from lightning_seqmem.data.chat_template import (
+    MARKERS,
+    ChatRenderer,
+    char_to_token,
+    chat_template_of,
+    mask_method,
+    template_fingerprint,
+)
 from lightning_seqmem.messages import check_choice, short_repr
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -103,6 +110,17 @@ class ConversationSettings:
     def __post_init__(self) -> None:
         check_choice("train_on", self.train_on, TRAIN_ON)
         check_choice("on_empty_labels", self.on_empty_labels, ON_EMPTY_LABELS)
+
+    def cache_key(self, tokenizer) -> list[str]:
+        """What decides the cached tokens and trained spans besides the tokenizer's vocabulary: its chat template
+        (and so its mask method, said here once, before any tokenizing worker forks), ``train_on`` and
+        ``train_field``; not ``on_empty_labels`` (applied after the cache, like ``max_length``).
+
+        Raises:
+            ValueError: the tokenizer has no chat template (the message says how to set one).
+        """
+        template = chat_template_of(tokenizer)
+        return [template_fingerprint(template), mask_method(template), self.train_on, str(self.train_field)]
 
 
 @dataclass(frozen=True, eq=False)  # numpy fields: compare them with np.array_equal, not ==
@@ -211,18 +229,29 @@ def encode_conversation(messages: Sequence[Mapping], renderer: ChatRenderer, row
         ValueError: a bad turn; a template without markers whose rendering of an earlier turn changes once later
             turns follow; a template whose generation blocks do not match the assistant turns one to one.
     """
-    check_conversation(messages, row, settings.train_field)
-    text, generation = renderer.render(messages)
-    ids, ends = renderer.tokenize(text)
-    n = len(messages)
+    text, generation = _render_checked(messages, renderer, row, settings)
+    return _encode_rendered(messages, text, generation, *renderer.tokenize(text), renderer, row, settings)
 
+
+def _render_checked(messages: Sequence[Mapping], renderer: ChatRenderer, row,
+                    settings: ConversationSettings) -> tuple[str, list[tuple[int, int]]]:
+    check_conversation(messages, row, settings.train_field)
+    return renderer.render(messages)
+
+
+def _encode_rendered(messages: Sequence[Mapping], text: str, generation: list[tuple[int, int]], ids: np.ndarray,
+                     ends: np.ndarray, renderer: ChatRenderer, row, settings: ConversationSettings
+                     ) -> EncodedConversation:
+    """:func:`encode_conversation` once the conversation is rendered (``text``, its generation spans) and
+    tokenized (``ids`` and the character end of each token), so that a batch is tokenized in one call."""
+    n = len(messages)
     # Character end of each message where the prefix up to it renders as the start of the whole text.
     bounds: list[int | None] = []
     for i in range(n - 1):
         prefix = renderer.try_render(messages[: i + 1])
         bounds.append(len(prefix) if prefix is not None and text.startswith(prefix) else None)
     bounds.append(len(text))
-    preamble = renderer.try_render([])
+    preamble = renderer.preamble
     preamble_end = len(preamble) if preamble and text.startswith(preamble) else 0
 
     if renderer.method != MARKERS:
@@ -282,8 +311,11 @@ def encode_rows(conversations: Sequence, rows: Sequence, renderer: ChatRenderer,
     tokens do not depend on ``max_length`` or ``on_empty_labels``: apply ``chat_truncation.truncate`` and
     :func:`select_trained` after."""
     columns: dict[str, list] = {}
-    for messages, row in zip(conversations, rows):
-        encoded = encode_conversation(messages, renderer, row, settings)
+    conversations, rows = list(conversations), list(rows)
+    rendered = [_render_checked(messages, renderer, row, settings) for messages, row in zip(conversations, rows)]
+    tokens = renderer.tokenize_batch([text for text, _ in rendered])  # one tokenizer call per batch
+    for messages, row, (text, generation), (ids, ends) in zip(conversations, rows, rendered, tokens):
+        encoded = _encode_rendered(messages, text, generation, ids, ends, renderer, row, settings)
         for key, value in {**encoded.to_row(), "num_trained": encoded.num_trained}.items():
             columns.setdefault(key, []).append(value)
     return columns

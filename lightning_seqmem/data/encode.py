@@ -33,7 +33,12 @@ def token_features(kind: str):
 
     sequence = datasets.List if hasattr(datasets, "List") else datasets.Sequence
     ids = sequence(datasets.Value("int32"))
-    names = ["input_ids"] if kind == "text" else ["prompt_ids", "completion_ids"]
+    if kind == "conversations":  # ``conversations.EncodedConversation.to_row`` and its trained-token count
+        return datasets.Features({"input_ids": ids, "label_spans": ids, "turn_ends": ids,
+                                  "keep_turns": datasets.Value("int32"), "num_truncated": datasets.Value("int32"),
+                                  "num_trained": datasets.Value("int64"), "length": datasets.Value("int64")})
+    names = {"text": ["input_ids"], "prompt_completion": ["prompt_ids", "completion_ids"],
+             "preference": ["prompt_ids", "chosen_ids", "rejected_ids"]}[kind]
     return datasets.Features({**{n: ids for n in names}, "length": datasets.Value("int64")})
 
 
@@ -78,8 +83,14 @@ def batch_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
 
 
 def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
-                      completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True):
-    """The batched ``datasets.map`` function of ``tokenize_dataset``: ``fn(batch, indices, split) -> columns``."""
+                      completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
+                      conversation=None):
+    """The batched ``datasets.map`` function of ``tokenize_dataset``: ``fn(batch, indices, split) -> columns``.
+
+    ``kind="conversations"``: ``text_column`` holds the turns, rendered with the tokenizer's chat template (no
+    BOS/EOS added: the template writes its own) under ``conversation`` (``ConversationSettings``)."""
+    if kind == "conversations":
+        return _conversation_function(tokenizer, text_column, conversation)
     prefix, suffix = document_frame(tokenizer, add_bos, add_eos)
     encode = batch_encoder(tokenizer)
 
@@ -88,6 +99,15 @@ def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", 
             _check_strings(batch, [text_column], indices, split)
             ids = [prefix + t + suffix if t else [] for t in encode(batch[text_column])]
             return {"input_ids": ids, "length": [len(x) for x in ids]}
+    elif kind == "preference":
+        def fn(batch, indices, split):
+            # A pair's two sequences share the prompt (framed once, like a prompt/completion prompt) and each
+            # completion ends with EOS, as TRL's DPO tokenization does.
+            _check_strings(batch, ["prompt", "chosen", "rejected"], indices, split)
+            prompts = [prefix + t for t in encode(batch["prompt"])]
+            sides = [[t + suffix if t else [] for t in encode(batch[name])] for name in ("chosen", "rejected")]
+            return {"prompt_ids": prompts, "chosen_ids": sides[0], "rejected_ids": sides[1],
+                    "length": [len(p) + len(c) + len(r) for p, c, r in zip(prompts, *sides)]}
     else:
         def fn(batch, indices, split):
             _check_strings(batch, [prompt_column, completion_column], indices, split)
@@ -96,6 +116,15 @@ def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", 
             return {"prompt_ids": prompts, "completion_ids": completions,
                     "length": [len(p) + len(c) for p, c in zip(prompts, completions)]}
     return fn
+
+
+def source_columns(kind: str, text_column: str = "text", prompt_column: str = "prompt",
+                   completion_column: str = "completion") -> list[str]:
+    """The columns a document of ``kind`` is read from (``"text"``, ``"conversations"``: ``text_column`` holds the
+    turns, ``"prompt_completion"``, ``"preference"``)."""
+    return {"text": [text_column], "conversations": [text_column],
+            "prompt_completion": [prompt_column, completion_column],
+            "preference": ["prompt", "chosen", "rejected"]}[kind]
 
 
 def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
@@ -118,3 +147,17 @@ def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "tex
                       fn_kwargs={"split": split}, features=token_features(kind), desc=f"Tokenizing {split}")
         for split, ds in dsd.items()
     })
+
+
+def _conversation_function(tokenizer, column: str, settings):
+    from lightning_seqmem.data.chat_template import ChatRenderer
+    from lightning_seqmem.data.conversations import ConversationSettings, encode_rows
+
+    renderer = ChatRenderer(tokenizer)
+    settings = settings or ConversationSettings()
+
+    def fn(batch, indices, split):
+        columns = encode_rows(batch[column], list(indices), renderer, settings)
+        columns["length"] = [len(ids) for ids in columns["input_ids"]]
+        return columns
+    return fn

@@ -1,9 +1,12 @@
 """Where the documents come from: resolve a dataset argument into a ``DatasetDict``, carve out validation.
 
-Accepted datasets: ``"builtin"`` (the standard-library corpus), a ``datasets.Dataset``/``DatasetDict``, a
-directory saved with ``save_to_disk``, local ``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
+Accepted datasets: ``"builtin"`` (the standard-library corpus), ``"builtin_chat"`` (the same as conversations),
+``"builtin_preference"`` (its documents as preference pairs, ``data.preference_corpus``), a
+``datasets.Dataset``/``DatasetDict``, a directory saved with ``save_to_disk``, local
+``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
 a glob or a list), a hub name (loaded with ``datasets.load_dataset``; only when the user asks for it), or the
-data itself: a list of strings (documents) or of dicts (rows).
+data itself: a list of strings (documents), of dicts (rows) or of conversations (lists of ``{"role", "content"}``
+dicts, which become a ``messages`` column).
 
 A list is files when every item is an existing file or directory or a glob that matches files; otherwise it is
 documents (strings) or rows (dicts). A list that mixes existing files with strings that are not, or whose items
@@ -22,6 +25,8 @@ import numpy as np
 
 from lightning_seqmem.messages import short_repr
 
+BUILTIN_CHAT = "builtin_chat"
+"""``dataset="builtin_chat"``: the built-in corpus as multi-turn conversations (``data.chat_corpus``)."""
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
 
 def _matches(item: str) -> list[str]:
@@ -48,6 +53,12 @@ def _looks_like_file_name(item: str) -> bool:
     return not any(c.isspace() for c in item) and os.path.splitext(item)[1].lower() in _LOCAL_BUILDERS
 
 
+def _is_conversation(item: Any) -> bool:
+    """A list of dicts (turns): one conversation of a list of conversations."""
+    return (isinstance(item, Sequence) and not isinstance(item, (str, bytes, os.PathLike))
+            and all(isinstance(turn, Mapping) for turn in item))
+
+
 def _dataset_from_items(items: Sequence[Any]):
     """A list given as ``dataset=``: files (every item names existing files), else documents or rows.
 
@@ -60,6 +71,8 @@ def _dataset_from_items(items: Sequence[Any]):
     items = list(items)
     if not items:
         raise ValueError("dataset is an empty list: pass documents (strings), rows (dicts) or file paths.")
+    if all(_is_conversation(x) for x in items):  # conversations: each a list of {"role", "content"} turns
+        items = [{"messages": [dict(turn) for turn in x]} for x in items]
     if all(isinstance(x, Mapping) for x in items):
         rows = [dict(x) for x in items]
         try:
@@ -69,8 +82,8 @@ def _dataset_from_items(items: Sequence[Any]):
                              f"{short_repr(str(err))}. Give every row the same keys with values of one type.") from err
     if not all(isinstance(x, (str, os.PathLike)) for x in items):
         kinds = sorted({type(x).__name__ for x in items})
-        raise TypeError(f"dataset is a list of {', '.join(kinds)}: pass strings (documents or file paths) or "
-                        "dicts (rows), not a mix.")
+        raise TypeError(f"dataset is a list of {', '.join(kinds)}: pass strings (documents or file paths), "
+                        "dicts (rows) or conversations (lists of {'role', 'content'} dicts), not a mix.")
     items = [os.fspath(x) for x in items]
     missing = [x for x in items if not _matches(x)]
     if not missing:
@@ -106,6 +119,15 @@ def load_text_dataset(dataset: Any = "builtin"):
         from lightning_seqmem.data.corpus import load_builtin_corpus
 
         dsd = load_builtin_corpus()
+    elif isinstance(dataset, str) and dataset == BUILTIN_CHAT:
+        from lightning_seqmem.data.chat_corpus import load_builtin_chat_corpus
+
+        dsd = datasets.DatasetDict({split: datasets.Dataset.from_list(rows)
+                                    for split, rows in load_builtin_chat_corpus().items()})
+    elif isinstance(dataset, str) and dataset == "builtin_preference":
+        from lightning_seqmem.data.preference_corpus import load_builtin_preference_corpus
+
+        dsd = load_builtin_preference_corpus()
     elif isinstance(dataset, datasets.DatasetDict):
         dsd = dataset
     elif isinstance(dataset, datasets.Dataset):

@@ -33,7 +33,7 @@ from typing import Any
 from lightning_seqmem.batch import IGNORE_INDEX
 from lightning_seqmem.data.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
 from lightning_seqmem.data.cache_dir import default_cache_dir
-from lightning_seqmem.data.encode import document_frame, token_features, tokenize_function
+from lightning_seqmem.data.encode import document_frame, source_columns, token_features, tokenize_function
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
 SMALL_DATASET_ROWS = 20_000  # below this, extra processes cost more than they save
@@ -176,6 +176,7 @@ class _Job:
     add_eos: bool
     split: str
     directory: str
+    conversation: Any = None  # ``ConversationSettings`` of ``kind="conversations"``
 
 
 _WORKER: tuple[Any, _Job] | None = None  # (dataset, job) of this worker process
@@ -186,6 +187,10 @@ def _init_worker(ds, job: _Job) -> None:
     _WORKER = (ds, job)
 
 
+def _star_tokenize_shard(args: tuple[int, Shard]) -> tuple[str, int]:
+    return _tokenize_shard(*args)
+
+
 def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, progress=None) -> tuple[str, int]:
     """Tokenize the rows of ``shard`` into ``tokens-<index>.arrow`` (an Arrow stream file ``datasets`` can
     memory-map); ``(file name, rows)``. The input is streamed a slice at a time (``arrow_stream``), never kept resident."""
@@ -194,7 +199,7 @@ def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, 
     if ds is None:
         ds, job = _WORKER
     fn = tokenize_function(job.tokenizer, job.kind, job.text_column, job.prompt_column, job.completion_column,
-                           job.add_bos, job.add_eos)
+                           job.add_bos, job.add_eos, job.conversation)
     schema = token_features(job.kind).arrow_schema
     name = f"tokens-{index:05d}.arrow"
     rows, pending, pending_tokens = 0, [], 0
@@ -238,41 +243,37 @@ def _tokenize_split(ds, job: _Job, procs: int) -> list[str]:
         with context.Pool(procs, initializer=_init_worker, initargs=(ds, job)) as pool:
             names = []
             for name, rows in pool.imap(_star_tokenize_shard, list(enumerate(shards))):
-                names.append(name)
-                progress.update(rows)
+                names.append(name), progress.update(rows)
             return names
-
-
-def _star_tokenize_shard(args: tuple[int, Shard]) -> tuple[str, int]:
-    return _tokenize_shard(*args)
 
 
 def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
                     completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
-                    num_proc: int | None = None, cache_dir: str | os.PathLike | None = None, source: Any = None):
+                    num_proc: int | None = None, cache_dir: str | os.PathLike | None = None, source: Any = None,
+                    conversation: Any = None):
     """``encode.tokenize_dataset``, cached under ``cache_dir``: tokenize a split only the first time.
 
     Args:
-        dsd: ``DatasetDict`` of text (or prompt/completion) splits.
-        tokenizer, kind, text_column, prompt_column, completion_column, add_bos, add_eos: as in
+        dsd, tokenizer, kind, text_column, prompt_column, completion_column, add_bos, add_eos: as in
             ``tokenize_dataset``.
         num_proc: tokenization processes; ``None``: ``default_num_proc``.
         cache_dir: root of the cache; ``None``: ``default_cache_dir()``. When it cannot be written, the split is
             tokenized into a temporary directory for this process, with a warning.
         source: what the data is called (the DataModule's ``dataset`` argument), recorded in the entry's manifest
             for ``seqmem-cache``.
+        conversation: the ``ConversationSettings`` of ``kind="conversations"`` (``text_column``: the turns).
 
     Returns:
-        ``DatasetDict`` of memory-mapped token columns (``input_ids`` or ``prompt_ids``/``completion_ids``, and
-        ``length``).
+        ``DatasetDict`` of memory-mapped token columns (``encode.token_features(kind)``).
     """
     import datasets
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     remove_stale_temporaries(root)
     frame = document_frame(tokenizer, add_bos, add_eos)
-    columns = [text_column] if kind == "text" else [prompt_column, completion_column]
-    common = json.dumps([_FORMAT, tokenizer_fingerprint(tokenizer), frame, kind, columns], default=str)
+    columns = source_columns(kind, text_column, prompt_column, completion_column)
+    chat = conversation.cache_key(tokenizer) if conversation is not None else []  # the template, train_on, ...
+    common = json.dumps([_FORMAT, tokenizer_fingerprint(tokenizer), frame, kind, columns, *chat], default=str)
     out = {}
     for split, ds in dsd.items():
         key = hashlib.sha256((common + ds._fingerprint).encode()).hexdigest()[:32]
@@ -281,7 +282,7 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
         if cached is None:
             procs = num_proc if num_proc is not None else default_num_proc(len(ds))
             job = _Job(tokenizer, kind, columns, text_column, prompt_column, completion_column, add_bos, add_eos,
-                       split, str(directory))
+                       split, str(directory), conversation)
             about = {"split": split, "rows": len(ds), "dataset": describe_source(source, ds),
                      "tokenizer": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)}
             blocked = _cannot_write(directory)

@@ -2,7 +2,8 @@
 
 The default exists so that the main job, the tests and CI never touch a model hub: it is trained with
 ``tokenizers`` on the built-in corpus's train split (deterministic), cached next to the corpus, and returned as a
-``PreTrainedTokenizerFast`` with ``<s>``, ``</s>`` and ``<pad>`` set.
+``PreTrainedTokenizerFast`` with ``<s>``, ``</s>`` and ``<pad>`` set and the built-in ChatML-style chat template
+(``chat_template.BUILTIN_CHAT_TEMPLATE``, with generation markers), so conversations work offline too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_seqmem.data.cache_dir import default_cache_dir
+from lightning_seqmem.data.chat_template import BUILTIN_CHAT_TEMPLATE
 from lightning_seqmem.data.corpus import corpus_path, load_builtin_corpus
 from lightning_seqmem.messages import short_repr
 
@@ -25,12 +27,13 @@ def _default_path(vocab_size: int) -> Path:
 
 
 def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
-    """Train (or load from cache) the default byte-level BPE tokenizer on the built-in corpus."""
+    """Train (or load from cache) the default byte-level BPE tokenizer on the built-in corpus; it has the built-in
+    chat template."""
     from transformers import PreTrainedTokenizerFast
 
     path = _default_path(vocab_size)
     if (path / "tokenizer.json").exists():
-        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        return _with_chat_template(PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True))
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -54,7 +57,13 @@ def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    return _with_chat_template(PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True))
+
+
+def _with_chat_template(tokenizer):
+    """Set here, not saved with the files: tokenizers cached by earlier versions get it too."""
+    tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE
+    return tokenizer
 
 
 def load_tokenizer(tokenizer: Any = None):

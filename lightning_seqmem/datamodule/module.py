@@ -19,7 +19,10 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_seqmem.batching.sampling import BatchFetcher
-from lightning_seqmem.batching.strategies import Strategy, largest_shape, make_strategy
+from lightning_seqmem.batching.pair_strategies import make_split_strategy
+from lightning_seqmem.batching.strategies import Strategy, largest_shape
+from lightning_seqmem.data.chat_template import chat_template_of, mask_method
+from lightning_seqmem.data.sources import BUILTIN_CHAT
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.pipeline import SPLITS, epoch_stats, load_documents, prepare_split, split_documents
 from lightning_seqmem.datamodule.resume import ResumableLoader, check_signature, data_signature
@@ -41,10 +44,17 @@ class SeqMemDataModule(LightningDataModule):
     Tokenization runs once per node (``prepare_data``) and is cached under ``cache_dir``.
 
     Args:
-        dataset: ``"builtin"`` (the standard-library corpus), a ``datasets.Dataset``/``DatasetDict``, local
-            json/jsonl/parquet/txt/csv files (path, glob or list), a ``save_to_disk`` directory, or a hub name.
-            A ``text`` column, or ``prompt`` and ``completion`` columns; or pre-tokenized: ``input_ids``
-            (optionally ``labels``), or ``prompt_ids`` and ``completion_ids``, used as they are.
+        dataset: ``"builtin"`` (the standard-library corpus), ``"builtin_chat"`` (it as conversations),
+            ``"builtin_preference"`` (it as preference pairs), a ``datasets.Dataset``/``DatasetDict``, local
+            json/jsonl/parquet/txt/csv files (path, glob or list), a ``save_to_disk`` directory, a hub name, or a
+            Python list of documents, rows or conversations. A ``text`` column, ``prompt`` and ``completion``
+            columns, a ``messages`` column of conversations, or preference pairs (``prompt``, ``chosen``,
+            ``rejected``); or pre-tokenized: ``input_ids`` (optionally ``labels``), ``prompt_ids`` and
+            ``completion_ids``, or ``prompt_ids``, ``chosen_ids`` and ``rejected_ids``, used as they are.
+            Pairs are batched in TRL's padded layout (``pad``/``truncate``: ``[2B, L]``, chosen rows then rejected
+            rows, with ``completion_mask``) or packed whole (``pack``: ``B`` rows of ``2 * max_length``, with
+            ``sequence_index``); optional ``ref_chosen_logps``/``ref_rejected_logps`` columns come along as
+            ``[pairs]`` tensors.
         tokenizer: ``None`` for the built-in BPE tokenizer, a name or local path for ``AutoTokenizer``, or a
             tokenizer object.
         max_length: longest row fed to the model, in tokens.
@@ -71,8 +81,12 @@ class SeqMemDataModule(LightningDataModule):
             rows, ``truncate``/``pack`` get ``max_tokens_per_batch // max_length`` rows.
         truncation_side: ``"right"`` keeps the start of a long document, ``"left"`` its end. Prompt/completion
             rows over ``max_length``: ``"right"`` cuts the completion's end first, ``"left"`` the prompt's start.
-        max_prompt_length: prompt/completion data: keep the last ``max_prompt_length`` prompt tokens.
-        max_completion_length: prompt/completion data: keep the first ``max_completion_length`` completion tokens.
+        max_prompt_length: prompt/completion and preference data: keep the last ``max_prompt_length`` prompt tokens.
+        max_completion_length: prompt/completion and preference data: keep the first ``max_completion_length``
+            completion tokens (each of a pair's two).
+        truncation_mode: preference data: how ``max_length`` then cuts each prompt + completion, TRL's
+            ``"keep_start"`` or ``"keep_end"``; ``None``: ``"keep_start"`` for ``truncation_side="right"``,
+            ``"keep_end"`` for ``"left"``.
         completion_only_loss: prompt/completion data: labels -100 on the prompt.
         return_cu_seqlens: ``pack`` only: also yield ``cu_seqlens`` for custom varlen attention.
         drop_last: drop the incomplete tail of an epoch (counted in ``stats()``) instead of smaller last batches.
@@ -89,6 +103,13 @@ class SeqMemDataModule(LightningDataModule):
             strategy, dataset, batch size or seed): ``"error"`` (default) refuses to resume and names what
             changed; ``"restart_epoch"`` keeps the checkpoint's model and optimizer but starts the current epoch
             from its first batch.
+        train_on: conversations (a ``messages`` column of ``{"role", "content"}`` turns, rendered with the
+            tokenizer's chat template): which tokens carry loss. ``"assistant"`` (every assistant turn, its content
+            and the tokens that close it), ``"last_assistant"`` or ``"all"``. A conversation over ``max_length``
+            loses whole oldest turns first (the system message stays); conversations are never split by ``pack``.
+        train_field: conversations: a per-message boolean that overrides ``train_on`` for that turn (``None``: none).
+        on_empty_labels: conversations with no trained token (no assistant turn, or none left after truncation):
+            ``"drop"`` (counted in ``stats()``), ``"keep"`` (they add no loss) or ``"error"``.
 
     Example::
 
@@ -123,6 +144,7 @@ class SeqMemDataModule(LightningDataModule):
         truncation_side: str = "right",
         max_prompt_length: int | None = None,
         max_completion_length: int | None = None,
+        truncation_mode: str | None = None,
         completion_only_loss: bool = True,
         return_cu_seqlens: bool = False,
         drop_last: bool = False,
@@ -133,17 +155,21 @@ class SeqMemDataModule(LightningDataModule):
         pad_token_id: int | None = None,
         eos_token_id: int | None = None,
         on_resume_mismatch: str = "error",
+        train_on: str = "assistant",
+        train_field: str | None = "train",
+        on_empty_labels: str = "drop",
     ) -> None:
         super().__init__()
         arguments = {k: v for k, v in locals().items() if k not in ("self", "dataset", "tokenizer", "__class__")}
         self.settings = SeqMemSettings.from_arguments(**arguments)  # every argument checked here, once
         b = self.settings.batching
-        self.save_hyperparameters(dict(vars(b), **vars(self.settings.data), eval_strategy=b.strategy_for("validation")))
+        self.save_hyperparameters(dict(vars(b), **vars(self.settings.data), **vars(self.settings.conversation),
+                                       eval_strategy=b.strategy_for("validation")))
         self.dataset = dataset
         self.streaming = False
         self._tokenizer_arg = tokenizer
         self._tokenizer = None
-        self._kind: str | None = None  # "text" or "prompt_completion", once the data are read
+        self._kind: str | None = None  # "text", "prompt_completion", "conversations", "preference", once read
         # Chosen once the data kind is known (setup), then never changed: every question about a split's batches
         # goes to its strategy object.
         self._strategies: dict[str, Strategy] = {}
@@ -200,7 +226,7 @@ class SeqMemDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         """Build what is cached on disk, once per node (Lightning calls this on local rank 0 only): the built-in
         corpus, the default tokenizer and the tokenized dataset; ``setup`` on every rank then only reads them."""
-        if isinstance(self.dataset, str) and self.dataset == "builtin":
+        if isinstance(self.dataset, str) and self.dataset in ("builtin", BUILTIN_CHAT):
             from lightning_seqmem.data.corpus import load_builtin_corpus
 
             load_builtin_corpus()
@@ -213,12 +239,14 @@ class SeqMemDataModule(LightningDataModule):
 
     def tokenized_documents(self):
         """``(DatasetDict of token columns, kind)``: the documents tokenized through the tokenize-once cache, or
-        pre-tokenized data as is; ``kind`` is ``"text"`` or ``"prompt_completion"``. What ``setup`` and
+        pre-tokenized data as is; ``kind`` is ``"text"``, ``"prompt_completion"``, ``"conversations"`` or
+        ``"preference"``. What ``setup`` and
         ``seqmem-plan`` read (the planner only the lengths). Computed once per process: ``prepare_data`` and
         ``setup`` on local rank 0 share it."""
         if self._documents is None:
             tokenized, kind, self._pretokenized = load_documents(
-                self.dataset, self.settings.data, lambda: self.tokenizer, self._tokenizer_arg is not None)
+                self.dataset, self.settings.data, lambda: self.tokenizer, self._tokenizer_arg is not None,
+                self.settings.conversation)
             self._documents = tokenized, kind
         return self._documents
 
@@ -226,7 +254,8 @@ class SeqMemDataModule(LightningDataModule):
         """The strategy objects of both splits, built once the data kind is known (it decides the overflow rule)."""
         self.settings.batching.check_kind(kind)
         self._kind = kind
-        self._strategies = {split: make_strategy(self.settings.batching, split, kind, self.settings.data.plan_cache)
+        self._strategies = {split: make_split_strategy(self.settings.batching, split, kind,
+                                                      self.settings.data.plan_cache)
                             for split in SPLITS}
 
     @override
@@ -249,7 +278,10 @@ class SeqMemDataModule(LightningDataModule):
         documents = split_documents(tokenized, kind, b.seed)
         self.datasets = {}
         for split, docs in documents.items():
-            prepared = prepare_split(split, docs, self._strategies[split], b.max_length, b.completion_only_loss)
+            prepared = prepare_split(split, docs, self._strategies[split], b.max_length, b.completion_only_loss,
+                                     self.settings.conversation.on_empty_labels)
+            if kind == "conversations":
+                prepared.stats["mask_method"] = mask_method(chat_template_of(self.tokenizer))
             for message in prepared.warnings:
                 rank_zero_warn(message)
             for message in prepared.infos:
@@ -324,16 +356,23 @@ class SeqMemDataModule(LightningDataModule):
     def stats(self) -> dict[str, Any]:
         """Per split: documents, tokens, tokens truncated/dropped, documents split, empty documents skipped,
         rows, batches, rows ``drop_last`` leaves out, and token efficiency (real tokens / slots in one epoch);
-        for prompt/completion data also the rows skipped because no completion was left."""
+        for prompt/completion data also the rows skipped because no completion was left; for conversations also
+        ``conversations_dropped_empty``, ``trained_tokens``, ``trained_share`` and ``mask_method``; for preference
+        pairs (``documents`` = pairs) also the prompt / chosen / rejected tokens truncated, the pairs left without a
+        completion and the pairs whose kept completions are identical."""
         self._ready()
         return {split: dict(values) for split, values in self._stats.items()}
 
     # ------------------------------------------------------------------------------------------------ resume
     def data_signature(self) -> dict[str, Any]:
         """What a saved loader position refers to: the settings that decide the train rows and their batches
-        (``BatchingSettings.signature``), and a checksum of the train row lengths."""
+        (``BatchingSettings.signature``; for conversations also which tokens carry loss), and a checksum of the
+        train row lengths."""
         self._ready()
-        return data_signature(self.settings.batching.signature(self._kind), self._lengths.get("train"))
+        decides = self.settings.batching.signature(self._kind)
+        if self._kind == "conversations":
+            decides = dict(decides, **vars(self.settings.conversation))
+        return data_signature(decides, self._lengths.get("train"))
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -9,10 +9,11 @@ field; the rest of the package reads these objects, never the raw arguments.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lightning_seqmem.batching.settings import BatchingSettings, check_integers, integer
+from lightning_seqmem.data.conversations import ConversationSettings
 from lightning_seqmem.data.token_cache import default_cache_dir
 from lightning_seqmem.messages import check_choice
 
@@ -54,7 +55,8 @@ class DataSettings:
 
 @dataclass(frozen=True)
 class SeqMemSettings:
-    """Everything ``SeqMemDataModule`` was configured with, checked: ``batching`` and ``data``.
+    """Everything ``SeqMemDataModule`` was configured with, checked: ``batching``, ``data`` and ``conversation``
+    (how conversations become training tokens: ``train_on``, ``train_field``, ``on_empty_labels``).
 
     Example::
 
@@ -64,16 +66,18 @@ class SeqMemSettings:
 
     batching: BatchingSettings
     data: DataSettings
+    conversation: ConversationSettings = field(default_factory=ConversationSettings)
 
     @classmethod
     def from_arguments(cls, **arguments: Any) -> SeqMemSettings:
         """The settings of ``SeqMemDataModule(**arguments)`` (its arguments other than ``dataset`` and
         ``tokenizer``); each goes to the class that declares it (batching first, as the arguments are listed)."""
-        parts = {}
-        for name, part in (("batching", BatchingSettings), ("data", DataSettings)):
+        parts, concerns = {}, (("batching", BatchingSettings), ("data", DataSettings),
+                               ("conversation", ConversationSettings))
+        for name, part in concerns:
             mine = {f.name for f in fields(part)}
             parts[name] = part(**{k: v for k, v in arguments.items() if k in mine})
-        unknown = set(arguments) - {f.name for part in (BatchingSettings, DataSettings) for f in fields(part)}
+        unknown = set(arguments) - {f.name for _, part in concerns for f in fields(part)}
         if unknown:
             raise TypeError(f"Unknown settings {sorted(unknown)}.")
         return cls(**parts)

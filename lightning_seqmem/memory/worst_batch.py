@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_seqmem.batch import CU_SEQLENS, IGNORE_INDEX, Layout, default_layout
+from lightning_seqmem.batch import COMPLETION_MASK, CU_SEQLENS, IGNORE_INDEX, SEQUENCE_INDEX, Layout, default_layout
 from lightning_seqmem.training.varlen import cu_seqlens
 
 
@@ -44,8 +44,10 @@ def make_dummy_batch(
     when unknown), ``pad_token_id`` on padding; ``attention_mask`` is 1 on documents, 0 on padding; ``labels`` are
     the ids, ``-100`` on padding and, in packed batches (``position_ids`` without ``attention_mask``), on every
     document's first token; ``position_ids`` restart at 0 for every document and for the padding segment;
-    ``cu_seqlens`` (1-D int32) are the segment boundaries of the flattened batch, padding segments included; any
-    other key gets zeros.
+    ``cu_seqlens`` (1-D int32) are the segment boundaries of the flattened batch, padding segments included;
+    preference pairs' ``completion_mask`` is 1 on every real token but a sequence's first and ``sequence_index``
+    numbers the sequences in row order (-1 on padding: a padded pair batch needs an even number of rows, a packed
+    one an even number of sequences, as the pair layouts give); any other key gets zeros.
 
     Args:
         rows: rows per micro-batch.
@@ -72,7 +74,13 @@ def make_dummy_batch(
     real = torch.zeros(rows, length, dtype=torch.bool)
     first = torch.zeros(rows, length, dtype=torch.bool)  # a document's first token
     positions = torch.zeros(rows, length, dtype=torch.long)
+    sequence = torch.full((rows, length), -1, dtype=torch.long)  # packed pairs: each token's sequence, -1 padding
+    count = 0
     for i, row in enumerate(layout):
+        start = 0
+        for n in row:
+            sequence[i, start:start + n] = count
+            start, count = start + n, count + 1
         start = 0
         for n in (*row, length - sum(row)):  # the documents, then the padding segment (maybe empty)
             if n == 0:
@@ -95,6 +103,10 @@ def make_dummy_batch(
             batch[key] = real.long()
         elif key == "position_ids":
             batch[key] = positions
+        elif key == COMPLETION_MASK:  # preference pairs: every real token but a sequence's first is scored
+            batch[key] = (real & ~first).long()
+        elif key == SEQUENCE_INDEX:
+            batch[key] = sequence
         elif key == CU_SEQLENS:
             batch[key] = cu_seqlens(positions)  # every document and padding segment restarts its positions
         else:

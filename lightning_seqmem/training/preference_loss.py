@@ -5,8 +5,7 @@ chosen rows first; a packed one (``batching.pair_packing.PackedPairCollator``) h
 with ``sequence_index``, numbered like the padded rows. Either way :func:`sequence_logps` sums each sequence's
 completion log-probabilities and splits them into chosen and rejected, so one loss serves both layouts.
 
-Torch only. The two key names below are owned by ``batching.preference`` (``COMPLETION_MASK``, ``SEQUENCE_INDEX``);
-training may not import batching (same floor), so they are repeated here until they move to the batch contract.
+Torch only. The key names are the batch contract's (``batch.COMPLETION_MASK``, ``batch.SEQUENCE_INDEX``).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-_COMPLETION_MASK, _SEQUENCE_INDEX = "completion_mask", "sequence_index"
+from lightning_seqmem.batch import COMPLETION_MASK, SEQUENCE_INDEX
 
 
 def token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -41,14 +40,14 @@ def sequence_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tupl
 
         chosen, rejected = sequence_logps(model(**model_inputs).logits, batch)
     """
-    mask = batch[_COMPLETION_MASK][:, 1:].bool()
+    mask = batch[COMPLETION_MASK][:, 1:].bool()
     # Summed in float64: a sum of hundreds of terms near -1..-10 rounds by ~1e-5 in fp32, more than the two layouts
     # differ by (their per-token values agree within 1e-6), and the layouts add in different orders.
     per_token = token_logps(logits, batch["input_ids"]).masked_fill(~mask, 0.0).double()
-    if _SEQUENCE_INDEX not in batch:
+    if SEQUENCE_INDEX not in batch:
         sums = per_token.sum(dim=1)
     else:
-        index = batch[_SEQUENCE_INDEX]
+        index = batch[SEQUENCE_INDEX]
         sequences = int(index.max()) + 1
         # Padding (-1) lands on sequence 0 with a zero weight: its slots are masked above.
         sums = per_token.new_zeros(sequences).index_add_(0, index[:, 1:].clamp(min=0).reshape(-1),

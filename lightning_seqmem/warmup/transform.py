@@ -15,8 +15,9 @@ from collections.abc import MutableMapping
 
 import torch
 
-from lightning_seqmem.batch import CU_SEQLENS, IGNORE_INDEX, count_real_tokens, real_token_mask
+from lightning_seqmem.batch import CU_SEQLENS, IGNORE_INDEX, REF_LOGPS_KEYS, count_real_tokens, real_token_mask
 from lightning_seqmem.training.varlen import cu_seqlens
+from lightning_seqmem.warmup.pairs import is_pair_batch, truncate_pairs
 
 __all__ = [
     "apply_seq_length_warmup",
@@ -38,6 +39,9 @@ def set_batch_sequence_length(
     Every value that is a 2-D tensor ``[batch, seq]`` is changed; other values are left alone, except the
     optional 1-D ``cu_seqlens`` of packed batches, which is recomputed from the new ``position_ids`` (or dropped
     when the batch has none). A batch no longer than ``curr_seq_len`` is returned untouched.
+
+    Preference pair batches (``completion_mask``) are truncated so that both sequences of a pair are cut alike, with
+    ``curr_seq_len`` a sequence length (``warmup.pairs.truncate_pairs``); reshape is refused for them.
 
     Packed batches (``position_ids`` and no ``attention_mask``) are handled in both modes: truncation keeps a
     prefix of every row, so segments stay consistent; reshape restarts ``position_ids`` at 0 and sets the label to
@@ -70,6 +74,8 @@ def set_batch_sequence_length(
         set_batch_sequence_length(batch, 8, truncate=False)  # [400, 8], same tokens, same order
     """
     shape = _check_batch(batch, curr_seq_len)
+    if is_pair_batch(batch):  # preference pairs: both sequences of a pair cut alike (warmup/pairs.py)
+        return truncate_pairs(batch, curr_seq_len, truncate, pad_token_id)
     if preserve_end_of_sequence and not truncate:
         raise ValueError(
             "preserve_end_of_sequence=True only applies to truncate=True (reshape keeps every token); "
@@ -130,7 +136,7 @@ def _check_batch(batch: object, curr_seq_len: int) -> tuple[int, int]:
         raise ValueError(f"curr_seq_len must be >= 1, got {curr_seq_len}.")
     shape = None
     for key, value in batch.items():
-        if not isinstance(value, torch.Tensor) or key == CU_SEQLENS:
+        if not isinstance(value, torch.Tensor) or key == CU_SEQLENS or key in REF_LOGPS_KEYS:
             continue
         if value.ndim != 2:
             raise ValueError(

@@ -1,0 +1,130 @@
+"""``DPO``: a small preference LightningModule — the sigmoid DPO loss against a frozen reference.
+
+It takes the pair batches of :class:`~lightning_seqmem.SeqMemDataModule` on preference data, padded (TRL's
+``[2B, L]`` layout) or packed (whole pairs per row, ``sequence_index``), and gets per-pair completion
+log-probabilities from both with one helper (``preference_loss.sequence_logps``). The reference is a frozen copy of
+the policy taken at ``setup`` (``reference="copy"``), or log-probabilities precomputed into the dataset
+(``ref_chosen_logps`` / ``ref_rejected_logps`` columns, ``reference="precomputed"``: no second model in memory).
+Model building, attention selection, the pad id and the optimizer are ``CausalLM``'s.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lightning_seqmem.batch import REF_LOGPS_KEYS, count_real_tokens
+from lightning_seqmem.messages import check_choice
+from lightning_seqmem.training.model import CausalLM
+from lightning_seqmem.training.preference_loss import dpo_loss, sequence_logps
+from lightning_seqmem.training.varlen import batch_varlen_kwargs
+
+REFERENCES = ("copy", "precomputed")
+INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+class DPO(CausalLM):
+    """Direct preference optimisation (sigmoid loss, TRL's ``loss_type="sigmoid"``) on pair batches.
+
+    Args:
+        beta: DPO's inverse temperature (larger keeps the policy nearer the reference).
+        label_smoothing: assumed share of flipped preferences (conservative DPO), in ``[0, 0.5)``.
+        reference: ``"copy"``: a frozen copy of the policy, taken at ``setup`` (its weights then; a second model in
+            memory); ``"precomputed"``: the batch's ``ref_chosen_logps`` / ``ref_rejected_logps`` (dataset columns
+            of the same names). Precomputed values in a batch are used under ``"copy"`` too.
+        **kwargs: ``CausalLM``'s arguments (model, attention, optimizer); the loss is a mean over pairs, so
+            ``loss_normalization`` is always ``"micro_batch"``.
+
+    Example::
+
+        dm = SeqMemDataModule("builtin_preference", max_length=128, strategy="pack")
+        Trainer(max_steps=20).fit(DPO(beta=0.1), datamodule=dm)
+    """
+
+    def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0, reference: str = "copy",
+                 **kwargs: Any) -> None:
+        check_choice("reference", reference, REFERENCES)
+        dpo_loss(*torch.zeros(4, 1), beta=beta, label_smoothing=label_smoothing)  # the loss checks its arguments
+        kwargs["loss_normalization"] = "micro_batch"
+        super().__init__(**kwargs)
+        self.save_hyperparameters("beta", "label_smoothing", "reference")
+        self.reference_model: torch.nn.Module | None = None
+
+    @override
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.hparams.reference == "copy" and self.reference_model is None:
+            self.reference_model = copy.deepcopy(self.model).requires_grad_(False).eval()
+
+    @override
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.reference_model is not None:
+            self.reference_model.eval()  # the reference never trains (no dropout either)
+        return self
+
+    def _logits(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[rows, seq, vocab]`` logits of ``model`` on the batch (padded or packed; varlen arguments as
+        ``CausalLM.forward`` passes them)."""
+        inputs = {k: batch[k] for k in INPUT_KEYS if k in batch}
+        extra = batch_varlen_kwargs(inputs) if self._needs_varlen(inputs) else {}
+        return model(**inputs, **extra, use_cache=False).logits
+
+    def reference_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(chosen, rejected)`` ``[pairs]`` reference log-probabilities: the batch's precomputed values, else the
+        frozen copy's (no gradient)."""
+        if all(key in batch for key in REF_LOGPS_KEYS):
+            return tuple(batch[key].to(torch.float64) for key in REF_LOGPS_KEYS)
+        if self.reference_model is None:
+            raise ValueError(f"reference='precomputed' but the batch has no {list(REF_LOGPS_KEYS)}: add those "
+                             "columns to the dataset, or use reference='copy'.")
+        with torch.no_grad():
+            return sequence_logps(self._logits(self.reference_model, batch), batch)
+
+    def pair_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The mean DPO loss over the batch's pairs and the values to log (reward margin and accuracy)."""
+        chosen, rejected = sequence_logps(self._logits(self.model, batch), batch)
+        out = dpo_loss(chosen, rejected, *self.reference_logps(batch), beta=self.hparams.beta,
+                       label_smoothing=self.hparams.label_smoothing)
+        margin = out.chosen_rewards - out.rejected_rewards
+        return out.losses.mean().float(), {"reward_margin": margin.mean().float(),
+                                           "reward_accuracy": (margin > 0).float().mean()}
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, values = self.pair_loss(batch)
+        rows = batch["input_ids"].shape[0]
+        real = count_real_tokens(batch, self.hparams.pad_token_id)
+        self._real_tokens += real
+        self.slots_seen += batch["input_ids"].numel()
+        self.token_efficiency.update(batch, real_tokens=real)
+        self.log("train/loss", loss, prog_bar=True, batch_size=rows)
+        for name, value in values.items():
+            self.log(f"train/{name}", value, batch_size=rows)
+        self.log("train/token_efficiency", self.token_efficiency, batch_size=rows, on_step=False, on_epoch=True)
+        if self._train_time > 0:
+            self.log("train/real_tokens_per_sec", self._real_tokens / self._train_time, prog_bar=True,
+                     batch_size=rows)
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, values = self.pair_loss(batch)
+        rows = batch["input_ids"].shape[0]
+        self.log("val/loss", loss, prog_bar=True, batch_size=rows)
+        for name, value in values.items():
+            self.log(f"val/{name}", value, batch_size=rows)
+        return loss
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        pass  # no perplexity: the DPO loss is not a language-model loss
+
+    @override
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, _ = self.pair_loss(batch)
+        self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0])
+        return loss
