@@ -176,7 +176,7 @@ def test_pretokenized_values_are_checked_once_per_dataset_version(tmp_path, toke
     """A file-backed pre-tokenized dataset is checked in the first run only (streamed from the files, not
     memory-mapped); a bad one never gets a pass and the exact check names its row."""
     import lightning_seqmem.data.columns as data_source
-    import lightning_seqmem.data.token_cache as token_cache
+    import lightning_seqmem.data.value_checks as token_cache
 
     calls = []
     streamed, exact = token_cache._streamed_values_ok, data_source.check_token_values

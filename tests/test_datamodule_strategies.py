@@ -9,6 +9,7 @@ import torch
 from _recorder import fit_recording
 
 from lightning_seqmem import SeqMemDataModule
+from lightning_seqmem.batch import count_real_tokens
 from lightning_seqmem.batching.collate import real_token_mask
 from lightning_seqmem.datamodule.streaming import encode_document
 
@@ -119,7 +120,6 @@ def test_prompt_completion_truncation_and_completion_only_labels(tokenizer):
     [
         (dict(strategy="pack", packing="ffd"), r"packing='ffd' is not valid; use one of \('bfd', 'wrapped'\)"),
         (dict(strategy="pack", overflow="wrap"), "overflow='wrap' is not valid"),
-        (dict(max_length=10, max_prompt_length=6, max_completion_length=6), r"max_prompt_length \(6\) \+ max_comp"),
         (dict(strategy="truncate", max_length=64, max_tokens_per_batch=32), "at least 64"),
         (dict(truncation_side="middle"), "truncation_side='middle' is not valid"),
     ],
@@ -127,6 +127,19 @@ def test_prompt_completion_truncation_and_completion_only_labels(tokenizer):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SeqMemDataModule(**kwargs)
+
+
+def test_part_limits_must_fit_max_length_for_prompt_completion_rows_only(tmp_path):
+    """Prompt/completion rows are cut by the two per-part limits alone, so together they must fit max_length;
+    preference pairs take TRL's third stage (max_length over prompt + completion) and accept any sum."""
+    limits = dict(max_length=10, max_prompt_length=6, max_completion_length=6, cache_dir=tmp_path)
+    sft = [{"prompt": f"question {i}", "completion": f"answer {i}"} for i in range(8)]
+    with pytest.raises(ValueError, match=r"max_prompt_length \(6\) \+ max_completion_length \(6\) > max_length"):
+        SeqMemDataModule(sft, **limits).setup("fit")
+    pairs = [{"prompt": f"question {i}", "chosen": f"good answer {i}", "rejected": "no"} for i in range(8)]
+    dm = SeqMemDataModule(pairs, **limits)
+    dm.setup("fit")
+    assert max(count_real_tokens(b) for b in dm.train_dataloader()) > 0
 
 
 def test_bad_data(small_text_dataset):

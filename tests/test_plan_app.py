@@ -84,3 +84,11 @@ def test_seqmem_plan_chooses_the_trainer_seqmem_train_would(monkeypatch, capsys)
     plan_app.main()
     assert seen == [["data=pad", "trainer=gpu"]]
     assert "1 CUDA GPU visible: planning for trainer=gpu" in capsys.readouterr().err
+
+
+def test_plan_of_dpo_with_a_reference_copy_counts_the_copy():
+    from lightning_seqmem.apps.plan_app import _reference_copy
+
+    assert _reference_copy(_compose("plan", ["data=preference", "model=dpo"]))
+    assert not _reference_copy(_compose("plan", ["data=preference", "model=dpo", "model.reference=precomputed"]))
+    assert not _reference_copy(_compose("plan", []))  # a language model: no copy

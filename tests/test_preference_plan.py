@@ -37,3 +37,19 @@ def test_the_plan_of_pairs_is_what_the_datamodule_reports(tmp_path, strategy, na
     estimate = result.memory.estimates[False][4]  # micro_batch_size 4 is 8 rows of padded pairs, 4 packed rows
     assert (estimate.rows, estimate.length) == dm.max_batch_shape()
     assert "pack_wrapped" not in format_plan(result)
+
+
+def test_dpo_reference_copy_adds_its_weights_to_the_plan(tmp_path):
+    """DPO's frozen copy keeps a second set of weights resident for the whole step: the planner adds exactly the
+    policy's parameter bytes (the copy's no-grad forward frees its activations before the policy's peak)."""
+    rows = pairs(24)
+    data = datasets.DatasetDict(train=datasets.Dataset.from_list(rows), validation=datasets.Dataset.from_list(rows[:8]))
+    config = build_model_config(dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1), 64, 0)
+    results = [plan(SeqMemDataModule(data, max_length=48, micro_batch_size=4, pad_token_id=0, cache_dir=tmp_path),
+                    config, strategies=["pad"], max_lengths=[48], micro_batch_sizes=[2], device="cpu",
+                    precision="32-true", reference_copy=copy).memory.estimates[False][2] for copy in (False, True)]
+    alone, with_copy = results
+    weights = alone.num_parameters * 4  # fp32
+    assert with_copy.peak - alone.peak == weights == with_copy.state["reference"]
+    assert with_copy.parameters == alone.parameters + weights

@@ -25,7 +25,8 @@ from pathlib import Path
 from lightning_seqmem.batching.plan_cache import PLAN_META, PLANS, STAGING_PREFIX
 from lightning_seqmem.data.cache_dir import default_cache_dir
 from lightning_seqmem.data.corpus import CORPUS_PREFIX
-from lightning_seqmem.data.token_cache import CHECKED, MANIFEST, STALE_AFTER_S, TOKENIZED, stale_temporaries
+from lightning_seqmem.data.token_cache import MANIFEST, STALE_AFTER_S, TOKENIZED, stale_temporaries
+from lightning_seqmem.data.value_checks import CHECKED
 from lightning_seqmem.data.tokenizer import TOKENIZER_PREFIX
 from lightning_seqmem.memory.stats import format_bytes
 

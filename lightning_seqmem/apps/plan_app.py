@@ -96,7 +96,7 @@ def plan_from_config(cfg, output_dir: str | None = None):
                      f"attention {attention}, AdamW")
     result = plan(dm, model_config, list(p.strategies), max_lengths, list(p.micro_batch_sizes), p.get("gpu_memory"),
                   float(p.margin), precision, device, attention, devices,
-                  int(cfg.trainer.get("accumulate_grad_batches", 1)))
+                  int(cfg.trainer.get("accumulate_grad_batches", 1)), reference_copy=_reference_copy(cfg))
     if output_dir is not None:
         _write(result, output_dir)
         try:
@@ -104,6 +104,12 @@ def plan_from_config(cfg, output_dir: str | None = None):
         except ImportError as error:
             notes.append(str(error))
     return result, notes
+
+
+def _reference_copy(cfg) -> bool:
+    """Whether the configured model keeps a frozen copy of its weights (``DPO`` with ``reference="copy"``)."""
+    target = str(cfg.model.get("_target_", ""))
+    return target.rsplit(".", 1)[-1] == "DPO" and cfg.model.get("reference", "copy") == "copy"
 
 
 def _pictures(plan, dm, max_lengths, output_dir: str, p) -> list[str]:

@@ -287,6 +287,7 @@ def plan(
     attn_implementation: str = "sdpa",
     devices: int = 1,
     accumulate_grad_batches: int = 1,
+    reference_copy: bool = False,
 ) -> RunPlan:
     """Plan the run of ``datamodule`` (a ``SeqMemDataModule``, not set up) with a model of ``model_config``.
 
@@ -300,6 +301,7 @@ def plan(
         margin: share of ``gpu_memory`` kept back for the allocator.
         precision, device, attn_implementation: as in ``memory.estimate.estimate_training_memory``.
         devices, accumulate_grad_batches: for optimizer steps per epoch.
+        reference_copy: the model keeps a frozen copy of its weights (``DPO(reference="copy")``): added to memory.
 
     Example::
 
@@ -307,7 +309,7 @@ def plan(
         dm = SeqMemDataModule(max_length=2048, strategy="pack")
         print(format_plan(plan(dm, build_model_config("tiny_llama", len(dm.tokenizer), 0), gpu_memory="24GiB")))
     """
-    from lightning_seqmem.memory.estimate import estimate_training_memory
+    from lightning_seqmem.memory.estimate import estimate_training_memory, with_reference
 
     dm, settings = datamodule, datamodule.settings.batching
     kind = dm.tokenized_documents()[1]
@@ -323,8 +325,11 @@ def plan(
         # Rows per micro_batch_size: 2 for padded pairs (chosen and rejected rows), else 1 (documents, packed rows).
         per = _strategy(configured[0], settings.max_length, settings, kind).rows_per_batch("train") \
             // settings.micro_batch_size
-        estimate = lambda rows, length, checkpointing: estimate_training_memory(  # noqa: E731
-            model_config, per * rows, length, keys, precision, device, attn_implementation, checkpointing)
+
+        def estimate(rows: int, length: int, checkpointing: bool):
+            est = estimate_training_memory(model_config, per * rows, length, keys, precision, device,
+                                           attn_implementation, checkpointing)
+            return with_reference(est) if reference_copy else est
     budget = parse_bytes(gpu_memory) if gpu_memory is not None else None
     return build_plan(datamodule_lengths(dm), strategies, max_lengths, settings, configured,
                       estimate, micro_batch_sizes, budget, margin, devices, accumulate_grad_batches, kind)

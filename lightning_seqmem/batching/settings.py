@@ -13,7 +13,12 @@ from typing import Any
 
 from lightning_seqmem.batching.packed_rows import OVERFLOWS, check_packing
 from lightning_seqmem.batching.strategies import STRATEGIES, strategy_class
-from lightning_seqmem.batching.truncation import MIN_MAX_LENGTH, PromptCompletionLimits, check_truncation_side
+from lightning_seqmem.batching.truncation import (
+    MIN_MAX_LENGTH,
+    PromptCompletionLimits,
+    check_part_limits,
+    check_truncation_side,
+)
 from lightning_seqmem.messages import short_repr
 
 SPLITS = ("train", "validation")
@@ -105,7 +110,7 @@ class BatchingSettings:
                              "truncate prompt/completion rows).")
         check_packing(self.packing, self.overflow or "split")
         check_truncation_side(self.truncation_side)
-        _ = self.limits  # max_prompt_length + max_completion_length must fit max_length
+        check_part_limits(self.max_prompt_length, self.max_completion_length)  # their sum: check_kind
         if self.truncation_mode is not None:
             _ = self.preference_limits  # a known mode
         budget, fixed = self.max_tokens_per_batch, [strategy_class(self.strategy_for(s)).full_length_rows
@@ -153,7 +158,11 @@ class BatchingSettings:
         return any(strategy_class(self.strategy_for(s)).packs for s in SPLITS)
 
     def check_kind(self, kind: str) -> None:
-        """Refuse settings that do not suit data of ``kind`` (known only once the data are read)."""
+        """Refuse settings that do not suit data of ``kind`` (known only once the data are read): prompt/completion
+        rows must fit ``max_length`` after the per-part limits, while preference pairs take TRL's third stage
+        (``max_length`` over prompt + completion) after them."""
+        if kind == "prompt_completion":
+            _ = self.limits  # max_prompt_length + max_completion_length must fit max_length
         if kind == "conversations" and self.packing == "wrapped" and self.packs_any():
             raise ValueError(
                 "packing='wrapped' cuts rows at max_length wherever a conversation ends, and a piece of a "

@@ -93,15 +93,17 @@ class ChatRenderer:
 
     Args:
         tokenizer: a fast Hugging Face tokenizer (offsets are needed) with a chat template.
+        masks: whether trained-token masks will be asked for (the mask method is then decided, and its fallback
+            said); preference pairs render whole sequences only.
 
     Raises:
         ValueError: no chat template, or a tokenizer that cannot return offsets (a slow, Python one).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, masks: bool = True) -> None:
         self.tokenizer = tokenizer
         self.template = chat_template_of(tokenizer)
-        self.method = mask_method(self.template)
+        self.method = mask_method(self.template) if masks else None
         if not getattr(tokenizer, "is_fast", True):
             raise ValueError(
                 f"Tokenizer {type(tokenizer).__name__} is a slow (Python) tokenizer: conversations need character "

@@ -37,7 +37,7 @@ def check_columns(dsd, text_column: str = "text", prompt_column: str = "prompt",
     if "input_ids" in columns:
         return "tokens"
     if {"chosen_ids", "rejected_ids"} & columns or {"chosen", "rejected"} & columns:
-        return _preference_kind(columns)
+        return _preference_kind(columns, dsd["train"].features)
     if {"prompt_ids", "completion_ids"} <= columns:
         return "prompt_completion_tokens"
     if check_conversation_columns(columns, other_columns=(text_column, prompt_column, completion_column)):
@@ -54,18 +54,24 @@ def check_columns(dsd, text_column: str = "text", prompt_column: str = "prompt",
     )
 
 
-def _preference_kind(columns: set[str]) -> str:
+def _preference_kind(columns: set[str], features=None) -> str:
     """``"preference_tokens"`` or ``"preference"``: a dataset with ``chosen``/``rejected`` columns (text or ids) must
-    have all three of TRL's columns of one form (a missing ``prompt`` is refused: say ``prompt=""`` explicitly)."""
+    have all three of TRL's columns of one form. A missing ``prompt`` is refused for text (say ``prompt=""``
+    explicitly) and allowed for conversations, whose shared leading turns are then the prompt."""
+    from lightning_seqmem.data.chat_pairs import pair_form
+
     for kind, names in (("preference_tokens", PREFERENCE_IDS), ("preference", PREFERENCE_TEXT)):
         if set(names) <= columns:
             return kind
+    chat = features is not None and {"chosen", "rejected"} <= columns and pair_form(features) == "conversations"
+    if chat and "prompt_ids" not in columns:
+        return "preference"
     have = sorted(columns & set(PREFERENCE_TEXT + PREFERENCE_IDS))
     raise ValueError(
-        f"Preference data need the columns {list(PREFERENCE_TEXT)} (text) or {list(PREFERENCE_IDS)} (token ids); "
+        f"Preference data need the columns {list(PREFERENCE_TEXT)} (text or conversations; conversations may leave "
+        f"out 'prompt': their shared leading turns are the prompt) or {list(PREFERENCE_IDS)} (token ids); "
         f"the dataset has {have} of them (all columns: {sorted(columns)}). Add the missing column (a pair without a "
-        "prompt: an empty string), or rename one with dataset.rename_column(). Conversation-form pairs are not "
-        "supported yet."
+        "prompt: an empty string), or rename one with dataset.rename_column()."
     )
 
 

@@ -55,11 +55,13 @@ def check_conversation(messages, row, train_field: str | None = DEFAULT_TRAIN_FI
         where = f"Conversation {row}, turn {turn}"
         if not isinstance(message, Mapping):
             raise ValueError(f"{where} is {short_repr(message)}, not a {{'role', 'content'}} dict.")
-        missing = [key for key in ("role", "content") if key not in message]
+        # Arrow gives every turn of a column every key, a missing one as None: None counts as missing.
+        missing = [key for key in ("role", "content") if message.get(key) is None]
         # An assistant turn that only calls tools may carry content=None (OpenAI's format).
         if missing and not (missing == ["content"] and message.get("tool_calls")):
+            keys = sorted(k for k in message if message[k] is not None)
             raise ValueError(
-                f"{where} has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(message)}): every turn needs "
+                f"{where} has no {' or '.join(repr(k) for k in missing)} (keys: {keys}): every turn needs "
                 "'role' and 'content'; rename the keys (e.g. 'from'/'value' -> 'role'/'content') before passing it."
             )
         if message["role"] not in ROLES:

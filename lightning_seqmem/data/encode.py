@@ -88,9 +88,12 @@ def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", 
     """The batched ``datasets.map`` function of ``tokenize_dataset``: ``fn(batch, indices, split) -> columns``.
 
     ``kind="conversations"``: ``text_column`` holds the turns, rendered with the tokenizer's chat template (no
-    BOS/EOS added: the template writes its own) under ``conversation`` (``ConversationSettings``)."""
+    BOS/EOS added: the template writes its own) under ``conversation`` (``ConversationSettings``);
+    ``kind="preference"`` with ``conversation`` (``chat_pairs.ChatPairs``): pairs of turn lists, rendered alike."""
     if kind == "conversations":
         return _conversation_function(tokenizer, text_column, conversation)
+    if kind == "preference" and conversation is not None:  # ``chat_pairs.ChatPairs``: pairs of turn lists
+        return _chat_pair_function(tokenizer, conversation)
     prefix, suffix = document_frame(tokenizer, add_bos, add_eos)
     encode = batch_encoder(tokenizer)
 
@@ -160,4 +163,15 @@ def _conversation_function(tokenizer, column: str, settings):
         columns = encode_rows(batch[column], list(indices), renderer, settings)
         columns["length"] = [len(ids) for ids in columns["input_ids"]]
         return columns
+    return fn
+
+
+def _chat_pair_function(tokenizer, settings):
+    from lightning_seqmem.data.chat_pairs import encode_chat_pairs
+    from lightning_seqmem.data.chat_template import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer, masks=False)
+
+    def fn(batch, indices, split):
+        return encode_chat_pairs(batch, list(indices), renderer, settings)
     return fn

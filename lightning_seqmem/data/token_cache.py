@@ -30,7 +30,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_seqmem.batch import IGNORE_INDEX
 from lightning_seqmem.data.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
 from lightning_seqmem.data.cache_dir import default_cache_dir
 from lightning_seqmem.data.encode import document_frame, source_columns, token_features, tokenize_function
@@ -40,8 +39,8 @@ SMALL_DATASET_ROWS = 20_000  # below this, extra processes cost more than they s
 _TOKENS_PER_RECORD_BATCH = 1 << 20  # 4 MB of int32 ids per record batch of the cache files
 # A temporary file untouched this long is a dead writer's, wherever it ran (a live one writes every 1 M tokens).
 STALE_AFTER_S = 24 * 3600
-# The cache's layout, read back by seqmem-cache (cache.py): <root>/TOKENIZED/<key>/MANIFEST, <root>/CHECKED/<key>
-TOKENIZED, MANIFEST, CHECKED = "tokenized", "manifest.json", "checked"
+# The cache's layout, read back by seqmem-cache (cache.py): <root>/TOKENIZED/<key>/MANIFEST (and value_checks' CHECKED)
+TOKENIZED, MANIFEST = "tokenized", "manifest.json"
 _TMP_NAME = re.compile(r"^(?:tokens-\d+\.arrow|manifest\.json)\.(?P<host>.+)-(?P<pid>\d+)\.[^.]+\.tmp$")
 
 
@@ -261,7 +260,8 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
             tokenized into a temporary directory for this process, with a warning.
         source: what the data is called (the DataModule's ``dataset`` argument), recorded in the entry's manifest
             for ``seqmem-cache``.
-        conversation: the ``ConversationSettings`` of ``kind="conversations"`` (``text_column``: the turns).
+        conversation: the ``ConversationSettings`` of ``kind="conversations"`` (``text_column``: the turns), or the
+            ``chat_pairs.ChatPairs`` of conversation-form pairs (which also names their source columns).
 
     Returns:
         ``DatasetDict`` of memory-mapped token columns (``encode.token_features(kind)``).
@@ -271,7 +271,8 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     remove_stale_temporaries(root)
     frame = document_frame(tokenizer, add_bos, add_eos)
-    columns = source_columns(kind, text_column, prompt_column, completion_column)
+    columns = getattr(conversation, "source_columns", None) or source_columns(kind, text_column, prompt_column,
+                                                                              completion_column)
     chat = conversation.cache_key(tokenizer) if conversation is not None else []  # the template, train_on, ...
     common = json.dumps([_FORMAT, tokenizer_fingerprint(tokenizer), frame, kind, columns, *chat], default=str)
     out = {}
@@ -341,60 +342,3 @@ def _scratch_root() -> Path:
         _SCRATCH.append(tempfile.TemporaryDirectory(prefix="lightning_seqmem-tokens-"))
     return Path(_SCRATCH[0].name)
 
-
-def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, cache_dir: Any = None) -> bool:
-    """Check pre-tokenized token values (``columns.check_token_values``) once per dataset version, then
-    remember it by the data's fingerprint, so later runs and every rank skip it: the check reads every token, and
-    on a memory-mapped billion-token file that touches every page (4 GB of resident memory) on each run.
-
-    Returns:
-        Whether the check ran (``False``: an earlier run checked this data against the same vocabulary).
-    """
-    from lightning_seqmem.data.columns import check_token_values, id_columns
-
-    fingerprint = getattr(ds, "_fingerprint", None)
-    if fingerprint is None or not getattr(ds, "cache_files", None):  # in memory: no stable version to remember
-        check_token_values(ds, kind, split, vocab_size)
-        return True
-    key = hashlib.sha256(json.dumps([_FORMAT, "values-checked", fingerprint, kind, vocab_size]).encode()).hexdigest()
-    marker = Path(cache_dir or default_cache_dir()) / CHECKED / key
-    if marker.exists():
-        return False
-    if not _streamed_values_ok([f["filename"] for f in ds.cache_files], id_columns(kind), vocab_size):
-        check_token_values(ds, kind, split, vocab_size)  # the exact check names the bad row; raises: no marker
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-    except OSError:  # an unwritable cache: the check runs again next time
-        pass
-    return True
-
-
-def _streamed_values_ok(files: list[str], columns: tuple[str, ...], vocab_size: int | None) -> bool:
-    """Whether every id in the Arrow files is an integer in ``[0, vocab_size)`` (labels may be ``IGNORE_INDEX``).
-
-    The files are read record batch by record batch, not memory-mapped, so resident memory stays one batch
-    however large the data. ``False`` means "not shown clean" (a bad id, a non-integer column, or a file that is
-    not an Arrow stream): the caller then runs the exact check, which names the row.
-    """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    try:
-        for path in files:
-            with system_memory_pool(), pa.OSFile(path) as source:
-                for batch in pa.ipc.open_stream(source):
-                    for column in columns:
-                        if column not in batch.schema.names:
-                            continue
-                        values = pc.list_flatten(batch.column(column))
-                        if not pa.types.is_integer(values.type):
-                            return False
-                        if column == "labels":
-                            values = pc.filter(values, pc.not_equal(values, IGNORE_INDEX))
-                        low, high = pc.min_max(values).values()
-                        if low.is_valid and (low.as_py() < 0 or (vocab_size is not None and high.as_py() >= vocab_size)):
-                            return False
-    except (OSError, pa.ArrowInvalid):
-        return False
-    return True

@@ -19,6 +19,7 @@ from lightning_seqmem.batching.pair_rows import plan_pairs
 from lightning_seqmem.batching.pair_strategies import PREFERENCE
 from lightning_seqmem.batching.strategies import EpochStats, Strategy
 from lightning_seqmem.batching.truncation import prompt_completion_spans
+from lightning_seqmem.data.chat_pairs import ChatPairs, pair_form
 from lightning_seqmem.data.columns import PRETOKENIZED_KINDS, check_columns
 from lightning_seqmem.data.conversations import MESSAGES_COLUMN, ConversationSettings
 from lightning_seqmem.data.sources import ensure_validation_split, load_text_dataset, select_rows
@@ -44,7 +45,8 @@ def load_documents(dataset: Any, data: Any, tokenizer: Callable[[], Any], explic
         explicit_tokenizer: the user gave one: pre-tokenized ids are checked against its vocabulary.
         conversation: how conversations become trained tokens (``train_on``, ``train_field``: part of the cache key).
     """
-    from lightning_seqmem.data.token_cache import check_values_once, tokenize_cached
+    from lightning_seqmem.data.token_cache import tokenize_cached
+    from lightning_seqmem.data.value_checks import check_values_once
 
     raw = load_text_dataset(dataset)
     kind = check_columns(raw, data.text_column)
@@ -54,15 +56,23 @@ def load_documents(dataset: Any, data: Any, tokenizer: Callable[[], Any], explic
             check_values_once(ds, kind, split, vocab, cache_dir=data.cache_dir)
         return raw, PRETOKENIZED_KINDS[kind], True
     chat = kind == "conversations"
+    how = (conversation or ConversationSettings()) if chat else chat_pairs_of(raw["train"]) if kind == PREFERENCE \
+        else None
     tokenized = tokenize_cached(raw, tokenizer(), kind, MESSAGES_COLUMN if chat else data.text_column,
-                                num_proc=data.num_proc, cache_dir=data.cache_dir, source=dataset,
-                                conversation=(conversation or ConversationSettings()) if chat else None)
+                                num_proc=data.num_proc, cache_dir=data.cache_dir, source=dataset, conversation=how)
     if kind == PREFERENCE:  # the token cache keeps token columns only: the reference values come from the rows
         for split, ds in raw.items():
             for key in REF_LOGPS_KEYS:
                 if key in ds.column_names:
                     tokenized[split] = tokenized[split].add_column(key, ds[key])
     return tokenized, kind, False
+
+
+def chat_pairs_of(train: Any) -> ChatPairs | None:
+    """How conversation-form pairs are rendered (``None`` for text pairs)."""
+    if pair_form(train.features) != "conversations":
+        return None
+    return ChatPairs(has_prompt="prompt" in train.column_names)
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,15 @@ def module_facts(pl_module: torch.nn.Module) -> dict[str, Any] | None:
             "gradient_checkpointing": facts.gradient_checkpointing}
 
 
+def with_reference(est: MemoryEstimate) -> MemoryEstimate:
+    """``est`` with a frozen copy of the weights beside the policy (DPO's reference model): its parameters stay
+    resident through the step (counted under ``parameters`` and ``state["reference"]``); its forward runs under
+    ``no_grad`` before the policy's and frees its activations long before the policy's backward peak."""
+    reference = est.state.get("parameters", est.parameters)
+    return replace(est, parameters=est.parameters + reference, peak=est.peak + reference,
+                   state={**est.state, "reference": reference})
+
+
 def sharded(est: MemoryEstimate, shards: int) -> MemoryEstimate:
     """``est`` on one of ``shards`` ranks that split weights, gradients and optimizer state (FSDP full shard)."""
     if shards <= 1:

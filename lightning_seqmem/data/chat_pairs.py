@@ -1,0 +1,134 @@
+"""Preference pairs as conversations: the prompt's turns, then the chosen or the rejected turns, rendered with the
+tokenizer's chat template into the three token columns of text pairs (``prompt_ids``, ``chosen_ids``,
+``rejected_ids``), so everything after tokenizing (truncation, padded and packed pair batches) is shared.
+
+Tokenized as TRL's DPO trainer does, so the ids are the same: the prompt rendered with the generation prompt, each
+full conversation rendered, and each completion starting where the prompt's tokens and the full sequence's part.
+A prompt without its own column is the turns the chosen and rejected conversations share (TRL's implicit prompt).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_seqmem.data.chat_template import ChatRenderer, chat_template_of, template_fingerprint
+from lightning_seqmem.data.conversations import check_conversation
+
+PAIR_SIDES = ("chosen", "rejected")
+
+
+def is_message_list(feature: Any) -> bool:
+    """Whether a ``datasets`` feature is a list of ``{"role", "content", ...}`` turns."""
+    inner = getattr(feature, "feature", None)
+    if isinstance(feature, list) and feature:  # the old spelling of a list feature: ``[inner]``
+        inner = feature[0]
+    return isinstance(inner, Mapping) and "role" in inner
+
+
+def pair_form(features: Mapping[str, Any]) -> str:
+    """``"conversations"`` where the ``chosen`` column holds turns, else ``"text"``."""
+    return "conversations" if is_message_list(features.get("chosen")) else "text"
+
+
+@dataclass(frozen=True)
+class ChatPairs:
+    """How conversation-form pairs become tokens: the token cache asks it for its key and source columns.
+
+    Args:
+        has_prompt: the data have a ``prompt`` column; without one the prompt is the shared leading turns.
+    """
+
+    has_prompt: bool = True
+
+    @property
+    def source_columns(self) -> list[str]:
+        return (["prompt"] if self.has_prompt else []) + list(PAIR_SIDES)
+
+    def cache_key(self, tokenizer: Any) -> list[str]:
+        """The template decides the tokens (a new template, a new cache entry)."""
+        return ["chat-pairs", template_fingerprint(chat_template_of(tokenizer)), str(self.has_prompt)]
+
+
+def shared_turns(chosen: Sequence[Mapping], rejected: Sequence[Mapping]) -> int:
+    """How many leading turns two conversations share, leaving each at least its last turn (identical
+    conversations then give identical completions, which are counted and warned about, not an empty pair)."""
+    limit = min(len(chosen), len(rejected)) - 1
+    n = 0
+    while n < limit and chosen[n] == rejected[n]:
+        n += 1
+    return n
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _turns(value: Any, row: int, column: str, allow_empty: bool) -> list:
+    if allow_empty and isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 0:
+        return []
+    if isinstance(value, str):
+        raise ValueError(
+            f"Row {row}, column {column!r} is text ({value!r:.60}) while the pair's other columns are conversations: "
+            "give every column of a pair in one form (all lists of {'role', 'content'} turns, or all strings)."
+        )
+    check_conversation(value, f"{row} (column {column!r})", train_field=None)
+    return [dict(m) for m in value]
+
+
+def encode_chat_pairs(batch: Mapping[str, Sequence], rows: Sequence[int], renderer: ChatRenderer,
+                      settings: ChatPairs) -> dict[str, list]:
+    """Token columns of a batch of conversation-form pairs.
+
+    Args:
+        batch: ``prompt`` (unless ``settings.has_prompt`` is False), ``chosen``, ``rejected`` turn lists.
+        rows: dataset index of each pair, for errors.
+        renderer: the tokenizer and its chat template.
+
+    Returns:
+        ``{"prompt_ids", "chosen_ids", "rejected_ids", "length"}``.
+
+    Raises:
+        ValueError: a turn without ``role`` or ``content``, an unknown role, an empty chosen or rejected list, or a
+            column in text form next to conversations; the message names the row and column (and turn).
+    """
+    texts, prompt_lengths = [], []
+    for i, row in enumerate(rows):
+        chosen = _turns(batch["chosen"][i], row, "chosen", allow_empty=False)
+        rejected = _turns(batch["rejected"][i], row, "rejected", allow_empty=False)
+        if settings.has_prompt:
+            prompt = _turns(batch["prompt"][i], row, "prompt", allow_empty=True)
+        else:
+            n = shared_turns(chosen, rejected)
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        texts += [renderer.render(prompt, add_generation_prompt=True, spans=False)[0],
+                  renderer.render(prompt + chosen, spans=False)[0], renderer.render(prompt + rejected, spans=False)[0]]
+    ids = [tokens.tolist() for tokens, _ in renderer.tokenize_batch(texts)]
+    out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "length": []}
+    for i, row in enumerate(rows):
+        prompt, chosen, rejected = ids[3 * i: 3 * i + 3]
+        cut = min(common_prefix(prompt, chosen), common_prefix(prompt, rejected))
+        if cut < len(prompt):
+            prompt_lengths.append(row)
+        out["prompt_ids"].append(prompt[:cut])
+        out["chosen_ids"].append(chosen[cut:])
+        out["rejected_ids"].append(rejected[cut:])
+        out["length"].append(len(chosen) + len(rejected) - cut)
+    if prompt_lengths:
+        warnings.warn(
+            f"Pairs {prompt_lengths[:5]}{' ...' if len(prompt_lengths) > 5 else ''}: the prompt rendered with the "
+            "generation prompt is not a prefix of the rendered prompt + completion (the template writes the end of "
+            "the prompt differently when a completion follows). Each completion starts where they part, as TRL does, "
+            "so the model is trained on a context slightly different from the one it sees when generating. Use a "
+            "template that renders the generation prompt as the assistant turn begins to avoid it.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return out
