@@ -274,3 +274,34 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_turn(tmp_p
                                   {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]]
     with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"Conversation 3, turn 1 \(assistant\)"):
         _dm(convs, _template_tokenizer(drops_reasoning), tmp_path)
+
+
+def test_streamed_conversations_are_packed_whole_with_their_masks(chat_tok, conversations):
+    """A ``datasets.IterableDataset`` of conversations: rendered, cut by whole turns and packed on the fly, the
+    same segments and labels as the map-style path; one with nothing to learn is skipped (or refused)."""
+    max_length = 256
+    convs = conversations + [[{"role": "user", "content": "Is anyone there?"}]]  # nothing to learn: skipped
+    stream = datasets.IterableDataset.from_generator(lambda: ({"messages": m} for m in convs))
+    dm = SeqMemDataModule(dataset=stream, tokenizer=chat_tok, strategy="pack", max_length=max_length,
+                          micro_batch_size=4, streaming_buffer_size=8, streaming_validation_documents=0)
+    dm.setup("fit")
+    segments = [seg for batch in dm.train_dataloader() for seg in _segments(batch)]
+    expected = {tuple(enc.input_ids.tolist()): enc for enc in _expected(conversations, chat_tok, max_length)}
+    real = [(ids, labels) for ids, labels in segments if not (ids == chat_tok.pad_token_id).all()]
+    assert sorted(tuple(ids.tolist()) for ids, _ in real) == sorted(expected)  # each whole, none lost, none added
+    for ids, labels in real:
+        want = expected[tuple(ids.tolist())].labels()
+        want[0] = IGNORE_INDEX
+        np.testing.assert_array_equal(labels, want)
+    refusing = SeqMemDataModule(dataset=stream, tokenizer=chat_tok, strategy="pack", max_length=max_length,
+                                on_empty_labels="error", streaming_validation_documents=0)
+    refusing.setup("fit")
+    with pytest.raises(ValueError, match=rf"Conversation {len(convs) - 1} of the stream has no trained token"):
+        list(refusing.train_dataloader())
+
+
+def test_streams_of_other_kinds_are_refused_with_the_fix():
+    pairs = datasets.IterableDataset.from_generator(lambda: ({"prompt": "q", "chosen": "a", "rejected": "b"}
+                                                             for _ in range(4)))
+    with pytest.raises(ValueError, match=r"has \['chosen', 'prompt', 'rejected'\].*without streaming=True"):
+        SeqMemDataModule(dataset=pairs, strategy="pack").setup("fit")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-
-import numpy as np
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from lightning_seqmem.batching.packed_rows import check_packing, pack_sequences
 from lightning_seqmem.batching.truncation import check_max_length
@@ -22,8 +20,11 @@ class StreamingPacker:
         buffer_size: documents held at most before packing.
         overflow: as in ``pack_sequences`` (``"split"``, ``"truncate"``, ``"drop"``, ``"error"``).
 
+    Takes token lists, or ``{"input_ids", "labels"}`` items whose labels travel with their tokens (cut alike).
+
     Yields:
-        ``{"input_ids": list[int], "seq_lengths": list[int]}`` rows (what ``PackCollator`` takes).
+        ``{"input_ids": list[int], "seq_lengths": list[int]}`` rows (what ``PackCollator`` takes), with ``labels``
+        where the items brought them.
     """
 
     def __init__(self, max_length: int, buffer_size: int = 1000, overflow: str = "split") -> None:
@@ -35,10 +36,10 @@ class StreamingPacker:
         self.buffer_size = buffer_size
         self.overflow = overflow
 
-    def _pieces(self, index: int, ids: list[int]) -> list[list[int]]:
+    def _pieces(self, index: int, ids: list[int], labels: list[int] | None) -> list[tuple[list[int], list[int] | None]]:
         m = self.max_length
         if len(ids) <= m:
-            return [ids]
+            return [(ids, labels)]
         if self.overflow == "error":
             raise ValueError(
                 f"document at row {index} has {len(ids)} tokens > max_length={m}; "
@@ -46,28 +47,28 @@ class StreamingPacker:
             )
         if self.overflow == "drop":
             return []
-        if self.overflow == "truncate":
-            return [ids[:m]]
-        return [ids[i : i + m] for i in range(0, len(ids), m)]
+        cuts = [0] if self.overflow == "truncate" else range(0, len(ids), m)
+        return [(ids[i : i + m], labels[i : i + m] if labels is not None else None) for i in cuts]
 
-    def _emit(self, pieces: list[list[int]], final: bool) -> tuple[list[dict], list[list[int]]]:
-        res = pack_sequences(pieces, self.max_length, overflow="error")
-        shortest = min(len(p) for p in pieces)
+    def _emit(self, pieces: list[tuple[list[int], list[int] | None]], final: bool) -> tuple[list[dict], list]:
+        res = pack_sequences([ids for ids, _ in pieces], self.max_length, overflow="error")
+        shortest = min(len(ids) for ids, _ in pieces)
         rows, keep = [], []
         for r in range(res.num_rows):
-            row = res.row(r)
-            if final or self.max_length - len(row["input_ids"]) < shortest:
-                rows.append(row)
+            members = [pieces[i] for i in res.segment_doc[res.seg_row_offsets[r] : res.seg_row_offsets[r + 1]]]
+            used = sum(len(ids) for ids, _ in members)
+            if final or self.max_length - used < shortest:
+                rows.append(_row(members))
             else:  # still room: give its documents another chance with the next window
-                cuts = np.cumsum([0] + row["seq_lengths"])
-                keep.extend(row["input_ids"][a:b] for a, b in zip(cuts[:-1], cuts[1:]))
+                keep.extend(members)
         return rows, keep
 
-    def __call__(self, sequences: Iterable[Sequence[int]]) -> Iterator[dict[str, list[int]]]:
-        buffer: list[list[int]] = []
-        for index, ids in enumerate(sequences):
+    def __call__(self, sequences: Iterable[Sequence[int] | Mapping[str, Sequence[int]]]) -> Iterator[dict[str, list[int]]]:
+        buffer: list[tuple[list[int], list[int] | None]] = []
+        for index, item in enumerate(sequences):
+            ids, labels = _ids_and_labels(item)
             if len(ids):
-                buffer.extend(self._pieces(index, list(ids)))
+                buffer.extend(self._pieces(index, ids, labels))
             if len(buffer) >= self.buffer_size:
                 rows, buffer = self._emit(buffer, final=False)
                 yield from rows
@@ -76,3 +77,19 @@ class StreamingPacker:
                     yield from rows
         if buffer:
             yield from self._emit(buffer, final=True)[0]
+
+
+def _ids_and_labels(item: Sequence[int] | Mapping[str, Sequence[int]]) -> tuple[list[int], list[int] | None]:
+    """A stream item: token ids, or ``{"input_ids", "labels"}`` (a conversation's loss on its assistant turns)."""
+    if isinstance(item, Mapping):
+        labels = item.get("labels")
+        return list(item["input_ids"]), (list(labels) if labels is not None else None)
+    return list(item), None
+
+
+def _row(members: list[tuple[list[int], list[int] | None]]) -> dict[str, list[int]]:
+    """One packed row (what ``PackCollator`` takes); ``labels`` where any of its documents brought its own."""
+    row = {"input_ids": [t for ids, _ in members for t in ids], "seq_lengths": [len(ids) for ids, _ in members]}
+    if any(labels is not None for _, labels in members):
+        row["labels"] = [t for ids, labels in members for t in (labels if labels is not None else ids)]
+    return row

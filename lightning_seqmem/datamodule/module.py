@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_seqmem.batching.sampling import BatchFetcher
 from lightning_seqmem.batching.pair_strategies import make_split_strategy
 from lightning_seqmem.batching.strategies import Strategy, largest_shape
-from lightning_seqmem.data.chat_template import chat_template_of, mask_method
+from lightning_seqmem.data.chat_template import ChatRenderer, chat_template_of, mask_method
 from lightning_seqmem.data.sources import BUILTIN_CHAT
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.pipeline import SPLITS, epoch_stats, load_documents, prepare_split, split_documents
@@ -30,7 +30,9 @@ from lightning_seqmem.datamodule.settings import SeqMemSettings
 from lightning_seqmem.datamodule.streaming import (
     check_streaming,
     encode_document,
+    encode_streamed_conversation,
     is_stream,
+    stream_kind,
     streaming_loader,
     streaming_splits,
 )
@@ -263,7 +265,7 @@ class SeqMemDataModule(LightningDataModule):
         if self.datasets is not None:
             return
         if is_stream(self.dataset):
-            self._choose_strategies("text")
+            self._choose_strategies(stream_kind(self.dataset, self.settings.data.text_column))
             check_streaming(self._strategies)
             self.streaming = True
             self.datasets = streaming_splits(self.dataset, self.settings.data.streaming_validation_documents)
@@ -297,6 +299,9 @@ class SeqMemDataModule(LightningDataModule):
         strategy, data = self._strategies[split], self.settings.data
         if self.streaming:
             encode = partial(encode_document, self.tokenizer, data.text_column)
+            if self._kind == "conversations":
+                encode = partial(encode_streamed_conversation, ChatRenderer(self.tokenizer),
+                                 self.settings.conversation, strategy.settings.max_length)
             return streaming_loader(self.datasets[split], split, strategy, encode, data.streaming_buffer_size,
                                     self.pad_token_id, data.num_workers, rank_zero_warn)
         loader = ResumableLoader(

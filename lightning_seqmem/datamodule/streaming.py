@@ -1,7 +1,8 @@
 """Streaming datasets (``datasets.IterableDataset``): tokenized and packed on the fly, memory bounded by a window.
 
 ``SeqMemDataModule`` hands a stream here instead of to the split pipeline: the whole split is never held, so only
-strategies that pack can serve it. No Lightning import.
+strategies that pack can serve it. Text streams and conversation streams (a ``messages`` column: rendered, cut by
+whole turns to ``max_length``, their labels packed with them) are served. No Lightning import.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
 from lightning_seqmem.data.encode import document_frame
 
-__all__ = ["StreamingRows", "check_streaming", "encode_document", "is_stream", "streaming_loader", "streaming_splits"]
+__all__ = ["StreamingRows", "check_streaming", "encode_document", "encode_streamed_conversation", "is_stream",
+           "stream_kind", "streaming_loader", "streaming_splits"]
 
 
 def is_stream(dataset: Any) -> bool:
@@ -46,6 +48,51 @@ class StreamingRows(IterableDataset):
             yield from self.packer(mine)
             if not self.cycle:
                 return
+
+
+def stream_kind(stream: Any, text_column: str = "text") -> str:
+    """``"text"`` or ``"conversations"``, from the stream's columns (its features, else its first row).
+
+    Raises:
+        ValueError: columns of another kind (prompt/completion, preference pairs, token ids), which need the whole
+            split: the message says to load without ``streaming=True``.
+    """
+    from lightning_seqmem.data.conversations import MESSAGES_COLUMN, check_conversation_columns
+
+    train = stream["train"] if isinstance(stream, dict) else stream
+    features = getattr(train, "features", None)
+    columns = set(features) if features else set(next(iter(train.take(1)), {}))
+    if check_conversation_columns(columns, other_columns=(text_column, "prompt", "completion")):
+        return "conversations"
+    if text_column in columns:
+        return "text"
+    raise ValueError(
+        f"A streaming dataset is tokenized and packed on the fly from a {text_column!r} column (text) or a "
+        f"{MESSAGES_COLUMN!r} column (conversations); this one has {sorted(columns)}. Prompt/completion data, "
+        "preference pairs and token ids need the whole split (their truncation is planned over it): load the "
+        "dataset without streaming=True (the token cache tokenizes it once per node and memory-maps the tokens, "
+        f"so memory stays bounded), or pass text_column=<name>."
+    )
+
+
+def encode_streamed_conversation(renderer: Any, settings: Any, max_length: int, index: int,
+                                 example: dict) -> dict[str, list[int]] | list[int]:
+    """One streamed conversation to ``{"input_ids", "labels"}``, cut by whole turns to ``max_length`` as the
+    split pipeline cuts them; one with no trained token is skipped (``[]``) or refused, by ``on_empty_labels``."""
+    from lightning_seqmem.data.chat_truncation import truncate
+    from lightning_seqmem.data.conversations import MESSAGES_COLUMN, encode_conversation
+
+    row = f"{index} of the stream"
+    conversation = truncate(encode_conversation(example.get(MESSAGES_COLUMN), renderer, row, settings), max_length)
+    if conversation.num_trained == 0 and settings.on_empty_labels != "keep":
+        if settings.on_empty_labels == "error":
+            raise ValueError(
+                f"Conversation {row} has no trained token (no assistant turn under train_on="
+                f"{settings.train_on!r}, or truncation to max_length={max_length} left none): fix the data, or pass "
+                "on_empty_labels='drop' (skipped) or 'keep' (trained on nothing)."
+            )
+        return []
+    return {"input_ids": conversation.input_ids.tolist(), "labels": conversation.labels().tolist()}
 
 
 def check_streaming(strategies: dict[str, Strategy]) -> None:
