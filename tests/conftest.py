@@ -19,6 +19,17 @@ def tokenizer():
     return load_tokenizer()
 
 
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    """A fresh copy of the built-in tokenizer with the built-in chat template (ChatML layout, generation markers)."""
+    from lightning_seqmem.data.chat_template import BUILTIN_CHAT_TEMPLATE
+    from lightning_seqmem.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    tok.chat_template = BUILTIN_CHAT_TEMPLATE
+    return tok
+
+
 @pytest.fixture()
 def small_text_dataset():
     """A small in-memory text dataset with one long document, for fast DataModule tests."""

@@ -23,16 +23,6 @@ from lightning_seqmem.training.model import CausalLM
 
 
 @pytest.fixture(scope="module")
-def chat_tok():
-    """The built-in tokenizer with the built-in chat template."""
-    from lightning_seqmem.data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer()
-    tok.chat_template = BUILTIN_CHAT_TEMPLATE
-    return tok
-
-
-@pytest.fixture(scope="module")
 def conversations():
     """40 conversations of the built-in chat corpus (2 to 12 turns, some with a system message, some long)."""
     return [row["messages"] for row in load_builtin_chat_corpus()["validation"][:40]]
@@ -72,7 +62,7 @@ def _segments(batch):
     return out
 
 
-def test_every_source_gives_the_same_rows(tmp_path, chat_tok, conversations):
+def test_every_source_gives_the_same_rows(tmp_path, chat_tokenizer, conversations):
     """A Dataset, jsonl, parquet, a list of rows and a Python list of conversations: the same stats and tokens."""
     datasets.Dataset.from_dict({"messages": conversations}).to_parquet(str(tmp_path / "chat.parquet"))
     with open(tmp_path / "chat.jsonl", "w") as f:
@@ -82,7 +72,7 @@ def test_every_source_gives_the_same_rows(tmp_path, chat_tok, conversations):
                "rows": [{"messages": m} for m in conversations], "list": conversations}
     seen = {}
     for name, source in sources.items():
-        dm = _dm(source, chat_tok, tmp_path / name, strategy="pad")
+        dm = _dm(source, chat_tokenizer, tmp_path / name, strategy="pad")
         seen[name] = (dm.stats(), [tuple(ids) for batch in dm.val_dataloader() for ids, _ in _rows(batch)])
     first = seen["dataset"]
     assert first[0]["train"]["documents"] > 0 and first[0]["train"]["mask_method"] == "generation_markers"
@@ -91,12 +81,12 @@ def test_every_source_gives_the_same_rows(tmp_path, chat_tok, conversations):
 
 
 @pytest.mark.parametrize("strategy", ["pad", "truncate"])
-def test_padded_rows_are_the_encoded_conversations(tmp_path, chat_tok, conversations, strategy):
+def test_padded_rows_are_the_encoded_conversations(tmp_path, chat_tokenizer, conversations, strategy):
     """Each served row is its conversation cut by whole turns, labels on the assistant turns and their EOS."""
     max_length = 256
-    dm = _dm(_both(conversations), chat_tok, tmp_path, strategy=strategy, max_length=max_length)
+    dm = _dm(_both(conversations), chat_tokenizer, tmp_path, strategy=strategy, max_length=max_length)
     rows = [row for batch in dm.val_dataloader() for row in _rows(batch)]
-    expected = _expected(conversations, chat_tok, max_length)
+    expected = _expected(conversations, chat_tokenizer, max_length)
     assert len(rows) == len(expected)
     for (ids, labels), enc in zip(rows, expected):
         assert len(ids) <= max_length
@@ -109,14 +99,14 @@ def test_padded_rows_are_the_encoded_conversations(tmp_path, chat_tok, conversat
     assert stats["trained_share"] == pytest.approx(stats["trained_tokens"] / sum(len(e.input_ids) for e in expected))
 
 
-def test_packed_conversations_stay_whole_and_keep_their_masks(tmp_path, chat_tok, conversations):
+def test_packed_conversations_stay_whole_and_keep_their_masks(tmp_path, chat_tokenizer, conversations):
     """Packing puts whole conversations in rows (never split), each first token's label -100, positions restart."""
     max_length = 256
-    dm = _dm(_both(conversations), chat_tok, tmp_path, strategy="pack", max_length=max_length)
+    dm = _dm(_both(conversations), chat_tokenizer, tmp_path, strategy="pack", max_length=max_length)
     assert dm.stats()["validation"]["documents_split"] == 0
     segments = [seg for batch in dm.val_dataloader() for seg in _segments(batch)]
-    expected = {tuple(enc.input_ids.tolist()): enc for enc in _expected(conversations, chat_tok, max_length)}
-    real = [(ids, labels) for ids, labels in segments if not (ids == chat_tok.pad_token_id).all()]
+    expected = {tuple(enc.input_ids.tolist()): enc for enc in _expected(conversations, chat_tokenizer, max_length)}
+    real = [(ids, labels) for ids, labels in segments if not (ids == chat_tokenizer.pad_token_id).all()]
     assert sorted(tuple(ids.tolist()) for ids, _ in real) == sorted(expected)
     for ids, labels in real:
         want = expected[tuple(ids.tolist())].labels()
@@ -124,31 +114,31 @@ def test_packed_conversations_stay_whole_and_keep_their_masks(tmp_path, chat_tok
         np.testing.assert_array_equal(labels, want)
 
 
-def test_conversations_with_nothing_to_learn_are_dropped_kept_or_refused(tmp_path, chat_tok, conversations):
+def test_conversations_with_nothing_to_learn_are_dropped_kept_or_refused(tmp_path, chat_tokenizer, conversations):
     """No assistant turn under train_on='assistant': dropped and counted by default, 'keep' or 'error' on request."""
     convs = conversations[:10] + [[{"role": "user", "content": "Is anyone there?"}]]
-    dm = _dm(_both(convs), chat_tok, tmp_path, strategy="pack")
+    dm = _dm(_both(convs), chat_tokenizer, tmp_path, strategy="pack")
     stats = dm.stats()["validation"]
     assert stats["conversations_dropped_empty"] == 1
-    assert stats["tokens_dropped"] == len(encode_conversation(convs[-1], ChatRenderer(chat_tok), 0).input_ids)
+    assert stats["tokens_dropped"] == len(encode_conversation(convs[-1], ChatRenderer(chat_tokenizer), 0).input_ids)
     assert stats["rows"] > 0
-    kept = _dm(_both(convs), chat_tok, tmp_path, strategy="pad", on_empty_labels="keep").stats()["validation"]
+    kept = _dm(_both(convs), chat_tokenizer, tmp_path, strategy="pad", on_empty_labels="keep").stats()["validation"]
     assert kept["conversations_dropped_empty"] == 0 and kept["tokens_dropped"] == 0
     with pytest.raises(ValueError, match="conversation 10"):
-        _dm(_both(convs), chat_tok, tmp_path, on_empty_labels="error")
+        _dm(_both(convs), chat_tokenizer, tmp_path, on_empty_labels="error")
 
 
-def test_train_on_and_the_template_are_part_of_the_cache_key(tmp_path, chat_tok, conversations):
+def test_train_on_and_the_template_are_part_of_the_cache_key(tmp_path, chat_tokenizer, conversations):
     """Another train_on or template tokenizes again; on_empty_labels and max_length do not."""
     data = _both(conversations[:8])
     entries = lambda: len(list((tmp_path / "cache" / "tokenized").iterdir()))  # noqa: E731
-    _dm(data, chat_tok, tmp_path)
+    _dm(data, chat_tokenizer, tmp_path)
     n = entries()
-    _dm(data, chat_tok, tmp_path, max_length=128, on_empty_labels="keep")
+    _dm(data, chat_tokenizer, tmp_path, max_length=128, on_empty_labels="keep")
     assert entries() == n
-    last = _dm(data, chat_tok, tmp_path, train_on="last_assistant")
+    last = _dm(data, chat_tokenizer, tmp_path, train_on="last_assistant")
     assert entries() == n + 1  # train and validation are the same data: one entry
-    assert last.stats()["validation"]["trained_tokens"] < _dm(data, chat_tok, tmp_path).stats()["validation"][
+    assert last.stats()["validation"]["trained_tokens"] < _dm(data, chat_tokenizer, tmp_path).stats()["validation"][
         "trained_tokens"]
     from lightning_seqmem.data.tokenizer import load_tokenizer
 
@@ -158,7 +148,7 @@ def test_train_on_and_the_template_are_part_of_the_cache_key(tmp_path, chat_tok,
     assert entries() == n + 2
 
 
-def test_bad_conversations_and_tokenizers_are_refused_with_the_fix(tmp_path, chat_tok, conversations):
+def test_bad_conversations_and_tokenizers_are_refused_with_the_fix(tmp_path, chat_tokenizer, conversations):
     from lightning_seqmem.data.tokenizer import load_tokenizer
 
     plain = load_tokenizer()
@@ -166,16 +156,16 @@ def test_bad_conversations_and_tokenizers_are_refused_with_the_fix(tmp_path, cha
     with pytest.raises(ValueError, match=r"has no chat template.*tokenizer\.chat_template = "):
         _dm(conversations, plain, tmp_path)
     with pytest.raises(ValueError, match=r"'messages' column \(conversations\) and \['text'\]"):
-        _dm(datasets.Dataset.from_dict({"messages": conversations[:2], "text": ["a", "b"]}), chat_tok, tmp_path)
+        _dm(datasets.Dataset.from_dict({"messages": conversations[:2], "text": ["a", "b"]}), chat_tokenizer, tmp_path)
     bad = conversations[:3] + [[{"role": "user", "content": "hi"}, {"role": "gpt", "content": "hello"}]]
     with pytest.raises(ValueError, match="Conversation 3, turn 1 has role 'gpt'"):
-        _dm(bad, chat_tok, tmp_path)
+        _dm(bad, chat_tokenizer, tmp_path)
 
 
-def test_a_real_trainer_fits_on_packed_conversations(tmp_path, chat_tok, conversations):
+def test_a_real_trainer_fits_on_packed_conversations(tmp_path, chat_tokenizer, conversations):
     """A tiny Llama from a config trains on packed conversations: finite loss, tokens counted by the model."""
     torch.manual_seed(0)
-    dm = SeqMemDataModule(dataset=_both(conversations), tokenizer=chat_tok, strategy="pack", max_length=256,
+    dm = SeqMemDataModule(dataset=_both(conversations), tokenizer=chat_tokenizer, strategy="pack", max_length=256,
                           micro_batch_size=2, cache_dir=tmp_path / "cache")
     model = CausalLM(model_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
@@ -187,9 +177,9 @@ def test_a_real_trainer_fits_on_packed_conversations(tmp_path, chat_tok, convers
     assert 0 < dm.stats()["train"]["trained_share"] < 1
 
 
-def test_wrapped_packing_is_refused_for_conversations(tmp_path, chat_tok, conversations):
+def test_wrapped_packing_is_refused_for_conversations(tmp_path, chat_tokenizer, conversations):
     with pytest.raises(ValueError, match="packing='wrapped' cuts rows .* Use packing='bfd'"):
-        _dm(conversations, chat_tok, tmp_path, strategy="pack", packing="wrapped")
+        _dm(conversations, chat_tokenizer, tmp_path, strategy="pack", packing="wrapped")
 
 
 def _compose(name, overrides):
@@ -249,12 +239,12 @@ def _template_tokenizer(template):
 NO_MARKERS = BUILTIN_CHAT_TEMPLATE.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
 
 
-def test_a_template_without_markers_gives_the_same_rows_by_prefix_difference(tmp_path, chat_tok, conversations):
+def test_a_template_without_markers_gives_the_same_rows_by_prefix_difference(tmp_path, chat_tokenizer, conversations):
     """The fallback (rendering growing prefixes) reaches the loaders with the same labels as the markers."""
     with pytest.warns(UserWarning, match="no {% generation %} markers"):
         fallback = _dm(_both(conversations[:12]), _template_tokenizer(NO_MARKERS + "{#- dm -#}"), tmp_path / "a",
                        strategy="pad")
-    markers = _dm(_both(conversations[:12]), chat_tok, tmp_path / "b", strategy="pad")
+    markers = _dm(_both(conversations[:12]), chat_tokenizer, tmp_path / "b", strategy="pad")
     assert fallback.stats()["validation"]["mask_method"] == "prefix_difference"
     rows = [[(ids.tolist(), labels.tolist()) for ids, labels in _rows(b)] for dm in (fallback, markers)
             for b in [next(iter(dm.val_dataloader()))]]
@@ -276,24 +266,24 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_turn(tmp_p
         _dm(convs, _template_tokenizer(drops_reasoning), tmp_path)
 
 
-def test_streamed_conversations_are_packed_whole_with_their_masks(chat_tok, conversations):
+def test_streamed_conversations_are_packed_whole_with_their_masks(chat_tokenizer, conversations):
     """A ``datasets.IterableDataset`` of conversations: rendered, cut by whole turns and packed on the fly, the
     same segments and labels as the map-style path; one with nothing to learn is skipped (or refused)."""
     max_length = 256
     convs = conversations + [[{"role": "user", "content": "Is anyone there?"}]]  # nothing to learn: skipped
     stream = datasets.IterableDataset.from_generator(lambda: ({"messages": m} for m in convs))
-    dm = SeqMemDataModule(dataset=stream, tokenizer=chat_tok, strategy="pack", max_length=max_length,
+    dm = SeqMemDataModule(dataset=stream, tokenizer=chat_tokenizer, strategy="pack", max_length=max_length,
                           micro_batch_size=4, streaming_buffer_size=8, streaming_validation_documents=0)
     dm.setup("fit")
     segments = [seg for batch in dm.train_dataloader() for seg in _segments(batch)]
-    expected = {tuple(enc.input_ids.tolist()): enc for enc in _expected(conversations, chat_tok, max_length)}
-    real = [(ids, labels) for ids, labels in segments if not (ids == chat_tok.pad_token_id).all()]
+    expected = {tuple(enc.input_ids.tolist()): enc for enc in _expected(conversations, chat_tokenizer, max_length)}
+    real = [(ids, labels) for ids, labels in segments if not (ids == chat_tokenizer.pad_token_id).all()]
     assert sorted(tuple(ids.tolist()) for ids, _ in real) == sorted(expected)  # each whole, none lost, none added
     for ids, labels in real:
         want = expected[tuple(ids.tolist())].labels()
         want[0] = IGNORE_INDEX
         np.testing.assert_array_equal(labels, want)
-    refusing = SeqMemDataModule(dataset=stream, tokenizer=chat_tok, strategy="pack", max_length=max_length,
+    refusing = SeqMemDataModule(dataset=stream, tokenizer=chat_tokenizer, strategy="pack", max_length=max_length,
                                 on_empty_labels="error", streaming_validation_documents=0)
     refusing.setup("fit")
     with pytest.raises(ValueError, match=rf"Conversation {len(convs) - 1} of the stream has no trained token"):

@@ -13,15 +13,8 @@ import torch
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.batch import count_real_tokens
 from lightning_seqmem.data.chat_pairs import ChatPairs, common_prefix, encode_chat_pairs, shared_turns
-from lightning_seqmem.data.chat_template import BUILTIN_CHAT_TEMPLATE, ChatRenderer
+from lightning_seqmem.data.chat_template import ChatRenderer
 from lightning_seqmem.data.tokenizer import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer():
-    tok = load_tokenizer()
-    tok.chat_template = BUILTIN_CHAT_TEMPLATE
-    return tok
 
 
 def user(text):

@@ -61,16 +61,6 @@ CONVERSATION = [
 
 
 @pytest.fixture(scope="module")
-def builtin_tok():
-    """A fresh copy of the built-in tokenizer, with the built-in template (its default)."""
-    from lightning_seqmem.data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer()
-    tok.chat_template = BUILTIN_CHAT_TEMPLATE
-    return tok
-
-
-@pytest.fixture(scope="module")
 def chatml_tok():
     """A tiny byte-level BPE with ChatML's special tokens; its EOS ``</s>`` is not the end-of-turn token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -136,14 +126,14 @@ def test_settings_are_checked():
         ConversationSettings(on_empty_labels="skip")
 
 
-def test_builtin_template_trains_assistant_content_and_its_eos(builtin_tok):
-    renderer = ChatRenderer(builtin_tok)
+def test_builtin_template_trains_assistant_content_and_its_eos(chat_tokenizer):
+    renderer = ChatRenderer(chat_tokenizer)
     assert renderer.method == MARKERS
     enc = encode_conversation(CONVERSATION, renderer, 0)
-    assert _spans_text(builtin_tok, enc) == ["Path helpers.</s>", "Interpreter state.</s>"]
+    assert _spans_text(chat_tokenizer, enc) == ["Path helpers.</s>", "Interpreter state.</s>"]
     assert enc.keep_turns == 1 and len(enc.turn_ends) == 5 and enc.turn_ends[-1] == len(enc.input_ids)
     # The same ids and mask as transformers' own apply_chat_template.
-    ref = builtin_tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True,
+    ref = chat_tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True,
                                           return_assistant_tokens_mask=True)
     assert enc.input_ids.tolist() == ref["input_ids"]
     assert enc.trained_mask().astype(int).tolist() == ref["assistant_masks"]
@@ -151,10 +141,10 @@ def test_builtin_template_trains_assistant_content_and_its_eos(builtin_tok):
     assert (enc.labels()[~enc.trained_mask()] == -100).all()
 
 
-def test_fallback_equals_markers_and_is_said_once(builtin_tok):
+def test_fallback_equals_markers_and_is_said_once(chat_tokenizer):
     from lightning_seqmem.data.chat_corpus import conversations_from_documents
 
-    marked = ChatRenderer(builtin_tok)
+    marked = ChatRenderer(chat_tokenizer)
     from lightning_seqmem.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
@@ -194,17 +184,17 @@ def test_end_of_turn_differs_from_eos_and_is_trained(chatml_tok, markers):
     assert _spans_text(tok, enc) == [f"Path helpers.<|im_end|>{newline}", f"Interpreter state.<|im_end|>{newline}"]
 
 
-def test_train_on_and_per_message_override(builtin_tok):
-    renderer = ChatRenderer(builtin_tok)
+def test_train_on_and_per_message_override(chat_tokenizer):
+    renderer = ChatRenderer(chat_tokenizer)
     last = encode_conversation(CONVERSATION, renderer, 0, ConversationSettings(train_on="last_assistant"))
-    assert _spans_text(builtin_tok, last) == ["Interpreter state.</s>"]
+    assert _spans_text(chat_tokenizer, last) == ["Interpreter state.</s>"]
     every = encode_conversation(CONVERSATION, renderer, 0, ConversationSettings(train_on="all"))
     assert every.num_trained == len(every.input_ids)
     messages = [dict(m) for m in CONVERSATION]
     messages[2]["train"] = False  # a bad answer kept as context
     messages[3]["train"] = True  # a user turn worth learning, header and all
     enc = encode_conversation(messages, renderer, 0)
-    assert _spans_text(builtin_tok, enc) == ["<s>user\nAnd sys?</s>", "Interpreter state.</s>"]
+    assert _spans_text(chat_tokenizer, enc) == ["<s>user\nAnd sys?</s>", "Interpreter state.</s>"]
     no_override = encode_conversation(messages, renderer, 0, ConversationSettings(train_field=None))
     assert no_override.label_spans.tolist() == encode_conversation(CONVERSATION, renderer, 0).label_spans.tolist()
 
@@ -232,8 +222,8 @@ def test_fallback_refuses_template_that_rewrites_earlier_turns(chatml_tok):
         chatml_tok.chat_template = saved
 
 
-def test_no_trained_token_is_flagged_then_dropped_kept_or_refused(builtin_tok):
-    renderer = ChatRenderer(builtin_tok)
+def test_no_trained_token_is_flagged_then_dropped_kept_or_refused(chat_tokenizer):
+    renderer = ChatRenderer(chat_tokenizer)
     rows = [CONVERSATION, [{"role": "user", "content": "Nobody answers."}], CONVERSATION]
     columns = encode_rows(rows, [10, 11, 12], renderer)
     assert columns["num_trained"][1] == 0 and columns["num_trained"][0] > 0
@@ -245,21 +235,21 @@ def test_no_trained_token_is_flagged_then_dropped_kept_or_refused(builtin_tok):
         select_trained(columns["num_trained"], "error", rows=[10, 11, 12])
 
 
-def test_rows_are_cheap_arrow_columns(builtin_tok):
+def test_rows_are_cheap_arrow_columns(chat_tokenizer):
     import pyarrow as pa
 
-    columns = encode_rows([CONVERSATION, CONVERSATION[:3]], [0, 1], ChatRenderer(builtin_tok))
+    columns = encode_rows([CONVERSATION, CONVERSATION[:3]], [0, 1], ChatRenderer(chat_tokenizer))
     table = pa.table(columns)
     for name in ("input_ids", "label_spans", "turn_ends"):
         assert table.schema.field(name).type == pa.list_(pa.int32())
     back = EncodedConversation.from_row(table.slice(0, 1).to_pylist()[0])
-    enc = encode_conversation(CONVERSATION, ChatRenderer(builtin_tok), 0)
+    enc = encode_conversation(CONVERSATION, ChatRenderer(chat_tokenizer), 0)
     assert back.input_ids.tolist() == enc.input_ids.tolist()
     assert back.label_spans.tolist() == enc.label_spans.tolist() and back.keep_turns == enc.keep_turns
 
 
-def test_template_fingerprint_changes_with_the_template(builtin_tok):
-    assert chat_template_of(builtin_tok) == BUILTIN_CHAT_TEMPLATE
+def test_template_fingerprint_changes_with_the_template(chat_tokenizer):
+    assert chat_template_of(chat_tokenizer) == BUILTIN_CHAT_TEMPLATE
     assert template_fingerprint(BUILTIN_CHAT_TEMPLATE) != template_fingerprint(CHATML)
 
 

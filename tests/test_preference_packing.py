@@ -16,7 +16,8 @@ from test_preference import text_pairs
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_seqmem.batching.bin_packing import best_fit_decreasing
-from lightning_seqmem.batching.pair_packing import PREFERENCE_PACK_KEYS, PackedPairCollator, plan_pair_rows
+from lightning_seqmem.batch import PREFERENCE_PACK_KEYS
+from lightning_seqmem.batching.pair_packing import PackedPairCollator, plan_pair_rows
 from lightning_seqmem.batching.preference import PreferenceCollator, PreferenceLimits, check_pairs
 from lightning_seqmem.training.attention import register_varlen_attention
 from lightning_seqmem.training.preference_loss import dpo_loss, sequence_logps, token_logps

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_seqmem.batch import COMPLETION_MASK, IGNORE_INDEX, PREFERENCE_PACK_KEYS, SEQUENCE_INDEX
+from lightning_seqmem.batch import COMPLETION_MASK, IGNORE_INDEX, SEQUENCE_INDEX
 from lightning_seqmem.batching.bin_packing import pack_bins
 from lightning_seqmem.batching.collate import PackCollator, _fill
 from lightning_seqmem.batching.preference import PreferenceLimits, name_rows, pair_sequences, ref_logps

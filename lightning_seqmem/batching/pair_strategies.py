@@ -55,7 +55,24 @@ def _epoch_stats(strategy: Any, lengths: np.ndarray, sampler, shapes) -> EpochSt
                       largest=largest_shape([strategy], shapes) if shapes else None)
 
 
-class PairPadStrategy:
+class _PairLimits:
+    """The limits both pair strategies answer from their settings alone."""
+
+    settings: Any
+
+    @property
+    def prompt_completion_limits(self):
+        """Asked of prompt/completion data only (the pipeline never asks it for pairs)."""
+        return self.settings.limits
+
+    @property
+    def pair_limits(self):
+        """The pairs' truncation (``BatchingSettings.preference_limits``): what ``plan_pairs`` counts and the
+        collator cuts."""
+        return self.settings.preference_limits
+
+
+class PairPadStrategy(_PairLimits):
     """Pairs padded in TRL's layout: ``pad`` (to the batch's longest sequence) or ``truncate`` (always
     ``[2B, max_length]``). The document strategy of the same name owns batch sizes, samplers and padded lengths;
     this object asks it about pairs (the longer side of each) and doubles the rows.
@@ -93,16 +110,6 @@ class PairPadStrategy:
     def budget_shapes(self) -> bool:
         return self._documents.budget_shapes
 
-    @property
-    def prompt_completion_limits(self):
-        return self.settings.limits
-
-    @property
-    def pair_limits(self):
-        """The pairs' truncation (``BatchingSettings.preference_limits``): what ``plan_pairs`` counts and the
-        collator cuts."""
-        return self.settings.preference_limits
-
     def rows(self, source: PairSource, labels: Any = None) -> SplitRows:
         """One row per pair; lengths ``[pairs, 2]`` (each side's truncated sequence)."""
         return SplitRows(PairRows(source), np.ascontiguousarray(source.sequence_lengths.T), {})
@@ -138,7 +145,7 @@ class PairPadStrategy:
         return _FIX
 
 
-class PairPackStrategy:
+class PairPackStrategy(_PairLimits):
     """Padding-free pairs: whole pairs best-fit into rows of ``2 * max_length`` tokens, every batch
     ``[B, 2 * max_length]`` (``B`` rows hold the slots of TRL's ``[2B, max_length]``).
 
@@ -165,16 +172,6 @@ class PairPackStrategy:
     @property
     def keys(self) -> tuple[str, ...]:
         return PREFERENCE_PACK_KEYS + ((CU_SEQLENS,) if self.settings.return_cu_seqlens else ())
-
-    @property
-    def prompt_completion_limits(self):
-        return self.settings.limits
-
-    @property
-    def pair_limits(self):
-        """The pairs' truncation (``BatchingSettings.preference_limits``): what ``plan_pairs`` counts and the
-        collator cuts."""
-        return self.settings.preference_limits
 
     def rows(self, source: PairSource, labels: Any = None) -> SplitRows:
         """Rows of whole pairs (best fit on the pair lengths); lengths ``[rows]`` real tokens per packed row."""

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_seqmem.batch import COMPLETION_MASK, IGNORE_INDEX, PREFERENCE_PAD_KEYS, REF_LOGPS_KEYS, SEQUENCE_INDEX
+from lightning_seqmem.batch import COMPLETION_MASK, IGNORE_INDEX, REF_LOGPS_KEYS
 from lightning_seqmem.messages import check_choice, short_repr
 from lightning_seqmem.batching.collate import PadCollator, _fill
 from lightning_seqmem.batching.truncation import check_max_length, check_part_limits
