@@ -15,8 +15,13 @@ process; peak RSS its own ``VmHWM`` (one process: no workers); "after imports" i
 import and ours both load torch; ours also Lightning). Then, from our cache, token efficiency and the share of fed
 tokens that carry loss, pad vs pack, at ``max_length``.
 
+With ``--pairs``: conversation-form preference pairs (the conversation up to its last assistant turn as the prompt,
+that turn as ``chosen``, another answer as ``rejected``) through TRL's ``DPOTrainer`` dataset preparation against
+``SeqMemDataModule`` (``prepare_data`` + ``setup``), the same way: fresh processes, one tokenizing process each.
+
     python benchmarks/chat.py                 # 100 k conversations, max_length 2048
     python benchmarks/chat.py --rows 5000     # smoke test
+    python benchmarks/chat.py --pairs         # 100 k conversation pairs vs TRL's DPOTrainer
 """
 
 from __future__ import annotations
@@ -50,6 +55,16 @@ def conversations(n: int, seed: int = 0):
         for _ in range(rng.randint(1, 6)):
             messages += [{"role": "user", "content": text(5, 60)}, {"role": "assistant", "content": text(10, 200)}]
         yield {"messages": messages}
+
+
+def pairs(n: int, seed: int = 0):
+    """``n`` conversation pairs: the turns before the last assistant turn as the prompt, that turn as ``chosen``,
+    a fresh answer (10-200 words) as ``rejected``."""
+    rng = random.Random(seed + 1)
+    for row in conversations(n, seed):
+        messages = row["messages"]
+        other = " ".join(rng.choices(WORDS, k=rng.randint(10, 200)))
+        yield {"prompt": messages[:-1], "chosen": messages[-1:], "rejected": [{"role": "assistant", "content": other}]}
 
 
 def _resident(field: str = "VmRSS") -> int:
@@ -105,6 +120,49 @@ def child_ours(task: dict) -> dict:
             "pipeline_s": time.perf_counter() - imported}
 
 
+def child_trl_pairs(task: dict) -> dict:
+    import datasets
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    imported, import_rss = time.perf_counter(), _resident()
+    ds, tok = datasets.load_from_disk(task["data"]), _tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    args = DPOConfig(output_dir=task["scratch"], max_length=task["max_length"], report_to="none", use_cpu=True,
+                     dataset_num_proc=None)
+    prepared = DPOTrainer(model=LlamaForCausalLM(config), ref_model=LlamaForCausalLM(config), args=args,
+                          train_dataset=ds, processing_class=tok).train_dataset
+    import pyarrow.compute as pc
+
+    count = {c: int(pc.sum(pc.list_value_length(prepared.data.column(c))).as_py())
+             for c in ("prompt_ids", "chosen_ids", "rejected_ids")}
+    return {"rows": len(prepared), "tokens": 2 * count["prompt_ids"] + count["chosen_ids"] + count["rejected_ids"],
+            "trained": count["chosen_ids"] + count["rejected_ids"], "import_s": imported - T_START,
+            "import_rss": import_rss, "pipeline_s": time.perf_counter() - imported}
+
+
+def child_ours_pairs(task: dict) -> dict:
+    import datasets
+    import pyarrow.compute as pc
+
+    from lightning_seqmem import SeqMemDataModule
+
+    imported, import_rss = time.perf_counter(), _resident()
+    ds, tok = datasets.load_from_disk(task["data"]), _tokenizer()
+    dm = SeqMemDataModule(dataset=ds, tokenizer=tok, max_length=task["max_length"], strategy="pad",
+                          cache_dir=task["cache_dir"], num_proc=1)
+    dm.prepare_data()
+    dm.setup("fit")  # truncation planned, rows ready to serve: more than TRL's preparation does
+    elapsed = time.perf_counter() - imported
+    tokenized = dm.tokenized_documents()[0]["train"]  # every pair, before truncation (TRL's columns)
+    count = {c: int(pc.sum(pc.list_value_length(tokenized.data.column(c))).as_py())
+             for c in ("prompt_ids", "chosen_ids", "rejected_ids")}
+    return {"rows": len(tokenized), "tokens": 2 * count["prompt_ids"] + count["chosen_ids"] + count["rejected_ids"],
+            "trained": count["chosen_ids"] + count["rejected_ids"], "import_s": imported - T_START,
+            "import_rss": import_rss, "pipeline_s": elapsed}
+
+
 def child_strategies(task: dict) -> dict:
     """Token efficiency and trained share, pad vs pack, from the cache ``child_ours`` wrote."""
     import datasets
@@ -147,14 +205,16 @@ def main(argv=None) -> None:
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--scratch", default=None, help="working folder (default: a temporary one)")
+    parser.add_argument("--pairs", action="store_true", help="conversation pairs: ours vs TRL's DPOTrainer")
     args = parser.parse_args(argv)
 
     import datasets
 
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="chat-bench-"))
-    data = scratch / "conversations"
+    data = scratch / ("pairs" if args.pairs else "conversations")
     if not data.exists():
-        datasets.Dataset.from_list(list(conversations(args.rows))).save_to_disk(str(data))
+        rows = pairs(args.rows) if args.pairs else conversations(args.rows)
+        datasets.Dataset.from_list(list(rows)).save_to_disk(str(data))
     _tokenizer()  # trained once and cached before any timing
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_CACHE": str(scratch / "hf"),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -167,9 +227,11 @@ def main(argv=None) -> None:
         shutil.rmtree(scratch / "cache", ignore_errors=True)
         for leftover in data.glob("cache-*.arrow"):  # datasets.map writes its cache next to a saved dataset
             leftover.unlink()
-        results[side] = run_child(side, task, env)
-    print(f"{args.rows:,} conversations of 2-12 turns, max_length {args.max_length}, one process each side\n")
-    print("| | wall (s) | imports (s) | peak RSS (GiB) | RSS after imports (GiB) | rows | tokens | trained tokens |")
+        results[side] = run_child(side + ("_pairs" if args.pairs else ""), task, env)
+    what = "conversation pairs (prompt of 1-11 turns)" if args.pairs else "conversations of 2-12 turns"
+    print(f"{args.rows:,} {what}, max_length {args.max_length}, one process each side\n")
+    trained = "completion tokens" if args.pairs else "trained tokens"
+    print(f"| | wall (s) | imports (s) | peak RSS (GiB) | RSS after imports (GiB) | rows | tokens | {trained} |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for side, r in results.items():
         print(f"| {side} | {r['wall_s']:.1f} | {r['import_s']:.1f} | {r['peak_rss'] / GIB:.2f} | "
@@ -178,6 +240,8 @@ def main(argv=None) -> None:
     print(f"\nours / TRL: wall {o['wall_s'] / t['wall_s']:.2f}x, pipeline wall {o['pipeline_s'] / t['pipeline_s']:.2f}x, "
           f"peak RSS {o['peak_rss'] / t['peak_rss']:.2f}x, RSS after imports "
           f"{(o['peak_rss'] - o['import_rss']) / max(t['peak_rss'] - t['import_rss'], 1):.2f}x")
+    if args.pairs:
+        return
 
     strategies = run_child("strategies", task, env)
     print(f"\nAt max_length {args.max_length}, micro_batch_size {args.micro_batch_size} (train split):\n")
@@ -189,7 +253,8 @@ def main(argv=None) -> None:
 
 
 def _child_main(kind: str, task_json: str, result_path: str) -> None:
-    result = {"trl": child_trl, "ours": child_ours, "strategies": child_strategies}[kind](json.loads(task_json))
+    result = {"trl": child_trl, "ours": child_ours, "strategies": child_strategies, "trl_pairs": child_trl_pairs,
+              "ours_pairs": child_ours_pairs}[kind](json.loads(task_json))
     result["peak_rss"] = _resident("VmHWM")
     with open(result_path, "w") as f:
         json.dump(result, f)
