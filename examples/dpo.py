@@ -7,7 +7,12 @@ then rejected rows, with ``completion_mask``: what TRL's ``DataCollatorForPrefer
 packs whole pairs into rows of ``2 * max_length`` with ``sequence_index``. ``DPO`` trains the sigmoid loss against
 a frozen copy of the policy; the same loss code reads both layouts.
 
+``--chat`` gives the same pairs as conversations (the prompt a user turn, each answer an assistant turn), rendered
+with the tokenizer's chat template as TRL's ``DPOTrainer`` renders them (the built-in tokenizer has a ChatML-style
+template; pass your own tokenizer with one).
+
     python examples/dpo.py --max-steps 50 --strategy pack
+    python examples/dpo.py --max-steps 50 --chat
 """
 import argparse
 import os
@@ -25,11 +30,21 @@ if __name__ == "__main__":
     parser.add_argument("--max-steps", type=int, default=50)
     parser.add_argument("--strategy", choices=["pad", "truncate", "pack"], default="pack")
     parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--chat", action="store_true", help="the pairs as conversations (chat template)")
     parser.add_argument("--out", default="outputs/dpo")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
-    dm = SeqMemDataModule("builtin_preference", max_length=args.max_length, micro_batch_size=4,
+    data = "builtin_preference"
+    if args.chat:  # {"prompt": [user turn], "chosen": [assistant turn], "rejected": [assistant turn]} per pair
+        from lightning_seqmem.data.preference_corpus import load_builtin_preference_corpus
+
+        def as_turns(pair: dict) -> dict:
+            return {"prompt": [{"role": "user", "content": pair["prompt"]}],
+                    **{side: [{"role": "assistant", "content": pair[side]}] for side in ("chosen", "rejected")}}
+
+        data = load_builtin_preference_corpus().map(as_turns)
+    dm = SeqMemDataModule(data, max_length=args.max_length, micro_batch_size=4,
                           strategy=args.strategy, max_prompt_length=args.max_length // 4)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))

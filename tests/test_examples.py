@@ -69,3 +69,11 @@ def test_dpo_pairs(tmp_path):
     line = next(l for l in out.splitlines() if l.startswith("first batch"))
     assert "sequence_index" in line and "completion_mask" in line  # packed pairs
     assert "final_val_loss" in out and "val/reward_accuracy" in out
+
+
+def test_dpo_conversation_pairs(tmp_path):
+    out = run_example("dpo.py", "--max-steps", "2", "--max-length", "64", "--chat", "--strategy", "pad",
+                      "--out", str(tmp_path / "run"), cwd=tmp_path)
+    line = next(l for l in out.splitlines() if l.startswith("first batch"))
+    assert "completion_mask" in line and "pairs" in line
+    assert "val/reward_accuracy" in out
