@@ -147,9 +147,17 @@ def test_identical_pairs_are_warned_and_counted(tmp_path):
 def test_dpo_trains_on_pairs_with_a_real_trainer(tmp_path, strategy):
     dm = SeqMemDataModule(splits(text_rows()), max_length=32, micro_batch_size=4, strategy=strategy,
                           max_prompt_length=16, cache_dir=tmp_path)
-    model = DPO(model_config=TINY, learning_rate=1e-2, beta=0.5)
+    model = DPO(model_config={**TINY, "attention_dropout": 0.5}, learning_rate=1e-2, beta=0.5)
     trainer = quiet_trainer(max_steps=4, limit_val_batches=1, val_check_interval=4)
-    trainer.fit(model, datamodule=dm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm)
+    assert not [w for w in caught if "eval mode" in str(w.message)]  # the frozen copy is not left in eval mode
+    batch = next(iter(dm.train_dataloader()))
+    model.train()
+    first, again = model.reference_logps(batch), model.reference_logps(batch)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))  # but its forward runs without dropout
+    assert model.reference_model.training  # and is left in the module's mode
     metrics = trainer.callback_metrics
     assert {"train/loss", "train/reward_margin", "val/loss", "val/reward_accuracy"} <= set(metrics)
     assert torch.isfinite(metrics["train/loss"]) and model.real_tokens_seen > 0

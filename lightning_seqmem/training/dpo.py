@@ -57,14 +57,7 @@ class DPO(CausalLM):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if self.hparams.reference == "copy" and self.reference_model is None:
-            self.reference_model = copy.deepcopy(self.model).requires_grad_(False).eval()
-
-    @override
-    def train(self, mode: bool = True):
-        super().train(mode)
-        if self.reference_model is not None:
-            self.reference_model.eval()  # the reference never trains (no dropout either)
-        return self
+            self.reference_model = copy.deepcopy(self.model).requires_grad_(False)
 
     def _logits(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[rows, seq, vocab]`` logits of ``model`` on the batch (padded or packed; varlen arguments as
@@ -81,8 +74,14 @@ class DPO(CausalLM):
         if self.reference_model is None:
             raise ValueError(f"reference='precomputed' but the batch has no {list(REF_LOGPS_KEYS)}: add those "
                              "columns to the dataset, or use reference='copy'.")
-        with torch.no_grad():
-            return sequence_logps(self._logits(self.reference_model, batch), batch)
+        # Eval mode for its forward only (no dropout): left in the module's mode otherwise, so Lightning does not
+        # report modules in eval mode at the start of every fit.
+        reference, mode = self.reference_model, self.reference_model.training
+        try:
+            with torch.no_grad():
+                return sequence_logps(self._logits(reference.eval(), batch), batch)
+        finally:
+            reference.train(mode)
 
     def pair_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The mean DPO loss over the batch's pairs and the values to log (reward margin and accuracy)."""
