@@ -64,12 +64,14 @@ def shared_turns(chosen: Sequence[Mapping], rejected: Sequence[Mapping]) -> int:
     return n
 
 
-def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
-    """Number of leading ids ``a`` and ``b`` share (vectorised: prompts run to thousands of tokens)."""
-    a, b = np.asarray(a), np.asarray(b)
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading ids ``a`` and ``b`` share (usually all of the shorter: one list comparison; otherwise
+    vectorised, as prompts run to thousands of tokens)."""
     n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
+    if a[:n] == b[:n]:
+        return n
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0])
 
 
 def _turns(value: Any, row: int, column: str, allow_empty: bool) -> list:
@@ -111,16 +113,16 @@ def encode_chat_pairs(batch: Mapping[str, Sequence], rows: Sequence[int], render
             prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
         texts += [renderer.render(prompt, add_generation_prompt=True, spans=False)[0],
                   renderer.render(prompt + chosen, spans=False)[0], renderer.render(prompt + rejected, spans=False)[0]]
-    ids = [tokens for tokens, _ in renderer.tokenize_batch(texts)]
+    ids = renderer.token_ids_batch(texts)
     out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "length": []}
     for i, row in enumerate(rows):
         prompt, chosen, rejected = ids[3 * i: 3 * i + 3]
         cut = min(common_prefix(prompt, chosen), common_prefix(prompt, rejected))
         if cut < len(prompt):
             prompt_lengths.append(row)
-        out["prompt_ids"].append(prompt[:cut].tolist())
-        out["chosen_ids"].append(chosen[cut:].tolist())
-        out["rejected_ids"].append(rejected[cut:].tolist())
+        out["prompt_ids"].append(prompt[:cut])
+        out["chosen_ids"].append(chosen[cut:])
+        out["rejected_ids"].append(rejected[cut:])
         out["length"].append(len(chosen) + len(rejected) - cut)
     if prompt_lengths:
         warnings.warn(
