@@ -3,6 +3,7 @@ tokenizer's chat template, tokenized as TRL 1.16's DPOTrainer does (checked agai
 an explicit ``prompt`` column or the shared leading turns as the prompt, through the DataModule to padded and packed
 pair batches, and bad turns named by row and column."""
 
+import copy
 import json
 import warnings
 
@@ -119,3 +120,24 @@ def test_bad_turns_name_the_row_and_column(chat_tokenizer, tmp_path):
     plain.chat_template = None
     with pytest.raises(ValueError, match="has no chat template"):
         SeqMemDataModule(chat_rows(8), tokenizer=plain, max_length=64, cache_dir=tmp_path / "cache").setup("fit")
+
+
+def test_a_generation_prompt_the_full_sequence_does_not_repeat_is_cut_where_they_part(chat_tokenizer):
+    """A template whose generation prompt writes more than the assistant turn's start (an empty thought block):
+    as TRL does, each completion starts where the prompt's tokens and the full sequence part, with a warning
+    naming the pairs."""
+    from lightning_seqmem.data.chat_template import BUILTIN_CHAT_TEMPLATE
+
+    tok = copy.deepcopy(chat_tokenizer)
+    tok.chat_template = BUILTIN_CHAT_TEMPLATE.replace("bos_token + 'assistant\n' -}}{%- endif",
+                                                      "bos_token + 'assistant\nthink\n' -}}{%- endif")
+    rows = chat_rows(4)
+    batch = {key: [r[key] for r in rows] for key in rows[0]}
+    renderer = ChatRenderer(tok, masks=False)
+    with pytest.warns(UserWarning, match=r"Pairs \[0, 1, 2, 3\]: the prompt rendered with the generation prompt"):
+        out = encode_chat_pairs(batch, range(4), renderer, ChatPairs())
+    for i, row in enumerate(rows):
+        full = renderer.token_ids_batch([renderer.render(row["prompt"] + row["chosen"], spans=False)[0]])[0]
+        generation = renderer.token_ids_batch([renderer.render(row["prompt"], True, spans=False)[0]])[0]
+        assert out["prompt_ids"][i] + out["chosen_ids"][i] == full  # nothing of the sequence is lost
+        assert len(out["prompt_ids"][i]) < len(generation)  # the thought block is not part of the prompt

@@ -102,7 +102,7 @@ def encode_chat_pairs(batch: Mapping[str, Sequence], rows: Sequence[int], render
         ValueError: a turn without ``role`` or ``content``, an unknown role, an empty chosen or rejected list, or a
             column in text form next to conversations; the message names the row and column (and turn).
     """
-    texts, prompt_lengths = [], []
+    texts, parted = [], []  # parted: pairs whose prompt tokens and full sequence part before the prompt ends
     for i, row in enumerate(rows):
         chosen = _turns(batch["chosen"][i], row, "chosen", allow_empty=False)
         rejected = _turns(batch["rejected"][i], row, "rejected", allow_empty=False)
@@ -119,14 +119,14 @@ def encode_chat_pairs(batch: Mapping[str, Sequence], rows: Sequence[int], render
         prompt, chosen, rejected = ids[3 * i: 3 * i + 3]
         cut = min(common_prefix(prompt, chosen), common_prefix(prompt, rejected))
         if cut < len(prompt):
-            prompt_lengths.append(row)
+            parted.append(row)
         out["prompt_ids"].append(prompt[:cut])
         out["chosen_ids"].append(chosen[cut:])
         out["rejected_ids"].append(rejected[cut:])
         out["length"].append(len(chosen) + len(rejected) - cut)
-    if prompt_lengths:
+    if parted:
         warnings.warn(
-            f"Pairs {prompt_lengths[:5]}{' ...' if len(prompt_lengths) > 5 else ''}: the prompt rendered with the "
+            f"Pairs {parted[:5]}{' ...' if len(parted) > 5 else ''}: the prompt rendered with the "
             "generation prompt is not a prefix of the rendered prompt + completion (the template writes the end of "
             "the prompt differently when a completion follows). Each completion starts where they part, as TRL does, "
             "so the model is trained on a context slightly different from the one it sees when generating. Use a "
