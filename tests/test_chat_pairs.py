@@ -15,6 +15,7 @@ from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.batch import count_real_tokens
 from lightning_seqmem.data.chat_pairs import ChatPairs, common_prefix, encode_chat_pairs, shared_turns
 from lightning_seqmem.data.chat_template import ChatRenderer
+from lightning_seqmem.data.encode import batch_encoder
 from lightning_seqmem.data.tokenizer import load_tokenizer
 
 
@@ -67,7 +68,9 @@ def test_tokens_equal_trl_dpo_trainer(chat_tokenizer, tmp_path):
         theirs = trl.DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=datasets.Dataset.from_list(data),
                                 processing_class=chat_tokenizer).train_dataset
         batch = {key: [r[key] for r in data] for key in data[0]}
-        ours = encode_chat_pairs(batch, range(len(data)), ChatRenderer(chat_tokenizer, masks=False), settings)
+        renderer = ChatRenderer(chat_tokenizer, masks=False)
+        ours = encode_chat_pairs(batch, range(len(data)), renderer, settings, batch_encoder(chat_tokenizer))
+        assert ours == encode_chat_pairs(batch, range(len(data)), renderer, settings)  # both encoders agree
         for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
             assert ours[key] == theirs[key], (key, settings)
         eot = chat_tokenizer.eos_token_id
@@ -137,7 +140,7 @@ def test_a_generation_prompt_the_full_sequence_does_not_repeat_is_cut_where_they
     with pytest.warns(UserWarning, match=r"Pairs \[0, 1, 2, 3\]: the prompt rendered with the generation prompt"):
         out = encode_chat_pairs(batch, range(4), renderer, ChatPairs())
     for i, row in enumerate(rows):
-        full = renderer.token_ids_batch([renderer.render(row["prompt"] + row["chosen"], spans=False)[0]])[0]
-        generation = renderer.token_ids_batch([renderer.render(row["prompt"], True, spans=False)[0]])[0]
+        full = renderer.tokenize(renderer.render(row["prompt"] + row["chosen"], spans=False)[0])[0].tolist()
+        generation = renderer.tokenize(renderer.render(row["prompt"], True, spans=False)[0])[0].tolist()
         assert out["prompt_ids"][i] + out["chosen_ids"][i] == full  # nothing of the sequence is lost
         assert len(out["prompt_ids"][i]) < len(generation)  # the thought block is not part of the prompt

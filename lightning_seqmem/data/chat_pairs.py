@@ -10,7 +10,7 @@ A prompt without its own column is the turns the chosen and rejected conversatio
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,13 +87,16 @@ def _turns(value: Any, row: int, column: str, allow_empty: bool) -> list:
 
 
 def encode_chat_pairs(batch: Mapping[str, Sequence], rows: Sequence[int], renderer: ChatRenderer,
-                      settings: ChatPairs) -> dict[str, list]:
+                      settings: ChatPairs, encode: Callable[[list[str]], list[list[int]]] | None = None
+                      ) -> dict[str, list]:
     """Token columns of a batch of conversation-form pairs.
 
     Args:
         batch: ``prompt`` (unless ``settings.has_prompt`` is False), ``chosen``, ``rejected`` turn lists.
         rows: dataset index of each pair, for errors.
         renderer: the tokenizer and its chat template.
+        encode: texts to token ids as ``apply_chat_template`` tokenizes them (no special tokens added); default:
+            the renderer's tokenizer (``encode.batch_encoder``, ids only, is what the token cache passes).
 
     Returns:
         ``{"prompt_ids", "chosen_ids", "rejected_ids", "length"}``.
@@ -113,7 +116,7 @@ def encode_chat_pairs(batch: Mapping[str, Sequence], rows: Sequence[int], render
             prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
         texts += [renderer.render(prompt, add_generation_prompt=True, spans=False)[0],
                   renderer.render(prompt + chosen, spans=False)[0], renderer.render(prompt + rejected, spans=False)[0]]
-    ids = renderer.token_ids_batch(texts)
+    ids = encode(texts) if encode is not None else [t.tolist() for t, _ in renderer.tokenize_batch(texts)]
     out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "length": []}
     for i, row in enumerate(rows):
         prompt, chosen, rejected = ids[3 * i: 3 * i + 3]

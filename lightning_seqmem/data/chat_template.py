@@ -111,7 +111,6 @@ class ChatRenderer:
             )
         self._variables = dict(tokenizer.special_tokens_map)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._encode = None  # ids-only encoder, made on first use
         self.preamble = self.try_render([])
         """What the template writes before any message (a BOS, a default system prompt), or ``None``."""
 
@@ -155,16 +154,6 @@ class ChatRenderer:
             return [_ids_and_ends(e.ids, e.offsets) for e in self._backend.encode_batch(texts, add_special_tokens=False)]
         enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         return [_ids_and_ends(ids, offsets) for ids, offsets in zip(enc["input_ids"], enc["offset_mapping"])]
-
-
-    def token_ids_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text, as :meth:`tokenize_batch` gives them, without the offsets (preference pairs need
-        none): the Rust tokenizer's fast path, checked against the tokenizer's own call (``encode.batch_encoder``)."""
-        if self._encode is None:
-            from lightning_seqmem.data.encode import batch_encoder
-
-            self._encode = batch_encoder(self.tokenizer)
-        return self._encode(texts)
 
 
 def _ids_and_ends(ids, offsets) -> tuple[np.ndarray, np.ndarray]:

@@ -170,8 +170,8 @@ def _chat_pair_function(tokenizer, settings):
     from lightning_seqmem.data.chat_pairs import encode_chat_pairs
     from lightning_seqmem.data.chat_template import ChatRenderer
 
-    renderer = ChatRenderer(tokenizer, masks=False)
+    renderer, encode = ChatRenderer(tokenizer, masks=False), batch_encoder(tokenizer)  # ids only: no offsets
 
     def fn(batch, indices, split):
-        return encode_chat_pairs(batch, list(indices), renderer, settings)
+        return encode_chat_pairs(batch, list(indices), renderer, settings, encode)
     return fn
