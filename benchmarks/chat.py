@@ -101,18 +101,41 @@ def child_trl(task: dict) -> dict:
             "pipeline_s": time.perf_counter() - imported}
 
 
-def child_ours(task: dict) -> dict:
+def _prepared(task: dict):
+    """Our side: the DataModule on the saved dataset, tokenized through its cache and set up (rows planned)."""
     import datasets
 
     from lightning_seqmem import SeqMemDataModule
 
-    imported, import_rss = time.perf_counter(), _resident()
     ds, tok = datasets.load_from_disk(task["data"]), _tokenizer()
     dm = SeqMemDataModule(dataset=ds, tokenizer=tok, max_length=task["max_length"], strategy="pad",
                           cache_dir=task["cache_dir"], num_proc=1)
     dm.prepare_data()
     dm.setup("fit")
-    stats = dm.stats()
+    return dm
+
+
+def _pair_counts(prepared) -> dict:
+    """Pairs, tokens (the prompt once per sequence) and completion tokens of TRL's three token columns."""
+    import pyarrow.compute as pc
+
+    count = {c: int(pc.sum(pc.list_value_length(prepared.data.column(c))).as_py())
+             for c in ("prompt_ids", "chosen_ids", "rejected_ids")}
+    return {"rows": len(prepared), "tokens": 2 * count["prompt_ids"] + count["chosen_ids"] + count["rejected_ids"],
+            "trained": count["chosen_ids"] + count["rejected_ids"]}
+
+
+def _import_ours() -> None:
+    """Our imports, before the clock starts (TRL's children import theirs the same way)."""
+    import datasets  # noqa: F401
+
+    from lightning_seqmem import SeqMemDataModule  # noqa: F401 (the package imports lazily: this loads it)
+
+
+def child_ours(task: dict) -> dict:
+    _import_ours()
+    imported, import_rss = time.perf_counter(), _resident()
+    stats = _prepared(task).stats()
     rows = sum(s["rows"] for s in stats.values())
     tokens = sum(s["tokens"] - s["tokens_truncated"] - s["tokens_dropped"] for s in stats.values())
     trained = sum(s["trained_tokens"] for s in stats.values())
@@ -133,34 +156,17 @@ def child_trl_pairs(task: dict) -> dict:
                      dataset_num_proc=None)
     prepared = DPOTrainer(model=LlamaForCausalLM(config), ref_model=LlamaForCausalLM(config), args=args,
                           train_dataset=ds, processing_class=tok).train_dataset
-    import pyarrow.compute as pc
-
-    count = {c: int(pc.sum(pc.list_value_length(prepared.data.column(c))).as_py())
-             for c in ("prompt_ids", "chosen_ids", "rejected_ids")}
-    return {"rows": len(prepared), "tokens": 2 * count["prompt_ids"] + count["chosen_ids"] + count["rejected_ids"],
-            "trained": count["chosen_ids"] + count["rejected_ids"], "import_s": imported - T_START,
-            "import_rss": import_rss, "pipeline_s": time.perf_counter() - imported}
+    elapsed = time.perf_counter() - imported
+    return {**_pair_counts(prepared), "import_s": imported - T_START, "import_rss": import_rss, "pipeline_s": elapsed}
 
 
 def child_ours_pairs(task: dict) -> dict:
-    import datasets
-    import pyarrow.compute as pc
-
-    from lightning_seqmem import SeqMemDataModule
-
+    _import_ours()
     imported, import_rss = time.perf_counter(), _resident()
-    ds, tok = datasets.load_from_disk(task["data"]), _tokenizer()
-    dm = SeqMemDataModule(dataset=ds, tokenizer=tok, max_length=task["max_length"], strategy="pad",
-                          cache_dir=task["cache_dir"], num_proc=1)
-    dm.prepare_data()
-    dm.setup("fit")  # truncation planned, rows ready to serve: more than TRL's preparation does
+    dm = _prepared(task)  # truncation planned and rows ready to serve: more than TRL's preparation does
     elapsed = time.perf_counter() - imported
     tokenized = dm.tokenized_documents()[0]["train"]  # every pair, before truncation (TRL's columns)
-    count = {c: int(pc.sum(pc.list_value_length(tokenized.data.column(c))).as_py())
-             for c in ("prompt_ids", "chosen_ids", "rejected_ids")}
-    return {"rows": len(tokenized), "tokens": 2 * count["prompt_ids"] + count["chosen_ids"] + count["rejected_ids"],
-            "trained": count["chosen_ids"] + count["rejected_ids"], "import_s": imported - T_START,
-            "import_rss": import_rss, "pipeline_s": elapsed}
+    return {**_pair_counts(tokenized), "import_s": imported - T_START, "import_rss": import_rss, "pipeline_s": elapsed}
 
 
 def child_strategies(task: dict) -> dict:
