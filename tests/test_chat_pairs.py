@@ -144,3 +144,19 @@ def test_a_generation_prompt_the_full_sequence_does_not_repeat_is_cut_where_they
         generation = renderer.tokenize(renderer.render(row["prompt"], True, spans=False)[0])[0].tolist()
         assert out["prompt_ids"][i] + out["chosen_ids"][i] == full  # nothing of the sequence is lost
         assert len(out["prompt_ids"][i]) < len(generation)  # the thought block is not part of the prompt
+
+
+def test_seqmem_plan_plans_conversation_pairs_as_the_datamodule_serves_them(chat_tokenizer, tmp_path):
+    from lightning_seqmem.apps.planner import plan
+
+    arguments = dict(tokenizer=chat_tokenizer, max_length=48, max_prompt_length=24, micro_batch_size=4,
+                     strategy="pack", cache_dir=tmp_path / "cache")
+    result = plan(SeqMemDataModule(chat_rows(), **arguments), None, strategies=["pack_bfd"], max_lengths=[48])
+    dm = SeqMemDataModule(chat_rows(), **arguments)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dm.setup("fit")
+    stats, mine = dm.stats()["train"], result.configured
+    assert (mine.token_efficiency, mine.rows, mine.tokens) == (stats["token_efficiency"], stats["rows"],
+                                                               stats["tokens"])
+    assert mine.max_batch_shape == dm.max_batch_shape() == (4, 96)  # rows of 2 * max_length
