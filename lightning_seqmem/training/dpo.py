@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_seqmem.batch import REF_LOGPS_KEYS, count_real_tokens
+from lightning_seqmem.batch import REF_LOGPS_KEYS
 from lightning_seqmem.messages import check_choice
 from lightning_seqmem.training.model import CausalLM
 from lightning_seqmem.training.preference_loss import dpo_loss, sequence_logps
@@ -96,17 +96,10 @@ class DPO(CausalLM):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, values = self.pair_loss(batch)
         rows = batch["input_ids"].shape[0]
-        real = count_real_tokens(batch, self.hparams.pad_token_id)
-        self._real_tokens += real
-        self.slots_seen += batch["input_ids"].numel()
-        self.token_efficiency.update(batch, real_tokens=real)
+        self._count_train_tokens(batch, rows)
         self.log("train/loss", loss, prog_bar=True, batch_size=rows)
         for name, value in values.items():
             self.log(f"train/{name}", value, batch_size=rows)
-        self.log("train/token_efficiency", self.token_efficiency, batch_size=rows, on_step=False, on_epoch=True)
-        if self._train_time > 0:
-            self.log("train/real_tokens_per_sec", self._real_tokens / self._train_time, prog_bar=True,
-                     batch_size=rows)
         return loss
 
     @override

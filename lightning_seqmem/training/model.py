@@ -267,19 +267,21 @@ class CausalLM(LightningModule):
         else:
             loss = self(batch).loss
             self._log_train_loss(loss, batch_size=rows)
-        # Counted and logged on the device: nothing in the step waits for it.
-        real = count_real_tokens(batch, self.hparams.pad_token_id)
-        slots = batch["input_ids"].numel()
+        real, slots = self._count_train_tokens(batch, rows)
+        self.log("train/real_token_fraction", real / max(slots, 1), batch_size=rows)
+        self.log("train/real_tokens_seen", self._real_tokens.float(), batch_size=rows, reduce_fx="max")
+        return loss
+
+    def _count_train_tokens(self, batch: dict[str, torch.Tensor], rows: int) -> tuple[torch.Tensor, int]:
+        """``(real, slots)`` of a batch, added to the counts, token efficiency and tokens/s (on the device: no sync)."""
+        real, slots = count_real_tokens(batch, self.hparams.pad_token_id), batch["input_ids"].numel()
         self._real_tokens += real
         self.slots_seen += slots
         self.token_efficiency.update(batch, real_tokens=real)
         self.log("train/token_efficiency", self.token_efficiency, batch_size=rows, on_step=False, on_epoch=True)
-        self.log("train/real_token_fraction", real / max(slots, 1), batch_size=rows)
-        self.log("train/real_tokens_seen", self._real_tokens.float(), batch_size=rows, reduce_fx="max")
         if self._train_time > 0:
-            self.log("train/real_tokens_per_sec", self._real_tokens / self._train_time, prog_bar=True,
-                     batch_size=rows)
-        return loss
+            self.log("train/real_tokens_per_sec", self._real_tokens / self._train_time, prog_bar=True, batch_size=rows)
+        return real, slots
 
     def _log_train_loss(self, loss: torch.Tensor, batch_size: int | None = None) -> None:
         self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
