@@ -80,17 +80,12 @@ def encode_streamed_conversation(renderer: Any, settings: Any, max_length: int, 
     """One streamed conversation to ``{"input_ids", "labels"}``, cut by whole turns to ``max_length`` as the
     split pipeline cuts them; one with no trained token is skipped (``[]``) or refused, by ``on_empty_labels``."""
     from lightning_seqmem.data.chat_truncation import truncate
-    from lightning_seqmem.data.conversations import MESSAGES_COLUMN, encode_conversation
+    from lightning_seqmem.data.conversations import MESSAGES_COLUMN, encode_conversation, select_trained
 
     row = f"{index} of the stream"
     conversation = truncate(encode_conversation(example.get(MESSAGES_COLUMN), renderer, row, settings), max_length)
-    if conversation.num_trained == 0 and settings.on_empty_labels != "keep":
-        if settings.on_empty_labels == "error":
-            raise ValueError(
-                f"Conversation {row} has no trained token (no assistant turn under train_on="
-                f"{settings.train_on!r}, or truncation to max_length={max_length} left none): fix the data, or pass "
-                "on_empty_labels='drop' (skipped) or 'keep' (trained on nothing)."
-            )
+    kept, _ = select_trained([conversation.num_trained], settings.on_empty_labels, rows=[row])
+    if not len(kept):
         return []
     return {"input_ids": conversation.input_ids.tolist(), "labels": conversation.labels().tolist()}
 
