@@ -27,12 +27,13 @@ from lightning_seqmem.batch import COMPLETION_MASK, IGNORE_INDEX, REF_LOGPS_KEYS
 from lightning_seqmem.messages import check_choice, short_repr
 from lightning_seqmem.batching.collate import PadCollator, _fill
 from lightning_seqmem.batching.truncation import check_max_length, check_part_limits
+from lightning_seqmem.data.columns import PREFERENCE_IDS
 
 CHOSEN, REJECTED = 0, 1
 """Index of each side on the first axis of the ``[2, rows]`` arrays of :class:`PairSpans`."""
 
-PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
-"""Keys of a tokenized pair (TRL's names)."""
+PAIR_COLUMNS = PREFERENCE_IDS
+"""Keys of a tokenized pair (TRL's names; the data's token columns)."""
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from lightning_seqmem.data.columns import PREFERENCE_IDS, PREFERENCE_TEXT
+
 def _check_strings(batch: dict, columns: Sequence[str], indices: Sequence[int], split: str) -> None:
     for column in columns:
         for idx, value in zip(indices, batch[column]):
@@ -38,7 +40,7 @@ def token_features(kind: str):
                                   "keep_turns": datasets.Value("int32"), "num_truncated": datasets.Value("int32"),
                                   "num_trained": datasets.Value("int64"), "length": datasets.Value("int64")})
     names = {"text": ["input_ids"], "prompt_completion": ["prompt_ids", "completion_ids"],
-             "preference": ["prompt_ids", "chosen_ids", "rejected_ids"]}[kind]
+             "preference": list(PREFERENCE_IDS)}[kind]
     return datasets.Features({**{n: ids for n in names}, "length": datasets.Value("int64")})
 
 
@@ -106,10 +108,11 @@ def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", 
         def fn(batch, indices, split):
             # A pair's two sequences share the prompt (framed once, like a prompt/completion prompt) and each
             # completion ends with EOS, as TRL's DPO tokenization does.
-            _check_strings(batch, ["prompt", "chosen", "rejected"], indices, split)
-            prompts = [prefix + t for t in encode(batch["prompt"])]
-            sides = [[t + suffix if t else [] for t in encode(batch[name])] for name in ("chosen", "rejected")]
-            return {"prompt_ids": prompts, "chosen_ids": sides[0], "rejected_ids": sides[1],
+            _check_strings(batch, PREFERENCE_TEXT, indices, split)
+            prompt_column, *side_columns = PREFERENCE_TEXT
+            prompts = [prefix + t for t in encode(batch[prompt_column])]
+            sides = [[t + suffix if t else [] for t in encode(batch[name])] for name in side_columns]
+            return {**dict(zip(PREFERENCE_IDS, [prompts, *sides])),
                     "length": [len(p) + len(c) + len(r) for p, c, r in zip(prompts, *sides)]}
     else:
         def fn(batch, indices, split):
@@ -127,7 +130,7 @@ def source_columns(kind: str, text_column: str = "text", prompt_column: str = "p
     turns, ``"prompt_completion"``, ``"preference"``)."""
     return {"text": [text_column], "conversations": [text_column],
             "prompt_completion": [prompt_column, completion_column],
-            "preference": ["prompt", "chosen", "rejected"]}[kind]
+            "preference": list(PREFERENCE_TEXT)}[kind]
 
 
 def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",

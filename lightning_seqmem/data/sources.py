@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_seqmem.data.preference_corpus import BUILTIN_PREFERENCE
 from lightning_seqmem.messages import short_repr
 
 BUILTIN_CHAT = "builtin_chat"
@@ -124,7 +125,7 @@ def load_text_dataset(dataset: Any = "builtin"):
 
         dsd = datasets.DatasetDict({split: datasets.Dataset.from_list(rows)
                                     for split, rows in load_builtin_chat_corpus().items()})
-    elif isinstance(dataset, str) and dataset == "builtin_preference":
+    elif isinstance(dataset, str) and dataset == BUILTIN_PREFERENCE:
         from lightning_seqmem.data.preference_corpus import load_builtin_preference_corpus
 
         dsd = load_builtin_preference_corpus()
