@@ -342,12 +342,12 @@ def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
     prompt/chosen/rejected counts."""
     tokenized, kind = dm.tokenized_documents()
     check_text(kind)
-    if kind == "conversations":
+    if kind in ("conversations", PREFERENCE):
         documents = split_documents(tokenized, kind, dm.settings.batching.seed)
-        return {split: Conversations(docs.dataset, dm.settings.conversation.on_empty_labels)
-                for split, docs in documents.items()}
-    if kind == PREFERENCE:  # [pairs, 3]: prompt, chosen, rejected (an empty prompt is a valid pair)
-        documents = split_documents(tokenized, kind, dm.settings.batching.seed)
+        if kind == "conversations":
+            return {split: Conversations(docs.dataset, dm.settings.conversation.on_empty_labels)
+                    for split, docs in documents.items()}
+        # [pairs, 3]: prompt, chosen, rejected (an empty prompt is a valid pair)
         return {split: np.stack([docs.parts[p].lengths for p in ("prompt", "chosen", "rejected")], axis=1)
                 for split, docs in documents.items()}
     return {split: parts["documents"] for split, parts in _split_lengths(dm).items()}
