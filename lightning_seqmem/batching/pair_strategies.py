@@ -175,18 +175,20 @@ class PairPackStrategy(_PairLimits):
 
     def rows(self, source: PairSource, labels: Any = None) -> SplitRows:
         """Rows of whole pairs (best fit on the pair lengths); lengths ``[rows]`` real tokens per packed row."""
-        pairs, offsets = plan_pair_rows(source.pair_lengths, self.row_length)
-        lengths = np.add.reduceat(source.pair_lengths[pairs], offsets[:-1]) if len(pairs) else np.zeros(0, np.int64)
-        return SplitRows(PackedPairRows(source, pairs, offsets), lengths.astype(np.int64), {})
+        pairs, offsets, lengths = self._plan(source.pair_lengths)
+        return SplitRows(PackedPairRows(source, pairs, offsets), lengths, {})
 
     def row_lengths(self, lengths: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
         """From ``[pairs, 3]`` prompt/chosen/rejected token counts alone (the planner): ``[rows]`` real tokens per
         packed row, and the counts of what was cut."""
         spans, cuts = pair_cuts(lengths, self.pair_limits)
-        pair_lengths = spans.pair_lengths[~spans.lost]
+        return self._plan(spans.pair_lengths[~spans.lost])[2], cuts
+
+    def _plan(self, pair_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(pairs, offsets, [rows] real tokens)`` of whole pairs best-fit into rows (``plan_pair_rows``)."""
         pairs, offsets = plan_pair_rows(pair_lengths, self.row_length)
-        rows = np.add.reduceat(pair_lengths[pairs], offsets[:-1]) if len(pairs) else np.zeros(0, np.int64)
-        return rows.astype(np.int64), cuts
+        lengths = np.add.reduceat(pair_lengths[pairs], offsets[:-1]) if len(pairs) else np.zeros(0, np.int64)
+        return pairs, offsets, lengths.astype(np.int64)
 
     def collator(self, pad_token_id: int) -> PackedPairCollator:
         s = self.settings
