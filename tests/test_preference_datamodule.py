@@ -166,6 +166,11 @@ def test_dpo_trains_on_pairs_with_a_real_trainer(tmp_path, strategy):
     assert any(moved) and not any(p.requires_grad for p in model.reference_model.parameters())
 
 
+def test_dpo_refuses_bad_arguments():
+    with pytest.raises(ValueError, match=r"reference='frozen' is not valid; use one of \('copy', 'precomputed'\)"):
+        DPO(model_config=TINY, reference="frozen")
+
+
 def test_dpo_with_precomputed_reference_logps_needs_no_copy(tmp_path):
     rows = [{"prompt_ids": [5 + i % 7, 6], "chosen_ids": [7, 8 + i % 5], "rejected_ids": [9 + i % 3],
              "ref_chosen_logps": -3.0 - i % 4, "ref_rejected_logps": -2.5} for i in range(24)]

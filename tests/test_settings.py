@@ -42,6 +42,10 @@ def test_the_settings_are_frozen_and_built_once_from_the_arguments():
         (dict(num_workers=-1), "num_workers must be an int >= 0, got -1."),
         (dict(on_resume_mismatch="skip"), "on_resume_mismatch='skip' is not valid; use one of ('error', "
                                           "'restart_epoch')."),
+        (dict(truncation_mode="keep_middle"), "truncation_mode='keep_middle' is not valid; use one of ('keep_start', "
+                                              "'keep_end')."),
+        (dict(train_on="user"), "train_on='user' is not valid; use one of ('assistant', 'last_assistant', 'all')."),
+        (dict(on_empty_labels="skip"), "on_empty_labels='skip' is not valid; use one of ('drop', 'keep', 'error')."),
     ],
 )
 def test_bad_arguments_keep_their_messages(kwargs, message):
