@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from lightning_seqmem.batching.packed_rows import check_packing, pack_sequences
@@ -21,6 +22,8 @@ class StreamingPacker:
         overflow: as in ``pack_sequences`` (``"split"``, ``"truncate"``, ``"drop"``, ``"error"``).
 
     Takes token lists, or ``{"input_ids", "labels"}`` items whose labels travel with their tokens (cut alike).
+    Given a ``Counter``, adds what overflow did to each document (``documents_over_max_length``,
+    ``documents_split``, ``tokens_truncated``, ``tokens_dropped``) and the ``rows`` it yields, as it goes.
 
     Yields:
         ``{"input_ids": list[int], "seq_lengths": list[int]}`` rows (what ``PackCollator`` takes), with ``labels``
@@ -36,7 +39,8 @@ class StreamingPacker:
         self.buffer_size = buffer_size
         self.overflow = overflow
 
-    def _pieces(self, index: int, ids: list[int], labels: list[int] | None) -> list[tuple[list[int], list[int] | None]]:
+    def _pieces(self, index: int, ids: list[int], labels: list[int] | None,
+                counts: Counter) -> list[tuple[list[int], list[int] | None]]:
         m = self.max_length
         if len(ids) <= m:
             return [(ids, labels)]
@@ -45,8 +49,14 @@ class StreamingPacker:
                 f"document at row {index} has {len(ids)} tokens > max_length={m}; "
                 "use overflow='split', 'truncate' or 'drop', or raise max_length."
             )
+        counts["documents_over_max_length"] += 1
         if self.overflow == "drop":
+            counts["tokens_dropped"] += len(ids)
             return []
+        if self.overflow == "truncate":
+            counts["tokens_truncated"] += len(ids) - m
+        else:
+            counts["documents_split"] += 1
         cuts = [0] if self.overflow == "truncate" else range(0, len(ids), m)
         return [(ids[i : i + m], labels[i : i + m] if labels is not None else None) for i in cuts]
 
@@ -63,20 +73,28 @@ class StreamingPacker:
                 keep.extend(members)
         return rows, keep
 
-    def __call__(self, sequences: Iterable[Sequence[int] | Mapping[str, Sequence[int]]]) -> Iterator[dict[str, list[int]]]:
+    def __call__(self, sequences: Iterable[Sequence[int] | Mapping[str, Sequence[int]]],
+                 counts: Counter | None = None) -> Iterator[dict[str, list[int]]]:
+        counts = Counter() if counts is None else counts
         buffer: list[tuple[list[int], list[int] | None]] = []
         for index, item in enumerate(sequences):
             ids, labels = _ids_and_labels(item)
             if len(ids):
-                buffer.extend(self._pieces(index, ids, labels))
+                buffer.extend(self._pieces(index, ids, labels, counts))
             if len(buffer) >= self.buffer_size:
                 rows, buffer = self._emit(buffer, final=False)
-                yield from rows
+                yield from _counted(rows, counts)
                 if len(buffer) >= self.buffer_size:  # nothing full: emit anyway so the window stays bounded
                     rows, buffer = self._emit(buffer, final=True)
-                    yield from rows
+                    yield from _counted(rows, counts)
         if buffer:
-            yield from self._emit(buffer, final=True)[0]
+            yield from _counted(self._emit(buffer, final=True)[0], counts)
+
+
+def _counted(rows: list[dict], counts: Counter) -> Iterator[dict]:
+    for row in rows:
+        counts["rows"] += 1
+        yield row
 
 
 def _ids_and_labels(item: Sequence[int] | Mapping[str, Sequence[int]]) -> tuple[list[int], list[int] | None]:

@@ -28,13 +28,12 @@ from lightning_seqmem.datamodule.pipeline import SPLITS, epoch_stats, load_docum
 from lightning_seqmem.datamodule.resume import ResumableLoader, check_signature, data_signature
 from lightning_seqmem.datamodule.settings import SeqMemSettings
 from lightning_seqmem.datamodule.streaming import (
+    Streams,
     check_streaming,
     encode_document,
     encode_streamed_conversation,
     is_stream,
     stream_kind,
-    streaming_loader,
-    streaming_splits,
 )
 
 
@@ -168,7 +167,7 @@ class SeqMemDataModule(LightningDataModule):
         self.save_hyperparameters(dict(vars(b), **vars(self.settings.data), **vars(self.settings.conversation),
                                        eval_strategy=b.strategy_for("validation")))
         self.dataset = dataset
-        self.streaming = False
+        self.streaming, self._streams = False, None
         self._tokenizer_arg = tokenizer
         self._tokenizer = None
         self._kind: str | None = None  # "text", "prompt_completion", "conversations", "preference", once read
@@ -265,12 +264,13 @@ class SeqMemDataModule(LightningDataModule):
         if self.datasets is not None:
             return
         if is_stream(self.dataset):
-            self._choose_strategies(stream_kind(self.dataset, self.settings.data.text_column))
+            data = self.settings.data
+            self._choose_strategies(stream_kind(self.dataset, data.text_column))
             check_streaming(self._strategies)
             self.streaming = True
-            self.datasets = streaming_splits(self.dataset, self.settings.data.streaming_validation_documents)
-            size = self.settings.data.streaming_buffer_size
-            self._stats = {split: {"streaming": True, "buffer_size": size} for split in self.datasets}
+            self._streams = Streams(self.dataset, self._kind, data.streaming_validation_documents,
+                                    data.streaming_buffer_size, data.num_workers)
+            self.datasets = self._streams.splits
             return
         # Tokenize (or load the cache prepare_data wrote) before carving out a validation split, so errors name
         # rows of the dataset the user passed.
@@ -302,8 +302,7 @@ class SeqMemDataModule(LightningDataModule):
             if self._kind == "conversations":
                 encode = partial(encode_streamed_conversation, ChatRenderer(self.tokenizer),
                                  self.settings.conversation, strategy.settings.max_length)
-            return streaming_loader(self.datasets[split], split, strategy, encode, data.streaming_buffer_size,
-                                    self.pad_token_id, data.num_workers, rank_zero_warn)
+            return self._streams.loader(split, strategy, encode, self.pad_token_id, rank_zero_warn)
         loader = ResumableLoader(
             BatchFetcher(self._rows[split]), sampler=strategy.split_sampler(self._lengths[split], split),
             batch_size=None, collate_fn=strategy.collator(self.pad_token_id), num_workers=data.num_workers,
@@ -364,9 +363,10 @@ class SeqMemDataModule(LightningDataModule):
         for prompt/completion data also the rows skipped because no completion was left; for conversations also
         ``conversations_dropped_empty``, ``trained_tokens``, ``trained_share`` and ``mask_method``; for preference
         pairs (``documents`` = pairs) also the prompt / chosen / rejected tokens truncated, the pairs left without a
-        completion and the pairs whose kept completions are identical."""
+        completion and the pairs whose kept completions are identical. For a stream: what has been read so far on
+        this process (``streaming.StreamCounts``)."""
         self._ready()
-        return {split: dict(values) for split, values in self._stats.items()}
+        return self._streams.stats() if self.streaming else {split: dict(v) for split, v in self._stats.items()}
 
     # ------------------------------------------------------------------------------------------------ resume
     def data_signature(self) -> dict[str, Any]:

@@ -2,14 +2,22 @@
 
 ``SeqMemDataModule`` hands a stream here instead of to the split pipeline: the whole split is never held, so only
 strategies that pack can serve it. Text streams and conversation streams (a ``messages`` column: rendered, cut by
-whole turns to ``max_length``, their labels packed with them) are served. No Lightning import.
+whole turns to ``max_length``, their labels packed with them) are served.
+
+Each rank reads its own share (``datasets.distributed.split_dataset_by_node``: whole shards where they divide
+evenly) and ``datasets`` deals those shards out to the loader's workers, so no document is read twice or skipped.
+What a stream loses to ``max_length`` cannot be known before it is read: :class:`StreamCounts` counts it as it is
+read, in every worker, and ``stats()`` reports it. No Lightning import.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from functools import partial
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -17,8 +25,8 @@ from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
 from lightning_seqmem.data.encode import document_frame
 
-__all__ = ["StreamingRows", "check_streaming", "encode_document", "encode_streamed_conversation", "is_stream",
-           "stream_kind", "streaming_loader", "streaming_splits"]
+__all__ = ["StreamCounts", "StreamingLoader", "StreamingRows", "Streams", "check_streaming", "encode_document",
+           "encode_streamed_conversation", "is_stream", "stream_kind", "streaming_loader", "streaming_splits"]
 
 
 def is_stream(dataset: Any) -> bool:
@@ -28,26 +36,88 @@ def is_stream(dataset: Any) -> bool:
     return isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict))
 
 
-class StreamingRows(IterableDataset):
-    """A text stream tokenized and packed on the fly; rank ``r`` and worker ``w`` take every n-th document.
+class StreamCounts:
+    """What a stream's loader has read so far on this process, loader workers included: documents, tokens, and
+    every token ``max_length`` took (the keys of map-style ``stats()``).
 
-    Memory is bounded by the packer's window. With ``cycle`` the stream restarts when it ends, so DDP ranks
-    (whose shares differ in length) never wait on each other; stop training with ``max_steps``.
+    One row of a shared-memory table per worker (each writes only its own row), so the main process reads the
+    workers' counts while they run, and they outlive the workers.
     """
 
-    def __init__(self, stream, encode, packer: StreamingPacker, rank: int, world: int, cycle: bool) -> None:
-        self.stream, self.encode, self.packer = stream, encode, packer
-        self.rank, self.world, self.cycle = rank, world, cycle
+    SUMMED = ("documents", "empty_documents_skipped", "tokens", "tokens_truncated", "tokens_dropped",
+              "documents_split", "documents_over_max_length", "conversations_dropped_empty", "trained_tokens", "rows")
+    FIELDS = SUMMED + ("longest_document",)
+
+    def __init__(self, workers: int = 0) -> None:
+        self.table = torch.zeros(max(1, workers), len(self.FIELDS), dtype=torch.int64).share_memory_()
+
+    def publish(self, slot: int, start: torch.Tensor, counts: Counter) -> None:
+        """Set row ``slot`` to ``start`` (the row when this pass began) plus this pass's ``counts``."""
+        now = torch.tensor([counts[name] for name in self.FIELDS], dtype=torch.int64)
+        longest = self.FIELDS.index("longest_document")
+        now[:longest] += start[:longest]
+        now[longest] = max(int(now[longest]), int(start[longest]))
+        self.table[slot] = now
+
+    def totals(self) -> dict[str, int]:
+        """The counts summed over workers (``longest_document``: the longest)."""
+        table = self.table.clone()
+        totals = {name: int(table[:, i].sum()) for i, name in enumerate(self.SUMMED)}
+        return dict(totals, longest_document=int(table[:, -1].max()))
+
+    @property
+    def lost(self) -> int:
+        """Tokens read that will never reach the model (truncated or dropped)."""
+        totals = self.totals()
+        return totals["tokens_truncated"] + totals["tokens_dropped"]
+
+
+class StreamingRows(IterableDataset):
+    """A stream tokenized and packed on the fly.
+
+    ``stream`` is this rank's share already; inside a loader worker ``datasets`` hands each worker its own shards.
+    Memory is bounded by the packer's window. With ``cycle`` the stream restarts when it ends, so DDP ranks
+    (whose shares differ in length) never wait on each other; stop training with ``max_steps``. Every pass sets the
+    stream's epoch (``set_epoch``), so a shuffled stream (``stream.shuffle(...)``) is dealt anew each epoch.
+    """
+
+    def __init__(self, stream, encode, packer: StreamingPacker, cycle: bool, counts: StreamCounts | None = None,
+                 on_loss: Callable[[], None] | None = None) -> None:
+        self.stream, self.encode, self.packer, self.cycle = stream, encode, packer, cycle
+        self.counts = counts if counts is not None else StreamCounts()
+        self.on_loss = on_loss
+        self.epoch = 0
 
     def __iter__(self):
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        shard, shards = self.rank * workers + worker, self.world * workers
+        slot = info.id if info is not None else 0
+        passes = 0
         while True:
-            mine = (self.encode(i, ex) for i, ex in enumerate(self.stream) if i % shards == shard)
-            yield from self.packer(mine)
+            if hasattr(self.stream, "set_epoch"):
+                self.stream.set_epoch(self.epoch + passes)
+            start, counts, warned = self.counts.table[slot].clone(), Counter(), False
+            mine = (self.encode(i, ex, counts) for i, ex in enumerate(self.stream))
+            for row in self.packer(mine, counts):
+                self.counts.publish(slot, start, counts)
+                if not warned and (counts["tokens_truncated"] or counts["tokens_dropped"]):
+                    warned = True
+                    if self.on_loss is not None:
+                        self.on_loss()
+                yield row
+            self.counts.publish(slot, start, counts)
+            passes += 1
             if not self.cycle:
                 return
+
+
+class StreamingLoader(DataLoader):
+    """A ``DataLoader`` over :class:`StreamingRows` that moves the stream's epoch on each time it is iterated
+    (Lightning sets epochs on samplers only, and a stream has none)."""
+
+    def __iter__(self):
+        iterator = super().__iter__()  # workers copy the dataset here, with the epoch it has now
+        self.dataset.epoch += 1
+        return iterator
 
 
 def stream_kind(stream: Any, text_column: str = "text") -> str:
@@ -75,19 +145,34 @@ def stream_kind(stream: Any, text_column: str = "text") -> str:
     )
 
 
-def encode_streamed_conversation(renderer: Any, settings: Any, max_length: int, index: int,
-                                 example: dict) -> dict[str, list[int]] | list[int]:
+def encode_streamed_conversation(renderer: Any, settings: Any, max_length: int, index: int, example: dict,
+                                 counts: Counter | None = None) -> dict[str, list[int]] | list[int]:
     """One streamed conversation to ``{"input_ids", "labels"}``, cut by whole turns to ``max_length`` as the
-    split pipeline cuts them; one with no trained token is skipped (``[]``) or refused, by ``on_empty_labels``."""
+    split pipeline cuts them, what was cut added to ``counts``; one with no trained token is skipped (``[]``,
+    counted in ``conversations_dropped_empty`` and ``tokens_dropped``) or refused, by ``on_empty_labels``."""
     from lightning_seqmem.data.chat_truncation import truncate
     from lightning_seqmem.data.conversations import MESSAGES_COLUMN, encode_conversation, select_trained
 
+    counts = Counter() if counts is None else counts
     row = f"{index} of the stream"
-    conversation = truncate(encode_conversation(example.get(MESSAGES_COLUMN), renderer, row, settings), max_length)
+    full = encode_conversation(example.get(MESSAGES_COLUMN), renderer, row, settings)
+    conversation = truncate(full, max_length)
+    _count_document(counts, len(full.input_ids))
+    counts["documents_over_max_length"] += len(full.input_ids) > max_length
+    counts["tokens_truncated"] += len(full.input_ids) - len(conversation.input_ids)
     kept, _ = select_trained([conversation.num_trained], settings.on_empty_labels, rows=[row])
     if not len(kept):
+        counts["conversations_dropped_empty"] += 1
+        counts["tokens_dropped"] += len(conversation.input_ids)
         return []
+    counts["trained_tokens"] += conversation.num_trained
     return {"input_ids": conversation.input_ids.tolist(), "labels": conversation.labels().tolist()}
+
+
+def _count_document(counts: Counter, length: int) -> None:
+    counts["documents"] += 1
+    counts["tokens"] += length
+    counts["longest_document"] = max(counts["longest_document"], length)
 
 
 def check_streaming(strategies: dict[str, Strategy]) -> None:
@@ -109,8 +194,11 @@ def streaming_splits(dataset: Any, validation_documents: int) -> dict[str, Any]:
     return {"train": train, "validation": val}
 
 
-def encode_document(tokenizer: Any, text_column: str, index: int, example: dict) -> list[int]:
-    """One streamed document to ``[bos] + tokens + [eos]``, as ``data.encode`` does for map-style data."""
+def encode_document(tokenizer: Any, text_column: str, index: int, example: dict,
+                    counts: Counter | None = None) -> list[int]:
+    """One streamed document to ``[bos] + tokens + [eos]``, as ``data.encode`` does for map-style data (an empty one
+    to ``[]``, counted in ``empty_documents_skipped``)."""
+    counts = Counter() if counts is None else counts
     text = example.get(text_column)
     if not isinstance(text, str):
         raise TypeError(
@@ -118,20 +206,62 @@ def encode_document(tokenizer: Any, text_column: str, index: int, example: dict)
             "Filter the stream (stream.filter(...)) or pass text_column=<name>."
         )
     if not text:
+        counts["empty_documents_skipped"] += 1
         return []  # skipped by the packer
     prefix, suffix = document_frame(tokenizer)
-    return prefix + tokenizer(text, add_special_tokens=False)["input_ids"] + suffix
+    ids = prefix + tokenizer(text, add_special_tokens=False)["input_ids"] + suffix
+    _count_document(counts, len(ids))
+    return ids
 
 
-def streaming_loader(stream: Any, split: str, strategy: Strategy, encode: Callable[[int, dict], list[int]],
-                     buffer_size: int, pad_token_id: int, num_workers: int, warn: Callable[[str], None]) -> DataLoader:
-    """The loader of one stream: this rank's share of documents, packed by ``strategy``'s settings."""
-    initialised = dist.is_available() and dist.is_initialized()
-    world, rank = (dist.get_world_size(), dist.get_rank()) if initialised else (1, 0)
+def rank_share(stream: Any) -> tuple[Any, int]:
+    """``(this rank's share of the stream, world size)``: whole shards per rank where the shard count divides by
+    the world size, else every ``world``-th document (``datasets.distributed.split_dataset_by_node``)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return stream, 1
+    from datasets.distributed import split_dataset_by_node
+
+    return split_dataset_by_node(stream, rank=dist.get_rank(), world_size=dist.get_world_size()), dist.get_world_size()
+
+
+def streaming_loader(stream: Any, split: str, strategy: Strategy, encode: Callable[..., Any], buffer_size: int,
+                     pad_token_id: int, num_workers: int, warn: Callable[[str], None],
+                     counts: StreamCounts | None = None) -> DataLoader:
+    """The loader of one stream: this rank's share of documents, packed by ``strategy``'s settings; what it reads
+    counted in ``counts``, and the first token lost to ``max_length`` on each pass warned about."""
+    share, world = rank_share(stream)
     cycle = world > 1 and split == "train"
     if cycle:
         warn("Streaming under DDP: the train stream repeats so no rank runs out first; set max_steps.")
-    packer = StreamingPacker(strategy.settings.max_length, buffer_size, strategy.overflow)
-    rows = StreamingRows(stream, encode, packer, rank, world, cycle=cycle)
-    return DataLoader(rows, batch_size=strategy.rows_per_batch(split), collate_fn=strategy.collator(pad_token_id),
-                      num_workers=num_workers)
+    max_length = strategy.settings.max_length
+    packer = StreamingPacker(max_length, buffer_size, strategy.overflow)
+    fix = ("raise max_length" if strategy.overflow == "split" else
+           f"raise max_length or use overflow='split' (overflow={strategy.overflow!r})")
+    lost = (f"{split} stream: documents longer than max_length={max_length} lose tokens as they are read "
+            f"(conversations lose whole oldest turns); stats()[{split!r}] counts them so far. To keep them, {fix}.")
+    rows = StreamingRows(share, encode, packer, cycle=cycle, counts=counts, on_loss=partial(warn, lost))
+    return StreamingLoader(rows, batch_size=strategy.rows_per_batch(split), collate_fn=strategy.collator(pad_token_id),
+                           num_workers=num_workers)
+
+
+class Streams:
+    """The streamed splits of a DataModule: their loaders, and what each has read so far (``stats()``)."""
+
+    CONVERSATION_ONLY = ("conversations_dropped_empty", "trained_tokens")
+
+    def __init__(self, dataset: Any, kind: str, validation_documents: int, buffer_size: int, num_workers: int) -> None:
+        self.splits = streaming_splits(dataset, validation_documents)
+        self.kind, self.buffer_size, self.num_workers = kind, buffer_size, num_workers
+        self.counts = {split: StreamCounts(num_workers) for split in self.splits}
+
+    def loader(self, split: str, strategy: Strategy, encode: Callable[..., Any], pad_token_id: int,
+               warn: Callable[[str], None]) -> DataLoader:
+        return streaming_loader(self.splits[split], split, strategy, encode, self.buffer_size, pad_token_id,
+                                self.num_workers, warn, self.counts[split])
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per split, the counts so far on this process (a stream's totals are known only once it is read)."""
+        drop = () if self.kind == "conversations" else self.CONVERSATION_ONLY
+        return {split: {"streaming": True, "buffer_size": self.buffer_size,
+                        **{k: v for k, v in counts.totals().items() if k not in drop}}
+                for split, counts in self.counts.items()}

@@ -1,0 +1,188 @@
+"""Streams (``datasets.IterableDataset``) at the scale they are used: sharded files, loader workers, DDP ranks.
+
+Every document is read once (not once per worker or rank, and none skipped), every token ``max_length`` takes is
+counted as it is read (the same counts as the map-style pipeline gives for the same data), and a shuffled stream
+is dealt anew each epoch."""
+
+import json
+import os
+import socket
+import warnings
+from collections import Counter
+
+import datasets
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_seqmem import SeqMemDataModule
+from lightning_seqmem.batching import StreamingPacker
+from lightning_seqmem.batching.collate import real_token_mask
+from lightning_seqmem.data.chat_corpus import load_builtin_chat_corpus
+
+COUNTED = ("documents", "empty_documents_skipped", "tokens", "tokens_truncated", "tokens_dropped",
+           "documents_split", "documents_over_max_length", "longest_document")
+
+
+def _write_shards(directory, shards=4, per_shard=30):
+    """``shards`` jsonl files; every document names its shard and index, and some are longer than 24 tokens."""
+    paths = []
+    for s in range(shards):
+        path = os.path.join(directory, f"part{s}.jsonl")
+        with open(path, "w") as f:
+            for i in range(per_shard):
+                text = "" if i == 7 else f"shard {s} doc {i} " + "word " * (1 + (i * 5 + s) % 29)
+                f.write(json.dumps({"text": text}) + "\n")
+        paths.append(path)
+    return paths
+
+
+def _documents(batch, pad_token_id):
+    """The real documents (pieces) of a packed batch, as token tuples."""
+    out, real = [], real_token_mask(batch, pad_token_id)
+    for row in range(batch["input_ids"].shape[0]):
+        ids, pos = batch["input_ids"][row], batch["position_ids"][row]
+        starts = (pos == 0).nonzero().flatten().tolist() + [len(ids)]
+        out += [tuple(ids[a:b].tolist()) for a, b in zip(starts[:-1], starts[1:]) if real[row, a]]
+    return out
+
+
+def _stream(paths):
+    return datasets.load_dataset("json", data_files=paths, split="train", streaming=True)
+
+
+@pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
+def test_streaming_packer_counts_what_overflow_does(overflow):
+    docs = [list(range(n)) for n in (3, 30, 10, 25, 8)]
+    counts = Counter()
+    rows = list(StreamingPacker(10, buffer_size=2, overflow=overflow)(iter(docs), counts))
+    fed = sum(len(r["input_ids"]) for r in rows)
+    assert fed + counts["tokens_truncated"] + counts["tokens_dropped"] == sum(map(len, docs))
+    assert counts["documents_over_max_length"] == 2 and counts["rows"] == len(rows)
+    assert counts["documents_split"] == (2 if overflow == "split" else 0)
+    assert counts["tokens_dropped"] == (55 if overflow == "drop" else 0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_sharded_stream_reads_every_document_once_with_workers(tmp_path, tokenizer, num_workers):
+    """4 files, 2 workers: each worker reads its own files (``datasets`` deals them out) and nothing else, so the
+    train and validation documents together are the stream's documents, each once."""
+    paths = _write_shards(tmp_path)
+    dm = SeqMemDataModule(dataset=_stream(paths), max_length=24, micro_batch_size=4, strategy="pack",
+                          num_workers=num_workers, streaming_validation_documents=12, streaming_buffer_size=8)
+    dm.setup("fit")
+    seen = [d for loader in (dm.train_dataloader(), dm.val_dataloader())
+            for batch in loader for d in _documents(batch, dm.pad_token_id)]
+    whole = SeqMemDataModule(dataset=datasets.Dataset.from_list([{"text": t} for t in _texts(paths)]),
+                             max_length=24, strategy="pack")
+    expected = [tuple(d[j:j + 24]) for d in _encoded(whole, paths) for j in range(0, len(d), 24)]
+    assert sorted(seen) == sorted(expected)
+    stats = dm.stats()
+    assert stats["train"]["documents"] + stats["validation"]["documents"] == len(_encoded(whole, paths))
+    assert stats["train"]["empty_documents_skipped"] + stats["validation"]["empty_documents_skipped"] == 4
+
+
+def _texts(paths):
+    return [json.loads(line)["text"] for p in paths for line in open(p)]
+
+
+def _encoded(dm, paths):
+    from lightning_seqmem.datamodule.streaming import encode_document
+
+    return [d for i, t in enumerate(_texts(paths)) if (d := encode_document(dm.tokenizer, "text", i, {"text": t}))]
+
+
+@pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
+def test_stream_counts_every_lost_token_as_the_map_style_pipeline_does(tmp_path, tokenizer, overflow):
+    """The same train/validation data as a stream and as a ``DatasetDict``: after one pass the stream's counts are
+    the map-style ``stats()``, and the tokens fed plus those counted lost are the tokens read."""
+    paths = _write_shards(tmp_path, shards=2)
+    rows = [{"text": t} for t in _texts(paths)]
+    kwargs = dict(max_length=24, micro_batch_size=4, strategy="pack", overflow=overflow, streaming_buffer_size=8)
+    whole = SeqMemDataModule(dataset=datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:40]),
+                                                           "validation": datasets.Dataset.from_list(rows[40:])}),
+                             cache_dir=tmp_path / "cache", **kwargs)
+    stream = datasets.IterableDatasetDict({"train": datasets.Dataset.from_list(rows[:40]).to_iterable_dataset(),
+                                           "validation": datasets.Dataset.from_list(rows[40:]).to_iterable_dataset()})
+    dm = SeqMemDataModule(dataset=stream, **kwargs)
+    dm.setup("fit")
+    loses = overflow != "split"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fed = sum(int(real_token_mask(batch, dm.pad_token_id).sum()) for batch in dm.train_dataloader())
+    warned = [w for w in caught if "train stream: documents longer than max_length=24 lose tokens" in str(w.message)]
+    assert len(warned) == loses  # once per pass, and only when tokens are lost
+    got, want = dm.stats()["train"], whole.stats()["train"]
+    assert {k: got[k] for k in COUNTED} == {k: want[k] for k in COUNTED}
+    assert fed + got["tokens_truncated"] + got["tokens_dropped"] == got["tokens"]
+    assert (got["tokens_truncated"] + got["tokens_dropped"] > 0) == loses
+
+
+def test_streamed_conversations_count_cut_turns_as_the_map_style_pipeline_does(chat_tokenizer, tmp_path):
+    convs = [row["messages"] for row in load_builtin_chat_corpus()["validation"][:30]]
+    convs.append([{"role": "user", "content": "Nothing to learn from this one."}])  # dropped: no trained token
+    halves = {"train": convs[:20], "validation": convs[20:]}
+    kwargs = dict(tokenizer=chat_tokenizer, max_length=160, micro_batch_size=4, strategy="pack")
+    whole = SeqMemDataModule(dataset=datasets.DatasetDict({k: datasets.Dataset.from_dict({"messages": v})
+                                                           for k, v in halves.items()}),
+                             cache_dir=tmp_path / "cache", **kwargs)
+    stream = datasets.IterableDatasetDict({k: datasets.Dataset.from_dict({"messages": v}).to_iterable_dataset()
+                                           for k, v in halves.items()})
+    dm = SeqMemDataModule(dataset=stream, **kwargs)
+    dm.setup("fit")
+    with pytest.warns(UserWarning, match="lose tokens"):
+        trained = sum(int((batch["labels"] != -100).sum()) for batch in dm.val_dataloader())
+    keys = COUNTED + ("conversations_dropped_empty", "trained_tokens")
+    got, want = dm.stats()["validation"], whole.stats()["validation"]
+    assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
+    assert got["tokens_truncated"] > 0 and got["conversations_dropped_empty"] == 1
+    assert trained == got["trained_tokens"]  # every trained token counted reaches the loss
+    assert "trained_tokens" not in SeqMemDataModule(dataset=datasets.IterableDataset.from_generator(
+        lambda: ({"text": "a b"} for _ in range(3))), strategy="pack").stats()["train"]
+
+
+def test_shuffled_stream_is_dealt_anew_each_epoch(tokenizer):
+    texts = [f"doc {i} " + "word " * (1 + i % 5) for i in range(64)]
+    stream = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset(num_shards=8).shuffle(seed=0,
+                                                                                                 buffer_size=16)
+    dm = SeqMemDataModule(dataset=stream, max_length=32, micro_batch_size=4, strategy="pack",
+                          streaming_validation_documents=0, streaming_buffer_size=4)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    first, second = ([d for b in loader for d in _documents(b, dm.pad_token_id)] for _ in range(2))
+    assert sorted(first) == sorted(second) and first != second
+    assert dm.stats()["train"]["documents"] == 2 * len(texts)  # counts are of everything read so far
+
+
+# ------------------------------------------------------------------------------------------------- DDP
+def _ddp_worker(rank: int, world: int, port: int, paths: list[str], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dm = SeqMemDataModule(dataset=_stream(paths), max_length=24, micro_batch_size=4, strategy="pack",
+                          num_workers=2, streaming_validation_documents=12, streaming_buffer_size=8)
+    dm.setup("fit")
+    train = dm.train_dataloader()
+    train.dataset.cycle = False  # one pass, to compare with the stream (training repeats it under DDP)
+    seen = {split: [list(d) for batch in loader for d in _documents(batch, dm.pad_token_id)]
+            for split, loader in (("train", train), ("validation", dm.val_dataloader()))}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"seen": seen, "stats": dm.stats()}, f)
+    dist.destroy_process_group()
+
+
+def test_ddp_ranks_and_their_workers_read_disjoint_shards_covering_the_stream(tmp_path, tokenizer):
+    """2 ranks x 2 workers over 4 files: each (rank, worker) reads one file, each document once overall; each
+    rank's counts are its own share."""
+    paths = _write_shards(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_ddp_worker, args=(2, port, paths, str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    seen = [tuple(d) for r in ranks for split in ("train", "validation") for d in r["seen"][split]]
+    whole = SeqMemDataModule(dataset=datasets.Dataset.from_list([{"text": t} for t in _texts(paths)]),
+                             max_length=24, strategy="pack")
+    expected = [tuple(d[j:j + 24]) for d in _encoded(whole, paths) for j in range(0, len(d), 24)]
+    assert sorted(seen) == sorted(expected)
+    per_rank = [sum(r["stats"][s]["documents"] for s in ("train", "validation")) for r in ranks]
+    assert sum(per_rank) == len(_encoded(whole, paths)) and min(per_rank) > 0
