@@ -7,6 +7,8 @@ is dealt anew each epoch."""
 import json
 import os
 import socket
+import subprocess
+import sys
 import warnings
 from collections import Counter
 
@@ -20,6 +22,7 @@ from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.collate import real_token_mask
 from lightning_seqmem.data.chat_corpus import load_builtin_chat_corpus
 
+HERE = os.path.dirname(__file__)
 COUNTED = ("documents", "empty_documents_skipped", "tokens", "tokens_truncated", "tokens_dropped",
            "documents_split", "documents_over_max_length", "longest_document")
 
@@ -31,7 +34,7 @@ def _write_shards(directory, shards=4, per_shard=30):
         path = os.path.join(directory, f"part{s}.jsonl")
         with open(path, "w") as f:
             for i in range(per_shard):
-                text = "" if i == 7 else f"shard {s} doc {i} " + "word " * (1 + (i * 5 + s) % 29)
+                text = "" if i == 7 and s else f"shard {s} doc {i} " + "word " * (1 + (i * 5 + s) % 29)
                 f.write(json.dumps({"text": text}) + "\n")
         paths.append(path)
     return paths
@@ -79,7 +82,22 @@ def test_sharded_stream_reads_every_document_once_with_workers(tmp_path, tokeniz
     assert sorted(seen) == sorted(expected)
     stats = dm.stats()
     assert stats["train"]["documents"] + stats["validation"]["documents"] == len(_encoded(whole, paths))
-    assert stats["train"]["empty_documents_skipped"] + stats["validation"]["empty_documents_skipped"] == 4
+    assert stats["train"]["empty_documents_skipped"] + stats["validation"]["empty_documents_skipped"] == 3
+
+
+def test_validation_documents_are_the_streams_first_and_never_trained_on(tokenizer):
+    """The first ``streaming_validation_documents`` of the stream validate; training leaves them out, copies
+    of them further on included, whatever the number of readers."""
+    texts = [f"doc {i} " + "word " * (1 + i % 5) for i in range(40)] + ["doc 1 word word "]  # a copy of doc 1
+    stream = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset(num_shards=4)
+    dm = SeqMemDataModule(dataset=stream, max_length=32, micro_batch_size=4, strategy="pack", num_workers=2,
+                          streaming_validation_documents=3)
+    dm.setup("fit")
+    assert dm.datasets["validation"] == [{"text": t} for t in texts[:3]]
+    trained = {d for b in dm.train_dataloader() for d in _documents(b, dm.pad_token_id)}
+    validated = {d for b in dm.val_dataloader() for d in _documents(b, dm.pad_token_id)}
+    assert len(validated) == 3 and not trained & validated
+    assert dm.stats()["train"]["documents"] == 37  # 40 + the copy - the 3 validation documents - the copy
 
 
 def _texts(paths):
@@ -171,8 +189,8 @@ def _ddp_worker(rank: int, world: int, port: int, paths: list[str], out_dir: str
 
 
 def test_ddp_ranks_and_their_workers_read_disjoint_shards_covering_the_stream(tmp_path, tokenizer):
-    """2 ranks x 2 workers over 4 files: each (rank, worker) reads one file, each document once overall; each
-    rank's counts are its own share."""
+    """2 ranks x 2 workers over 4 files: each (rank, worker) reads one train file; validation is read whole by each
+    rank and its rows dealt out; each document reaches one rank once."""
     paths = _write_shards(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -184,5 +202,21 @@ def test_ddp_ranks_and_their_workers_read_disjoint_shards_covering_the_stream(tm
                              max_length=24, strategy="pack")
     expected = [tuple(d[j:j + 24]) for d in _encoded(whole, paths) for j in range(0, len(d), 24)]
     assert sorted(seen) == sorted(expected)
-    per_rank = [sum(r["stats"][s]["documents"] for s in ("train", "validation")) for r in ranks]
-    assert sum(per_rank) == len(_encoded(whole, paths)) and min(per_rank) > 0
+    train = [r["stats"]["train"]["documents"] for r in ranks]
+    assert ranks[0]["stats"]["validation"] == ranks[1]["stats"]["validation"]  # each read all of it
+    assert sum(train) + ranks[0]["stats"]["validation"]["documents"] == len(_encoded(whole, paths))
+    assert min(train) > 0 and min(len(r["seen"]["validation"]) for r in ranks) > 0
+
+
+def test_uneven_validation_stream_under_fsdp_runs_the_same_batches_on_every_rank(tmp_path):
+    """A validation split of one big and one tiny file under Lightning's FSDP (two CPU ranks): split by file, one
+    rank would run 13 batches and the other 1, their collective forwards crossing into the next training step.
+    Dealt out, both run the same batches, and each counts the whole split."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, os.path.join(HERE, "_stream_dist_script.py"), "fsdp", str(tmp_path)],
+                          env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.load(open(tmp_path / f"fsdp_rank{r}.json")) for r in range(2)]
+    assert ranks[0]["val_batches"] == ranks[1]["val_batches"] > 0
+    assert ranks[0]["stats"] == ranks[1]["stats"] and ranks[0]["stats"]["documents"] == 2 * 32  # two validations
+    assert ranks[0]["val_loss"] == ranks[1]["val_loss"]

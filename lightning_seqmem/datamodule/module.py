@@ -94,7 +94,7 @@ class SeqMemDataModule(LightningDataModule):
         streaming_buffer_size: streaming datasets (``datasets.IterableDataset``, ``strategy="pack"`` only):
             documents held in the best-fit window; memory does not grow with the dataset.
         streaming_validation_documents: a stream without a ``validation`` split gives its first this many
-            documents to validation (and training skips them).
+            documents to validation (held in memory; training leaves them out).
         num_proc: processes for tokenization; ``None``: 1 for small datasets, else ``min(8, cpus // 2)``.
         cache_dir: where tokenized datasets are cached (keyed by the data, the tokenizer's content and the
             framing); ``None``: ``$XDG_CACHE_HOME/lightning_seqmem`` (or ``~/.cache/lightning_seqmem``).

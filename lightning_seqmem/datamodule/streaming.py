@@ -12,6 +12,8 @@ read, in every worker, and ``stats()`` reports it. No Lightning import.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
 from functools import partial
 from collections.abc import Callable
@@ -25,8 +27,9 @@ from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
 from lightning_seqmem.data.encode import document_frame
 
-__all__ = ["StreamCounts", "StreamingLoader", "StreamingRows", "Streams", "check_streaming", "encode_document",
-           "encode_streamed_conversation", "is_stream", "stream_kind", "streaming_loader", "streaming_splits"]
+__all__ = ["DealtBatches", "StreamCounts", "StreamingLoader", "StreamingRows", "Streams", "check_streaming",
+           "encode_document", "encode_streamed_conversation", "is_stream", "stream_kind", "streaming_loader",
+           "streaming_splits"]
 
 
 def is_stream(dataset: Any) -> bool:
@@ -77,15 +80,17 @@ class StreamingRows(IterableDataset):
 
     ``stream`` is this rank's share already; inside a loader worker ``datasets`` hands each worker its own shards.
     Memory is bounded by the packer's window. With ``cycle`` the stream restarts when it ends, so DDP ranks
-    (whose shares differ in length) never wait on each other; stop training with ``max_steps``. Every pass sets the
-    stream's epoch (``set_epoch``), so a shuffled stream (``stream.shuffle(...)``) is dealt anew each epoch.
+    (whose shares differ in length) never wait on each other; stop training with ``max_steps``. With ``reshuffle``
+    every pass sets the stream's epoch (``set_epoch``), so a shuffled stream (``stream.shuffle(...)``) is dealt anew
+    each epoch.
     """
 
-    def __init__(self, stream, encode, packer: StreamingPacker, cycle: bool, counts: StreamCounts | None = None,
-                 on_loss: Callable[[], None] | None = None) -> None:
+    def __init__(self, stream, encode, packer: StreamingPacker, cycle: bool = False,
+                 counts: StreamCounts | None = None, on_loss: Callable[[], None] | None = None,
+                 reshuffle: bool = True) -> None:
         self.stream, self.encode, self.packer, self.cycle = stream, encode, packer, cycle
         self.counts = counts if counts is not None else StreamCounts()
-        self.on_loss = on_loss
+        self.on_loss, self.reshuffle = on_loss, reshuffle
         self.epoch = 0
 
     def __iter__(self):
@@ -93,7 +98,7 @@ class StreamingRows(IterableDataset):
         slot = info.id if info is not None else 0
         passes = 0
         while True:
-            if hasattr(self.stream, "set_epoch"):
+            if self.reshuffle and hasattr(self.stream, "set_epoch"):
                 self.stream.set_epoch(self.epoch + passes)
             start, counts, warned = self.counts.table[slot].clone(), Counter(), False
             mine = (self.encode(i, ex, counts) for i, ex in enumerate(self.stream))
@@ -110,14 +115,48 @@ class StreamingRows(IterableDataset):
                 return
 
 
+class DealtBatches(IterableDataset):
+    """Rank ``rank``'s batches of a whole stream's rows, dealt as the map-style samplers deal them
+    (``sampling.balanced_batch_sizes``): every rank the same number of batches, no row repeated or left out.
+
+    For validation under DDP/FSDP, where a rank that ran out first would leave the others waiting in a collective
+    forward (FSDP's all-gathers). Every rank reads the whole stream (a validation split is small), and the row
+    count is found by one pass when the loader is made, so no collective is needed.
+    """
+
+    def __init__(self, rows: StreamingRows, total_rows: int, rows_per_batch: int, rank: int, world: int) -> None:
+        from lightning_seqmem.batching.sampling import balanced_batch_sizes
+
+        self.rows, self.rank, self.world = rows, rank, world
+        self.sizes = balanced_batch_sizes(total_rows, rows_per_batch, world)
+
+    def __len__(self) -> int:
+        return len(self.sizes[self.rank::self.world])
+
+    def __iter__(self):
+        rows = iter(self.rows)
+        mine = range(self.rank, len(self.sizes), self.world)
+        for index, size in enumerate(self.sizes):
+            batch = [next(rows) for _ in range(size)]
+            if index == mine[-1]:
+                for _ in rows:  # read to the end before the last batch, so the counts are whole
+                    pass
+                yield batch
+                return
+            if index in mine:
+                yield batch
+
+
 class StreamingLoader(DataLoader):
     """A ``DataLoader`` over :class:`StreamingRows` that moves the stream's epoch on each time it is iterated
     (Lightning sets epochs on samplers only, and a stream has none)."""
 
+    epochs_started = 0
+
     def __iter__(self):
-        iterator = super().__iter__()  # workers copy the dataset here, with the epoch it has now
-        self.dataset.epoch += 1
-        return iterator
+        self.dataset.epoch = self.epochs_started  # before the workers copy the dataset
+        self.epochs_started += 1
+        return super().__iter__()
 
 
 def stream_kind(stream: Any, text_column: str = "text") -> str:
@@ -186,12 +225,36 @@ def check_streaming(strategies: dict[str, Strategy]) -> None:
 
 
 def streaming_splits(dataset: Any, validation_documents: int) -> dict[str, Any]:
-    """``{"train", "validation"}`` streams: the dataset's own validation split, else its first
-    ``validation_documents`` documents (which training then skips)."""
+    """``{"train", "validation"}``: the dataset's own validation split, else the stream's first
+    ``validation_documents`` documents, read here and held as a list, with training left the rest.
+
+    Training leaves them out by content (:class:`NotIn`), not with ``skip``: under loader workers and DDP ranks
+    ``datasets`` splits a ``skip``/``take`` count across the shards each reader gets, so the documents skipped
+    would depend on the number of readers. A document equal to a validation document is left out of training too.
+    """
     train, val = (dataset["train"], dataset.get("validation")) if isinstance(dataset, dict) else (dataset, None)
     if val is None:
-        train, val = train.skip(validation_documents), train.take(validation_documents)
+        val = list(train.take(validation_documents)) if validation_documents else []
+        if val:
+            train = train.filter(NotIn(val))
     return {"train": train, "validation": val}
+
+
+class NotIn:
+    """``True`` for an example that is not one of ``examples`` (compared by a hash of its content): a picklable
+    filter, so loader workers can run it."""
+
+    def __init__(self, examples: list[dict]) -> None:
+        self.keys = frozenset(map(example_key, examples))
+
+    def __call__(self, example: dict) -> bool:
+        return example_key(example) not in self.keys
+
+
+def example_key(example: dict) -> bytes:
+    """A 16-byte digest of an example's content, the same in every process."""
+    text = json.dumps(example, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def encode_document(tokenizer: Any, text_column: str, index: int, example: dict,
@@ -214,24 +277,26 @@ def encode_document(tokenizer: Any, text_column: str, index: int, example: dict,
     return ids
 
 
-def rank_share(stream: Any) -> tuple[Any, int]:
-    """``(this rank's share of the stream, world size)``: whole shards per rank where the shard count divides by
-    the world size, else every ``world``-th document (``datasets.distributed.split_dataset_by_node``)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return stream, 1
+def rank_share(stream: Any) -> Any:
+    """This rank's share of a stream: whole shards per rank where the shard count divides by the world size, else
+    every ``world``-th document (``datasets.distributed.split_dataset_by_node``)."""
     from datasets.distributed import split_dataset_by_node
 
-    return split_dataset_by_node(stream, rank=dist.get_rank(), world_size=dist.get_world_size()), dist.get_world_size()
+    return split_dataset_by_node(stream, rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
 def streaming_loader(stream: Any, split: str, strategy: Strategy, encode: Callable[..., Any], buffer_size: int,
                      pad_token_id: int, num_workers: int, warn: Callable[[str], None],
                      counts: StreamCounts | None = None) -> DataLoader:
     """The loader of one stream: this rank's share of documents, packed by ``strategy``'s settings; what it reads
-    counted in ``counts``, and the first token lost to ``max_length`` on each pass warned about."""
-    share, world = rank_share(stream)
-    cycle = world > 1 and split == "train"
-    if cycle:
+    counted in ``counts``, and the first token lost to ``max_length`` on each pass warned about.
+
+    Under DDP/FSDP the train stream is split by rank and repeats (``cycle``); a validation stream is read whole by
+    every rank and its rows dealt out in equal numbers of batches (:class:`DealtBatches`).
+    """
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    train = split == "train"
+    if distributed and train:
         warn("Streaming under DDP: the train stream repeats so no rank runs out first; set max_steps.")
     max_length = strategy.settings.max_length
     packer = StreamingPacker(max_length, buffer_size, strategy.overflow)
@@ -239,9 +304,17 @@ def streaming_loader(stream: Any, split: str, strategy: Strategy, encode: Callab
            f"raise max_length or use overflow='split' (overflow={strategy.overflow!r})")
     lost = (f"{split} stream: documents longer than max_length={max_length} lose tokens as they are read "
             f"(conversations lose whole oldest turns); stats()[{split!r}] counts them so far. To keep them, {fix}.")
-    rows = StreamingRows(share, encode, packer, cycle=cycle, counts=counts, on_loss=partial(warn, lost))
-    return StreamingLoader(rows, batch_size=strategy.rows_per_batch(split), collate_fn=strategy.collator(pad_token_id),
-                           num_workers=num_workers)
+    per_batch, collate = strategy.rows_per_batch(split), strategy.collator(pad_token_id)
+    if distributed and not train:
+        rows = StreamingRows(stream, encode, packer, counts=counts, on_loss=partial(warn, lost), reshuffle=False)
+        total = sum(1 for _ in StreamingRows(stream, encode, packer, reshuffle=False))
+        dealt = DealtBatches(rows, total, per_batch, dist.get_rank(), dist.get_world_size())
+        return DataLoader(dealt, batch_size=None, collate_fn=collate)
+    share = rank_share(stream) if distributed else stream
+    rows = StreamingRows(share, encode, packer, cycle=distributed and train, counts=counts,
+                         on_loss=partial(warn, lost), reshuffle=train)
+    held = isinstance(stream, list)  # validation documents held in memory: one reader, or each would read all
+    return StreamingLoader(rows, batch_size=per_batch, collate_fn=collate, num_workers=0 if held else num_workers)
 
 
 class Streams:
