@@ -293,5 +293,6 @@ def test_streamed_conversations_are_packed_whole_with_their_masks(chat_tokenizer
 def test_streams_of_other_kinds_are_refused_with_the_fix():
     pairs = datasets.IterableDataset.from_generator(lambda: ({"prompt": "q", "chosen": "a", "rejected": "b"}
                                                              for _ in range(4)))
-    with pytest.raises(ValueError, match=r"has \['chosen', 'prompt', 'rejected'\].*without streaming=True"):
+    with pytest.raises(ValueError, match=r"stream of preference \(columns \['chosen', 'prompt', 'rejected'\]\).*"
+                                         r"without streaming=True"):
         SeqMemDataModule(dataset=pairs, strategy="pack").setup("fit")

@@ -220,3 +220,74 @@ def test_uneven_validation_stream_under_fsdp_runs_the_same_batches_on_every_rank
     assert ranks[0]["val_batches"] == ranks[1]["val_batches"] > 0
     assert ranks[0]["stats"] == ranks[1]["stats"] and ranks[0]["stats"]["documents"] == 2 * 32  # two validations
     assert ranks[0]["val_loss"] == ranks[1]["val_loss"]
+
+
+# --------------------------------------------------------------------------------------- other kinds of stream
+def _prompt_completion_rows(n=30):
+    return [{"prompt": f"question {i} " + "why " * (i % 17), "completion": "" if i == 4 else f"answer {i} " +
+             "because " * (i % 11)} for i in range(n)]
+
+
+def test_prompt_completion_stream_is_truncated_and_counted_as_the_map_style_rows(tokenizer, tmp_path):
+    """Prompt/completion rows streamed: framed, truncated by the same limits (the prompt keeps its end, the
+    completion its start), loss on the completion only, the same counts as a ``DatasetDict`` of the same rows."""
+    rows = _prompt_completion_rows()
+    halves = {"train": rows[:20], "validation": rows[20:]}
+    kwargs = dict(max_length=24, max_prompt_length=10, micro_batch_size=4, strategy="pack")
+    whole = SeqMemDataModule(dataset=datasets.DatasetDict({k: datasets.Dataset.from_list(v)
+                                                           for k, v in halves.items()}),
+                             cache_dir=tmp_path / "cache", **kwargs)
+    stream = datasets.IterableDatasetDict({k: datasets.Dataset.from_list(v).to_iterable_dataset()
+                                           for k, v in halves.items()})
+    dm = SeqMemDataModule(dataset=stream, **kwargs)
+    dm.setup("fit")
+    with pytest.warns(UserWarning, match="train stream: documents longer than max_length=24 lose tokens"):
+        batches = list(dm.train_dataloader())
+    got, want = dm.stats()["train"], whole.stats()["train"]
+    keys = COUNTED + ("rows_without_completion",)
+    assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
+    assert got["rows_without_completion"] == 1 and got["tokens_truncated"] > 0
+    fed = sum(int(real_token_mask(b, dm.pad_token_id).sum()) for b in batches)
+    assert fed + got["tokens_truncated"] == got["tokens"]
+    # the same rows, token for token, with the same labels (loss on completions only)
+    mine = sorted(zip(_documents_with_labels(batches, dm.pad_token_id)))
+    theirs = sorted(zip(_documents_with_labels(whole.train_dataloader(), dm.pad_token_id)))
+    assert mine == theirs
+
+
+def _documents_with_labels(batches, pad_token_id):
+    out, real = [], None
+    for batch in batches:
+        real = real_token_mask(batch, pad_token_id)
+        for row in range(batch["input_ids"].shape[0]):
+            ids, pos, labels = batch["input_ids"][row], batch["position_ids"][row], batch["labels"][row]
+            starts = (pos == 0).nonzero().flatten().tolist() + [len(ids)]
+            out += [(tuple(ids[a:b].tolist()), tuple(labels[a:b].tolist()))
+                    for a, b in zip(starts[:-1], starts[1:]) if real[row, a]]
+    return out
+
+
+def test_token_id_stream_is_packed_with_its_labels_and_checked(tokenizer):
+    rows = [{"input_ids": list(range(1, 5 + i % 40)), "labels": [-100] * 2 + list(range(3, 5 + i % 40))}
+            for i in range(30)]
+    stream = datasets.Dataset.from_list(rows).to_iterable_dataset()
+    dm = SeqMemDataModule(dataset=stream, max_length=24, micro_batch_size=4, strategy="pack",
+                          streaming_validation_documents=0)
+    dm.setup("fit")
+    pieces = [p for b in dm.train_dataloader() for p in _documents_with_labels([b], dm.pad_token_id)]
+    expected = [(tuple(r["input_ids"][j:j + 24]), tuple(r["labels"][j:j + 24]))
+                for r in rows for j in range(0, len(r["input_ids"]), 24)]
+    # a packed piece's first label is -100 (nothing in its row predicts it)
+    assert sorted(ids for ids, _ in pieces) == sorted(ids for ids, _ in expected)
+    for ids, labels in pieces:
+        want = dict(expected)[ids]
+        assert labels[1:] == want[1:] and labels[0] == -100
+    stats = dm.stats()["train"]
+    assert stats["documents"] == 30 and stats["tokens"] == sum(len(r["input_ids"]) for r in rows)
+    assert stats["documents_split"] == sum(len(r["input_ids"]) > 24 for r in rows)
+    bad = datasets.Dataset.from_list([{"input_ids": [1, 2]}, {"input_ids": [3, len(tokenizer) + 7]}])
+    dm = SeqMemDataModule(dataset=bad.to_iterable_dataset(), strategy="pack", tokenizer=tokenizer,
+                          streaming_validation_documents=0)
+    dm.setup("fit")
+    with pytest.raises(ValueError, match=rf"Row 1 of the stream: input_ids holds {len(tokenizer) + 7}, outside"):
+        list(dm.train_dataloader())

@@ -9,7 +9,6 @@ This class only wires them to Lightning's ``prepare_data``/``setup``/``*_dataloa
 from __future__ import annotations
 
 import os
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,8 @@ from typing_extensions import override
 from lightning_seqmem.batching.sampling import BatchFetcher
 from lightning_seqmem.batching.pair_strategies import make_split_strategy
 from lightning_seqmem.batching.strategies import Strategy, largest_shape
-from lightning_seqmem.data.chat_template import ChatRenderer, chat_template_of, mask_method
+from lightning_seqmem.data.chat_template import chat_template_of, mask_method
+from lightning_seqmem.data.columns import PRETOKENIZED_KINDS
 from lightning_seqmem.data.sources import BUILTIN_CHAT
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.pipeline import SPLITS, epoch_stats, load_documents, prepare_split, split_documents
@@ -30,9 +30,8 @@ from lightning_seqmem.datamodule.settings import SeqMemSettings
 from lightning_seqmem.datamodule.streaming import (
     Streams,
     check_streaming,
-    encode_document,
-    encode_streamed_conversation,
     is_stream,
+    stream_encoder,
     stream_kind,
 )
 
@@ -265,7 +264,8 @@ class SeqMemDataModule(LightningDataModule):
             return
         if is_stream(self.dataset):
             data = self.settings.data
-            self._choose_strategies(stream_kind(self.dataset, data.text_column))
+            self._stream_kind = stream_kind(self.dataset, data.text_column)
+            self._choose_strategies(PRETOKENIZED_KINDS.get(self._stream_kind, self._stream_kind))
             check_streaming(self._strategies)
             self.streaming = True
             self._streams = Streams(self.dataset, self._kind, data.streaming_validation_documents,
@@ -298,10 +298,7 @@ class SeqMemDataModule(LightningDataModule):
             self.setup("fit")
         strategy, data = self._strategies[split], self.settings.data
         if self.streaming:
-            encode = partial(encode_document, self.tokenizer, data.text_column)
-            if self._kind == "conversations":
-                encode = partial(encode_streamed_conversation, ChatRenderer(self.tokenizer),
-                                 self.settings.conversation, strategy.settings.max_length)
+            encode = stream_encoder(self._stream_kind, self.tokenizer, self.settings, strategy)
             return self._streams.loader(split, strategy, encode, self.pad_token_id, rank_zero_warn)
         loader = ResumableLoader(
             BatchFetcher(self._rows[split]), sampler=strategy.split_sampler(self._lengths[split], split),

@@ -1,8 +1,9 @@
 """Streaming datasets (``datasets.IterableDataset``): tokenized and packed on the fly, memory bounded by a window.
 
 ``SeqMemDataModule`` hands a stream here instead of to the split pipeline: the whole split is never held, so only
-strategies that pack can serve it. Text streams and conversation streams (a ``messages`` column: rendered, cut by
-whole turns to ``max_length``, their labels packed with them) are served.
+strategies that pack can serve it. Streams of text, conversations (a ``messages`` column: rendered, cut by whole
+turns to ``max_length``, their labels packed with them), prompt/completion text and token ids are served
+(``stream_encoding.py`` encodes them one document at a time).
 
 Each rank reads its own share (``datasets.distributed.split_dataset_by_node``: whole shards where they divide
 evenly) and ``datasets`` deals those shards out to the loader's workers, so no document is read twice or skipped.
@@ -15,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from functools import partial
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,11 +26,17 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
-from lightning_seqmem.data.encode import document_frame
+from lightning_seqmem.datamodule.stream_encoding import (
+    STREAM_KINDS,
+    encode_document,
+    encode_streamed_conversation,
+    stream_encoder,
+    stream_kind,
+)
 
-__all__ = ["DealtBatches", "StreamCounts", "StreamingLoader", "StreamingRows", "Streams", "check_streaming",
-           "encode_document", "encode_streamed_conversation", "is_stream", "stream_kind", "streaming_loader",
-           "streaming_splits"]
+__all__ = ["STREAM_KINDS", "DealtBatches", "StreamCounts", "StreamingLoader", "StreamingRows", "Streams",
+           "check_streaming", "encode_document", "encode_streamed_conversation", "is_stream", "stream_encoder",
+           "stream_kind", "streaming_loader", "streaming_splits"]
 
 
 def is_stream(dataset: Any) -> bool:
@@ -48,7 +55,8 @@ class StreamCounts:
     """
 
     SUMMED = ("documents", "empty_documents_skipped", "tokens", "tokens_truncated", "tokens_dropped",
-              "documents_split", "documents_over_max_length", "conversations_dropped_empty", "trained_tokens", "rows")
+              "documents_split", "documents_over_max_length", "conversations_dropped_empty", "trained_tokens",
+              "rows_without_completion", "rows")
     FIELDS = SUMMED + ("longest_document",)
 
     def __init__(self, workers: int = 0) -> None:
@@ -159,61 +167,6 @@ class StreamingLoader(DataLoader):
         return super().__iter__()
 
 
-def stream_kind(stream: Any, text_column: str = "text") -> str:
-    """``"text"`` or ``"conversations"``, from the stream's columns (its features, else its first row).
-
-    Raises:
-        ValueError: columns of another kind (prompt/completion, preference pairs, token ids), which need the whole
-            split: the message says to load without ``streaming=True``.
-    """
-    from lightning_seqmem.data.conversations import MESSAGES_COLUMN, check_conversation_columns
-
-    train = stream["train"] if isinstance(stream, dict) else stream
-    features = getattr(train, "features", None)
-    columns = set(features) if features else set(next(iter(train.take(1)), {}))
-    if check_conversation_columns(columns, other_columns=(text_column, "prompt", "completion")):
-        return "conversations"
-    if text_column in columns:
-        return "text"
-    raise ValueError(
-        f"A streaming dataset is tokenized and packed on the fly from a {text_column!r} column (text) or a "
-        f"{MESSAGES_COLUMN!r} column (conversations); this one has {sorted(columns)}. Prompt/completion data, "
-        "preference pairs and token ids need the whole split (their truncation is planned over it): load the "
-        "dataset without streaming=True (the token cache tokenizes it once per node and memory-maps the tokens, "
-        f"so memory stays bounded), or pass text_column=<name>."
-    )
-
-
-def encode_streamed_conversation(renderer: Any, settings: Any, max_length: int, index: int, example: dict,
-                                 counts: Counter | None = None) -> dict[str, list[int]] | list[int]:
-    """One streamed conversation to ``{"input_ids", "labels"}``, cut by whole turns to ``max_length`` as the
-    split pipeline cuts them, what was cut added to ``counts``; one with no trained token is skipped (``[]``,
-    counted in ``conversations_dropped_empty`` and ``tokens_dropped``) or refused, by ``on_empty_labels``."""
-    from lightning_seqmem.data.chat_truncation import truncate
-    from lightning_seqmem.data.conversations import MESSAGES_COLUMN, encode_conversation, select_trained
-
-    counts = Counter() if counts is None else counts
-    row = f"{index} of the stream"
-    full = encode_conversation(example.get(MESSAGES_COLUMN), renderer, row, settings)
-    conversation = truncate(full, max_length)
-    _count_document(counts, len(full.input_ids))
-    counts["documents_over_max_length"] += len(full.input_ids) > max_length
-    counts["tokens_truncated"] += len(full.input_ids) - len(conversation.input_ids)
-    kept, _ = select_trained([conversation.num_trained], settings.on_empty_labels, rows=[row])
-    if not len(kept):
-        counts["conversations_dropped_empty"] += 1
-        counts["tokens_dropped"] += len(conversation.input_ids)
-        return []
-    counts["trained_tokens"] += conversation.num_trained
-    return {"input_ids": conversation.input_ids.tolist(), "labels": conversation.labels().tolist()}
-
-
-def _count_document(counts: Counter, length: int) -> None:
-    counts["documents"] += 1
-    counts["tokens"] += length
-    counts["longest_document"] = max(counts["longest_document"], length)
-
-
 def check_streaming(strategies: dict[str, Strategy]) -> None:
     """Refuse a stream for strategies that need the whole dataset (every split must pack)."""
     if not all(strategy.packs for strategy in strategies.values()):
@@ -255,26 +208,6 @@ def example_key(example: dict) -> bytes:
     """A 16-byte digest of an example's content, the same in every process."""
     text = json.dumps(example, sort_keys=True, default=str, ensure_ascii=False)
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
-
-
-def encode_document(tokenizer: Any, text_column: str, index: int, example: dict,
-                    counts: Counter | None = None) -> list[int]:
-    """One streamed document to ``[bos] + tokens + [eos]``, as ``data.encode`` does for map-style data (an empty one
-    to ``[]``, counted in ``empty_documents_skipped``)."""
-    counts = Counter() if counts is None else counts
-    text = example.get(text_column)
-    if not isinstance(text, str):
-        raise TypeError(
-            f"Row {index} of the stream: column {text_column!r} is {type(text).__name__}, not a string. "
-            "Filter the stream (stream.filter(...)) or pass text_column=<name>."
-        )
-    if not text:
-        counts["empty_documents_skipped"] += 1
-        return []  # skipped by the packer
-    prefix, suffix = document_frame(tokenizer)
-    ids = prefix + tokenizer(text, add_special_tokens=False)["input_ids"] + suffix
-    _count_document(counts, len(ids))
-    return ids
 
 
 def rank_share(stream: Any) -> Any:
@@ -320,7 +253,8 @@ def streaming_loader(stream: Any, split: str, strategy: Strategy, encode: Callab
 class Streams:
     """The streamed splits of a DataModule: their loaders, and what each has read so far (``stats()``)."""
 
-    CONVERSATION_ONLY = ("conversations_dropped_empty", "trained_tokens")
+    ONLY = {"conversations": ("conversations_dropped_empty", "trained_tokens"),
+            "prompt_completion": ("rows_without_completion",)}
 
     def __init__(self, dataset: Any, kind: str, validation_documents: int, buffer_size: int, num_workers: int) -> None:
         self.splits = streaming_splits(dataset, validation_documents)
@@ -334,7 +268,7 @@ class Streams:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split, the counts so far on this process (a stream's totals are known only once it is read)."""
-        drop = () if self.kind == "conversations" else self.CONVERSATION_ONLY
+        drop = {key for kind, keys in self.ONLY.items() if kind != self.kind for key in keys}
         return {split: {"streaming": True, "buffer_size": self.buffer_size,
                         **{k: v for k, v in counts.totals().items() if k not in drop}}
                 for split, counts in self.counts.items()}
