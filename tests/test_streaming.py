@@ -291,3 +291,36 @@ def test_token_id_stream_is_packed_with_its_labels_and_checked(tokenizer):
     dm.setup("fit")
     with pytest.raises(ValueError, match=rf"Row 1 of the stream: input_ids holds {len(tokenizer) + 7}, outside"):
         list(dm.train_dataloader())
+
+
+# ------------------------------------------------------------------------------------------ streaming=True
+def test_streaming_true_reads_local_files_lazily_and_every_document_once(tmp_path, tokenizer):
+    """``streaming=True`` on jsonl files: ``datasets`` reads them as a stream (no Arrow copy is written), one shard
+    per file, and train plus validation are the files' documents, each once."""
+    paths = _write_shards(tmp_path)
+    dm = SeqMemDataModule(dataset=str(tmp_path / "part*.jsonl"), streaming=True, max_length=24, micro_batch_size=4,
+                          strategy="pack", num_workers=2, streaming_validation_documents=12,
+                          cache_dir=tmp_path / "cache")
+    dm.prepare_data()
+    dm.setup("fit")
+    assert isinstance(dm.dataset, datasets.IterableDatasetDict) and dm.dataset["train"].num_shards == 4
+    seen = [d for loader in (dm.train_dataloader(), dm.val_dataloader())
+            for batch in loader for d in _documents(batch, dm.pad_token_id)]
+    whole = SeqMemDataModule(dataset=datasets.Dataset.from_list([{"text": t} for t in _texts(paths)]),
+                             max_length=24, strategy="pack")
+    expected = [tuple(d[j:j + 24]) for d in _encoded(whole, paths) for j in range(0, len(d), 24)]
+    assert sorted(seen) == sorted(expected)
+    assert not (tmp_path / "cache").exists()  # nothing tokenized ahead
+
+
+def test_streaming_true_serves_a_map_style_dataset_as_shards(tokenizer):
+    ds = datasets.Dataset.from_dict({"prompt": [f"q {i}" for i in range(40)],
+                                     "completion": [f"a {i} " + "so " * (i % 9) for i in range(40)]})
+    dm = SeqMemDataModule(dataset=ds, streaming=True, max_length=32, micro_batch_size=4, strategy="pack",
+                          streaming_validation_documents=5)
+    dm.setup("fit")
+    assert dm.dataset["train"].num_shards == 8 and len(dm.datasets["validation"]) == 5
+    list(dm.train_dataloader())
+    assert dm.stats()["train"]["documents"] == 35 and dm.stats()["train"]["rows_without_completion"] == 0
+    with pytest.raises(ValueError, match="streaming dataset is packed on the fly: use strategy='pack'"):
+        SeqMemDataModule(dataset=ds, streaming=True, strategy="pad").setup("fit")

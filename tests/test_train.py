@@ -122,6 +122,13 @@ def test_data_local_trains_on_the_given_file(tmp_path):
     assert summary["optimizer_steps"] == 2 and summary["final_val_loss"] > 0
 
 
+def test_main_job_streams_the_builtin_corpus(tmp_path):
+    """``data.streaming=true``: the main job trains on the corpus as a stream and reports what it read."""
+    summary = run_in_process(tmp_path, ["data=pack_bfd", "data.streaming=true"])
+    assert summary["optimizer_steps"] == 4 and summary["final_val_loss"] > 0
+    assert summary["real_token_fraction"] > 0.9 and summary["dataset_documents_split"] > 0
+
+
 def test_bad_input_fails_clearly_and_records_it(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", "data.max_length=1", f"hydra.run.dir={run_dir}"]

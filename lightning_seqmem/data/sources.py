@@ -159,6 +159,40 @@ def load_text_dataset(dataset: Any = "builtin"):
     return dsd
 
 
+def open_stream(dataset: Any, shards: int = 8):
+    """``dataset`` as a ``datasets`` stream (``SeqMemDataModule(streaming=True)``).
+
+    Local files and hub names are read lazily (``load_dataset(..., streaming=True)``: nothing is converted to Arrow
+    or downloaded ahead, so training starts at once on data of any size); anything else (the built-in corpora, a
+    ``Dataset``, a ``save_to_disk`` folder, a list) is loaded as usual and served as a stream of up to ``shards``
+    shards, so loader workers and ranks can share it.
+    """
+    import datasets
+
+    if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        return dataset
+    builtin = isinstance(dataset, str) and dataset in ("builtin", BUILTIN_CHAT, BUILTIN_PREFERENCE)
+    if isinstance(dataset, (str, os.PathLike, list, tuple)) and not builtin:
+        saved = isinstance(dataset, (str, os.PathLike)) and os.path.isdir(dataset) and any(
+            os.path.exists(os.path.join(dataset, name)) for name in ("dataset_dict.json", "dataset_info.json"))
+        spec = [os.path.join(dataset, f"*{ext}") for ext in _LOCAL_BUILDERS] \
+            if isinstance(dataset, (str, os.PathLike)) and os.path.isdir(dataset) else dataset
+        files = None if saved else _local_files(spec)
+        if files:
+            builder = _LOCAL_BUILDERS[os.path.splitext(files[0])[1].lower()]
+            return datasets.load_dataset(builder, data_files={"train": list(files)}, streaming=True)
+        name = os.fspath(dataset) if isinstance(dataset, (str, os.PathLike)) else None
+        if name is not None and not os.path.exists(name) and not _looks_like_path(name):
+            try:
+                return datasets.load_dataset(name, streaming=True)
+            except Exception as err:
+                raise FileNotFoundError(f"Could not stream dataset {short_repr(name)} from the hub "
+                                        f"({type(err).__name__}: {short_repr(str(err))}). Check the name.") from err
+    dsd = load_text_dataset(dataset)
+    return datasets.IterableDatasetDict({split: ds.to_iterable_dataset(num_shards=max(1, min(shards, len(ds))))
+                                         for split, ds in dsd.items()})
+
+
 def ensure_validation_split(dsd, validation_fraction: float = 0.05, seed: int = 42):
     """Give a ``DatasetDict`` without a ``validation`` split one: its ``test`` split, or a seeded slice of train."""
     import datasets
@@ -228,8 +262,7 @@ def _load_path_or_name(spec):
     if files is not None:
         return load_local_files(files)
     name = os.fspath(spec) if not isinstance(spec, (list, tuple)) else None
-    looks_like_path = name is None or name.startswith((".", "/", "~")) or os.sep in name.rstrip("/").split("/", 1)[-1]
-    if name is None or looks_like_path or os.path.splitext(name)[1].lower() in _LOCAL_BUILDERS:
+    if name is None or _looks_like_path(name):
         what = "matches no file" if name is not None and any(c in name for c in "*?[") else "does not exist"
         raise FileNotFoundError(
             f"Dataset path {short_repr(spec)} {what} (relative paths start at {short_repr(os.getcwd())}). Pass an "
@@ -243,6 +276,13 @@ def _load_path_or_name(spec):
             f"Could not load dataset {short_repr(name)}: it is not a local path, and loading it by name failed "
             f"({type(err).__name__}: {short_repr(str(err))}). Check the name, or download it and pass the local path."
         ) from err
+
+
+def _looks_like_path(name: str) -> bool:
+    """A local path rather than a hub name (``org/name``): starts with ``.``, ``/`` or ``~``, has more than one
+    ``/``, or ends in a file extension we read."""
+    return (name.startswith((".", "/", "~")) or os.sep in name.rstrip("/").split("/", 1)[-1]
+            or os.path.splitext(name)[1].lower() in _LOCAL_BUILDERS)
 
 
 def load_local_files(files: Sequence[str]):

@@ -22,7 +22,7 @@ from lightning_seqmem.batching.pair_strategies import make_split_strategy
 from lightning_seqmem.batching.strategies import Strategy, largest_shape
 from lightning_seqmem.data.chat_template import chat_template_of, mask_method
 from lightning_seqmem.data.columns import PRETOKENIZED_KINDS
-from lightning_seqmem.data.sources import BUILTIN_CHAT
+from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.pipeline import SPLITS, epoch_stats, load_documents, prepare_split, split_documents
 from lightning_seqmem.datamodule.resume import ResumableLoader, check_signature, data_signature
@@ -31,7 +31,6 @@ from lightning_seqmem.datamodule.streaming import (
     Streams,
     check_streaming,
     is_stream,
-    stream_encoder,
     stream_kind,
 )
 
@@ -90,6 +89,8 @@ class SeqMemDataModule(LightningDataModule):
         completion_only_loss: prompt/completion data: labels -100 on the prompt.
         return_cu_seqlens: ``pack`` only: also yield ``cu_seqlens`` for custom varlen attention.
         drop_last: drop the incomplete tail of an epoch (counted in ``stats()``) instead of smaller last batches.
+        streaming: serve ``dataset`` as a stream (``strategy="pack"``): local files and hub names are read as they
+            are trained on, with nothing converted or downloaded ahead (``data.sources.open_stream``).
         streaming_buffer_size: streaming datasets (``datasets.IterableDataset``, ``strategy="pack"`` only):
             documents held in the best-fit window; memory does not grow with the dataset.
         streaming_validation_documents: a stream without a ``validation`` split gives its first this many
@@ -148,6 +149,7 @@ class SeqMemDataModule(LightningDataModule):
         completion_only_loss: bool = True,
         return_cu_seqlens: bool = False,
         drop_last: bool = False,
+        streaming: bool = False,
         streaming_buffer_size: int = 1000,
         streaming_validation_documents: int = 100,
         num_proc: int | None = None,
@@ -198,9 +200,8 @@ class SeqMemDataModule(LightningDataModule):
     # --------------------------------------------------------------------------------------------- resources
     @property
     def tokenizer(self):
-        """The tokenizer, loaded on first access (so ``CausalLM`` can read the vocabulary size at setup); ``None``
-        for pre-tokenized data given with its ``pad_token_id`` and no tokenizer: the built-in one would not match
-        its ids (a model sized from it would index past its embeddings)."""
+        """The tokenizer, loaded on first access (``CausalLM`` reads the vocabulary size at setup); ``None`` for
+        pre-tokenized data given with a ``pad_token_id`` and no tokenizer (the built-in one would not match)."""
         if self._tokenizer is None:
             if self._tokenizer_arg is None and self.settings.data.pad_token_id is not None and self._pretokenized:
                 return None
@@ -226,16 +227,22 @@ class SeqMemDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         """Build what is cached on disk, once per node (Lightning calls this on local rank 0 only): the built-in
         corpus, the default tokenizer and the tokenized dataset; ``setup`` on every rank then only reads them."""
+        if self._open_stream():
+            _ = self.tokenizer  # a hub tokenizer downloaded once per node; a stream itself is read as trained on
+            return
         if isinstance(self.dataset, str) and self.dataset in ("builtin", BUILTIN_CHAT):
             from lightning_seqmem.data.corpus import load_builtin_corpus
 
             load_builtin_corpus()
-        if is_stream(self.dataset):
-            _ = self.tokenizer
-            return
         self.tokenized_documents()
         if self.settings.batching.packs_any():
             self.setup("fit")  # plans packing here, once per node: the other ranks' setup maps it (plan_cache)
+
+    def _open_stream(self) -> bool:
+        """Whether the dataset is a stream, made one first when ``streaming=True``."""
+        if self.settings.data.streaming and not is_stream(self.dataset):
+            self.dataset = open_stream(self.dataset)
+        return is_stream(self.dataset)
 
     def tokenized_documents(self):
         """``(DatasetDict of token columns, kind)``: the documents tokenized through the tokenize-once cache, or
@@ -262,15 +269,12 @@ class SeqMemDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.datasets is not None:
             return
-        if is_stream(self.dataset):
-            data = self.settings.data
-            self._stream_kind = stream_kind(self.dataset, data.text_column)
-            self._choose_strategies(PRETOKENIZED_KINDS.get(self._stream_kind, self._stream_kind))
+        if self._open_stream():
+            kind = stream_kind(self.dataset, self.settings.data.text_column)
+            self._choose_strategies(PRETOKENIZED_KINDS.get(kind, kind))
             check_streaming(self._strategies)
-            self.streaming = True
-            self._streams = Streams(self.dataset, self._kind, data.streaming_validation_documents,
-                                    data.streaming_buffer_size, data.num_workers)
-            self.datasets = self._streams.splits
+            self._streams, self._pretokenized = Streams(self.dataset, kind, self.settings.data), kind == "tokens"
+            self.streaming, self.datasets = True, self._streams.splits
             return
         # Tokenize (or load the cache prepare_data wrote) before carving out a validation split, so errors name
         # rows of the dataset the user passed.
@@ -298,8 +302,8 @@ class SeqMemDataModule(LightningDataModule):
             self.setup("fit")
         strategy, data = self._strategies[split], self.settings.data
         if self.streaming:
-            encode = stream_encoder(self._stream_kind, self.tokenizer, self.settings, strategy)
-            return self._streams.loader(split, strategy, encode, self.pad_token_id, rank_zero_warn)
+            return self._streams.loader(split, strategy, self.tokenizer, self.settings, self.pad_token_id,
+                                        rank_zero_warn)
         loader = ResumableLoader(
             BatchFetcher(self._rows[split]), sampler=strategy.split_sampler(self._lengths[split], split),
             batch_size=None, collate_fn=strategy.collator(self.pad_token_id), num_workers=data.num_workers,

@@ -28,6 +28,8 @@ class DataSettings:
     """The column holding the text."""
     num_workers: int = integer(0, 0)
     """DataLoader worker processes."""
+    streaming: bool = False
+    """Serve the dataset as a stream (``data.sources.open_stream``: files and hub names read lazily)."""
     streaming_buffer_size: int = integer(1000, 1)
     """Streaming datasets: documents held in the best-fit window."""
     streaming_validation_documents: int = integer(100, 0)

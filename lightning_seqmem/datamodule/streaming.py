@@ -251,18 +251,26 @@ def streaming_loader(stream: Any, split: str, strategy: Strategy, encode: Callab
 
 
 class Streams:
-    """The streamed splits of a DataModule: their loaders, and what each has read so far (``stats()``)."""
+    """The streamed splits of a DataModule: their loaders, and what each has read so far (``stats()``).
+
+    Args:
+        dataset: the stream (``IterableDataset``/``IterableDatasetDict``).
+        kind: one of ``STREAM_KINDS`` (:func:`stream_kind`).
+        data: the DataModule's ``DataSettings`` (validation documents, window, workers).
+    """
 
     ONLY = {"conversations": ("conversations_dropped_empty", "trained_tokens"),
             "prompt_completion": ("rows_without_completion",)}
 
-    def __init__(self, dataset: Any, kind: str, validation_documents: int, buffer_size: int, num_workers: int) -> None:
-        self.splits = streaming_splits(dataset, validation_documents)
-        self.kind, self.buffer_size, self.num_workers = kind, buffer_size, num_workers
-        self.counts = {split: StreamCounts(num_workers) for split in self.splits}
+    def __init__(self, dataset: Any, kind: str, data: Any) -> None:
+        self.splits = streaming_splits(dataset, data.streaming_validation_documents)
+        self.kind, self.buffer_size, self.num_workers = kind, data.streaming_buffer_size, data.num_workers
+        self.counts = {split: StreamCounts(self.num_workers) for split in self.splits}
 
-    def loader(self, split: str, strategy: Strategy, encode: Callable[..., Any], pad_token_id: int,
+    def loader(self, split: str, strategy: Strategy, tokenizer: Any, settings: Any, pad_token_id: int,
                warn: Callable[[str], None]) -> DataLoader:
+        """``split``'s loader (``settings``: the DataModule's ``SeqMemSettings``)."""
+        encode = stream_encoder(self.kind, tokenizer, settings, strategy)
         return streaming_loader(self.splits[split], split, strategy, encode, self.buffer_size, pad_token_id,
                                 self.num_workers, warn, self.counts[split])
 
