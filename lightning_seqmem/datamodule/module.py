@@ -89,10 +89,8 @@ class SeqMemDataModule(LightningDataModule):
         completion_only_loss: prompt/completion data: labels -100 on the prompt.
         return_cu_seqlens: ``pack`` only: also yield ``cu_seqlens`` for custom varlen attention.
         drop_last: drop the incomplete tail of an epoch (counted in ``stats()``) instead of smaller last batches.
-        streaming: serve ``dataset`` as a stream (``strategy="pack"``): local files and hub names are read as they
-            are trained on, with nothing converted or downloaded ahead (``data.sources.open_stream``).
-        streaming_buffer_size: streaming datasets (``datasets.IterableDataset``, ``strategy="pack"`` only):
-            documents held in the best-fit window; memory does not grow with the dataset.
+        streaming: serve ``dataset`` as a stream (``strategy="pack"``), files and hub names read as trained on.
+        streaming_buffer_size: streams (``datasets.IterableDataset``): documents held in the best-fit window.
         streaming_validation_documents: a stream without a ``validation`` split gives its first this many
             documents to validation (held in memory; training leaves them out).
         num_proc: processes for tokenization; ``None``: 1 for small datasets, else ``min(8, cpus // 2)``.
@@ -382,17 +380,20 @@ class SeqMemDataModule(LightningDataModule):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """Saved in Lightning checkpoints: the data signature, checked when a run resumes from it."""
-        if self.streaming or self.datasets is None:
-            return {}
-        return {"data_signature": self.data_signature()}
+        """Saved in Lightning checkpoints: the data signature, checked when a run resumes from it (a stream: what
+        it had read, ``Streams.state_dict``)."""
+        if self.streaming:
+            return self._streams.state_dict()
+        return {} if self.datasets is None else {"data_signature": self.data_signature()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Compare the checkpoint's data signature with this run's before the loader position is restored
         (Lightning restores the DataModule first): a changed dataset or batching makes that position meaningless."""
+        if self.streaming:
+            return self._streams.load_state_dict(state_dict, rank_zero_warn)
         saved = state_dict.get("data_signature")
-        if not saved or self.streaming:
+        if not saved:
             return
         self._skip_resume_state = False
         now = self.data_signature()

@@ -274,6 +274,19 @@ class Streams:
         return streaming_loader(self.splits[split], split, strategy, encode, self.buffer_size, pad_token_id,
                                 self.num_workers, warn, self.counts[split])
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of a stream: how many training documents this process had read."""
+        return {"stream_documents_read": self.counts["train"].totals()["documents"]}
+
+    def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
+        """A stream has no position to return to: say that a resumed run reads it again from the start."""
+        read = state_dict.get("stream_documents_read")
+        if read:
+            warn(f"Resuming from a checkpoint with a stream: a stream has no position to return to, so training "
+                 f"reads it again from its first document (the checkpointed run had read {read:,} training "
+                 "documents on rank 0). To go on with unseen data, pass the stream from where it stopped (its later "
+                 "files), or train on a map-style dataset, whose loader position is restored exactly.")
+
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split, the counts so far on this process (a stream's totals are known only once it is read)."""
         drop = {key for kind, keys in self.ONLY.items() if kind != self.kind for key in keys}
