@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from lightning_seqmem.batching.packed_rows import check_packing, pack_sequences
@@ -77,24 +77,28 @@ class StreamingPacker:
                  counts: Counter | None = None) -> Iterator[dict[str, list[int]]]:
         counts = Counter() if counts is None else counts
         buffer: list[tuple[list[int], list[int] | None]] = []
+        ready: deque[dict] = deque()  # packed rows, handed out evenly while the window fills again
         for index, item in enumerate(sequences):
             ids, labels = _ids_and_labels(item)
             if len(ids):
                 buffer.extend(self._pieces(index, ids, labels, counts))
             if len(buffer) >= self.buffer_size:
                 rows, buffer = self._emit(buffer, final=False)
-                yield from _counted(rows, counts)
+                ready.extend(rows)
                 if len(buffer) >= self.buffer_size:  # nothing full: emit anyway so the window stays bounded
                     rows, buffer = self._emit(buffer, final=True)
-                    yield from _counted(rows, counts)
-        if buffer:
-            yield from _counted(self._emit(buffer, final=True)[0], counts)
-
-
-def _counted(rows: list[dict], counts: Counter) -> Iterator[dict]:
-    for row in rows:
-        counts["rows"] += 1
-        yield row
+                    ready.extend(rows)
+            # Spread the rows over the documents still to read before the next packing, rather than all at once:
+            # a loader worker then yields batches at a steady rate, and the DataLoader, which takes batches from
+            # its workers in turn, never waits on one worker that is filling its window while another sits on a
+            # burst of ready rows.
+            for _ in range(-(-len(ready) // max(1, self.buffer_size - len(buffer)))):
+                counts["rows"] += 1
+                yield ready.popleft()
+        ready.extend(self._emit(buffer, final=True)[0] if buffer else [])
+        while ready:
+            counts["rows"] += 1
+            yield ready.popleft()
 
 
 def _ids_and_labels(item: Sequence[int] | Mapping[str, Sequence[int]]) -> tuple[list[int], list[int] | None]:
