@@ -367,7 +367,7 @@ def test_streaming_packer_hands_rows_out_evenly_not_in_bursts():
 
     rows_after = Counter()
     rows = []
-    for row in StreamingPacker(256, buffer_size=64)(source()):
+    for row in StreamingPacker(256, buffer_size=64)(source(), steady=True):
         rows_after[len(read)] += 1
         rows.append(row)
     steady = [n for at, n in rows_after.items() if at < len(docs)]  # before the final flush

@@ -110,7 +110,7 @@ class StreamingRows(IterableDataset):
                 self.stream.set_epoch(self.epoch + passes)
             start, counts, warned = self.counts.table[slot].clone(), Counter(), False
             mine = (self.encode(i, ex, counts) for i, ex in enumerate(self.stream))
-            for row in self.packer(mine, counts):
+            for row in self.packer(mine, counts, steady=info is not None):
                 self.counts.publish(slot, start, counts)
                 if not warned and (counts["tokens_truncated"] or counts["tokens_dropped"]):
                     warned = True
