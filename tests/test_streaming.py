@@ -74,14 +74,10 @@ def test_sharded_stream_reads_every_document_once_with_workers(tmp_path, tokeniz
     dm = SeqMemDataModule(dataset=_stream(paths), max_length=24, micro_batch_size=4, strategy="pack",
                           num_workers=num_workers, streaming_validation_documents=12, streaming_buffer_size=8)
     dm.setup("fit")
-    seen = [d for loader in (dm.train_dataloader(), dm.val_dataloader())
-            for batch in loader for d in _documents(batch, dm.pad_token_id)]
-    whole = SeqMemDataModule(dataset=datasets.Dataset.from_list([{"text": t} for t in _texts(paths)]),
-                             max_length=24, strategy="pack")
-    expected = [tuple(d[j:j + 24]) for d in _encoded(whole, paths) for j in range(0, len(d), 24)]
-    assert sorted(seen) == sorted(expected)
+    seen, expected, documents = _read_once(dm, paths)
+    assert seen == expected
     stats = dm.stats()
-    assert stats["train"]["documents"] + stats["validation"]["documents"] == len(_encoded(whole, paths))
+    assert stats["train"]["documents"] + stats["validation"]["documents"] == documents
     assert stats["train"]["empty_documents_skipped"] + stats["validation"]["empty_documents_skipped"] == 3
 
 
@@ -98,6 +94,14 @@ def test_validation_documents_are_the_streams_first_and_never_trained_on(tokeniz
     validated = {d for b in dm.val_dataloader() for d in _documents(b, dm.pad_token_id)}
     assert len(validated) == 3 and not trained & validated
     assert dm.stats()["train"]["documents"] == 37  # 40 + the copy - the 3 validation documents - the copy
+
+
+def _read_once(dm, paths):
+    """``(pieces the train and validation loaders gave, the files' documents cut at 24, documents)``, sorted."""
+    seen = [d for loader in (dm.train_dataloader(), dm.val_dataloader())
+            for batch in loader for d in _documents(batch, dm.pad_token_id)]
+    encoded = _encoded(SeqMemDataModule(max_length=24, strategy="pack"), paths)
+    return sorted(seen), sorted(tuple(d[j:j + 24]) for d in encoded for j in range(0, len(d), 24)), len(encoded)
 
 
 def _texts(paths):
@@ -304,12 +308,8 @@ def test_streaming_true_reads_local_files_lazily_and_every_document_once(tmp_pat
     dm.prepare_data()
     dm.setup("fit")
     assert isinstance(dm.dataset, datasets.IterableDatasetDict) and dm.dataset["train"].num_shards == 4
-    seen = [d for loader in (dm.train_dataloader(), dm.val_dataloader())
-            for batch in loader for d in _documents(batch, dm.pad_token_id)]
-    whole = SeqMemDataModule(dataset=datasets.Dataset.from_list([{"text": t} for t in _texts(paths)]),
-                             max_length=24, strategy="pack")
-    expected = [tuple(d[j:j + 24]) for d in _encoded(whole, paths) for j in range(0, len(d), 24)]
-    assert sorted(seen) == sorted(expected)
+    seen, expected, _ = _read_once(dm, paths)
+    assert seen == expected
     assert not (tmp_path / "cache").exists()  # nothing tokenized ahead
 
 
