@@ -373,3 +373,23 @@ def test_streaming_packer_hands_rows_out_evenly_not_in_bursts():
     steady = [n for at, n in rows_after.items() if at < len(docs)]  # before the final flush
     assert max(steady) == 1 and len(steady) > 200
     assert sorted(t for r in rows for t in r["input_ids"]) == sorted(t for d in docs for t in d)
+
+
+def test_stream_layouts_that_waste_reading_are_named():
+    from lightning_seqmem.datamodule.streaming import layout_warnings
+
+    assert layout_warnings("train", 8, 4, 2) == []  # 2 files per rank, one per worker
+    (uneven,) = layout_warnings("train", 6, 4, 2)  # each rank then reads all 6 files: enough for 2 workers
+    assert "6 files (shards) cannot be dealt evenly to 4 ranks" in uneven and "4x the reading" in uneven
+    (idle,) = layout_warnings("train", 4, 2, 3)
+    assert "3 loader workers but 2 file(s) (shards) per rank" in idle and "1 worker(s) read nothing" in idle
+    assert layout_warnings("validation", None, 2, 4) == []  # a list held in memory has no shards
+
+
+def test_more_workers_than_files_is_warned_through_the_datamodule(tmp_path, tokenizer):
+    paths = _write_shards(tmp_path, shards=2, per_shard=10)
+    dm = SeqMemDataModule(dataset=paths, streaming=True, strategy="pack", max_length=24, num_workers=3,
+                          streaming_validation_documents=0)
+    dm.setup("fit")
+    with pytest.warns(UserWarning, match=r"3 loader workers but 2 file\(s\) \(shards\) per rank"):
+        dm.train_dataloader()

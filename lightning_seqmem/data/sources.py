@@ -135,8 +135,9 @@ def load_text_dataset(dataset: Any = "builtin"):
         dsd = datasets.DatasetDict(train=dataset)
     elif isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         raise TypeError(
-            "Streaming (iterable) datasets are accepted only with strategy='pack' and a token budget; "
-            "for other strategies pass a map-style dataset (load_dataset(..., streaming=False))."
+            "A stream (datasets.IterableDataset) is not read here: SeqMemDataModule packs it on the fly "
+            "(strategy='pack'). For the split pipeline and seqmem-plan, pass a map-style dataset "
+            "(load_dataset(..., streaming=False))."
         )
     elif dataset is None:
         raise ValueError("No dataset given (dataset=None): pass 'builtin', a path, a glob, a list of documents, "

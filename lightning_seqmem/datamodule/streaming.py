@@ -247,7 +247,30 @@ def streaming_loader(stream: Any, split: str, strategy: Strategy, encode: Callab
     rows = StreamingRows(share, encode, packer, cycle=distributed and train, counts=counts,
                          on_loss=partial(warn, lost), reshuffle=train)
     held = isinstance(stream, list)  # validation documents held in memory: one reader, or each would read all
-    return StreamingLoader(rows, batch_size=per_batch, collate_fn=collate, num_workers=0 if held else num_workers)
+    num_workers = 0 if held else num_workers
+    world = dist.get_world_size() if distributed else 1
+    for message in layout_warnings(split, getattr(stream, "num_shards", None), world, num_workers):
+        warn(message)
+    return StreamingLoader(rows, batch_size=per_batch, collate_fn=collate, num_workers=num_workers)
+
+
+def layout_warnings(split: str, shards: int | None, world: int, num_workers: int) -> list[str]:
+    """What wastes reading in how a stream of ``shards`` shards (files) is dealt to ``world`` ranks and
+    ``num_workers`` loader workers per rank: ranks that cannot get whole files each read every document, and
+    workers beyond a rank's files sit idle."""
+    if not shards:
+        return []
+    out = []
+    if world > 1 and shards % world:
+        out.append(f"{split} stream: {shards} files (shards) cannot be dealt evenly to {world} ranks, so every rank "
+                   f"reads every document and keeps every {world}-th ({world}x the reading). Give it a multiple of "
+                   f"{world} files (more files, or stream.reshard() where the format allows).")
+    mine = shards // world if world > 1 and not shards % world else shards
+    if num_workers > mine:
+        out.append(f"{split} stream: {num_workers} loader workers but {mine} file(s) (shards) per rank: datasets "
+                   f"gives each worker whole files, so {num_workers - mine} worker(s) read nothing. Use "
+                   f"num_workers <= {mine}, or more files.")
+    return out
 
 
 class Streams:
