@@ -77,3 +77,10 @@ def test_dpo_conversation_pairs(tmp_path):
     line = next(l for l in out.splitlines() if l.startswith("first batch"))
     assert "completion_mask" in line and "pairs" in line
     assert "val/reward_accuracy" in out
+
+
+def test_streaming_example_reads_its_files_as_a_stream(tmp_path):
+    out = run_example("streaming.py", "--max-steps", "4", "--out", str(tmp_path / "run"), cwd=tmp_path)
+    line = next(l for l in out.splitlines() if l.startswith("stream read so far"))
+    documents = int(line.split(": ")[1].split(" documents")[0].replace(",", ""))
+    assert 0 < documents <= 2000 - 64 and "final_val_loss" in out

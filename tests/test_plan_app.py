@@ -92,3 +92,11 @@ def test_plan_of_dpo_with_a_reference_copy_counts_the_copy():
     assert _reference_copy(_compose("plan", ["data=preference", "model=dpo"]))
     assert not _reference_copy(_compose("plan", ["data=preference", "model=dpo", "model.reference=precomputed"]))
     assert not _reference_copy(_compose("plan", []))  # a language model: no copy
+
+
+def test_seqmem_plan_on_a_stream_plans_its_first_documents_and_says_so():
+    cfg = _compose("plan", ["data=pack_bfd", "data.streaming=true", "plan.stream_sample=500", "plan.memory=false",
+                            "plan.max_lengths=[64,128]"])
+    plan, notes = plan_from_config(cfg)
+    assert any("a stream: planned on its first 500 training documents" in note for note in notes)
+    assert len(plan.train_lengths) == 500 and {s.max_length for s in plan.strategies} == {64, 128}

@@ -393,3 +393,21 @@ def test_more_workers_than_files_is_warned_through_the_datamodule(tmp_path, toke
     dm.setup("fit")
     with pytest.warns(UserWarning, match=r"3 loader workers but 2 file\(s\) \(shards\) per rank"):
         dm.train_dataloader()
+
+
+def test_a_stream_is_planned_on_its_first_documents(tmp_path, tokenizer):
+    """``seqmem-plan`` on a stream plans on a map-style copy of its head: with every document in the head, the same
+    plan as the map-style DataModule over the same files; with fewer, the plan of those."""
+    from lightning_seqmem.apps.plan_lengths import stream_sample
+    from lightning_seqmem.apps.planner import plan
+
+    paths = _write_shards(tmp_path, shards=2)
+    kwargs = dict(strategy="pack", max_length=24, cache_dir=tmp_path / "cache")
+
+    def summary(result):
+        return [(s.strategy, s.max_length, s.tokens_lost, round(s.token_efficiency, 6)) for s in result.strategies]
+
+    streamed = plan(SeqMemDataModule(dataset=paths, streaming=True, **kwargs), max_lengths=[24, 48])
+    assert summary(streamed) == summary(plan(SeqMemDataModule(dataset=paths, **kwargs), max_lengths=[24, 48]))
+    head, read = stream_sample(SeqMemDataModule(dataset=paths, streaming=True, **kwargs), documents=10)
+    assert read == 10 and not head.settings.data.streaming and len(head.tokenized_documents()[0]["train"]) == 10

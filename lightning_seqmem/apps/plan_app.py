@@ -70,10 +70,11 @@ def plan_from_config(cfg, output_dir: str | None = None):
     """Build the :class:`~lightning_seqmem.apps.planner.RunPlan` for a composed ``plan.yaml`` config; returns ``(plan, notes)``."""
     from hydra.utils import instantiate
 
+    from lightning_seqmem.apps.plan_lengths import stream_sample
     from lightning_seqmem.apps.planner import PLANNED_KINDS, check_text, default_max_lengths, plan
 
     p = cfg.plan
-    dm = instantiate(cfg.data)
+    dm, sampled = stream_sample(instantiate(cfg.data), int(p.get("stream_sample", 20_000)))
     dm.prepare_data()  # tokenize once (cached: the planner and the training run after it read the same tokens)
     max_length = dm.settings.batching.max_length
     max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else default_max_lengths(max_length)
@@ -84,6 +85,9 @@ def plan_from_config(cfg, output_dir: str | None = None):
     precision, note_precision = _precision(cfg)
     devices, note_devices = _devices(cfg)
     notes = [n for n in (note_precision, note_devices) if n]
+    if sampled is not None:
+        notes.append(f"a stream: planned on its first {sampled:,} training documents (plan.stream_sample); "
+                     "lengths, efficiency and memory carry over, document counts and steps per epoch are the sample's")
     model_config, device = None, p.get("device") or ("cpu" if str(cfg.trainer.get("accelerator")) == "cpu" else "cuda")
     attention = cfg.model.get("attn_implementation", "sdpa")
     if p.get("memory", True):

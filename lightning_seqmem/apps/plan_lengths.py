@@ -49,4 +49,27 @@ def whole_lengths(docs: Any) -> np.ndarray:
     return docs.lengths if isinstance(docs, Conversations) else np.asarray(docs)
 
 
-__all__ = ["Conversations", "lengths_at", "whole_lengths"]
+def stream_sample(dm: Any, documents: int = 20_000) -> tuple[Any, int | None]:
+    """``(a map-style copy of a streaming DataModule over its stream's first documents, how many)``, or ``(dm,
+    None)`` when ``dm`` does not stream.
+
+    A stream's lengths are known only as it is read, so the planner reads a sample: the first ``documents`` of the
+    train split (and of the stream's own validation split, if any), with the DataModule's other settings. Lengths,
+    token efficiency and memory carry over to the whole stream; counts and steps per epoch are the sample's.
+    """
+    import datasets
+
+    from lightning_seqmem.data.sources import open_stream
+    from lightning_seqmem.datamodule.streaming import is_stream
+
+    if not (dm.settings.data.streaming or is_stream(dm.dataset)):
+        return dm, None
+    stream = open_stream(dm.dataset)
+    splits = stream if isinstance(stream, dict) else {"train": stream}
+    head = datasets.DatasetDict({split: datasets.Dataset.from_list(list(s.take(documents)))
+                                 for split, s in splits.items() if split in ("train", "validation")})
+    copy = type(dm)(dataset=head, tokenizer=dm._tokenizer_arg, **dict(dm.hparams, streaming=False))
+    return copy, len(head["train"])
+
+
+__all__ = ["Conversations", "lengths_at", "stream_sample", "whole_lengths"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_seqmem.apps.plan_lengths import Conversations, lengths_at, whole_lengths
+from lightning_seqmem.apps.plan_lengths import Conversations, lengths_at, stream_sample, whole_lengths
 from lightning_seqmem.apps.plan_memory import (
     DEFAULT_MARGIN,
     PEAK_NOTES,
@@ -292,7 +292,8 @@ def plan(
     """Plan the run of ``datamodule`` (a ``SeqMemDataModule``, not set up) with a model of ``model_config``.
 
     Args:
-        datamodule: its tokenizer, strategy, max_length and batch settings are what is planned.
+        datamodule: its tokenizer, strategy, max_length and batch settings are what is planned (a stream: on its
+            first 20,000 documents, ``plan_lengths.stream_sample``).
         model_config: a ``transformers`` config (``model.build_model_config``); ``None`` plans the data only.
         strategies: keys of :data:`STRATEGIES` to compare.
         max_lengths: candidates; ``None`` = :func:`default_max_lengths` of the DataModule's.
@@ -311,7 +312,8 @@ def plan(
     """
     from lightning_seqmem.memory.estimate import estimate_training_memory, with_reference
 
-    dm, settings = datamodule, datamodule.settings.batching
+    dm = stream_sample(datamodule)[0]  # a stream: planned on its first documents
+    settings = dm.settings.batching
     kind = dm.tokenized_documents()[1]
     configured = (planner_name(settings), settings.max_length)
     max_lengths = default_max_lengths(settings.max_length) if max_lengths is None else list(max_lengths)
