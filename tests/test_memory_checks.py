@@ -33,6 +33,7 @@ CASES = {
     "packing_attention": dict(packing=True, attn_implementation="my_custom_attention"),
     "flash_varlen": dict(packing=True, attn_implementation="flash_attention_2"),
     "dynamic_shapes": dict(on_cuda=True, dynamic_shapes=True),
+    "stream_validation": dict(streaming=True, world_size=2, val_check_interval=1.0),
 }
 QUIET = RunFacts(micro_batch_size=8, eval_batch_size=8, attn_implementation="sdpa")
 
@@ -61,6 +62,9 @@ def test_each_check_fires_on_its_case_only(name):
         dict(on_cuda=True, dynamic_shapes=True, preallocating=True),
         dict(on_cuda=True, dynamic_shapes=True, expandable_segments=True),
         dict(on_cuda=False, dynamic_shapes=True),
+        dict(streaming=True, world_size=2, val_check_interval=500),  # validation every 500 steps
+        dict(streaming=True, world_size=1, val_check_interval=1.0),  # one process: the stream ends, so does the epoch
+        dict(streaming=True, world_size=2, val_check_interval=1.0, validating=False),
     ],
 )
 def test_quiet_when_fixed(fix):

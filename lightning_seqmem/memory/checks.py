@@ -20,7 +20,7 @@ from lightning_seqmem.protocols import DescribesBatching, GivesBatchKeys, GivesM
 from lightning_seqmem.training.varlen import PassesFlashVarlen, is_flash_attention
 
 CHECKS = ("eval_batch_size", "batch_size", "fp16_packing", "fp8_compile", "packing_attention", "flash_varlen",
-          "dynamic_shapes")
+          "dynamic_shapes", "stream_validation")
 ALL_CHECKS = CHECKS + ("memory",)  # find_problems' checks on RunFacts, and ConfigChecks' traced memory estimate
 
 
@@ -82,6 +82,9 @@ class RunFacts:
     compiled: bool = False
     preallocating: bool = False
     expandable_segments: bool = False
+    streaming: bool = False
+    val_check_interval: int | float | None = None
+    validating: bool = True
 
 
 def find_problems(facts: RunFacts, safe_attention: frozenset[str] | None = None) -> dict[str, str]:
@@ -150,6 +153,12 @@ def find_problems(facts: RunFacts, safe_attention: frozenset[str] | None = None)
             "model(**batch, **flash_varlen_kwargs(batch['position_ids'])) (lightning_seqmem.training.varlen; CausalLM "
             "does) and set `passes_flash_varlen_kwargs = True` on the module, or use attn_implementation='sdpa'."
         )
+    if facts.streaming and facts.world_size > 1 and facts.validating and isinstance(facts.val_check_interval, float):
+        problems["stream_validation"] = (
+            f"a streamed training split under {facts.world_size} processes repeats so that no rank runs out first: "
+            f"its epoch never ends, and with val_check_interval={facts.val_check_interval} (a share of the epoch) "
+            "validation never runs. Give Trainer(val_check_interval=<steps>) an integer, and stop with max_steps."
+        )
     if facts.on_cuda and facts.dynamic_shapes and not (facts.preallocating or facts.expandable_segments):
         problems["dynamic_shapes"] = (
             "batch shapes change from step to step on CUDA without pre-allocation or expandable segments: the "
@@ -202,6 +211,9 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
         compiled=model.compiled,
         preallocating=any(isinstance(cb, CachePreallocator) for cb in trainer.callbacks),
         expandable_segments=expandable_segments_on(),
+        streaming=getattr(dm, "streaming", False) is True,
+        val_check_interval=getattr(trainer, "val_check_interval", None),
+        validating=getattr(trainer, "limit_val_batches", 1) != 0,
     )
 
 
