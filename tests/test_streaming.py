@@ -411,3 +411,23 @@ def test_a_stream_is_planned_on_its_first_documents(tmp_path, tokenizer):
     assert summary(streamed) == summary(plan(SeqMemDataModule(dataset=paths, **kwargs), max_lengths=[24, 48]))
     head, read = stream_sample(SeqMemDataModule(dataset=paths, streaming=True, **kwargs), documents=10)
     assert read == 10 and not head.settings.data.streaming and len(head.tokenized_documents()[0]["train"]) == 10
+
+
+def test_pretokenized_prompt_completion_stream_matches_the_map_style_rows(tokenizer, tmp_path):
+    rows = [{"prompt_ids": list(range(5, 8 + i % 19)), "completion_ids": list(range(40, 40 + (i * 7) % 23))}
+            for i in range(30)]  # i = 0, 23: an empty completion
+    halves = {"train": rows[:20], "validation": rows[20:]}
+    kwargs = dict(max_length=24, max_prompt_length=10, micro_batch_size=4, strategy="pack", pad_token_id=0,
+                  eos_token_id=1)
+    whole = SeqMemDataModule(dataset=datasets.DatasetDict({k: datasets.Dataset.from_list(v)
+                                                           for k, v in halves.items()}),
+                             cache_dir=tmp_path / "cache", **kwargs)
+    dm = SeqMemDataModule(dataset=datasets.IterableDatasetDict(
+        {k: datasets.Dataset.from_list(v).to_iterable_dataset() for k, v in halves.items()}), **kwargs)
+    dm.setup("fit")
+    assert dm.tokenizer is None  # pre-tokenized with its pad id: no tokenizer loaded
+    mine = sorted(_documents_with_labels(dm.train_dataloader(), 0))
+    assert mine == sorted(_documents_with_labels(whole.train_dataloader(), 0))
+    keys = COUNTED + ("rows_without_completion",)
+    got, want = dm.stats()["train"], whole.stats()["train"]
+    assert {k: got[k] for k in keys} == {k: want[k] for k in keys} and got["rows_without_completion"] == 1

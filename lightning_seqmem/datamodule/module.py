@@ -269,9 +269,9 @@ class SeqMemDataModule(LightningDataModule):
             return
         if self._open_stream():
             kind = stream_kind(self.dataset, self.settings.data.text_column)
-            self._choose_strategies(PRETOKENIZED_KINDS.get(kind, kind))
+            self._choose_strategies(row_kind := PRETOKENIZED_KINDS.get(kind, kind))
             check_streaming(self._strategies)
-            self._streams, self._pretokenized = Streams(self.dataset, kind, self.settings.data), kind == "tokens"
+            self._streams, self._pretokenized = Streams(self.dataset, kind, self.settings.data), kind != row_kind
             self.streaming, self.datasets = True, self._streams.splits
             return
         # Tokenize (or load the cache prepare_data wrote) before carving out a validation split, so errors name

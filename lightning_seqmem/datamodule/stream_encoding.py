@@ -12,9 +12,9 @@ from typing import Any
 from lightning_seqmem.batching.strategies import Strategy
 from lightning_seqmem.data.encode import document_frame
 
-STREAM_KINDS = ("text", "conversations", "prompt_completion", "tokens")
+STREAM_KINDS = ("text", "conversations", "prompt_completion", "tokens", "prompt_completion_tokens")
 """What a stream may hold: text, conversations (``messages``), prompt/completion text, token ids (``input_ids``
-[+ ``labels``]). Each is encoded and truncated one document at a time, as the map-style pipeline does it."""
+[+ ``labels``], or ``prompt_ids`` and ``completion_ids``). Each is encoded and truncated one document at a time, as the map-style pipeline does it."""
 
 
 def stream_kind(stream: Any, text_column: str = "text") -> str:
@@ -22,8 +22,8 @@ def stream_kind(stream: Any, text_column: str = "text") -> str:
     ``columns.check_columns`` applies to map-style data.
 
     Raises:
-        ValueError: preference pairs or ``prompt_ids``/``completion_ids``, which need the whole split (pairs are
-            planned over it): the message says to load without ``streaming=True``; or no usable column.
+        ValueError: preference pairs, which need the whole split (they are planned over it): the message says to
+            load without ``streaming=True``; or no usable column.
     """
     from types import SimpleNamespace
 
@@ -36,10 +36,10 @@ def stream_kind(stream: Any, text_column: str = "text") -> str:
     if kind not in STREAM_KINDS:
         raise ValueError(
             f"A stream of {kind.replace('_', ' ')} (columns {sorted(columns)}) cannot be served on the fly: "
-            "preference pairs are planned over the whole split, and prompt_ids/completion_ids rows are batched "
-            "by the split pipeline. Load the dataset without streaming=True (the token cache tokenizes it once per "
-            "node and memory-maps the tokens, so memory stays bounded). Streams of text, conversations "
-            "('messages'), prompt/completion text or 'input_ids' are packed on the fly."
+            "preference pairs are planned and batched over the whole split. Load the dataset without "
+            "streaming=True (the token cache tokenizes it once per node and memory-maps the tokens, so memory "
+            "stays bounded). Streams of text, conversations ('messages'), prompt/completion text or token ids "
+            "('input_ids', or 'prompt_ids' and 'completion_ids') are packed on the fly."
         )
     return kind
 
@@ -55,8 +55,12 @@ def stream_encoder(kind: str, tokenizer: Any, settings: Any, strategy: Strategy)
     if kind == "prompt_completion":
         return partial(encode_streamed_prompt_completion, tokenizer, strategy.prompt_completion_limits,
                        settings.batching.completion_only_loss)
+    vocab = len(tokenizer) if tokenizer is not None else None
     if kind == "tokens":
-        return partial(encode_streamed_ids, len(tokenizer) if tokenizer is not None else None)
+        return partial(encode_streamed_ids, vocab)
+    if kind == "prompt_completion_tokens":
+        return partial(encode_streamed_prompt_completion_ids, vocab, strategy.prompt_completion_limits,
+                       settings.batching.completion_only_loss)
     return partial(encode_document, tokenizer, settings.data.text_column)
 
 
@@ -65,8 +69,6 @@ def encode_streamed_prompt_completion(tokenizer: Any, limits: Any, completion_on
     """One streamed prompt/completion row to ``{"input_ids", "labels"}``, framed and truncated as the map-style
     pipeline does (``max_prompt_length`` keeps the prompt's end, ``max_completion_length`` the completion's
     start); a row left without a completion is skipped and counted (``rows_without_completion``)."""
-    from lightning_seqmem.batching.truncation import prompt_completion_example
-
     counts = Counter() if counts is None else counts
     prompt, completion = example.get("prompt"), example.get("completion")
     for name, value in (("prompt", prompt), ("completion", completion)):
@@ -76,6 +78,29 @@ def encode_streamed_prompt_completion(tokenizer: Any, limits: Any, completion_on
     prefix, suffix = document_frame(tokenizer)
     p = prefix + tokenizer(prompt, add_special_tokens=False)["input_ids"]
     c = tokenizer(completion, add_special_tokens=False)["input_ids"] + suffix if completion else []
+    return _prompt_completion_row(p, c, limits, completion_only_loss, counts)
+
+
+def encode_streamed_prompt_completion_ids(vocab_size: int | None, limits: Any, completion_only_loss: bool,
+                                          index: int, example: dict,
+                                          counts: Counter | None = None) -> dict[str, list[int]] | list:
+    """One streamed pre-tokenized prompt/completion row (``prompt_ids``, ``completion_ids``, used as they are, as
+    the map-style pipeline uses them), its ids checked against the vocabulary, then truncated as text rows are."""
+    counts = Counter() if counts is None else counts
+    parts = {name: example.get(name) for name in ("prompt_ids", "completion_ids")}
+    for name, values in parts.items():
+        bad = _bad_id(values, vocab_size, ())
+        if bad is not None:
+            raise ValueError(f"Row {index} of the stream: {name} {bad}. Filter the stream or re-tokenize it with "
+                             "the tokenizer the model uses.")
+    return _prompt_completion_row(list(parts["prompt_ids"]), list(parts["completion_ids"]), limits,
+                                  completion_only_loss, counts)
+
+
+def _prompt_completion_row(p: list[int], c: list[int], limits: Any, completion_only_loss: bool,
+                           counts: Counter) -> dict[str, list[int]] | list:
+    from lightning_seqmem.batching.truncation import prompt_completion_example
+
     _count_document(counts, len(p) + len(c))
     row = prompt_completion_example(p, c, limits, completion_only_loss)
     counts["documents_over_max_length"] += limits.max_length is not None and len(p) + len(c) > limits.max_length

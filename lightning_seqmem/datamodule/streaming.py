@@ -76,12 +76,6 @@ class StreamCounts:
         totals = {name: int(table[:, i].sum()) for i, name in enumerate(self.SUMMED)}
         return dict(totals, longest_document=int(table[:, -1].max()))
 
-    @property
-    def lost(self) -> int:
-        """Tokens read that will never reach the model (truncated or dropped)."""
-        totals = self.totals()
-        return totals["tokens_truncated"] + totals["tokens_dropped"]
-
 
 class StreamingRows(IterableDataset):
     """A stream tokenized and packed on the fly.
@@ -283,7 +277,7 @@ class Streams:
     """
 
     ONLY = {"conversations": ("conversations_dropped_empty", "trained_tokens"),
-            "prompt_completion": ("rows_without_completion",)}
+            "prompt_completion": ("rows_without_completion",), "prompt_completion_tokens": ("rows_without_completion",)}
 
     def __init__(self, dataset: Any, kind: str, data: Any) -> None:
         self.splits = streaming_splits(dataset, data.streaming_validation_documents)
@@ -312,7 +306,7 @@ class Streams:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split, the counts so far on this process (a stream's totals are known only once it is read)."""
-        drop = {key for kind, keys in self.ONLY.items() if kind != self.kind for key in keys}
+        drop = {key for kind, keys in self.ONLY.items() for key in keys} - set(self.ONLY.get(self.kind, ()))
         return {split: {"streaming": True, "buffer_size": self.buffer_size,
                         **{k: v for k, v in counts.totals().items() if k not in drop}}
                 for split, counts in self.counts.items()}
