@@ -11,6 +11,7 @@ import subprocess
 import sys
 import warnings
 from collections import Counter
+from functools import partial
 
 import datasets
 import pytest
@@ -431,3 +432,33 @@ def test_pretokenized_prompt_completion_stream_matches_the_map_style_rows(tokeni
     keys = COUNTED + ("rows_without_completion",)
     got, want = dm.stats()["train"], whole.stats()["train"]
     assert {k: got[k] for k in keys} == {k: want[k] for k in keys} and got["rows_without_completion"] == 1
+
+
+def test_a_stream_with_nothing_left_to_train_on_is_a_clear_error(tokenizer):
+    small = datasets.Dataset.from_dict({"text": [f"doc {i}" for i in range(5)]}).to_iterable_dataset()
+    with pytest.raises(ValueError, match=r"The stream holds 5 documents, and the first "
+                                         r"streaming_validation_documents=100 go to validation"):
+        SeqMemDataModule(dataset=small, strategy="pack").setup("fit")
+    empty = datasets.IterableDatasetDict({split: datasets.Dataset.from_dict({"text": [""] * 4}).to_iterable_dataset()
+                                          for split in ("train", "validation")})
+    dm = SeqMemDataModule(dataset=empty, strategy="pack")
+    dm.setup("fit")
+    with pytest.raises(ValueError, match=r"training stream holds no document to train on \(0 read, all empty"):
+        list(dm.train_dataloader())
+
+
+def test_a_repeating_stream_with_an_idle_loader_worker_goes_on_with_the_others(tokenizer):
+    """Under DDP the train stream repeats; a worker with no file of its own (one file, two workers) stops instead of
+    repeating nothing forever, which would hang the DataLoader waiting on it."""
+    import itertools
+
+    from torch.utils.data import DataLoader
+
+    from lightning_seqmem.datamodule.streaming import StreamCounts, StreamingRows, encode_document
+
+    one_file = datasets.Dataset.from_dict({"text": [f"doc {i} word word" for i in range(20)]}).to_iterable_dataset()
+    rows = StreamingRows(one_file, partial(encode_document, tokenizer, "text"), StreamingPacker(16, buffer_size=4),
+                         cycle=True, required=True, counts=StreamCounts(2))
+    loader = DataLoader(rows, batch_size=None, num_workers=2, timeout=60)
+    taken = list(itertools.islice(loader, 60))  # more rows than one pass gives: worker 0 repeats its file
+    assert len(taken) == 60

@@ -84,20 +84,24 @@ class StreamingRows(IterableDataset):
     Memory is bounded by the packer's window. With ``cycle`` the stream restarts when it ends, so DDP ranks
     (whose shares differ in length) never wait on each other; stop training with ``max_steps``. With ``reshuffle``
     every pass sets the stream's epoch (``set_epoch``), so a shuffled stream (``stream.shuffle(...)``) is dealt anew
-    each epoch.
+    each epoch. With ``required`` (training), a pass that gives no row is an error in the main process, and ends a
+    loader worker (one with no file of its own) instead of repeating nothing forever.
     """
 
     def __init__(self, stream, encode, packer: StreamingPacker, cycle: bool = False,
                  counts: StreamCounts | None = None, on_loss: Callable[[], None] | None = None,
-                 reshuffle: bool = True) -> None:
+                 reshuffle: bool = True, required: bool = False) -> None:
         self.stream, self.encode, self.packer, self.cycle = stream, encode, packer, cycle
         self.counts = counts if counts is not None else StreamCounts()
-        self.on_loss, self.reshuffle = on_loss, reshuffle
+        self.on_loss, self.reshuffle, self.required = on_loss, reshuffle, required
         self.epoch = 0
 
     def __iter__(self):
         info = get_worker_info()
         slot = info.id if info is not None else 0
+        if slot >= len(self.counts.table):
+            raise ValueError(f"StreamCounts has a row for {len(self.counts.table)} loader worker(s), and this is "
+                             f"worker {slot}: build it with StreamCounts(num_workers).")
         passes = 0
         while True:
             if self.reshuffle and hasattr(self.stream, "set_epoch"):
@@ -113,6 +117,13 @@ class StreamingRows(IterableDataset):
                 yield row
             self.counts.publish(slot, start, counts)
             passes += 1
+            if self.required and not counts["rows"]:
+                if info is not None:
+                    return  # a loader worker with no file to read: it stops (repeating nothing would spin forever)
+                raise ValueError(
+                    f"This process's share of the training stream holds no document to train on "
+                    f"({counts['documents']} read, all empty or dropped): a training loop would run empty epochs. "
+                    "Give the stream more documents, or files (shards) that every rank can have one of.")
             if not self.cycle:
                 return
 
@@ -181,7 +192,13 @@ def streaming_splits(dataset: Any, validation_documents: int) -> dict[str, Any]:
     """
     train, val = (dataset["train"], dataset.get("validation")) if isinstance(dataset, dict) else (dataset, None)
     if val is None:
-        val = list(train.take(validation_documents)) if validation_documents else []
+        head = list(train.take(validation_documents + 1))  # one more: is anything left to train on?
+        if len(head) <= validation_documents:
+            raise ValueError(
+                f"The stream holds {len(head)} documents, and the first streaming_validation_documents="
+                f"{validation_documents} go to validation: nothing would be left to train on. Lower "
+                "streaming_validation_documents, or give the stream its own 'validation' split.")
+        val = head[:validation_documents]
         if val:
             train = train.filter(NotIn(val))
     return {"train": train, "validation": val}
@@ -239,7 +256,7 @@ def streaming_loader(stream: Any, split: str, strategy: Strategy, encode: Callab
         return DataLoader(dealt, batch_size=None, collate_fn=collate)
     share = rank_share(stream) if distributed else stream
     rows = StreamingRows(share, encode, packer, cycle=distributed and train, counts=counts,
-                         on_loss=partial(warn, lost), reshuffle=train)
+                         on_loss=partial(warn, lost), reshuffle=train, required=train)
     held = isinstance(stream, list)  # validation documents held in memory: one reader, or each would read all
     num_workers = 0 if held else num_workers
     world = dist.get_world_size() if distributed else 1
