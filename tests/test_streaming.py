@@ -161,7 +161,8 @@ def test_streamed_conversations_count_cut_turns_as_the_map_style_pipeline_does(c
     assert got["tokens_truncated"] > 0 and got["conversations_dropped_empty"] == 1
     assert trained == got["trained_tokens"]  # every trained token counted reaches the loss
     assert "trained_tokens" not in SeqMemDataModule(dataset=datasets.IterableDataset.from_generator(
-        lambda: ({"text": "a b"} for _ in range(3))), strategy="pack").stats()["train"]
+        lambda: ({"text": "a b"} for _ in range(3))), strategy="pack",
+        streaming_validation_documents=0).stats()["train"]
 
 
 def test_shuffled_stream_is_dealt_anew_each_epoch(tokenizer):
