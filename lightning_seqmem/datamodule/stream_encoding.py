@@ -10,11 +10,12 @@ from functools import partial
 from typing import Any
 
 from lightning_seqmem.batching.strategies import Strategy
-from lightning_seqmem.data.encode import document_frame
+from lightning_seqmem.data.encode import batch_encoder, document_frame
 
 STREAM_KINDS = ("text", "conversations", "prompt_completion", "tokens", "prompt_completion_tokens")
 """What a stream may hold: text, conversations (``messages``), prompt/completion text, token ids (``input_ids``
-[+ ``labels``], or ``prompt_ids`` and ``completion_ids``). Each is encoded and truncated one document at a time, as the map-style pipeline does it."""
+[+ ``labels``], or ``prompt_ids`` and ``completion_ids``). Each is encoded and truncated one document at a time,
+as the map-style pipeline does it."""
 
 
 def stream_kind(stream: Any, text_column: str = "text") -> str:
@@ -54,18 +55,25 @@ def stream_encoder(kind: str, tokenizer: Any, settings: Any, strategy: Strategy)
                        strategy.settings.max_length)
     if kind == "prompt_completion":
         return partial(encode_streamed_prompt_completion, tokenizer, strategy.prompt_completion_limits,
-                       settings.batching.completion_only_loss)
+                       settings.batching.completion_only_loss, encode=batch_encoder(tokenizer))
     vocab = len(tokenizer) if tokenizer is not None else None
     if kind == "tokens":
         return partial(encode_streamed_ids, vocab)
     if kind == "prompt_completion_tokens":
         return partial(encode_streamed_prompt_completion_ids, vocab, strategy.prompt_completion_limits,
                        settings.batching.completion_only_loss)
-    return partial(encode_document, tokenizer, settings.data.text_column)
+    return partial(encode_document, tokenizer, settings.data.text_column, encode=batch_encoder(tokenizer))
+
+
+def _encoded(tokenizer: Any, text: str, encode: Callable[[list[str]], list[list[int]]] | None) -> list[int]:
+    """``text``'s ids, no special tokens: through ``encode`` (``data.encode.batch_encoder``, made once per stream:
+    the same ids, faster) where given."""
+    return encode([text])[0] if encode is not None else tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def encode_streamed_prompt_completion(tokenizer: Any, limits: Any, completion_only_loss: bool, index: int,
-                                      example: dict, counts: Counter | None = None) -> dict[str, list[int]] | list:
+                                      example: dict, counts: Counter | None = None,
+                                      encode: Callable | None = None) -> dict[str, list[int]] | list:
     """One streamed prompt/completion row to ``{"input_ids", "labels"}``, framed and truncated as the map-style
     pipeline does (``max_prompt_length`` keeps the prompt's end, ``max_completion_length`` the completion's
     start); a row left without a completion is skipped and counted (``rows_without_completion``)."""
@@ -76,8 +84,8 @@ def encode_streamed_prompt_completion(tokenizer: Any, limits: Any, completion_on
             raise TypeError(f"Row {index} of the stream: column {name!r} is {type(value).__name__}, not a string. "
                             "Filter the stream (stream.filter(...)).")
     prefix, suffix = document_frame(tokenizer)
-    p = prefix + tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    c = tokenizer(completion, add_special_tokens=False)["input_ids"] + suffix if completion else []
+    p = prefix + _encoded(tokenizer, prompt, encode)
+    c = _encoded(tokenizer, completion, encode) + suffix if completion else []
     return _prompt_completion_row(p, c, limits, completion_only_loss, counts)
 
 
@@ -89,10 +97,7 @@ def encode_streamed_prompt_completion_ids(vocab_size: int | None, limits: Any, c
     counts = Counter() if counts is None else counts
     parts = {name: example.get(name) for name in ("prompt_ids", "completion_ids")}
     for name, values in parts.items():
-        bad = _bad_id(values, vocab_size, ())
-        if bad is not None:
-            raise ValueError(f"Row {index} of the stream: {name} {bad}. Filter the stream or re-tokenize it with "
-                             "the tokenizer the model uses.")
+        _check_ids(index, name, values, vocab_size)
     return _prompt_completion_row(list(parts["prompt_ids"]), list(parts["completion_ids"]), limits,
                                   completion_only_loss, counts)
 
@@ -120,13 +125,9 @@ def encode_streamed_ids(vocab_size: int | None, index: int, example: dict,
 
     counts = Counter() if counts is None else counts
     ids, labels = example.get("input_ids"), example.get("labels")
-    for name, values, extra in (("input_ids", ids, ()), ("labels", labels, (IGNORE_INDEX,))):
-        if values is None and name == "labels":
-            continue
-        bad = _bad_id(values, vocab_size, extra)
-        if bad is not None:
-            raise ValueError(f"Row {index} of the stream: {name} {bad}. Filter the stream or re-tokenize it with "
-                             "the tokenizer the model uses.")
+    _check_ids(index, "input_ids", ids, vocab_size)
+    if labels is not None:
+        _check_ids(index, "labels", labels, vocab_size, extra=(IGNORE_INDEX,))
     if labels is not None and len(labels) != len(ids):
         raise ValueError(f"Row {index} of the stream: {len(ids)} input_ids but {len(labels)} labels; they must "
                          "have one label per token.")
@@ -137,15 +138,19 @@ def encode_streamed_ids(vocab_size: int | None, index: int, example: dict,
     return {"input_ids": list(ids), "labels": list(labels)} if labels is not None else list(ids)
 
 
-def _bad_id(values: Any, vocab_size: int | None, extra: tuple[int, ...]) -> str | None:
-    """What is wrong with a row's token ids, or ``None``."""
+def _check_ids(index: int, name: str, values: Any, vocab_size: int | None, extra: tuple[int, ...] = ()) -> None:
+    """Refuse a row's token ids that are not a list of integers in ``[0, vocab_size)`` (or in ``extra``)."""
+    bad = None
     if not isinstance(values, (list, tuple)) or not all(isinstance(v, int) for v in values):
-        return f"must be a list of integers (got {type(values).__name__})"
-    top = vocab_size if vocab_size is not None else float("inf")
-    wrong = next((v for v in values if not (0 <= v < top or v in extra)), None)
-    if wrong is not None:
-        return f"holds {wrong}, outside [0, {vocab_size if vocab_size is not None else 'inf'})"
-    return None
+        bad = f"must be a list of integers (got {type(values).__name__})"
+    else:
+        top = vocab_size if vocab_size is not None else float("inf")
+        wrong = next((v for v in values if not (0 <= v < top or v in extra)), None)
+        if wrong is not None:
+            bad = f"holds {wrong}, outside [0, {vocab_size if vocab_size is not None else 'inf'})"
+    if bad is not None:
+        raise ValueError(f"Row {index} of the stream: {name} {bad}. Filter the stream or re-tokenize it with the "
+                         "tokenizer the model uses.")
 
 
 def encode_streamed_conversation(renderer: Any, settings: Any, max_length: int, index: int, example: dict,
@@ -179,7 +184,7 @@ def _count_document(counts: Counter, length: int) -> None:
 
 
 def encode_document(tokenizer: Any, text_column: str, index: int, example: dict,
-                    counts: Counter | None = None) -> list[int]:
+                    counts: Counter | None = None, encode: Callable | None = None) -> list[int]:
     """One streamed document to ``[bos] + tokens + [eos]``, as ``data.encode`` does for map-style data (an empty one
     to ``[]``, counted in ``empty_documents_skipped``)."""
     counts = Counter() if counts is None else counts
@@ -193,6 +198,6 @@ def encode_document(tokenizer: Any, text_column: str, index: int, example: dict,
         counts["empty_documents_skipped"] += 1
         return []  # skipped by the packer
     prefix, suffix = document_frame(tokenizer)
-    ids = prefix + tokenizer(text, add_special_tokens=False)["input_ids"] + suffix
+    ids = prefix + _encoded(tokenizer, text, encode) + suffix
     _count_document(counts, len(ids))
     return ids
