@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
+from lightning_seqmem.data.columns import PRETOKENIZED_KINDS
 from lightning_seqmem.datamodule.stream_encoding import (
     STREAM_KINDS,
     encode_document,
@@ -294,7 +295,7 @@ class Streams:
     """
 
     ONLY = {"conversations": ("conversations_dropped_empty", "trained_tokens"),
-            "prompt_completion": ("rows_without_completion",), "prompt_completion_tokens": ("rows_without_completion",)}
+            "prompt_completion": ("rows_without_completion",)}  # by the kind of rows (pre-tokenized or not)
 
     def __init__(self, dataset: Any, kind: str, data: Any) -> None:
         self.splits = streaming_splits(dataset, data.streaming_validation_documents)
@@ -323,7 +324,8 @@ class Streams:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split, the counts so far on this process (a stream's totals are known only once it is read)."""
-        drop = {key for kind, keys in self.ONLY.items() for key in keys} - set(self.ONLY.get(self.kind, ()))
+        rows = PRETOKENIZED_KINDS.get(self.kind, self.kind)
+        drop = {key for kind, keys in self.ONLY.items() if kind != rows for key in keys}
         return {split: {"streaming": True, "buffer_size": self.buffer_size,
                         **{k: v for k, v in counts.totals().items() if k not in drop}}
                 for split, counts in self.counts.items()}
