@@ -463,3 +463,27 @@ def test_a_repeating_stream_with_an_idle_loader_worker_goes_on_with_the_others(t
     loader = DataLoader(rows, batch_size=None, num_workers=2, timeout=60)
     taken = list(itertools.islice(loader, 60))  # more rows than one pass gives: worker 0 repeats its file
     assert len(taken) == 60
+
+
+def test_streaming_true_checks_its_files_as_map_style_loading_does(tmp_path, tokenizer):
+    """Bad paths fail before training with the map-style messages; a folder streams its files; a list of documents
+    is served as a stream too."""
+    with pytest.raises(FileNotFoundError, match=r"Dataset path .*nope\.jsonl.* does not exist"):
+        SeqMemDataModule(dataset=str(tmp_path / "nope.jsonl"), streaming=True, strategy="pack").setup("fit")
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "one two"}) + "\n")
+    (tmp_path / "b.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"Cannot read files with extensions \['.jsonl', '.parquet'\] together"):
+        SeqMemDataModule(dataset=[str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")], streaming=True,
+                         strategy="pack").setup("fit")
+    (tmp_path / "b.parquet").unlink()
+    (tmp_path / "c.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"c\.jsonl is empty"):
+        SeqMemDataModule(dataset=str(tmp_path), streaming=True, strategy="pack").setup("fit")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "three four five"}) + "\n")
+    folder = SeqMemDataModule(dataset=str(tmp_path), streaming=True, strategy="pack", streaming_validation_documents=0)
+    folder.setup("fit")
+    assert folder.dataset["train"].num_shards == 2 and len(list(folder.train_dataloader())) == 1
+    documents = SeqMemDataModule(dataset=["alpha beta", "gamma delta", "epsilon"], streaming=True, strategy="pack",
+                                 streaming_validation_documents=1)
+    documents.setup("fit")
+    assert isinstance(documents.dataset, datasets.IterableDatasetDict) and documents.datasets["validation"]

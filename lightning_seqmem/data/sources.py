@@ -164,34 +164,30 @@ def open_stream(dataset: Any, shards: int = 8):
     """``dataset`` as a ``datasets`` stream (``SeqMemDataModule(streaming=True)``).
 
     Local files and hub names are read lazily (``load_dataset(..., streaming=True)``: nothing is converted to Arrow
-    or downloaded ahead, so training starts at once on data of any size); anything else (the built-in corpora, a
-    ``Dataset``, a ``save_to_disk`` folder, a list) is loaded as usual and served as a stream of up to ``shards``
-    shards, so loader workers and ranks can share it.
+    or downloaded ahead, so training starts at once on data of any size), after the same checks as map-style files;
+    anything else (the built-in corpora, a ``Dataset``, a ``save_to_disk`` folder, a list of documents or rows) is
+    loaded as usual and served as a stream of up to ``shards`` shards, so loader workers and ranks can share it.
     """
     import datasets
 
     if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         return dataset
     builtin = isinstance(dataset, str) and dataset in ("builtin", BUILTIN_CHAT, BUILTIN_PREFERENCE)
-    if isinstance(dataset, (str, os.PathLike, list, tuple)) and not builtin:
-        saved = isinstance(dataset, (str, os.PathLike)) and os.path.isdir(dataset) and any(
-            os.path.exists(os.path.join(dataset, name)) for name in ("dataset_dict.json", "dataset_info.json"))
-        spec = [os.path.join(dataset, f"*{ext}") for ext in _LOCAL_BUILDERS] \
-            if isinstance(dataset, (str, os.PathLike)) and os.path.isdir(dataset) else dataset
-        files = None if saved else _local_files(spec)
-        if files:
-            builder = _LOCAL_BUILDERS[os.path.splitext(files[0])[1].lower()]
-            return datasets.load_dataset(builder, data_files={"train": list(files)}, streaming=True)
-        name = os.fspath(dataset) if isinstance(dataset, (str, os.PathLike)) else None
-        if name is not None and not os.path.exists(name) and not _looks_like_path(name):
-            try:
-                return datasets.load_dataset(name, streaming=True)
-            except Exception as err:
-                raise FileNotFoundError(f"Could not stream dataset {short_repr(name)} from the hub "
-                                        f"({type(err).__name__}: {short_repr(str(err))}). Check the name.") from err
-    dsd = load_text_dataset(dataset)
+    if isinstance(dataset, (str, os.PathLike)) and not builtin:
+        loaded = _load_path_or_name(dataset, streaming=True)
+    elif isinstance(dataset, Sequence) and not isinstance(dataset, str):
+        loaded = _dataset_from_items(dataset)  # documents or rows; None: files
+        if loaded is None:
+            loaded = _load_path_or_name([os.fspath(x) for x in dataset], streaming=True)
+    else:
+        loaded = load_text_dataset(dataset)
+    if "train" not in loaded:
+        raise ValueError(f"The dataset has splits {short_repr(sorted(loaded))}, but no 'train' split; rename one to "
+                         "'train'.")
+    if isinstance(loaded, datasets.IterableDatasetDict):
+        return loaded
     return datasets.IterableDatasetDict({split: ds.to_iterable_dataset(num_shards=max(1, min(shards, len(ds))))
-                                         for split, ds in dsd.items()})
+                                         for split, ds in loaded.items()})
 
 
 def ensure_validation_split(dsd, validation_fraction: float = 0.05, seed: int = 42):
@@ -246,7 +242,9 @@ def select_rows(ds, rows: np.ndarray, tag: str):
     return selected
 
 
-def _load_path_or_name(spec):
+def _load_path_or_name(spec, streaming: bool = False):
+    """A ``save_to_disk`` folder, local files (a path, glob, directory or list) or a hub name, as a ``DatasetDict``;
+    with ``streaming``, files and hub names as an ``IterableDatasetDict`` (a saved folder stays map-style)."""
     import datasets
 
     if isinstance(spec, (str, os.PathLike)) and os.path.isdir(spec):
@@ -261,7 +259,7 @@ def _load_path_or_name(spec):
     else:
         files = _local_files(spec)
     if files is not None:
-        return load_local_files(files)
+        return load_local_files(files, streaming)
     name = os.fspath(spec) if not isinstance(spec, (list, tuple)) else None
     if name is None or _looks_like_path(name):
         what = "matches no file" if name is not None and any(c in name for c in "*?[") else "does not exist"
@@ -271,7 +269,7 @@ def _load_path_or_name(spec):
             "dataset='builtin'."
         )
     try:
-        return datasets.load_dataset(name)
+        return datasets.load_dataset(name, streaming=streaming)
     except Exception as err:
         raise FileNotFoundError(
             f"Could not load dataset {short_repr(name)}: it is not a local path, and loading it by name failed "
@@ -286,8 +284,9 @@ def _looks_like_path(name: str) -> bool:
             or os.path.splitext(name)[1].lower() in _LOCAL_BUILDERS)
 
 
-def load_local_files(files: Sequence[str]):
-    """Local files of one kind as ``DatasetDict(train=...)``.
+def load_local_files(files: Sequence[str], streaming: bool = False):
+    """Local files of one kind as ``DatasetDict(train=...)`` (with ``streaming``, an ``IterableDatasetDict``, read
+    as it is iterated).
 
     Raises:
         ValueError: mixed or unknown extensions; an empty file; a file ``datasets`` cannot read (the message names
@@ -307,7 +306,7 @@ def load_local_files(files: Sequence[str]):
             raise ValueError(f"{path} is empty: there are no rows to read. Remove it from the dataset or fill it.")
     builder = _LOCAL_BUILDERS[exts.pop()]
     try:
-        return datasets.load_dataset(builder, data_files={"train": list(files)})
+        return datasets.load_dataset(builder, data_files={"train": list(files)}, streaming=streaming)
     except Exception as err:
         raise ValueError(_read_error(files, builder, err)) from err
 
