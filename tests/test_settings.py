@@ -46,6 +46,8 @@ def test_the_settings_are_frozen_and_built_once_from_the_arguments():
                                               "'keep_end')."),
         (dict(train_on="user"), "train_on='user' is not valid; use one of ('assistant', 'last_assistant', 'all')."),
         (dict(on_empty_labels="skip"), "on_empty_labels='skip' is not valid; use one of ('drop', 'keep', 'error')."),
+        (dict(streaming="false"), "streaming must be True or False, got 'false'."),  # "false" is truthy: would stream
+        (dict(drop_last=1), "drop_last must be True or False, got 1."),
     ],
 )
 def test_bad_arguments_keep_their_messages(kwargs, message):

@@ -11,6 +11,8 @@ import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
+
 from lightning_seqmem.batching.packed_rows import OVERFLOWS, check_packing
 from lightning_seqmem.batching.strategies import STRATEGIES, strategy_class
 from lightning_seqmem.batching.truncation import (
@@ -47,6 +49,15 @@ def check_integers(settings: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
             raise ValueError(f"{f.name} must be an int >= {minimum}{f.metadata['hint']}, got {short_repr(value)}.")
         object.__setattr__(settings, f.name, int(value))
+
+
+def check_flags(settings: Any) -> None:
+    """Refuse a field annotated ``bool`` holding anything but ``True``/``False`` (a string such as ``"false"``
+    would switch the option on); ``ValueError`` names the field."""
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        if f.type in ("bool", bool) and not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{f.name} must be True or False, got {short_repr(value)}.")
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,7 @@ class BatchingSettings:
 
     def __post_init__(self) -> None:
         check_integers(self)
+        check_flags(self)
         for name, value in (("strategy", self.strategy), ("eval_strategy", self.strategy_for("validation"))):
             if value not in STRATEGIES:
                 raise ValueError(f"Unknown {name} {value!r}; choose one of {list(STRATEGIES)}.")

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lightning_seqmem.batching.settings import BatchingSettings, check_integers, integer
+from lightning_seqmem.batching.settings import BatchingSettings, check_flags, check_integers, integer
 from lightning_seqmem.data.conversations import ConversationSettings
 from lightning_seqmem.data.token_cache import default_cache_dir
 from lightning_seqmem.messages import check_choice
@@ -47,6 +47,7 @@ class DataSettings:
 
     def __post_init__(self) -> None:
         check_integers(self)
+        check_flags(self)
         check_choice("on_resume_mismatch", self.on_resume_mismatch, RESUME_MISMATCH)
 
     @property
