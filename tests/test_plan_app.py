@@ -67,6 +67,9 @@ def test_bad_plan_settings_fail_with_a_clear_message():
     cfg = _compose("plan", ["plan.max_lengths=[]", "plan.memory=false"])
     with pytest.raises(ValueError, match="non-empty list"):
         plan_from_config(cfg)
+    cfg = _compose("plan", ["plan.stream_sample=0", "plan.memory=false"])
+    with pytest.raises(ValueError, match=r"plan.stream_sample must be an int >= 1 .*got 0"):
+        plan_from_config(cfg)
 
 
 def test_seqmem_plan_chooses_the_trainer_seqmem_train_would(monkeypatch, capsys):

@@ -74,7 +74,7 @@ def plan_from_config(cfg, output_dir: str | None = None):
     from lightning_seqmem.apps.planner import PLANNED_KINDS, check_text, default_max_lengths, plan
 
     p = cfg.plan
-    dm, sampled = stream_sample(instantiate(cfg.data), int(p.get("stream_sample", 20_000)))
+    dm, sampled = stream_sample(instantiate(cfg.data), p.get("stream_sample", 20_000))
     dm.prepare_data()  # tokenize once (cached: the planner and the training run after it read the same tokens)
     max_length = dm.settings.batching.max_length
     max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else default_max_lengths(max_length)

@@ -57,11 +57,16 @@ def stream_sample(dm: Any, documents: int = 20_000) -> tuple[Any, int | None]:
     train split (and of the stream's own validation split, if any), with the DataModule's other settings. Lengths,
     token efficiency and memory carry over to the whole stream; counts and steps per epoch are the sample's.
     """
+    import numbers
+
     import datasets
 
     from lightning_seqmem.data.sources import open_stream
     from lightning_seqmem.datamodule.streaming import is_stream
 
+    if isinstance(documents, bool) or not isinstance(documents, numbers.Integral) or documents < 1:
+        raise ValueError(f"plan.stream_sample must be an int >= 1 (documents read from a stream to plan on), got "
+                         f"{documents!r}.")
     if not (dm.settings.data.streaming or is_stream(dm.dataset)):
         return dm, None
     stream = open_stream(dm.dataset)
