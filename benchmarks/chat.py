@@ -39,8 +39,47 @@ from pathlib import Path
 
 T_START = time.perf_counter()
 GIB = 1 << 30
-WORDS = ("the of and to in is for that with as on by this from at be are or an it which module function returns "
-         "value list string file path object class method argument default error raise python data time").split()
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "for",
+    "that",
+    "with",
+    "as",
+    "on",
+    "by",
+    "this",
+    "from",
+    "at",
+    "be",
+    "are",
+    "or",
+    "an",
+    "it",
+    "which",
+    "module",
+    "function",
+    "returns",
+    "value",
+    "list",
+    "string",
+    "file",
+    "path",
+    "object",
+    "class",
+    "method",
+    "argument",
+    "default",
+    "error",
+    "raise",
+    "python",
+    "data",
+    "time",
+]
 
 
 def conversations(n: int, seed: int = 0):
@@ -87,18 +126,38 @@ def child_trl(task: dict) -> dict:
 
     imported, import_rss = time.perf_counter(), _resident()
     ds, tok = datasets.load_from_disk(task["data"]), _tokenizer()
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
-    args = SFTConfig(output_dir=task["scratch"], assistant_only_loss=True, max_length=task["max_length"],
-                     report_to="none", use_cpu=True, dataset_num_proc=None)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    args = SFTConfig(
+        output_dir=task["scratch"],
+        assistant_only_loss=True,
+        max_length=task["max_length"],
+        report_to="none",
+        use_cpu=True,
+        dataset_num_proc=None,
+    )
     prepared = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok).train_dataset
     import pyarrow.compute as pc
 
     tokens = int(pc.sum(pc.list_value_length(prepared.data.column("input_ids"))).as_py())
     labels = pc.list_flatten(prepared.data.column("labels"))
     trained = int(pc.sum(pc.cast(pc.not_equal(labels, -100), "int64")).as_py())
-    return {"rows": len(prepared), "tokens": tokens, "trained": trained, "import_s": imported - T_START, "import_rss": import_rss,
-            "pipeline_s": time.perf_counter() - imported}
+    return {
+        "rows": len(prepared),
+        "tokens": tokens,
+        "trained": trained,
+        "import_s": imported - T_START,
+        "import_rss": import_rss,
+        "pipeline_s": time.perf_counter() - imported,
+    }
 
 
 def _prepared(task: dict):
@@ -108,8 +167,14 @@ def _prepared(task: dict):
     from lightning_seqmem import SeqMemDataModule
 
     ds, tok = datasets.load_from_disk(task["data"]), _tokenizer()
-    dm = SeqMemDataModule(dataset=ds, tokenizer=tok, max_length=task["max_length"], strategy="pad",
-                          cache_dir=task["cache_dir"], num_proc=1)
+    dm = SeqMemDataModule(
+        dataset=ds,
+        tokenizer=tok,
+        max_length=task["max_length"],
+        strategy="pad",
+        cache_dir=task["cache_dir"],
+        num_proc=1,
+    )
     dm.prepare_data()
     dm.setup("fit")
     return dm
@@ -119,10 +184,15 @@ def _pair_counts(prepared) -> dict:
     """Pairs, tokens (the prompt once per sequence) and completion tokens of TRL's three token columns."""
     import pyarrow.compute as pc
 
-    count = {c: int(pc.sum(pc.list_value_length(prepared.data.column(c))).as_py())
-             for c in ("prompt_ids", "chosen_ids", "rejected_ids")}
-    return {"rows": len(prepared), "tokens": 2 * count["prompt_ids"] + count["chosen_ids"] + count["rejected_ids"],
-            "trained": count["chosen_ids"] + count["rejected_ids"]}
+    count = {
+        c: int(pc.sum(pc.list_value_length(prepared.data.column(c))).as_py())
+        for c in ("prompt_ids", "chosen_ids", "rejected_ids")
+    }
+    return {
+        "rows": len(prepared),
+        "tokens": 2 * count["prompt_ids"] + count["chosen_ids"] + count["rejected_ids"],
+        "trained": count["chosen_ids"] + count["rejected_ids"],
+    }
 
 
 def _import_ours() -> None:
@@ -139,8 +209,14 @@ def child_ours(task: dict) -> dict:
     rows = sum(s["rows"] for s in stats.values())
     tokens = sum(s["tokens"] - s["tokens_truncated"] - s["tokens_dropped"] for s in stats.values())
     trained = sum(s["trained_tokens"] for s in stats.values())
-    return {"rows": rows, "tokens": tokens, "trained": trained, "import_s": imported - T_START, "import_rss": import_rss,
-            "pipeline_s": time.perf_counter() - imported}
+    return {
+        "rows": rows,
+        "tokens": tokens,
+        "trained": trained,
+        "import_s": imported - T_START,
+        "import_rss": import_rss,
+        "pipeline_s": time.perf_counter() - imported,
+    }
 
 
 def child_trl_pairs(task: dict) -> dict:
@@ -150,12 +226,24 @@ def child_trl_pairs(task: dict) -> dict:
 
     imported, import_rss = time.perf_counter(), _resident()
     ds, tok = datasets.load_from_disk(task["data"]), _tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2)
-    args = DPOConfig(output_dir=task["scratch"], max_length=task["max_length"], report_to="none", use_cpu=True,
-                     dataset_num_proc=None)
-    prepared = DPOTrainer(model=LlamaForCausalLM(config), ref_model=LlamaForCausalLM(config), args=args,
-                          train_dataset=ds, processing_class=tok).train_dataset
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    args = DPOConfig(
+        output_dir=task["scratch"], max_length=task["max_length"], report_to="none", use_cpu=True, dataset_num_proc=None
+    )
+    prepared = DPOTrainer(
+        model=LlamaForCausalLM(config),
+        ref_model=LlamaForCausalLM(config),
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+    ).train_dataset
     elapsed = time.perf_counter() - imported
     return {**_pair_counts(prepared), "import_s": imported - T_START, "import_rss": import_rss, "pipeline_s": elapsed}
 
@@ -178,12 +266,28 @@ def child_strategies(task: dict) -> dict:
     ds, tok = datasets.load_from_disk(task["data"]), _tokenizer()
     out = {}
     for strategy in ("pad", "pack"):
-        dm = SeqMemDataModule(dataset=ds, tokenizer=tok, max_length=task["max_length"], strategy=strategy,
-                              micro_batch_size=task["micro_batch_size"], cache_dir=task["cache_dir"])
+        dm = SeqMemDataModule(
+            dataset=ds,
+            tokenizer=tok,
+            max_length=task["max_length"],
+            strategy=strategy,
+            micro_batch_size=task["micro_batch_size"],
+            cache_dir=task["cache_dir"],
+        )
         dm.setup("fit")
         train = dm.stats()["train"]
-        out[strategy] = {k: train[k] for k in ("rows", "batches", "token_efficiency", "trained_share",
-                                               "trained_tokens", "tokens_truncated", "tokens_dropped")}
+        out[strategy] = {
+            k: train[k]
+            for k in (
+                "rows",
+                "batches",
+                "token_efficiency",
+                "trained_share",
+                "trained_tokens",
+                "tokens_truncated",
+                "tokens_dropped",
+            )
+        }
         out[strategy]["trained_per_slot"] = train["token_efficiency"] * train["trained_share"]
     return out
 
@@ -193,8 +297,13 @@ def run_child(kind: str, task: dict, env: dict) -> dict:
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as out:
         result_path = out.name
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", kind, json.dumps(task),
-                             result_path], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--child", kind, json.dumps(task), result_path],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _, stderr = proc.communicate()
     wall = time.perf_counter() - start
     if proc.returncode:
@@ -222,11 +331,22 @@ def main(argv=None) -> None:
         rows = pairs(args.rows) if args.pairs else conversations(args.rows)
         datasets.Dataset.from_list(list(rows)).save_to_disk(str(data))
     _tokenizer()  # trained once and cached before any timing
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_CACHE": str(scratch / "hf"),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-    task = {"data": str(data), "max_length": args.max_length, "micro_batch_size": args.micro_batch_size,
-            "scratch": str(scratch / "trl"), "cache_dir": str(scratch / "cache")}
+    env = {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_DATASETS_CACHE": str(scratch / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    }
+    task = {
+        "data": str(data),
+        "max_length": args.max_length,
+        "micro_batch_size": args.micro_batch_size,
+        "scratch": str(scratch / "trl"),
+        "cache_dir": str(scratch / "cache"),
+    }
     results = {}
     for side in ("trl", "ours"):  # each in a fresh process, cold: no cache left by an earlier run
         shutil.rmtree(scratch / "hf", ignore_errors=True)
@@ -240,12 +360,16 @@ def main(argv=None) -> None:
     print(f"| | wall (s) | imports (s) | peak RSS (GiB) | RSS after imports (GiB) | rows | tokens | {trained} |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for side, r in results.items():
-        print(f"| {side} | {r['wall_s']:.1f} | {r['import_s']:.1f} | {r['peak_rss'] / GIB:.2f} | "
-              f"{(r['peak_rss'] - r['import_rss']) / GIB:.3f} | {r['rows']:,} | {r['tokens']:,} | {r['trained']:,} |")
+        print(
+            f"| {side} | {r['wall_s']:.1f} | {r['import_s']:.1f} | {r['peak_rss'] / GIB:.2f} | "
+            f"{(r['peak_rss'] - r['import_rss']) / GIB:.3f} | {r['rows']:,} | {r['tokens']:,} | {r['trained']:,} |"
+        )
     t, o = results["trl"], results["ours"]
-    print(f"\nours / TRL: wall {o['wall_s'] / t['wall_s']:.2f}x, pipeline wall {o['pipeline_s'] / t['pipeline_s']:.2f}x, "
-          f"peak RSS {o['peak_rss'] / t['peak_rss']:.2f}x, RSS after imports "
-          f"{(o['peak_rss'] - o['import_rss']) / max(t['peak_rss'] - t['import_rss'], 1):.2f}x")
+    print(
+        f"\nours / TRL: wall {o['wall_s'] / t['wall_s']:.2f}x, pipeline wall {o['pipeline_s'] / t['pipeline_s']:.2f}x, "
+        f"peak RSS {o['peak_rss'] / t['peak_rss']:.2f}x, RSS after imports "
+        f"{(o['peak_rss'] - o['import_rss']) / max(t['peak_rss'] - t['import_rss'], 1):.2f}x"
+    )
     if args.pairs:
         return
 
@@ -254,13 +378,20 @@ def main(argv=None) -> None:
     print("| strategy | rows | batches | token efficiency | trained share of fed tokens | trained tokens per slot |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, s in ((k, v) for k, v in strategies.items() if k in ("pad", "pack")):
-        print(f"| {name} | {s['rows']:,} | {s['batches']:,} | {s['token_efficiency']:.4f} | "
-              f"{s['trained_share']:.4f} | {s['trained_per_slot']:.4f} |")
+        print(
+            f"| {name} | {s['rows']:,} | {s['batches']:,} | {s['token_efficiency']:.4f} | "
+            f"{s['trained_share']:.4f} | {s['trained_per_slot']:.4f} |"
+        )
 
 
 def _child_main(kind: str, task_json: str, result_path: str) -> None:
-    result = {"trl": child_trl, "ours": child_ours, "strategies": child_strategies, "trl_pairs": child_trl_pairs,
-              "ours_pairs": child_ours_pairs}[kind](json.loads(task_json))
+    result = {
+        "trl": child_trl,
+        "ours": child_ours,
+        "strategies": child_strategies,
+        "trl_pairs": child_trl_pairs,
+        "ours_pairs": child_ours_pairs,
+    }[kind](json.loads(task_json))
     result["peak_rss"] = _resident("VmHWM")
     with open(result_path, "w") as f:
         json.dump(result, f)

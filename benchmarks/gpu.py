@@ -34,13 +34,35 @@ import time
 from lightning_seqmem.memory.stats import format_bytes  # imports no torch: children set the allocator first
 
 VOCAB = 32_000
-MAIN_MODEL = dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096)
-TINY_MODEL = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+MAIN_MODEL = dict(
+    model_type="llama",
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+)
+TINY_MODEL = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 PLANNER_SIZES = [  # hidden, layers, heads, kv heads, intermediate
-    (128, 2, 4, 2, 512), (256, 4, 4, 2, 704), (384, 6, 6, 2, 1024), (512, 8, 8, 4, 1408), (640, 10, 10, 5, 1728),
-    (768, 12, 12, 4, 2048), (1024, 12, 16, 8, 2816), (1024, 20, 16, 8, 2816), (1280, 16, 20, 4, 3456)]
+    (128, 2, 4, 2, 512),
+    (256, 4, 4, 2, 704),
+    (384, 6, 6, 2, 1024),
+    (512, 8, 8, 4, 1408),
+    (640, 10, 10, 5, 1728),
+    (768, 12, 12, 4, 2048),
+    (1024, 12, 16, 8, 2816),
+    (1024, 20, 16, 8, 2816),
+    (1280, 16, 20, 4, 3456),
+]
 PREALLOC_RUNS = [  # name, strategy, pre-allocation, expandable segments, rows never padded
     ("pad, nothing", "pad", False, False, False),
     ("pad, CachePreallocator", "pad", True, False, False),
@@ -53,10 +75,32 @@ PREALLOC_RUNS = [  # name, strategy, pre-allocation, expandable segments, rows n
 
 def sizes(smoke: bool) -> dict:
     if smoke:
-        return dict(model=TINY_MODEL, vocab=512, max_length=128, min_length=16, rows=2, steps=6, docs=120,
-                    planner=PLANNER_SIZES[:2], planner_shape=(2, 64), planner_vocab=512, fsdp_shape=(2, 64))
-    return dict(model=MAIN_MODEL, vocab=VOCAB, max_length=4096, min_length=64, rows=8, steps=60, docs=1200,
-                planner=PLANNER_SIZES, planner_shape=(4, 2048), planner_vocab=VOCAB, fsdp_shape=(4, 2048))
+        return dict(
+            model=TINY_MODEL,
+            vocab=512,
+            max_length=128,
+            min_length=16,
+            rows=2,
+            steps=6,
+            docs=120,
+            planner=PLANNER_SIZES[:2],
+            planner_shape=(2, 64),
+            planner_vocab=512,
+            fsdp_shape=(2, 64),
+        )
+    return dict(
+        model=MAIN_MODEL,
+        vocab=VOCAB,
+        max_length=4096,
+        min_length=64,
+        rows=8,
+        steps=60,
+        docs=1200,
+        planner=PLANNER_SIZES,
+        planner_shape=(4, 2048),
+        planner_vocab=VOCAB,
+        fsdp_shape=(4, 2048),
+    )
 
 
 # ------------------------------------------------------------------------------------------ shared pieces
@@ -111,8 +155,16 @@ def step_memory_callback():
     return StepMemory()
 
 
-def fit(size: dict, data, strategy: str, prealloc: bool, trainer_strategy="auto", steps: int | None = None,
-        every_n_steps: int = 7, shape: tuple[int, int] | None = None):
+def fit(
+    size: dict,
+    data,
+    strategy: str,
+    prealloc: bool,
+    trainer_strategy="auto",
+    steps: int | None = None,
+    every_n_steps: int = 7,
+    shape: tuple[int, int] | None = None,
+):
     """Train CausalLM with warmup; returns (StepMemory, MemoryMonitor, CachePreallocator or None, trainer)."""
     import lightning.pytorch as L
 
@@ -123,17 +175,27 @@ def fit(size: dict, data, strategy: str, prealloc: bool, trainer_strategy="auto"
     rows, length = shape or (size["rows"], size["max_length"])
     L.seed_everything(0)
     dm = SeqMemDataModule(dataset=data, strategy=strategy, max_length=length, micro_batch_size=rows, pad_token_id=0)
-    model = CausalLM(model_config=dict(size["model"], max_position_embeddings=length), vocab_size=size["vocab"],
-                     pad_token_id=0)
+    model = CausalLM(
+        model_config=dict(size["model"], max_position_embeddings=length), vocab_size=size["vocab"], pad_token_id=0
+    )
     memory, monitor = step_memory_callback(), MemoryMonitor(every_n_steps=every_n_steps)
     pre = CachePreallocator() if prealloc else None
     warmup = SeqLengthWarmup(duration=0.5, min_seq_length=min(size["min_length"], length), max_seq_length=length)
     cuda = on_cuda()
-    trainer = L.Trainer(max_steps=steps or size["steps"], accelerator="cuda" if cuda else "cpu", devices=1,
-                        strategy=trainer_strategy, precision="bf16-mixed" if cuda else "32-true",
-                        gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[c for c in (warmup, pre, monitor, memory) if c is not None])
+    trainer = L.Trainer(
+        max_steps=steps or size["steps"],
+        accelerator="cuda" if cuda else "cpu",
+        devices=1,
+        strategy=trainer_strategy,
+        precision="bf16-mixed" if cuda else "32-true",
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[c for c in (warmup, pre, monitor, memory) if c is not None],
+    )
     trainer.fit(model, datamodule=dm)
     return memory, monitor, pre, trainer
 
@@ -152,9 +214,16 @@ def child_prealloc(size: dict, name: str, strategy: str, prealloc: bool, expanda
     data = documents(size["docs"], size["vocab"], size["max_length"], never_padded=unpadded)
     memory, monitor, pre, _ = fit(size, data, strategy, prealloc)
     first, peak = memory.reserved[0], max(memory.reserved)
-    return {"name": name, "after_step_1": first, "peak": peak, "growth": peak - first, "retries": memory.retries,
-            "monitor": monitor.summary, "prealloc": pre.report.summary() if pre else None,
-            "seconds": time.perf_counter() - start}
+    return {
+        "name": name,
+        "after_step_1": first,
+        "peak": peak,
+        "growth": peak - first,
+        "retries": memory.retries,
+        "monitor": monitor.summary,
+        "prealloc": pre.report.summary() if pre else None,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def child_planner(size: dict) -> list[dict]:
@@ -167,9 +236,19 @@ def child_planner(size: dict) -> list[dict]:
     rows, length = size["planner_shape"]
     keys, precision = ("input_ids", "attention_mask", "labels"), "bf16-mixed" if device == "cuda" else "32-true"
     for hidden, layers, heads, kv, inter in size["planner"]:
-        config = build_model_config(dict(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
-                                         num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
-                                         max_position_embeddings=length), size["planner_vocab"], 0)
+        config = build_model_config(
+            dict(
+                model_type="llama",
+                hidden_size=hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv,
+                intermediate_size=inter,
+                max_position_embeddings=length,
+            ),
+            size["planner_vocab"],
+            0,
+        )
         est = estimate_training_memory(config, rows, length, keys, precision, device=device)
         batch = make_dummy_batch(rows, length, keys, size["planner_vocab"])
         measured = measured_training_peak(config, batch, precision, device=device)
@@ -182,8 +261,8 @@ def child_contamination(size: dict) -> list[dict]:
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_seqmem.batching.collate import PackCollator
     from lightning_seqmem.batching import pack_sequences
+    from lightning_seqmem.batching.collate import PackCollator
 
     device = "cuda" if on_cuda() else "cpu"
     g = torch.Generator().manual_seed(0)
@@ -195,13 +274,22 @@ def child_contamination(size: dict) -> list[dict]:
     for attn in ("sdpa", "eager"):
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
-            config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                 initializer_range=0.2, attn_implementation=attn)  # sharp attention: mixing shows
+            config = LlamaConfig(
+                vocab_size=1000,
+                hidden_size=128,
+                intermediate_size=256,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=256,
+                initializer_range=0.2,
+                attn_implementation=attn,
+            )  # sharp attention: mixing shows
             model = LlamaForCausalLM(config).to(device, dtype).eval()
             with torch.no_grad():
-                clean = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                              use_cache=False).logits.float()  # (with a cache transformers does not unpack rows)
+                clean = model(
+                    input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+                ).logits.float()  # (with a cache transformers does not unpack rows)
                 mixed = model(input_ids=batch["input_ids"], use_cache=False).logits.float()  # one sequence per row
                 diffs = {"clean": 0.0, "contaminated": 0.0}
                 seg = 0
@@ -213,7 +301,7 @@ def child_contamination(size: dict) -> list[dict]:
                         logits = model(input_ids=doc, use_cache=False).logits.float()
                         alone = F.cross_entropy(logits[0, :-1], doc[0, 1:])
                         for key, logits in (("clean", clean), ("contaminated", mixed)):
-                            loss = F.cross_entropy(logits[r, start:start + n - 1], doc[0, 1:])
+                            loss = F.cross_entropy(logits[r, start : start + n - 1], doc[0, 1:])
                             diffs[key] = max(diffs[key], abs(float(loss - alone)))
                         start += n
             out.append({"attn": attn, "dtype": str(dtype).replace("torch.", ""), **diffs})
@@ -225,16 +313,27 @@ def child_fsdp(size: dict) -> dict:
 
     data = documents(size["docs"], size["vocab"], size["fsdp_shape"][1])
     strategy = FSDPStrategy() if on_cuda() else cpu_fsdp_strategy()
-    memory, monitor, pre, trainer = fit(size, data, "pack", True, trainer_strategy=strategy, steps=10,
-                                        every_n_steps=4, shape=size["fsdp_shape"])
+    memory, monitor, pre, trainer = fit(
+        size, data, "pack", True, trainer_strategy=strategy, steps=10, every_n_steps=4, shape=size["fsdp_shape"]
+    )
     loss = trainer.callback_metrics.get("train/loss")
-    return {"steps": trainer.global_step, "loss": float(loss) if loss is not None else float("nan"),
-            "passes": pre.report.passes, "prealloc": pre.report.summary(), "growth": max(memory.reserved) -
-            memory.reserved[0], "peak": max(memory.reserved), "retries": memory.retries}
+    return {
+        "steps": trainer.global_step,
+        "loss": float(loss) if loss is not None else float("nan"),
+        "passes": pre.report.passes,
+        "prealloc": pre.report.summary(),
+        "growth": max(memory.reserved) - memory.reserved[0],
+        "peak": max(memory.reserved),
+        "retries": memory.retries,
+    }
 
 
-CHILDREN = {"prealloc": child_prealloc, "planner": child_planner, "contamination": child_contamination,
-            "fsdp": child_fsdp}
+CHILDREN = {
+    "prealloc": child_prealloc,
+    "planner": child_planner,
+    "contamination": child_contamination,
+    "fsdp": child_fsdp,
+}
 
 
 def run_child(smoke: bool, kind: str, *args) -> object:
@@ -244,7 +343,7 @@ def run_child(smoke: bool, kind: str, *args) -> object:
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 # ----------------------------------------------------------------------------------------------- the table
@@ -257,44 +356,72 @@ def rows(smoke: bool) -> list[tuple[str, str, str, str, bool]]:
             out.append(("pre-allocation", run[0], r["error"], "runs", False))
             continue
         share = r["growth"] / r["peak"] if r["peak"] else 0.0
-        text = (f"after step 1 {format_bytes(r['after_step_1'])}, peak {format_bytes(r['peak'])}, growth "
-                f"{format_bytes(r['growth'])} ({share:.1%}), retries {r['retries']}, {r['seconds']:.0f} s")
+        text = (
+            f"after step 1 {format_bytes(r['after_step_1'])}, peak {format_bytes(r['peak'])}, growth "
+            f"{format_bytes(r['growth'])} ({share:.1%}), retries {r['retries']}, {r['seconds']:.0f} s"
+        )
         target, ok = "reference", True
         if run[2]:
             target, ok = "growth <= 1 % of peak, 0 retries", share <= 0.01 and r["retries"] == 0
         out.append(("pre-allocation", run[0], text, target, ok))
         if run[0] == "pad, CachePreallocator + expandable":
             summary = ", ".join(f"{k}={v:.3g}" for k, v in r["monitor"].items())
-            out.append(("monitor", "end-of-run summary, last step not a logging step", summary,
-                        "summary, no crash", "steps" in r["monitor"]))
+            out.append(
+                (
+                    "monitor",
+                    "end-of-run summary, last step not a logging step",
+                    summary,
+                    "summary, no crash",
+                    "steps" in r["monitor"],
+                )
+            )
     planner = run_child(smoke, "planner")
     if isinstance(planner, dict):
         out.append(("planner", "all sizes", planner["error"], "runs", False))
     else:
         for case in planner:
             error = (case["estimate"] - case["measured"]) / case["measured"]
-            out.append(("planner", f"{case['params'] / 1e6:.1f} M parameters",
-                        f"estimate {format_bytes(case['estimate'])}, measured {format_bytes(case['measured'])}, "
-                        f"error {error:+.2%}", "within 5 %", abs(error) <= 0.05))
+            out.append(
+                (
+                    "planner",
+                    f"{case['params'] / 1e6:.1f} M parameters",
+                    f"estimate {format_bytes(case['estimate'])}, measured {format_bytes(case['measured'])}, "
+                    f"error {error:+.2%}",
+                    "within 5 %",
+                    abs(error) <= 0.05,
+                )
+            )
     contamination = run_child(smoke, "contamination")
     if isinstance(contamination, dict):
         out.append(("contamination", "all", contamination["error"], "runs", False))
     else:
         for case in contamination:
             tolerance = 1e-4 if case["dtype"] == "float32" else 5e-2
-            out.append(("contamination", f"{case['attn']}, {case['dtype']}",
-                        f"largest loss difference packed vs alone {case['clean']:.2e} (documents mixed: "
-                        f"{case['contaminated']:.2e})",
-                        f"<= {tolerance:g}", case["clean"] <= tolerance < case["contaminated"]))
+            out.append(
+                (
+                    "contamination",
+                    f"{case['attn']}, {case['dtype']}",
+                    f"largest loss difference packed vs alone {case['clean']:.2e} (documents mixed: "
+                    f"{case['contaminated']:.2e})",
+                    f"<= {tolerance:g}",
+                    case["clean"] <= tolerance < case["contaminated"],
+                )
+            )
     f = run_child(smoke, "fsdp")
     if "error" in f:
         out.append(("FSDP", "clipping + pre-allocation", f["error"], "runs", False))
     else:
         share = f["growth"] / f["peak"] if f["peak"] else 0.0
-        out.append(("FSDP", "gradient_clip_val=1.0 + CachePreallocator, 10 steps",
-                    f"steps {f['steps']}, loss {f['loss']:.3f}, passes {'+'.join(f['passes'])}, growth {share:.1%}, "
-                    f"retries {f['retries']}", "trains, pass ran", f["steps"] == 10 and math.isfinite(f["loss"])
-                    and bool(f["passes"])))
+        out.append(
+            (
+                "FSDP",
+                "gradient_clip_val=1.0 + CachePreallocator, 10 steps",
+                f"steps {f['steps']}, loss {f['loss']:.3f}, passes {'+'.join(f['passes'])}, growth {share:.1%}, "
+                f"retries {f['retries']}",
+                "trains, pass ran",
+                f["steps"] == 10 and math.isfinite(f["loss"]) and bool(f["passes"]),
+            )
+        )
     return out
 
 
@@ -313,8 +440,10 @@ def main() -> None:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (no CUDA: figures are not GPU's)"
     table = rows(args.smoke)
-    print(f"\n{device}; torch {torch.__version__}; {'smoke sizes' if args.smoke else 'full sizes'}; "
-          f"{time.perf_counter() - start:.0f} s\n")
+    print(
+        f"\n{device}; torch {torch.__version__}; {'smoke sizes' if args.smoke else 'full sizes'}; "
+        f"{time.perf_counter() - start:.0f} s\n"
+    )
     print("| check | case | measured | target | ok |\n|---|---|---|---|---|")
     for check, case, measured, target, ok in table:
         print(f"| {check} | {case} | {measured} | {target} | {'yes' if ok else 'NO'} |")

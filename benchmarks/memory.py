@@ -70,9 +70,14 @@ def _worker(args: argparse.Namespace) -> dict:
     class LM(L.LightningModule):
         def __init__(self):
             super().__init__()
-            config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                                 num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                                 max_position_embeddings=max(lengths))
+            config = LlamaConfig(
+                vocab_size=args.vocab,
+                hidden_size=args.hidden,
+                intermediate_size=4 * args.hidden,
+                num_hidden_layers=args.layers,
+                num_attention_heads=max(1, args.hidden // 64),
+                max_position_embeddings=max(lengths),
+            )
             self.model = LlamaForCausalLM(config)
 
         def training_step(self, batch, batch_idx):
@@ -97,10 +102,17 @@ def _worker(args: argparse.Namespace) -> dict:
 
     recorder = Recorder()
     callbacks = [CachePreallocator(), recorder] if args.prealloc else [recorder]
-    trainer = L.Trainer(max_steps=args.steps, accelerator="gpu" if cuda else "cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        precision="bf16-mixed" if cuda and torch.cuda.is_bf16_supported() else "32-true",
-                        callbacks=callbacks)
+    trainer = L.Trainer(
+        max_steps=args.steps,
+        accelerator="gpu" if cuda else "cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="bf16-mixed" if cuda and torch.cuda.is_bf16_supported() else "32-true",
+        callbacks=callbacks,
+    )
     trainer.fit(LM(), datamodule=WarmupData())
     if cuda:
         end = torch.cuda.memory_stats()
@@ -117,22 +129,33 @@ def _worker(args: argparse.Namespace) -> dict:
             "fragmentation_at_peak": stats.stranded_share(end["inactive_split_bytes.all.peak"], peak_reserved),
         }
     peak = stats.peak_rss_bytes()
-    return {"device": "cpu", "rss_after_step1": recorder.after_step1["rss"], "peak_rss": peak,
-            "growth_after_step1": peak - recorder.after_step1["rss"]}
+    return {
+        "device": "cpu",
+        "rss_after_step1": recorder.after_step1["rss"],
+        "peak_rss": peak,
+        "growth_after_step1": peak - recorder.after_step1["rss"],
+    }
 
 
 def _table(results: dict[str, dict]) -> str:
     first = next(iter(results.values()))
     if first["device"] == "cpu":
         header = f"{'config':<22}{'RSS after step 1':>18}{'peak RSS':>12}{'growth after step 1':>21}"
-        rows = [f"{name:<22}{fmt(r['rss_after_step1']):>18}{fmt(r['peak_rss']):>12}{fmt(r['growth_after_step1']):>21}"
-                for name, r in results.items()]
+        rows = [
+            f"{name:<22}{fmt(r['rss_after_step1']):>18}{fmt(r['peak_rss']):>12}{fmt(r['growth_after_step1']):>21}"
+            for name, r in results.items()
+        ]
     else:
-        header = (f"{'config':<22}{'reserved@1':>12}{'peak reserved':>15}{'growth':>12}{'retries':>9}"
-                  f"{'device allocs':>15}{'frag@peak':>11}")
-        rows = [f"{name:<22}{fmt(r['reserved_after_step1']):>12}{fmt(r['peak_reserved']):>15}"
-                f"{fmt(r['growth_after_step1']):>12}{r['num_alloc_retries']:>9}{str(r['device_allocs']):>15}"
-                f"{r['fragmentation_at_peak']:>10.1%}" for name, r in results.items()]
+        header = (
+            f"{'config':<22}{'reserved@1':>12}{'peak reserved':>15}{'growth':>12}{'retries':>9}"
+            f"{'device allocs':>15}{'frag@peak':>11}"
+        )
+        rows = [
+            f"{name:<22}{fmt(r['reserved_after_step1']):>12}{fmt(r['peak_reserved']):>15}"
+            f"{fmt(r['growth_after_step1']):>12}{r['num_alloc_retries']:>9}{str(r['device_allocs']):>15}"
+            f"{r['fragmentation_at_peak']:>10.1%}"
+            for name, r in results.items()
+        ]
     return "\n".join([header, *rows])
 
 
@@ -161,13 +184,17 @@ def main(argv: list[str] | None = None) -> None:
         cmd += ["--prealloc"] * prealloc + ["--expandable"] * expandable
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results[name] = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
-    print(f"lengths {args.lengths} (every {args.every} steps), rows {args.rows}, hidden {args.hidden}, "
-          f"layers {args.layers}, {args.steps} steps; device: {next(iter(results.values()))['device']}")
+    print(
+        f"lengths {args.lengths} (every {args.every} steps), rows {args.rows}, hidden {args.hidden}, "
+        f"layers {args.layers}, {args.steps} steps; device: {next(iter(results.values()))['device']}"
+    )
     print(_table(results))
     if next(iter(results.values()))["device"] == "cpu":
-        print("No GPU: these are CPU figures (process RSS; allocator settings have no effect on CPU). "
-              "The CUDA figures (reserved after step 1 vs peak, num_alloc_retries, device allocations, "
-              "fragmentation at peak) need a GPU: run this script on one.")
+        print(
+            "No GPU: these are CPU figures (process RSS; allocator settings have no effect on CPU). "
+            "The CUDA figures (reserved after step 1 vs peak, num_alloc_retries, device allocations, "
+            "fragmentation at peak) need a GPU: run this script on one."
+        )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,17 @@ def crossings(lengths: np.ndarray, max_length: int) -> int:
 
 
 def row(dataset, n_docs, method, efficiency, lost, split, seconds, materialise=None):
-    return dict(dataset=dataset, docs=n_docs, method=method, efficiency=efficiency, lost=lost, split=split,
-                seconds=seconds, docs_per_s=n_docs / max(seconds, 1e-9), materialise=materialise)
+    return dict(
+        dataset=dataset,
+        docs=n_docs,
+        method=method,
+        efficiency=efficiency,
+        lost=lost,
+        split=split,
+        seconds=seconds,
+        docs_per_s=n_docs / max(seconds, 1e-9),
+        materialise=materialise,
+    )
 
 
 def timed(fn):
@@ -72,15 +81,35 @@ def timed(fn):
 
 def ours(name: str, lengths: np.ndarray, max_length: int, tokens=None) -> list[dict]:
     out = []
-    for label, packing, overflow in [("ours bfd (split)", "bfd", "split"), ("ours bfd (truncate)", "bfd", "truncate"),
-                                     ("ours wrapped", "wrapped", "split")]:
-        seconds, res = timed(lambda: pack_sequences(tokens, max_length, packing, overflow) if tokens is not None
-                             else pack_lengths(lengths, max_length, packing, overflow))
+    for label, packing, overflow in [
+        ("ours bfd (split)", "bfd", "split"),
+        ("ours bfd (truncate)", "bfd", "truncate"),
+        ("ours wrapped", "wrapped", "split"),
+    ]:
+        seconds, res = timed(
+            lambda: (
+                pack_sequences(tokens, max_length, packing, overflow)
+                if tokens is not None
+                else pack_lengths(lengths, max_length, packing, overflow)
+            )
+        )
         materialise = None
         if tokens is not None:  # rows are gathered lazily when served; this is the cost of gathering all of them
-            materialise, _ = timed(lambda: res._segments(0, len(res.segment_length)) if packing == "bfd" else res.input_ids)
-        out.append(row(name, len(lengths), label + ("" if tokens is not None else " [lengths]"), res.efficiency,
-                       res.tokens_truncated + res.tokens_dropped, res.documents_split, seconds, materialise))
+            materialise, _ = timed(
+                lambda: res._segments(0, len(res.segment_length)) if packing == "bfd" else res.input_ids
+            )
+        out.append(
+            row(
+                name,
+                len(lengths),
+                label + ("" if tokens is not None else " [lengths]"),
+                res.efficiency,
+                res.tokens_truncated + res.tokens_dropped,
+                res.documents_split,
+                seconds,
+                materialise,
+            )
+        )
     return out
 
 
@@ -99,8 +128,17 @@ def trl(name: str, lengths: np.ndarray, max_length: int, tokens) -> list[dict]:
         packed_lengths = np.asarray(pa.compute.list_value_length(packed.data.column("input_ids")).to_numpy())
         kept = int(packed_lengths.sum())
         split = {"bfd": 0, "bfd_split": int((lengths > max_length).sum()), "wrapped": crossings(lengths, max_length)}
-        out.append(row(name, len(lengths), f"trl {strategy}", kept / (len(packed) * max_length), total - kept,
-                       split[strategy], seconds))
+        out.append(
+            row(
+                name,
+                len(lengths),
+                f"trl {strategy}",
+                kept / (len(packed) * max_length),
+                total - kept,
+                split[strategy],
+                seconds,
+            )
+        )
     return out
 
 
@@ -133,12 +171,16 @@ def builtin_corpus(max_length: int) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| dataset | docs | method | efficiency | tokens lost | docs split | time (s) | docs/s | + gather all rows (s) |")
+    print(
+        "| dataset | docs | method | efficiency | tokens lost | docs split | time (s) | docs/s | + gather all rows (s) |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         gather = "" if r["materialise"] is None else f"{r['materialise']:.3f}"
-        print(f"| {r['dataset']} | {r['docs']:,} | {r['method']} | {r['efficiency']:.5f} | {r['lost']:,} | "
-              f"{r['split']:,} | {r['seconds']:.3f} | {r['docs_per_s']:,.0f} | {gather} |")
+        print(
+            f"| {r['dataset']} | {r['docs']:,} | {r['method']} | {r['efficiency']:.5f} | {r['lost']:,} | "
+            f"{r['split']:,} | {r['seconds']:.3f} | {r['docs_per_s']:,.0f} | {gather} |"
+        )
 
 
 def speedups(rows: list[dict]) -> None:
@@ -149,8 +191,10 @@ def speedups(rows: list[dict]) -> None:
         match = [t for t in rows if t["dataset"] == r["dataset"] and t["method"] == pairs.get(r["method"])]
         if match:
             trl_s = match[0]["seconds"]
-            print(f"| {r['dataset']} | {r['method']} vs {match[0]['method']} | {trl_s / max(r['seconds'], 1e-9):,.1f}x | "
-                  f"{trl_s / max(r['seconds'] + (r['materialise'] or 0), 1e-9):,.1f}x |")
+            print(
+                f"| {r['dataset']} | {r['method']} vs {match[0]['method']} | {trl_s / max(r['seconds'], 1e-9):,.1f}x | "
+                f"{trl_s / max(r['seconds'] + (r['materialise'] or 0), 1e-9):,.1f}x |"
+            )
 
 
 def main() -> None:
@@ -160,7 +204,10 @@ def main() -> None:
     args = parser.parse_args()
     sample = args.sample or (20_000 if args.quick else 200_000)
     rows: list[dict] = []
-    for file, max_length, name in [("wikipedia-512.tsv", 512, "Wikipedia @512"), ("squad-1.1-384.tsv", 384, "SQuAD 1.1 @384")]:
+    for file, max_length, name in [
+        ("wikipedia-512.tsv", 512, "Wikipedia @512"),
+        ("squad-1.1-384.tsv", 384, "SQuAD 1.1 @384"),
+    ]:
         path = HISTOGRAMS / file
         if not path.exists():
             print(f"({path} not found: skipped)")

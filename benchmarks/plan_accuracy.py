@@ -23,8 +23,11 @@ PACK_KEYS = ("input_ids", "labels", "position_ids")
 
 CASES = [
     # (preset, rows, length, keys, precision, attention, checkpointing)
-    *[(preset, r, n, PAD_KEYS, "32-true", "sdpa", False) for preset in ("tiny_llama", "tiny_gpt2")
-      for r, n in ((2, 128), (4, 256), (8, 512))],
+    *[
+        (preset, r, n, PAD_KEYS, "32-true", "sdpa", False)
+        for preset in ("tiny_llama", "tiny_gpt2")
+        for r, n in ((2, 128), (4, 256), (8, 512))
+    ],
     ("tiny_llama", 4, 256, PACK_KEYS, "32-true", "sdpa", False),
     ("tiny_llama", 4, 256, PAD_KEYS, "32-true", "eager", False),
     ("tiny_gpt2", 4, 256, PAD_KEYS, "32-true", "eager", False),
@@ -36,21 +39,33 @@ CASES = [
 
 
 def main() -> None:
-    print("| model | batch (rows x length) | keys | precision | attention | checkpointing | estimate | measured "
-          "| error | estimate time |")
+    print(
+        "| model | batch (rows x length) | keys | precision | attention | checkpointing | estimate | measured "
+        "| error | estimate time |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for preset, rows, length, keys, precision, attention, checkpointing in CASES:
         config = build_model_config(preset, VOCAB, 0)
         start = time.perf_counter()
-        est = estimate_training_memory(config, rows, length, keys, precision, device="cpu",
-                                       attn_implementation=attention, gradient_checkpointing=checkpointing)
+        est = estimate_training_memory(
+            config,
+            rows,
+            length,
+            keys,
+            precision,
+            device="cpu",
+            attn_implementation=attention,
+            gradient_checkpointing=checkpointing,
+        )
         seconds = time.perf_counter() - start
         batch = make_dummy_batch(rows, length, keys, VOCAB)  # padding in a row (pad) or two documents per row (pack)
         real = measured_training_peak(config, batch, precision, attention, checkpointing)
         kind = "pad" if "attention_mask" in keys else "pack"
-        print(f"| {preset} | {rows} x {length} | {kind} | {precision} | {attention} | {'yes' if checkpointing else 'no'} "
-              f"| {format_bytes(est.peak)} | {format_bytes(real)} | {100 * (est.peak - real) / real:+.2f}% "
-              f"| {seconds:.1f} s |")
+        print(
+            f"| {preset} | {rows} x {length} | {kind} | {precision} | {attention} | {'yes' if checkpointing else 'no'} "
+            f"| {format_bytes(est.peak)} | {format_bytes(real)} | {100 * (est.peak - real) / real:+.2f}% "
+            f"| {seconds:.1f} s |"
+        )
 
 
 if __name__ == "__main__":

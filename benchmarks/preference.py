@@ -53,8 +53,10 @@ def write_dataset(path: Path, n: int, seed: int = 0) -> None:
 
     lengths = pair_lengths(n, seed)
     rng = np.random.default_rng(seed + 1)
-    columns = {name: [rng.integers(3, VOCAB, k, dtype=np.int32).tolist() for k in lengths[i]]
-               for i, name in enumerate(("prompt_ids", "chosen_ids", "rejected_ids"))}
+    columns = {
+        name: [rng.integers(3, VOCAB, k, dtype=np.int32).tolist() for k in lengths[i]]
+        for i, name in enumerate(("prompt_ids", "chosen_ids", "rejected_ids"))
+    }
     datasets.Dataset.from_dict(columns).save_to_disk(str(path))
 
 
@@ -63,9 +65,15 @@ def module(path: str, arguments: dict, micro_batch_size: int):
 
     from lightning_seqmem import SeqMemDataModule
 
-    dm = SeqMemDataModule(datasets.DatasetDict(train=datasets.load_from_disk(path),
-                                               validation=datasets.load_from_disk(path).select(range(8))),
-                          micro_batch_size=micro_batch_size, pad_token_id=0, **LIMITS, **arguments)
+    dm = SeqMemDataModule(
+        datasets.DatasetDict(
+            train=datasets.load_from_disk(path), validation=datasets.load_from_disk(path).select(range(8))
+        ),
+        micro_batch_size=micro_batch_size,
+        pad_token_id=0,
+        **LIMITS,
+        **arguments,
+    )
     dm.setup("fit")
     return dm
 
@@ -74,18 +82,24 @@ def efficiency(path: str, label: str, micro_batch_size: int) -> dict:
     """One strategy's epoch statistics (the DataModule's own counts)."""
     dm = module(path, STRATEGIES[label], micro_batch_size)
     s = dm.stats()["train"]
-    return {"strategy": label, "pairs": s["documents"], "efficiency": s["token_efficiency"], "batches": s["batches"],
-            "shape": dm.max_batch_shape(), "truncated": s["tokens_truncated"] / s["tokens"]}
+    return {
+        "strategy": label,
+        "pairs": s["documents"],
+        "efficiency": s["token_efficiency"],
+        "batches": s["batches"],
+        "shape": dm.max_batch_shape(),
+        "truncated": s["tokens_truncated"] / s["tokens"],
+    }
 
 
 def throughput(path: str, label: str, micro_batch_size: int, pairs: int) -> dict:
     """DPO steps over the first ``pairs`` pairs (one epoch), in this process: pairs/s and real tokens/s."""
     import datasets
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from lightning_seqmem.batch import count_real_tokens
     from lightning_seqmem.training.preference_loss import dpo_loss, sequence_logps
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # one thread: CPU seconds measure the work even on a shared machine
@@ -93,9 +107,16 @@ def throughput(path: str, label: str, micro_batch_size: int, pairs: int) -> dict
     if not Path(subset).exists():
         datasets.load_from_disk(path).select(range(pairs)).save_to_disk(subset)
     dm = module(subset, STRATEGIES[label], micro_batch_size)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+    )
     policy, reference = LlamaForCausalLM(config), LlamaForCausalLM(config).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4)
 
@@ -116,15 +137,24 @@ def throughput(path: str, label: str, micro_batch_size: int, pairs: int) -> dict
         seen += ref[0].numel()
         real += int(count_real_tokens(batch, 0))
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {"strategy": label, "pairs": seen, "seconds": seconds, "cpu_seconds": cpu, "pairs_per_s": seen / cpu,
-            "real_tokens_per_s": real / cpu, "batches": len(batches)}
+    return {
+        "strategy": label,
+        "pairs": seen,
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "pairs_per_s": seen / cpu,
+        "real_tokens_per_s": real / cpu,
+        "batches": len(batches),
+    }
 
 
 def fresh(kind: str, path: str, label: str, micro_batch_size: int, pairs: int = 0) -> dict:
     """Run one measurement in a new process (no allocator or cache state carried from another strategy)."""
-    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import preference as b; "
-            f"print(json.dumps(b.{kind}({path!r}, {label!r}, {micro_batch_size}"
-            f"{', ' + str(pairs) if kind == 'throughput' else ''})))")
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import preference as b; "
+        f"print(json.dumps(b.{kind}({path!r}, {label!r}, {micro_batch_size}"
+        f"{', ' + str(pairs) if kind == 'throughput' else ''})))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -138,22 +168,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "pairs")
         write_dataset(Path(path), n)
-        print(f"{n:,} pairs, max_length={LIMITS['max_length']}, max_prompt_length={LIMITS['max_prompt_length']}, "
-              f"micro_batch_size={args.micro_batch_size}\n")
+        print(
+            f"{n:,} pairs, max_length={LIMITS['max_length']}, max_prompt_length={LIMITS['max_prompt_length']}, "
+            f"micro_batch_size={args.micro_batch_size}\n"
+        )
         print("| strategy | token efficiency | batches/epoch | largest batch | tokens truncated |")
         print("|---|---:|---:|---|---:|")
         for label in STRATEGIES:
             r = fresh("efficiency", path, label, args.micro_batch_size)
-            print(f"| {label} | {r['efficiency']:.3f} | {r['batches']:,} | {tuple(r['shape'])} | "
-                  f"{r['truncated']:.2%} |")
-        print(f"\nDPO steps (tiny Llama, CPU, one thread, policy + frozen reference), the same {pairs} pairs "
-              "through each; per CPU second of the process (wall seconds vary with the machine's load):\n")
+            print(
+                f"| {label} | {r['efficiency']:.3f} | {r['batches']:,} | {tuple(r['shape'])} | {r['truncated']:.2%} |"
+            )
+        print(
+            f"\nDPO steps (tiny Llama, CPU, one thread, policy + frozen reference), the same {pairs} pairs "
+            "through each; per CPU second of the process (wall seconds vary with the machine's load):\n"
+        )
         print("| strategy | batches | CPU seconds | wall seconds | pairs/s | real tokens/s |")
         print("|---|---:|---:|---:|---:|---:|")
         for label in STRATEGIES:
             r = fresh("throughput", path, label, args.micro_batch_size, pairs)
-            print(f"| {label} | {r['batches']} | {r['cpu_seconds']:.1f} | {r['seconds']:.1f} | "
-                  f"{r['pairs_per_s']:.1f} | {r['real_tokens_per_s']:,.0f} |")
+            print(
+                f"| {label} | {r['batches']} | {r['cpu_seconds']:.1f} | {r['seconds']:.1f} | "
+                f"{r['pairs_per_s']:.1f} | {r['real_tokens_per_s']:,.0f} |"
+            )
 
 
 if __name__ == "__main__":

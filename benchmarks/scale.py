@@ -46,7 +46,7 @@ from pathlib import Path
 
 T_START = time.perf_counter()  # a child's clock starts here, before its libraries are imported
 
-import numpy as np
+import numpy as np  # noqa: E402 (after the clock starts)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -70,8 +70,9 @@ def word_vocabulary(size: int, seed: int = 0) -> list[str]:
     return list(words)
 
 
-def document_lengths(n_docs: int, seed: int = 0, median: float = 220.0, sigma: float = 1.1,
-                     longest: int = 32768) -> np.ndarray:
+def document_lengths(
+    n_docs: int, seed: int = 0, median: float = 220.0, sigma: float = 1.1, longest: int = 32768
+) -> np.ndarray:
     """Words per document: log-normal (median ``median``, mean ~1.8x that) with its heavy right tail, ``int64[n]``."""
     rng = np.random.default_rng([seed, 2])
     return np.clip(rng.lognormal(np.log(median), sigma, n_docs), 1, longest).astype(np.int64)
@@ -122,8 +123,14 @@ def build_tokenizer(vocabulary: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1_000_000, **SPECIALS)
 
 
-def write_corpus(n_docs: int, data_dir: Path, seed: int = 0, vocab_size: int = 32000,
-                 chunk_docs: int = 10_000, pretokenized: bool = False) -> Path:
+def write_corpus(
+    n_docs: int,
+    data_dir: Path,
+    seed: int = 0,
+    vocab_size: int = 32000,
+    chunk_docs: int = 10_000,
+    pretokenized: bool = False,
+) -> Path:
     """Write ``corpus.arrow`` (one ``text`` column, Arrow stream format, read memory-mapped by
     ``datasets.Dataset.from_file``) and ``tokenizer/`` under ``data_dir/docs-<n>-seed-<seed>``; reuse them if present.
     With ``pretokenized``, ``corpus.arrow`` holds the ``input_ids`` the tokenizer would make instead (folder name
@@ -145,12 +152,21 @@ def write_corpus(n_docs: int, data_dir: Path, seed: int = 0, vocab_size: int = 3
     schema = pa.schema([("input_ids", pa.list_(pa.int32()))] if pretokenized else [("text", pa.large_string())])
     with pa.OSFile(str(tmp / "corpus.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for chunk, start in enumerate(range(0, n_docs, chunk_docs)):
-            part = lengths[start:start + chunk_docs]
-            column = (document_tokens(part, vocab_size, seed, chunk) if pretokenized
-                      else document_texts(part, vocabulary, seed, chunk))
+            part = lengths[start : start + chunk_docs]
+            column = (
+                document_tokens(part, vocab_size, seed, chunk)
+                if pretokenized
+                else document_texts(part, vocabulary, seed, chunk)
+            )
             writer.write_batch(pa.record_batch([column], schema=schema))
-    meta = {"documents": n_docs, "words": int(lengths.sum()), "seed": seed, "vocab_size": vocab_size,
-            "longest_document_words": int(lengths.max()), "pretokenized": pretokenized}
+    meta = {
+        "documents": n_docs,
+        "words": int(lengths.sum()),
+        "seed": seed,
+        "vocab_size": vocab_size,
+        "longest_document_words": int(lengths.max()),
+        "pretokenized": pretokenized,
+    }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
@@ -219,10 +235,16 @@ def child_trl(task: dict) -> dict:
     t_first = time.perf_counter()
     tokens = int(pc.sum(pc.list_value_length(tokenized.data.column("input_ids"))).as_py())
     kept = int(pc.sum(pc.list_value_length(packed.data.column("input_ids"))).as_py())
-    return {"tokens": tokens, "tokens_lost": tokens - kept, "rows": len(packed),
-            "token_efficiency": kept / (len(packed) * task["max_length"]),
-            "batch_shape": list(batch["input_ids"].shape), "import_s": imported - T_START, "import_rss": import_rss,
-            "stages": {"tokenize": t_tok - start, "plan": t_pack - t_tok, "first_batch": t_first - t_pack}}
+    return {
+        "tokens": tokens,
+        "tokens_lost": tokens - kept,
+        "rows": len(packed),
+        "token_efficiency": kept / (len(packed) * task["max_length"]),
+        "batch_shape": list(batch["input_ids"].shape),
+        "import_s": imported - T_START,
+        "import_rss": import_rss,
+        "stages": {"tokenize": t_tok - start, "plan": t_pack - t_tok, "first_batch": t_first - t_pack},
+    }
 
 
 def child_ours(task: dict) -> dict:
@@ -237,8 +259,14 @@ def child_ours(task: dict) -> dict:
     start = time.perf_counter()
     params = inspect.signature(SeqMemDataModule).parameters
     extra = {k: v for k, v in (("num_proc", task["num_proc"]), ("cache_dir", task["cache_dir"])) if k in params}
-    dm = SeqMemDataModule(dataset=ds, tokenizer=tok, strategy="pack", max_length=task["max_length"],
-                          micro_batch_size=task["micro_batch_size"], **extra)
+    dm = SeqMemDataModule(
+        dataset=ds,
+        tokenizer=tok,
+        strategy="pack",
+        max_length=task["max_length"],
+        micro_batch_size=task["micro_batch_size"],
+        **extra,
+    )
     dm.prepare_data()
     t_prepare = time.perf_counter()
     dm.setup("fit")
@@ -247,14 +275,18 @@ def child_ours(task: dict) -> dict:
     batch = next(iter(dm.train_dataloader()))
     t_first = time.perf_counter()
     splits = [s for s in stats.values() if isinstance(s, dict)]
-    return {"tokens": int(sum(s.get("tokens", 0) for s in splits)),
-            "tokens_lost": int(sum(s.get("tokens_truncated", 0) + s.get("tokens_dropped", 0) for s in splits)),
-            "rows": int(sum(s.get("rows", 0) for s in splits)),
-            "token_efficiency": float(stats["train"]["token_efficiency"]),
-            "batch_shape": list(batch["input_ids"].shape), "api": sorted(extra),
-            "import_s": imported - T_START, "import_rss": import_rss,
-            "lightning_seqmem": str(Path(inspect.getfile(SeqMemDataModule)).parents[1]),
-            "stages": {"tokenize": t_prepare - start, "plan": t_setup - t_prepare, "first_batch": t_first - t_setup}}
+    return {
+        "tokens": int(sum(s.get("tokens", 0) for s in splits)),
+        "tokens_lost": int(sum(s.get("tokens_truncated", 0) + s.get("tokens_dropped", 0) for s in splits)),
+        "rows": int(sum(s.get("rows", 0) for s in splits)),
+        "token_efficiency": float(stats["train"]["token_efficiency"]),
+        "batch_shape": list(batch["input_ids"].shape),
+        "api": sorted(extra),
+        "import_s": imported - T_START,
+        "import_rss": import_rss,
+        "lightning_seqmem": str(Path(inspect.getfile(SeqMemDataModule)).parents[1]),
+        "stages": {"tokenize": t_prepare - start, "plan": t_setup - t_prepare, "first_batch": t_first - t_setup},
+    }
 
 
 def pack_column(ds, max_length: int):
@@ -324,12 +356,20 @@ def child_pack(task: dict) -> dict:
     ours_times, (res, form, plan_s) = best(lambda: pack_column(ds, max_length))
     trl_times, packed = best(lambda: pack_dataset(ds, max_length, strategy="bfd_split"))
     kept = int(pc.sum(pc.list_value_length(packed.data.column("input_ids"))).as_py())
-    return {"documents": len(lengths), "tokens": int(offsets[-1]), "form": form,
-            "ours_s": min(ours_times[1:]), "trl_s": min(trl_times[1:]), "ours_times": ours_times,
-            "trl_times": trl_times,
-            "ours_plan_s": plan_s, "ours_efficiency": float(res.efficiency),
-            "trl_efficiency": kept / (len(packed) * max_length),
-            "ours_lost": int(res.tokens_truncated + res.tokens_dropped), "trl_lost": int(offsets[-1]) - kept}
+    return {
+        "documents": len(lengths),
+        "tokens": int(offsets[-1]),
+        "form": form,
+        "ours_s": min(ours_times[1:]),
+        "trl_s": min(trl_times[1:]),
+        "ours_times": ours_times,
+        "trl_times": trl_times,
+        "ours_plan_s": plan_s,
+        "ours_efficiency": float(res.efficiency),
+        "trl_efficiency": kept / (len(packed) * max_length),
+        "ours_lost": int(res.tokens_truncated + res.tokens_dropped),
+        "trl_lost": int(offsets[-1]) - kept,
+    }
 
 
 CHILDREN = {"trl": child_trl, "ours": child_ours, "pack": child_pack}
@@ -387,8 +427,15 @@ def run_child(kind: str, task: dict, env: dict[str, str], rss_limit: int, log: P
             time.sleep(0.05)
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
-    result = {"wall_s": wall, "peak_rss": usage.ru_maxrss * 1024, "peak_anon": peak_own_anon, "tree_rss": peak_rss,
-              "tree_anon": peak_anon, "ok": proc.returncode == 0 and not killed, "killed": killed}
+    result = {
+        "wall_s": wall,
+        "peak_rss": usage.ru_maxrss * 1024,
+        "peak_anon": peak_own_anon,
+        "tree_rss": peak_rss,
+        "tree_anon": peak_anon,
+        "ok": proc.returncode == 0 and not killed,
+        "killed": killed,
+    }
     try:
         with open(result_path) as f:
             result.update(json.load(f))
@@ -402,9 +449,17 @@ def run_child(kind: str, task: dict, env: dict[str, str], rss_limit: int, log: P
 
 def child_env(ours_path: str | None, hf_cache: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"HF_DATASETS_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-                "PYTHONDONTWRITEBYTECODE": "1"})  # --ours-path may be someone else's checkout: write nothing there
+    env.update(
+        {
+            "HF_DATASETS_CACHE": str(hf_cache),
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+    )  # --ours-path may be someone else's checkout: write nothing there
     if ours_path:
         env["PYTHONPATH"] = os.pathsep.join([ours_path, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     return env
@@ -416,8 +471,13 @@ def side_runs(side: str, corpus: Path, args, scratch: Path, log: Path) -> list[d
     cache_dir = scratch / f"{side}-cache"
     shutil.rmtree(cache_dir, ignore_errors=True)
     env = child_env(args.ours_path if side == "ours" else None, scratch / f"{side}-hf-datasets")
-    task = {"corpus": str(corpus), "num_proc": args.num_proc, "max_length": args.max_length,
-            "micro_batch_size": args.micro_batch_size, "cache_dir": str(cache_dir)}
+    task = {
+        "corpus": str(corpus),
+        "num_proc": args.num_proc,
+        "max_length": args.max_length,
+        "micro_batch_size": args.micro_batch_size,
+        "cache_dir": str(cache_dir),
+    }
     rows = []
     for run in ("cold", "warm"):
         result = run_child(side, task, env, int(args.rss_limit_gib * GIB), log)
@@ -450,8 +510,10 @@ def _own(r: dict) -> tuple[float | None, int | None]:
 
 
 def print_runs(runs: list[dict]) -> None:
-    print("\n| docs | tokens | side | run | wall (s) | peak RSS (GiB) | peak anon RSS (GiB) | tree: RSS / anon (GiB) | "
-          "imports: s / GiB | pipeline: s / GiB | tokens lost | token efficiency | tokenize / plan / first batch (s) |")
+    print(
+        "\n| docs | tokens | side | run | wall (s) | peak RSS (GiB) | peak anon RSS (GiB) | tree: RSS / anon (GiB) | "
+        "imports: s / GiB | pipeline: s / GiB | tokens lost | token efficiency | tokenize / plan / first batch (s) |"
+    )
     print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in runs:
         stages = r.get("stages", {})
@@ -464,9 +526,11 @@ def print_runs(runs: list[dict]) -> None:
         own_s, own_rss = _own(r)
         imports = f"{r['import_s']:.1f} / {_gib(r['import_rss'])}" if "import_rss" in r else "-"
         own = f"{own_s:.1f} / {own_rss / GIB:.3f}" if own_s is not None else "-"
-        print(f"| {r['docs']:,} | {tokens} | {r['side']} | {r['run']} | {r['wall_s']:.1f} | {_gib(r['peak_rss'])} | "
-              f"{_gib(r.get('peak_anon'))} | {_gib(r['tree_rss'])} / {_gib(r['tree_anon'])} | {imports} | {own} | "
-              f"{lost} | {eff} | {staged} |")
+        print(
+            f"| {r['docs']:,} | {tokens} | {r['side']} | {r['run']} | {r['wall_s']:.1f} | {_gib(r['peak_rss'])} | "
+            f"{_gib(r.get('peak_anon'))} | {_gib(r['tree_rss'])} / {_gib(r['tree_anon'])} | {imports} | {own} | "
+            f"{lost} | {eff} | {staged} |"
+        )
 
 
 def print_ratios(runs: list[dict]) -> None:
@@ -477,16 +541,19 @@ def print_ratios(runs: list[dict]) -> None:
     rows = [(key, p) for key, p in pairs.items() if {"ours", "trl"} <= p.keys()]
     if not rows:
         return
-    print("\n| docs | run | wall ours / TRL | peak RSS ours / TRL | peak anon RSS ours / TRL | tree RSS ours / TRL | "
-          "pipeline wall ours / TRL | pipeline peak RSS ours / TRL |")
+    print(
+        "\n| docs | run | wall ours / TRL | peak RSS ours / TRL | peak anon RSS ours / TRL | tree RSS ours / TRL | "
+        "pipeline wall ours / TRL | pipeline peak RSS ours / TRL |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for (docs, run), p in rows:
         o, t = p["ours"], p["trl"]
         (o_s, o_rss), (t_s, t_rss) = _own(o), _own(t)
-        own = (f"{o_s / t_s:.2f}x | {o_rss / max(t_rss, 1):.2f}x" if o_s is not None and t_s is not None
-               else "- | -")
-        print(f"| {docs:,} | {run} | {o['wall_s'] / t['wall_s']:.2f}x | {o['peak_rss'] / t['peak_rss']:.2f}x | "
-              f"{o['peak_anon'] / max(t['peak_anon'], 1):.2f}x | {o['tree_rss'] / max(t['tree_rss'], 1):.2f}x | {own} |")
+        own = f"{o_s / t_s:.2f}x | {o_rss / max(t_rss, 1):.2f}x" if o_s is not None and t_s is not None else "- | -"
+        print(
+            f"| {docs:,} | {run} | {o['wall_s'] / t['wall_s']:.2f}x | {o['peak_rss'] / t['peak_rss']:.2f}x | "
+            f"{o['peak_anon'] / max(t['peak_anon'], 1):.2f}x | {o['tree_rss'] / max(t['tree_rss'], 1):.2f}x | {own} |"
+        )
 
 
 def rss_growth(runs: list[dict], key: str = "peak_rss") -> dict[str, float] | None:
@@ -511,8 +578,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-pack", action="store_true", help="no pack_sequences vs pack_dataset figure")
     parser.add_argument("--quick", action="store_true", help="5 k documents, a smaller packing figure (smoke test)")
     parser.add_argument("--big", action="store_true", help="2.5 M documents (~1 B tokens), ours only")
-    parser.add_argument("--pretokenized", action="store_true",
-                        help="corpora of input_ids (what the tokenizer would make): both sides skip tokenization")
+    parser.add_argument(
+        "--pretokenized",
+        action="store_true",
+        help="corpora of input_ids (what the tokenizer would make): both sides skip tokenization",
+    )
     parser.add_argument("--ours-path", default=str(REPO), help="checkout put first on PYTHONPATH for ours")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="where corpora are written")
     parser.add_argument("--pack-documents", type=int, default=None, help="documents in the packing figure (200 k)")
@@ -521,29 +591,45 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pack-only", action="store_true", help="only the pack_sequences vs pack_dataset figure")
     args = parser.parse_args(argv)
-    sizes = [] if args.pack_only else args.sizes or ([2_500_000] if args.big else [5_000] if args.quick else [150_000, 300_000])
+    sizes = (
+        []
+        if args.pack_only
+        else args.sizes or ([2_500_000] if args.big else [5_000] if args.quick else [150_000, 300_000])
+    )
     skip_trl = args.skip_trl or args.big
 
     scratch = Path(tempfile.mkdtemp(prefix="seqmem-scale-"))
     log = scratch / "children.log"
-    print(f"# scale benchmark: sizes {sizes}, num_proc {args.num_proc}, max_length {args.max_length}, "
-          f"ours from {args.ours_path}; child logs in {log}", flush=True)
+    print(
+        f"# scale benchmark: sizes {sizes}, num_proc {args.num_proc}, max_length {args.max_length}, "
+        f"ours from {args.ours_path}; child logs in {log}",
+        flush=True,
+    )
     runs: list[dict] = []
     try:
         for n_docs in sizes:
             start = time.perf_counter()
             corpus = write_corpus(n_docs, args.data_dir, args.seed, pretokenized=args.pretokenized)
             meta = json.loads((corpus / "meta.json").read_text())
-            print(f"{n_docs:,} documents, {meta['words'] / 1e6:.1f} M words ({corpus}, "
-                  f"{time.perf_counter() - start:.0f} s)", flush=True)
+            print(
+                f"{n_docs:,} documents, {meta['words'] / 1e6:.1f} M words ({corpus}, "
+                f"{time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
             for side in ("ours",) if skip_trl else ("trl", "ours"):
                 runs += [{"docs": n_docs, **r} for r in side_runs(side, corpus, args, scratch, log)]
         pack = None
         if not args.skip_pack and not args.big:
-            task = {"documents": args.pack_documents or (10_000 if args.quick else 200_000), "seed": args.seed,
-                    "histogram": args.histogram, "max_length": int(args.histogram.rsplit("-", 1)[1].split(".")[0]),
-                    "repeats": 1 if args.quick else 3}
-            pack = run_child("pack", task, child_env(args.ours_path, scratch / "pack-hf"), int(args.rss_limit_gib * GIB), log)
+            task = {
+                "documents": args.pack_documents or (10_000 if args.quick else 200_000),
+                "seed": args.seed,
+                "histogram": args.histogram,
+                "max_length": int(args.histogram.rsplit("-", 1)[1].split(".")[0]),
+                "repeats": 1 if args.quick else 3,
+            }
+            pack = run_child(
+                "pack", task, child_env(args.ours_path, scratch / "pack-hf"), int(args.rss_limit_gib * GIB), log
+            )
     finally:
         report_log = log.read_text() if log.exists() else ""
         shutil.rmtree(scratch, ignore_errors=True)
@@ -553,20 +639,30 @@ def main(argv: list[str] | None = None) -> None:
     for key, what in (("peak_rss", "peak RSS"), ("peak_anon", "peak anonymous RSS")):
         growth = rss_growth(runs, key)
         if growth:
-            print(f"\nGrowth of ours' {what} (largest process, least squares over the sizes), MiB per extra million "
-                  "tokens: " + ", ".join(f"{run} {mib:.2f}" for run, mib in growth.items()))
+            print(
+                f"\nGrowth of ours' {what} (largest process, least squares over the sizes), MiB per extra million "
+                "tokens: " + ", ".join(f"{run} {mib:.2f}" for run, mib in growth.items())
+            )
     if pack is not None:
         if pack["ok"]:
-            print(f"\n| packing, {pack['documents']:,} documents from {args.histogram} ({pack['tokens'] / 1e6:.1f} M "
-                  "tokens) | time (s) | efficiency | tokens lost |\n|---|---:|---:|---:|")
-            print(f"| ours `{pack['form']}` | {pack['ours_s']:.3f} | "
-                  f"{pack['ours_efficiency']:.5f} | {pack['ours_lost']:,} |")
-            print(f"| TRL `pack_dataset(ds, strategy='bfd_split')` | {pack['trl_s']:.3f} | {pack['trl_efficiency']:.5f} "
-                  f"| {pack['trl_lost']:,} |")
+            print(
+                f"\n| packing, {pack['documents']:,} documents from {args.histogram} ({pack['tokens'] / 1e6:.1f} M "
+                "tokens) | time (s) | efficiency | tokens lost |\n|---|---:|---:|---:|"
+            )
+            print(
+                f"| ours `{pack['form']}` | {pack['ours_s']:.3f} | "
+                f"{pack['ours_efficiency']:.5f} | {pack['ours_lost']:,} |"
+            )
+            print(
+                f"| TRL `pack_dataset(ds, strategy='bfd_split')` | {pack['trl_s']:.3f} | {pack['trl_efficiency']:.5f} "
+                f"| {pack['trl_lost']:,} |"
+            )
             calls = {side: ", ".join(f"{t:.3f}" for t in pack[f"{side}_times"]) for side in ("ours", "trl")}
-            print(f"\nours is {pack['trl_s'] / pack['ours_s']:.1f}x TRL's speed on the same Dataset (best of "
-                  f"{len(pack['ours_times']) - 1} after a warm-up; every call, warm-up first, ours: {calls['ours']} s, "
-                  f"TRL: {calls['trl']} s; ours' last plan took {pack['ours_plan_s']:.3f} s).")
+            print(
+                f"\nours is {pack['trl_s'] / pack['ours_s']:.1f}x TRL's speed on the same Dataset (best of "
+                f"{len(pack['ours_times']) - 1} after a warm-up; every call, warm-up first, ours: {calls['ours']} s, "
+                f"TRL: {calls['trl']} s; ours' last plan took {pack['ours_plan_s']:.3f} s)."
+            )
         else:
             print(f"\npacking figure FAILED: {pack['error']}")
     if any(not r["ok"] for r in runs) or (pack is not None and not pack["ok"]):

@@ -46,7 +46,7 @@ def write_corpus(directory: str, documents: int, files: int, seed: int = 0) -> l
     handles = [open(p, "w") for p in paths]
     start = 0
     for i, n in enumerate(lengths):
-        handles[i % files].write(json.dumps({"text": " ".join(WORDS[w] for w in words[start:start + n])}) + "\n")
+        handles[i % files].write(json.dumps({"text": " ".join(WORDS[w] for w in words[start : start + n])}) + "\n")
         start += n
     for h in handles:
         h.close()
@@ -75,9 +75,16 @@ def child(side: str, paths: list[str], max_length: int, rows: int) -> dict:
     imported, start = _rss_mib(), time.perf_counter()
     real = slots = packed_rows = 0
     if side.startswith("ours"):
-        dm = SeqMemDataModule(dataset=paths, streaming=True, strategy="pack", max_length=max_length,
-                              micro_batch_size=rows, streaming_buffer_size=1000, streaming_validation_documents=0,
-                              num_workers=2 if side == "ours_workers" else 0)
+        dm = SeqMemDataModule(
+            dataset=paths,
+            streaming=True,
+            strategy="pack",
+            max_length=max_length,
+            micro_batch_size=rows,
+            streaming_buffer_size=1000,
+            streaming_validation_documents=0,
+            num_workers=2 if side == "ours_workers" else 0,
+        )
         dm.setup("fit")
         for batch in dm.train_dataloader():
             real += int(real_token_mask(batch, dm.pad_token_id).sum())
@@ -86,9 +93,13 @@ def child(side: str, paths: list[str], max_length: int, rows: int) -> dict:
     else:
         prefix, suffix = document_frame(tok)
         stream = datasets.load_dataset("json", data_files={"train": paths}, streaming=True)["train"]
-        stream = stream.map(lambda b: {"input_ids": [prefix + ids + suffix for ids in
-                                                     tok(b["text"], add_special_tokens=False)["input_ids"]]},
-                            batched=True, remove_columns=["text"])
+        stream = stream.map(
+            lambda b: {
+                "input_ids": [prefix + ids + suffix for ids in tok(b["text"], add_special_tokens=False)["input_ids"]]
+            },
+            batched=True,
+            remove_columns=["text"],
+        )
         packed = trl.pack_dataset(stream, max_length, strategy="bfd_split")
         collate = DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id, padding_free=True)
         group = []
@@ -107,13 +118,22 @@ def child(side: str, paths: list[str], max_length: int, rows: int) -> dict:
     wall = time.perf_counter() - start
     slots = packed_rows * max_length
     worker = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest loader worker, if any
-    return {"wall_s": wall, "tokens": tokens, "real": real, "rows": packed_rows, "fill": real / max(slots, 1),
-            "rss_mib": _rss_mib() - imported, "worker_rss_mib": worker}
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "real": real,
+        "rows": packed_rows,
+        "fill": real / max(slots, 1),
+        "rss_mib": _rss_mib() - imported,
+        "worker_rss_mib": worker,
+    }
 
 
 def run(side: str, paths: list[str], max_length: int, rows: int) -> dict:
-    code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import streaming as s; "
-            f"print(json.dumps(s.child({side!r}, {paths!r}, {max_length}, {rows})))")
+    code = (
+        f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import streaming as s; "
+        f"print(json.dumps(s.child({side!r}, {paths!r}, {max_length}, {rows})))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
     if done.returncode:
         raise RuntimeError(f"{side} failed:\n{done.stderr[-3000:]}")
@@ -127,7 +147,9 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--rows", type=int, default=8)
     args = parser.parse_args()
-    print("| documents | tokens | side | pass wall s | tokens/s | peak RSS above imports MiB | row fill | ours / TRL wall |")
+    print(
+        "| documents | tokens | side | pass wall s | tokens/s | peak RSS above imports MiB | row fill | ours / TRL wall |"
+    )
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for size in args.sizes:
         with tempfile.TemporaryDirectory() as tmp:
@@ -137,10 +159,11 @@ def main() -> None:
             r = results[side]
             ratio = f"{r['wall_s'] / results['trl']['wall_s']:.2f}x" if side != "trl" else ""
             extra = f" (+ 2 workers, {r['worker_rss_mib']:.0f} each, imports included)"
-            rss = f"{r['rss_mib']:.0f}" + (extra if side == "ours_workers"
-                                           else "")
-            print(f"| {size:,} | {r['tokens']:,} | {label} | {r['wall_s']:.1f} | {r['real'] / r['wall_s']:,.0f} | "
-                  f"{rss} | {r['fill']:.4f} | {ratio} |")
+            rss = f"{r['rss_mib']:.0f}" + (extra if side == "ours_workers" else "")
+            print(
+                f"| {size:,} | {r['tokens']:,} | {label} | {r['wall_s']:.1f} | {r['real'] / r['wall_s']:,.0f} | "
+                f"{rss} | {r['fill']:.4f} | {ratio} |"
+            )
 
 
 if __name__ == "__main__":

@@ -34,9 +34,20 @@ import sys
 import time
 
 # --------------------------------------------------------------------------------------------------------- loops
-LLAMA_123M = dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                  num_attention_heads=12, num_key_value_heads=3, max_position_embeddings=4096, vocab_size=32000,
-                  tie_word_embeddings=False, rms_norm_eps=1e-5)
+LLAMA_123M = dict(
+    model_type="llama",
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=3,
+    max_position_embeddings=4096,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+)
+
+
 def _setup(args: argparse.Namespace):
     """The shared pieces of every loop: device, model config, precision, and the packed batches (CPU tensors)."""
     import torch
@@ -55,7 +66,7 @@ def _setup(args: argparse.Namespace):
     cuda = args.device == "cuda"
     config = dict(LLAMA_123M) if args.model == "123m" else {"preset": "tiny_llama"}
     vocab = max(config.get("vocab_size", 0), len(dm.tokenizer))
-    real = sum(int(count_label_tokens(b)) for b in batches[args.warmup:])
+    real = sum(int(count_label_tokens(b)) for b in batches[args.warmup :])
     return torch.device(args.device), config, vocab, dm.pad_token_id, batches, real, cuda
 
 
@@ -83,8 +94,11 @@ def _bare(args: argparse.Namespace, drop_positions=False, compiled=False, attn="
     from lightning_seqmem import CausalLM
 
     device, config, vocab, pad, batches, real, cuda = _setup(args)
-    model = CausalLM(model_config=_model_config(config), vocab_size=vocab, pad_token_id=pad,
-                     attn_implementation=attn).model.to(device).train()
+    model = (
+        CausalLM(model_config=_model_config(config), vocab_size=vocab, pad_token_id=pad, attn_implementation=attn)
+        .model.to(device)
+        .train()
+    )
     if compiled:
         model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
@@ -94,8 +108,9 @@ def _bare(args: argparse.Namespace, drop_positions=False, compiled=False, attn="
         if step == args.warmup:
             _sync(device)
             start = _clock(device)()
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()
-                 if not (drop_positions and k == "position_ids")}
+        batch = {
+            k: v.to(device, non_blocking=True) for k, v in batch.items() if not (drop_positions and k == "position_ids")
+        }
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             loss = model(**batch, use_cache=False).loss
         loss.backward()
@@ -127,12 +142,28 @@ def _ours(args: argparse.Namespace, attn="sdpa", clip=1.0, compiled=False, loss=
             clock["end"] = _clock(device)()
 
     extra = {"compile": True} if compiled else {}  # (runs against older code too: --loops NAME@DIR)
-    model = CausalLM(model_config=_model_config(config), vocab_size=vocab, pad_token_id=pad,
-                     attn_implementation=attn, loss_normalization=loss, **extra)
-    trainer = L.Trainer(accelerator=device.type, devices=1, precision="bf16-mixed" if cuda else "32-true",
-                        max_steps=len(batches), gradient_clip_val=clip, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        num_sanity_val_steps=0, callbacks=[Clock()])
+    model = CausalLM(
+        model_config=_model_config(config),
+        vocab_size=vocab,
+        pad_token_id=pad,
+        attn_implementation=attn,
+        loss_normalization=loss,
+        **extra,
+    )
+    trainer = L.Trainer(
+        accelerator=device.type,
+        devices=1,
+        precision="bf16-mixed" if cuda else "32-true",
+        max_steps=len(batches),
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[Clock()],
+    )
     trainer.fit(model, train_dataloaders=DataLoader(batches, batch_size=None))
     return {"real_tok_s": real / (clock["end"] - clock["start"]), "attn": model.model.config._attn_implementation}
 
@@ -153,8 +184,9 @@ def _trl(args: argparse.Namespace, packing: bool = True) -> dict:
     device, config, vocab, pad, _, _, cuda = _setup(args)
     tokenizer = SeqMemDataModule(max_length=args.max_length).tokenizer
     documents = load_text_dataset("builtin")["train"]
-    model = CausalLM(model_config=_model_config(config), vocab_size=vocab, pad_token_id=pad,
-                     attn_implementation="sdpa").model
+    model = CausalLM(
+        model_config=_model_config(config), vocab_size=vocab, pad_token_id=pad, attn_implementation="sdpa"
+    ).model
     clock: dict = {"steps": 0, "real": torch.zeros((), dtype=torch.long, device=device)}
 
     class Timed(SFTTrainer):
@@ -168,11 +200,25 @@ def _trl(args: argparse.Namespace, packing: bool = True) -> dict:
             return super().training_step(model, inputs, *rest, **kwargs)
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = SFTConfig(output_dir=out, max_length=args.max_length, packing=packing,
-                        per_device_train_batch_size=args.rows, max_steps=args.warmup + args.steps, learning_rate=1e-4,
-                        lr_scheduler_type="constant", max_grad_norm=1.0, bf16=cuda, use_cpu=not cuda,
-                        gradient_checkpointing=False, logging_strategy="no", save_strategy="no", report_to="none",
-                        disable_tqdm=True, dataloader_num_workers=0, seed=0)
+        cfg = SFTConfig(
+            output_dir=out,
+            max_length=args.max_length,
+            packing=packing,
+            per_device_train_batch_size=args.rows,
+            max_steps=args.warmup + args.steps,
+            learning_rate=1e-4,
+            lr_scheduler_type="constant",
+            max_grad_norm=1.0,
+            bf16=cuda,
+            use_cpu=not cuda,
+            gradient_checkpointing=False,
+            logging_strategy="no",
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=0,
+        )
         trainer = Timed(model=model, args=cfg, train_dataset=documents, processing_class=tokenizer)
         trainer.train()
         _sync(device)
@@ -183,20 +229,36 @@ def _trl(args: argparse.Namespace, packing: bool = True) -> dict:
 # name: (what, CUDA only, the loop, its arguments)
 LOOPS = {
     "bare": ("bare PyTorch loop (forward, backward, AdamW foreach), SDPA, packed rows", False, _bare, {}),
-    "bound": ("the same, position_ids dropped (one causal sequence per row: the attention bound)", False, _bare,
-              dict(drop_positions=True)),
+    "bound": (
+        "the same, position_ids dropped (one causal sequence per row: the attention bound)",
+        False,
+        _bare,
+        dict(drop_positions=True),
+    ),
     "bare_compiled": ("the same packed loop under torch.compile", True, _bare, dict(compiled=True)),
     "bare_flex": ("bare loop, flex_attention", True, _bare, dict(attn="flex_attention")),
     "ours_sdpa": ("CausalLM + Trainer, SDPA (clip 1.0, token-weighted loss)", False, _ours, {}),
-    "ours_torch_varlen": ("CausalLM + Trainer, torch_varlen (clip 1.0, token-weighted loss)", True, _ours,
-                          dict(attn="torch_varlen")),
+    "ours_torch_varlen": (
+        "CausalLM + Trainer, torch_varlen (clip 1.0, token-weighted loss)",
+        True,
+        _ours,
+        dict(attn="torch_varlen"),
+    ),
     "ours_auto": ("CausalLM + Trainer, attn_implementation='auto'", True, _ours, dict(attn="auto")),
     "ours_sdpa_noclip": ("CausalLM + Trainer, SDPA, clipping off", False, _ours, dict(clip=None)),
-    "ours_sdpa_micro": ("CausalLM + Trainer, SDPA, clipping off, loss_normalization='micro_batch'", False, _ours,
-                        dict(clip=None, loss="micro_batch")),
+    "ours_sdpa_micro": (
+        "CausalLM + Trainer, SDPA, clipping off, loss_normalization='micro_batch'",
+        False,
+        _ours,
+        dict(clip=None, loss="micro_batch"),
+    ),
     "ours_compiled": ("CausalLM(compile=True) + Trainer, SDPA", True, _ours, dict(compiled=True)),
-    "ours_varlen_compiled": ("CausalLM(compile=True) + Trainer, torch_varlen", True, _ours,
-                             dict(attn="torch_varlen", compiled=True)),
+    "ours_varlen_compiled": (
+        "CausalLM(compile=True) + Trainer, torch_varlen",
+        True,
+        _ours,
+        dict(attn="torch_varlen", compiled=True),
+    ),
     "trl_packed": ("TRL SFTTrainer, packing=True (best-fit, padding-free), SDPA, same documents", False, _trl, {}),
     "trl_padded": ("TRL SFTTrainer, padded batches, SDPA, same documents", False, _trl, dict(packing=False)),
 }
@@ -208,32 +270,66 @@ def run_loop(name: str, args: argparse.Namespace) -> dict:
     return loop(args, **kwargs)
 
 
-def loop_settings(device: str, steps: int | None = None, warmup: int | None = None, max_length: int | None = None,
-                  model: str | None = None, repeats: int | None = None) -> dict:
+def loop_settings(
+    device: str,
+    steps: int | None = None,
+    warmup: int | None = None,
+    max_length: int | None = None,
+    model: str | None = None,
+    repeats: int | None = None,
+) -> dict:
     """The loops' settings with this device's defaults filled in (CUDA: issue 18's model and rows of 2,048)."""
     cuda = device == "cuda"
-    return {"steps": steps or 25, "warmup": 5 if warmup is None else warmup,
-            "max_length": max_length or (2048 if cuda else 256), "model": model or ("123m" if cuda else "tiny"),
-            "repeats": repeats or (1 if cuda else 3)}
+    return {
+        "steps": steps or 25,
+        "warmup": 5 if warmup is None else warmup,
+        "max_length": max_length or (2048 if cuda else 256),
+        "model": model or ("123m" if cuda else "tiny"),
+        "repeats": repeats or (1 if cuda else 3),
+    }
 
 
-def loop_table(device: str = "cuda", loops: list[str] | None = None, steps: int | None = None,
-               warmup: int | None = None, max_length: int | None = None, rows: int = 8, model: str | None = None,
-               repeats: int | None = None) -> list[dict]:
+def loop_table(
+    device: str = "cuda",
+    loops: list[str] | None = None,
+    steps: int | None = None,
+    warmup: int | None = None,
+    max_length: int | None = None,
+    rows: int = 8,
+    model: str | None = None,
+    repeats: int | None = None,
+) -> list[dict]:
     """Run the loops (each in a fresh subprocess, interleaved over ``repeats`` rounds) and return one dict per loop:
     ``loop``, ``what``, ``real_tok_s`` (median), ``runs``, ``vs_bare``, ``vs_bound`` (or ``error``). Unset settings
     take :func:`loop_settings`' defaults. Importable by other benchmark scripts (``benchmarks/gpu.py``)."""
     cuda = device == "cuda"
     settings = loop_settings(device, steps, warmup, max_length, model, repeats)
-    steps, warmup, max_length, model, repeats = (settings[k] for k in ("steps", "warmup", "max_length", "model",
-                                                                       "repeats"))
+    steps, warmup, max_length, model, repeats = (
+        settings[k] for k in ("steps", "warmup", "max_length", "model", "repeats")
+    )
     loops = loops or [n for n, (_, cuda_only, _, _) in LOOPS.items() if cuda or not cuda_only]
     runs: dict[str, list[dict]] = {name: [] for name in loops}
     for _ in range(repeats):
         for name in loops:
             loop, _, tree = name.partition("@")  # NAME@DIR: the same loop with the package found in DIR first
-            cmd = [sys.executable, __file__, "--loop-worker", loop, "--device", device, "--steps", str(steps),
-                   "--warmup", str(warmup), "--max-length", str(max_length), "--rows", str(rows), "--model", model]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--loop-worker",
+                loop,
+                "--device",
+                device,
+                "--steps",
+                str(steps),
+                "--warmup",
+                str(warmup),
+                "--max-length",
+                str(max_length),
+                "--rows",
+                str(rows),
+                "--model",
+                model,
+            ]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = done.stdout.strip().splitlines()
@@ -270,8 +366,10 @@ def print_loop_table(table: list[dict], header: str) -> None:
             continue
         runs = ", ".join(f"{r:,.0f}" for r in row["runs"])
         what = row["what"] + (f" (ran {row['attn']})" if row["loop"].startswith("ours_auto") else "")
-        print(f"| {what} | {row['real_tok_s']:,.0f} | {row.get('vs_bare', float('nan')):.3f} | "
-              f"{row.get('vs_bound', float('nan')):.3f} | {runs} |")
+        print(
+            f"| {what} | {row['real_tok_s']:,.0f} | {row.get('vs_bare', float('nan')):.3f} | "
+            f"{row.get('vs_bound', float('nan')):.3f} | {runs} |"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- strategies
@@ -281,8 +379,8 @@ def worker(strategy: str, steps: int, max_length: int, rows: int, warmup: int) -
     import torch
 
     from lightning_seqmem import CausalLM, SeqMemDataModule
-    from lightning_seqmem.batch import count_real_tokens
     from lightning_seqmem.apps.summary import peak_memory_bytes
+    from lightning_seqmem.batch import count_real_tokens
 
     torch.manual_seed(0)
     dm = SeqMemDataModule(max_length=max_length, micro_batch_size=rows, strategy=strategy, seed=0)
@@ -308,9 +406,15 @@ def worker(strategy: str, steps: int, max_length: int, rows: int, warmup: int) -
             real += int(count_real_tokens(batch, dm.pad_token_id))
             slots += batch["input_ids"].numel()
     peak, _ = peak_memory_bytes(device)
-    return {"strategy": strategy, "real_tok_s": real / elapsed, "slots_s": slots / elapsed, "efficiency": real / slots,
-            "peak_mib": peak / 2**20, "lost": dm.stats()["train"]["tokens_truncated"] + dm.stats()["train"]["tokens_dropped"],
-            "device": device.type}
+    return {
+        "strategy": strategy,
+        "real_tok_s": real / elapsed,
+        "slots_s": slots / elapsed,
+        "efficiency": real / slots,
+        "peak_mib": peak / 2**20,
+        "lost": dm.stats()["train"]["tokens_truncated"] + dm.stats()["train"]["tokens_dropped"],
+        "device": device.type,
+    }
 
 
 def main() -> None:
@@ -320,8 +424,12 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=None, help="row length (256; loops on CUDA 2048)")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="run the loops table on this device")
-    parser.add_argument("--loops", default=None, help=f"comma-separated subset of {', '.join(LOOPS)}; NAME@DIR "
-                        "runs a loop with the lightning_seqmem package in DIR (e.g. an older commit's, git archive)")
+    parser.add_argument(
+        "--loops",
+        default=None,
+        help=f"comma-separated subset of {', '.join(LOOPS)}; NAME@DIR "
+        "runs a loop with the lightning_seqmem package in DIR (e.g. an older commit's, git archive)",
+    )
     parser.add_argument("--model", choices=("tiny", "123m"), default=None, help="loops: tiny_llama or issue 18's")
     parser.add_argument("--repeats", type=int, default=None, help="loops: interleaved rounds (CPU 3, CUDA 1)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -336,9 +444,12 @@ def main() -> None:
         import torch
 
         machine = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (1 thread, process CPU time)"
-        print_loop_table(table, f"{machine}, torch {torch.__version__}, model {s['model']}, packed rows of "
-                                f"{s['max_length']}, micro-batch {args.rows}, {s['steps']} timed steps after "
-                                f"{s['warmup']}, median of {s['repeats']}")
+        print_loop_table(
+            table,
+            f"{machine}, torch {torch.__version__}, model {s['model']}, packed rows of "
+            f"{s['max_length']}, micro-batch {args.rows}, {s['steps']} timed steps after "
+            f"{s['warmup']}, median of {s['repeats']}",
+        )
         return
     args.steps, args.warmup = args.steps or 30, args.warmup if args.warmup is not None else 3
     args.max_length = args.max_length or 256
@@ -347,21 +458,39 @@ def main() -> None:
         return
     results = {}
     for strategy in ("pad", "truncate", "pack"):
-        cmd = [sys.executable, __file__, "--worker", strategy, "--steps", str(args.steps), "--warmup",
-               str(args.warmup), "--max-length", str(args.max_length), "--rows", str(args.rows)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            strategy,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--max-length",
+            str(args.max_length),
+            "--rows",
+            str(args.rows),
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         results[strategy] = json.loads(out.strip().splitlines()[-1])
-    print(f"max_length={args.max_length}, rows={args.rows}, {args.steps} timed steps, device={results['pad']['device']}")
+    print(
+        f"max_length={args.max_length}, rows={args.rows}, {args.steps} timed steps, device={results['pad']['device']}"
+    )
     print("| strategy | real tokens/s | slots/s | token efficiency | tokens lost (train) | peak memory (MiB) |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in results.values():
-        print(f"| {r['strategy']} | {r['real_tok_s']:,.0f} | {r['slots_s']:,.0f} | {r['efficiency']:.3f} | "
-              f"{r['lost']:,} | {r['peak_mib']:,.0f} |")
+        print(
+            f"| {r['strategy']} | {r['real_tok_s']:,.0f} | {r['slots_s']:,.0f} | {r['efficiency']:.3f} | "
+            f"{r['lost']:,} | {r['peak_mib']:,.0f} |"
+        )
     pad, pack = results["pad"], results["pack"]
     # Removing the padding turns every padded slot into a real one at the same per-slot cost.
     allowed = pad["real_tok_s"] / pad["efficiency"] * pack["efficiency"]
-    print(f"\npack real tokens/s = {pack['real_tok_s']:,.0f}; padding-free bound from pad = {allowed:,.0f}; "
-          f"ratio {pack['real_tok_s'] / allowed:.2f} (target >= 0.9)")
+    print(
+        f"\npack real tokens/s = {pack['real_tok_s']:,.0f}; padding-free bound from pad = {allowed:,.0f}; "
+        f"ratio {pack['real_tok_s'] / allowed:.2f} (target >= 0.9)"
+    )
 
 
 if __name__ == "__main__":

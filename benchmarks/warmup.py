@@ -23,11 +23,17 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_seqmem import CausalLM, SeqLengthWarmup, SeqMemDataModule
 
-
 # "micro" is small enough for a CPU smoke run; other names are CausalLM presets ("tiny_llama", "tiny_gpt2").
 MODELS: dict[str, Any] = {
-    "micro": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096},
+    "micro": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+    },
 }
 
 
@@ -48,9 +54,14 @@ class Progress(Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
             return
-        self.points.append({"step": trainer.global_step, "time": self.train_time,
-                            "tokens": pl_module.real_tokens_seen,
-                            "val_loss": float(trainer.callback_metrics["val/loss"])})
+        self.points.append(
+            {
+                "step": trainer.global_step,
+                "time": self.train_time,
+                "tokens": pl_module.real_tokens_seen,
+                "val_loss": float(trainer.callback_metrics["val/loss"]),
+            }
+        )
 
 
 def run(duration: float, truncate: bool, args: argparse.Namespace) -> list[dict[str, float]]:
@@ -60,13 +71,31 @@ def run(duration: float, truncate: bool, args: argparse.Namespace) -> list[dict[
     progress = Progress()
     callbacks: list[Callback] = [progress]
     if duration > 0:
-        callbacks.insert(0, SeqLengthWarmup(duration=duration, min_seq_length=args.min_seq_length,
-                                            max_seq_length=args.max_length, step_size=8, truncate=truncate))
+        callbacks.insert(
+            0,
+            SeqLengthWarmup(
+                duration=duration,
+                min_seq_length=args.min_seq_length,
+                max_seq_length=args.max_length,
+                step_size=8,
+                truncate=truncate,
+            ),
+        )
     model = CausalLM(model_config=MODELS.get(args.model, args.model), learning_rate=args.lr)
-    trainer = Trainer(accelerator="auto", devices=1, max_steps=args.max_steps, val_check_interval=args.val_every,
-                      check_val_every_n_epoch=None, limit_val_batches=args.val_batches, num_sanity_val_steps=0,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=callbacks)
+    trainer = Trainer(
+        accelerator="auto",
+        devices=1,
+        max_steps=args.max_steps,
+        val_check_interval=args.val_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=args.val_batches,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     trainer.fit(model, datamodule=dm)
     return progress.points
 
@@ -86,8 +115,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--model", default="tiny_llama")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--modes", nargs="+", choices=["truncate", "reshape"], default=["truncate", "reshape"],
-                        help="truncate (Composer's default) and/or reshape (keeps every token)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["truncate", "reshape"],
+        default=["truncate", "reshape"],
+        help="truncate (Composer's default) and/or reshape (keeps every token)",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results to this file")
@@ -105,31 +139,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs[(mode, duration)] = run(duration, mode == "truncate", args)
     target = runs[("none", 0.0)][-1]["val_loss"]
     base_hit = time_to_target(runs[("none", 0.0)], target)
-    print(f"\nSequence-length warmup, model={args.model}, max_length={args.max_length}, "
-          f"micro_batch_size={args.micro_batch_size}, {args.max_steps} steps, "
-          f"device={'cuda' if torch.cuda.is_available() else 'cpu'}, threads={args.threads}; "
-          f"target = no-warmup final val loss {target:.4f}")
-    header = (f"{'mode':>8} | {'duration':>8} | {'final val':>9} | {'train s':>8} | {'tokens':>10} | "
-              f"{'step@target':>11} | {'s@target':>8} | {'tokens@target':>13} | {'speed-up time':>13} | "
-              f"{'speed-up tokens':>15}")
+    print(
+        f"\nSequence-length warmup, model={args.model}, max_length={args.max_length}, "
+        f"micro_batch_size={args.micro_batch_size}, {args.max_steps} steps, "
+        f"device={'cuda' if torch.cuda.is_available() else 'cpu'}, threads={args.threads}; "
+        f"target = no-warmup final val loss {target:.4f}"
+    )
+    header = (
+        f"{'mode':>8} | {'duration':>8} | {'final val':>9} | {'train s':>8} | {'tokens':>10} | "
+        f"{'step@target':>11} | {'s@target':>8} | {'tokens@target':>13} | {'speed-up time':>13} | "
+        f"{'speed-up tokens':>15}"
+    )
     print(header)
     print("-" * len(header))
     table = []
     for (mode, duration), points in runs.items():
         hit = time_to_target(points, target)
-        row = {"mode": mode, "duration": duration, "final_val_loss": points[-1]["val_loss"],
-               "train_time": points[-1]["time"], "tokens": points[-1]["tokens"], "hit": hit,
-               "speedup_time": base_hit["time"] / hit["time"] if hit else math.nan,
-               "speedup_tokens": base_hit["tokens"] / hit["tokens"] if hit else math.nan}
+        row = {
+            "mode": mode,
+            "duration": duration,
+            "final_val_loss": points[-1]["val_loss"],
+            "train_time": points[-1]["time"],
+            "tokens": points[-1]["tokens"],
+            "hit": hit,
+            "speedup_time": base_hit["time"] / hit["time"] if hit else math.nan,
+            "speedup_tokens": base_hit["tokens"] / hit["tokens"] if hit else math.nan,
+        }
         table.append(row)
-        at = (f"{hit['step']:>11} | {hit['time']:>8.1f} | {hit['tokens']:>13,}" if hit
-              else f"{'not reached':>11} | {'-':>8} | {'-':>13}")
-        print(f"{mode:>8} | {duration:>8.2f} | {row['final_val_loss']:>9.4f} | {row['train_time']:>8.1f} | "
-              f"{row['tokens']:>10,} | {at} | {row['speedup_time']:>12.2f}x | {row['speedup_tokens']:>14.2f}x")
+        at = (
+            f"{hit['step']:>11} | {hit['time']:>8.1f} | {hit['tokens']:>13,}"
+            if hit
+            else f"{'not reached':>11} | {'-':>8} | {'-':>13}"
+        )
+        print(
+            f"{mode:>8} | {duration:>8.2f} | {row['final_val_loss']:>9.4f} | {row['train_time']:>8.1f} | "
+            f"{row['tokens']:>10,} | {at} | {row['speedup_time']:>12.2f}x | {row['speedup_tokens']:>14.2f}x"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": table, "points": {f"{m}:{d}": p for (m, d), p in runs.items()}},
-                      f, indent=2)
+            json.dump(
+                {"args": vars(args), "rows": table, "points": {f"{m}:{d}": p for (m, d), p in runs.items()}},
+                f,
+                indent=2,
+            )
     return {"rows": table, "points": runs}
 
 

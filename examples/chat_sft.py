@@ -13,6 +13,7 @@ built-in tokenizer stands in (it has a ChatML-style template with generation mar
 
     python examples/chat_sft.py --max-steps 200 [--tokenizer path/to/tokenizer]
 """
+
 import argparse
 import os
 import random
@@ -55,19 +56,35 @@ if __name__ == "__main__":
     os.makedirs(args.out, exist_ok=True)
 
     tokenizer = load_tokenizer(args.tokenizer)  # any Hugging Face tokenizer with a chat template
-    dm = SeqMemDataModule(dataset=make_conversations(), tokenizer=tokenizer, max_length=256, micro_batch_size=8,
-                          strategy="pack", train_on="assistant")
+    dm = SeqMemDataModule(
+        dataset=make_conversations(),
+        tokenizer=tokenizer,
+        max_length=256,
+        micro_batch_size=8,
+        strategy="pack",
+        train_on="assistant",
+    )
     dm.setup("fit")
     stats = dm.stats()["train"]
-    print(f"conversations: {stats['documents']}, mask from {stats['mask_method']}, "
-          f"{stats['trained_share']:.1%} of the tokens fed carry loss, token efficiency {stats['token_efficiency']:.1%}")
+    print(
+        f"conversations: {stats['documents']}, mask from {stats['mask_method']}, "
+        f"{stats['trained_share']:.1%} of the tokens fed carry loss, token efficiency {stats['token_efficiency']:.1%}"
+    )
     batch = next(iter(dm.train_dataloader()))
     row, labels = batch["input_ids"][0], batch["labels"][0]
     trained = tokenizer.decode(row[labels != -100][:40])
-    print(f"first batch {tuple(batch['input_ids'].shape)}: {int((batch['position_ids'] == 0).sum())} segments; "
-          f"trained text starts: {trained!r}")
+    print(
+        f"first batch {tuple(batch['input_ids'].shape)}: {int((batch['position_ids'] == 0).sum())} segments; "
+        f"trained text starts: {trained!r}"
+    )
 
-    trainer = L.Trainer(max_steps=args.max_steps, val_check_interval=max(1, args.max_steps // 2),
-                        limit_val_batches=4, callbacks=[RunSummary()], default_root_dir=args.out,
-                        enable_checkpointing=False, logger=False)
+    trainer = L.Trainer(
+        max_steps=args.max_steps,
+        val_check_interval=max(1, args.max_steps // 2),
+        limit_val_batches=4,
+        callbacks=[RunSummary()],
+        default_root_dir=args.out,
+        enable_checkpointing=False,
+        logger=False,
+    )
     trainer.fit(CausalLM(learning_rate=2e-3), datamodule=dm)

@@ -14,6 +14,7 @@ template; pass your own tokenizer with one).
     python examples/dpo.py --max-steps 50 --strategy pack
     python examples/dpo.py --max-steps 50 --chat
 """
+
 import argparse
 import os
 
@@ -40,21 +41,36 @@ if __name__ == "__main__":
         from lightning_seqmem.data.preference_corpus import load_builtin_preference_corpus
 
         def as_turns(pair: dict) -> dict:
-            return {"prompt": [{"role": "user", "content": pair["prompt"]}],
-                    **{side: [{"role": "assistant", "content": pair[side]}] for side in ("chosen", "rejected")}}
+            return {
+                "prompt": [{"role": "user", "content": pair["prompt"]}],
+                **{side: [{"role": "assistant", "content": pair[side]}] for side in ("chosen", "rejected")},
+            }
 
         data = load_builtin_preference_corpus().map(as_turns)
-    dm = SeqMemDataModule(data, max_length=args.max_length, micro_batch_size=4,
-                          strategy=args.strategy, max_prompt_length=args.max_length // 4)
+    dm = SeqMemDataModule(
+        data,
+        max_length=args.max_length,
+        micro_batch_size=4,
+        strategy=args.strategy,
+        max_prompt_length=args.max_length // 4,
+    )
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     stats = dm.stats()["train"]
-    print(f"first batch {tuple(batch['input_ids'].shape)} ({', '.join(batch)}); {stats['documents']} pairs, "
-          f"{stats['tokens_truncated']:,} of {stats['tokens']:,} tokens truncated, token efficiency "
-          f"{stats['token_efficiency']:.3f}")
+    print(
+        f"first batch {tuple(batch['input_ids'].shape)} ({', '.join(batch)}); {stats['documents']} pairs, "
+        f"{stats['tokens_truncated']:,} of {stats['tokens']:,} tokens truncated, token efficiency "
+        f"{stats['token_efficiency']:.3f}"
+    )
 
-    trainer = L.Trainer(max_steps=args.max_steps, val_check_interval=max(1, args.max_steps // 2),
-                        limit_val_batches=4, callbacks=[RunSummary()], default_root_dir=args.out,
-                        enable_checkpointing=False, logger=False)
+    trainer = L.Trainer(
+        max_steps=args.max_steps,
+        val_check_interval=max(1, args.max_steps // 2),
+        limit_val_batches=4,
+        callbacks=[RunSummary()],
+        default_root_dir=args.out,
+        enable_checkpointing=False,
+        logger=False,
+    )
     trainer.fit(DPO(beta=0.1, learning_rate=5e-4), datamodule=dm)
     print({k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if "reward" in k or "loss" in k})

@@ -1,7 +1,8 @@
 """Example 1: your own LightningModule and Trainer, with our DataModule and callbacks. Plain Python, no Hydra.
 
-    python examples/own_trainer.py --max-steps 100
+python examples/own_trainer.py --max-steps 100
 """
+
 import argparse
 
 from lightning_seqmem.memory import configure_allocator
@@ -46,8 +47,18 @@ if __name__ == "__main__":
     args = parser.parse_args()
 
     dm = SeqMemDataModule(max_length=args.max_length, micro_batch_size=8, strategy="pack")  # built-in corpus
-    callbacks = [SeqLengthWarmup(duration=0.3, max_seq_length=args.max_length), CachePreallocator(),
-                 MemoryMonitor(every_n_steps=25), RunSummary()]
-    trainer = L.Trainer(max_steps=args.max_steps, val_check_interval=max(1, args.max_steps // 2), limit_val_batches=4,
-                        callbacks=callbacks, default_root_dir=args.out, enable_checkpointing=False)
+    callbacks = [
+        SeqLengthWarmup(duration=0.3, max_seq_length=args.max_length),
+        CachePreallocator(),
+        MemoryMonitor(every_n_steps=25),
+        RunSummary(),
+    ]
+    trainer = L.Trainer(
+        max_steps=args.max_steps,
+        val_check_interval=max(1, args.max_steps // 2),
+        limit_val_batches=4,
+        callbacks=callbacks,
+        default_root_dir=args.out,
+        enable_checkpointing=False,
+    )
     trainer.fit(MyLM(vocab_size=len(dm.tokenizer)), datamodule=dm)

@@ -6,6 +6,7 @@ attends to another; the prompt tokens get label -100, so only completions are le
 
     python examples/sft_packing.py --max-steps 200
 """
+
 import argparse
 import json
 import os
@@ -26,7 +27,10 @@ def write_dataset(path: str, rows: int = 600, seed: int = 0) -> str:
     with open(path, "w") as f:
         for _ in range(rows):
             terms = [rng.randint(0, 99) for _ in range(rng.randint(2, 12))]
-            f.write(json.dumps({"prompt": f"Q: {' + '.join(map(str, terms))} = ?\nA:", "completion": f" {sum(terms)}"}) + "\n")
+            f.write(
+                json.dumps({"prompt": f"Q: {' + '.join(map(str, terms))} = ?\nA:", "completion": f" {sum(terms)}"})
+                + "\n"
+            )
     return path
 
 
@@ -37,14 +41,28 @@ if __name__ == "__main__":
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
-    dm = SeqMemDataModule(dataset=write_dataset(os.path.join(args.out, "arithmetic.jsonl")), max_length=128,
-                          micro_batch_size=8, strategy="pack", packing="bfd", completion_only_loss=True)
+    dm = SeqMemDataModule(
+        dataset=write_dataset(os.path.join(args.out, "arithmetic.jsonl")),
+        max_length=128,
+        micro_batch_size=8,
+        strategy="pack",
+        packing="bfd",
+        completion_only_loss=True,
+    )
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
-    print(f"first batch {tuple(batch['input_ids'].shape)}: {int((batch['position_ids'] == 0).sum())} segments, "
-          f"{int((batch['labels'] != -100).sum())} of {batch['labels'].numel()} tokens carry loss (completions)")
+    print(
+        f"first batch {tuple(batch['input_ids'].shape)}: {int((batch['position_ids'] == 0).sum())} segments, "
+        f"{int((batch['labels'] != -100).sum())} of {batch['labels'].numel()} tokens carry loss (completions)"
+    )
 
-    trainer = L.Trainer(max_steps=args.max_steps, val_check_interval=max(1, args.max_steps // 2),
-                        limit_val_batches=4, callbacks=[RunSummary()], default_root_dir=args.out,
-                        enable_checkpointing=False, logger=False)
+    trainer = L.Trainer(
+        max_steps=args.max_steps,
+        val_check_interval=max(1, args.max_steps // 2),
+        limit_val_batches=4,
+        callbacks=[RunSummary()],
+        default_root_dir=args.out,
+        enable_checkpointing=False,
+        logger=False,
+    )
     trainer.fit(CausalLM(learning_rate=2e-3), datamodule=dm)

@@ -98,8 +98,11 @@ def real_token_mask(batch: Mapping[str, torch.Tensor], pad_token_id: int | None 
         if pad_token_id is None or "input_ids" not in batch:
             return ~ignored
         return ~((batch["input_ids"] == pad_token_id) & ignored)
-    slots = batch["input_ids"] if "input_ids" in batch else next(
-        v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim == 2 and k != CU_SEQLENS)
+    slots = (
+        batch["input_ids"]
+        if "input_ids" in batch
+        else next(v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim == 2 and k != CU_SEQLENS)
+    )
     return torch.ones_like(slots, dtype=torch.bool)
 
 

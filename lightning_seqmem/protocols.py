@@ -12,8 +12,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["CountsTrainingTokens", "DescribesBatching", "GivesBatchKeys", "GivesDataStats", "GivesMaxBatchShape",
-           "GivesWarmupShape", "GivesWorstBatchLayout", "find_pad_token_id"]
+__all__ = [
+    "CountsTrainingTokens",
+    "DescribesBatching",
+    "GivesBatchKeys",
+    "GivesDataStats",
+    "GivesMaxBatchShape",
+    "GivesWarmupShape",
+    "GivesWorstBatchLayout",
+    "find_pad_token_id",
+]
 
 
 @runtime_checkable

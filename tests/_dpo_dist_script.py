@@ -46,21 +46,48 @@ def full_state(trainer, module):
 
 def main(kind: str, out: str) -> None:
     g = np.random.default_rng(0)
-    rows = [{"prompt_ids": g.integers(3, 60, int(n)).tolist(), "chosen_ids": g.integers(3, 60, int(c)).tolist(),
-             "rejected_ids": g.integers(3, 60, int(r)).tolist()}
-            for n, c, r in zip(g.integers(2, 12, 64), g.integers(1, 14, 64), g.integers(1, 10, 64))]
+    rows = [
+        {
+            "prompt_ids": g.integers(3, 60, int(n)).tolist(),
+            "chosen_ids": g.integers(3, 60, int(c)).tolist(),
+            "rejected_ids": g.integers(3, 60, int(r)).tolist(),
+        }
+        for n, c, r in zip(g.integers(2, 12, 64), g.integers(1, 14, 64), g.integers(1, 10, 64))
+    ]
     L.seed_everything(0)
-    model = RecordingDPO(model_config=dict(model_type="llama", hidden_size=32, intermediate_size=64,
-                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                           max_position_embeddings=64), vocab_size=64, pad_token_id=0,
-                         learning_rate=1e-2, beta=0.5)
-    dm = SeqMemDataModule(dataset=datasets.Dataset.from_list(rows), strategy="pack", max_length=24,
-                          micro_batch_size=2, pad_token_id=0)
+    model = RecordingDPO(
+        model_config=dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        ),
+        vocab_size=64,
+        pad_token_id=0,
+        learning_rate=1e-2,
+        beta=0.5,
+    )
+    dm = SeqMemDataModule(
+        dataset=datasets.Dataset.from_list(rows), strategy="pack", max_length=24, micro_batch_size=2, pad_token_id=0
+    )
     initial = {n: p.detach().clone() for n, p in model.model.named_parameters()}
     strategy = CPUFSDPStrategy(process_group_backend="gloo") if kind == "fsdp" else "ddp"
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy=strategy, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, gradient_clip_val=1.0, callbacks=[CachePreallocator()])
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        gradient_clip_val=1.0,
+        callbacks=[CachePreallocator()],
+    )
     trainer.fit(model, datamodule=dm)
     assert all(np.isfinite(model.losses)) and model.pairs_seen > 0
     state = full_state(trainer, model)

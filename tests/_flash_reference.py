@@ -20,19 +20,34 @@ import torch.nn.functional as F
 def _attend(q, k, v, softmax_scale, causal):
     """``[seq, heads, dim]`` -> ``[seq, heads, dim]``; GQA like flash (query heads share key/value heads)."""
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
-                                         enable_gqa=k.shape[0] != q.shape[0])
+    out = F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=k.shape[0] != q.shape[0]
+    )
     return out.transpose(0, 1)
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    deterministic=False):
+def flash_attn_func(
+    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False
+):
     """``[batch, seq, heads, dim]``: every row is one sequence."""
     return torch.stack([_attend(q[b], k[b], v[b], softmax_scale, causal) for b in range(q.shape[0])])
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    deterministic=False,
+):
     """``[total, heads, dim]``: sequence i is ``cu_seqlens[i]:cu_seqlens[i + 1]``."""
     assert torch.equal(cu_seqlens_q, cu_seqlens_k) and cu_seqlens_q.dtype == torch.int32
     assert int(cu_seqlens_q[-1]) == q.shape[0]
@@ -46,8 +61,9 @@ def _segments(q, k, v, cu_seqlens, softmax_scale, causal):
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     out = torch.empty_like(q)
     for start, n in zip(cu_seqlens[:-1].tolist(), lengths):
-        out[start : start + n] = _attend(q[start : start + n], k[start : start + n], v[start : start + n],
-                                         softmax_scale, causal)
+        out[start : start + n] = _attend(
+            q[start : start + n], k[start : start + n], v[start : start + n], softmax_scale, causal
+        )
     return out
 
 
@@ -59,12 +75,18 @@ def use_reference_flash(monkeypatch) -> None:
 
     fa2 = types.ModuleType("flash_attn")
     fa2.flash_attn_func, fa2.flash_attn_varlen_func, fa2.flash_attn_with_kvcache = (
-        flash_attn_func, flash_attn_varlen_func, None)
+        flash_attn_func,
+        flash_attn_varlen_func,
+        None,
+    )
     padding = types.ModuleType("flash_attn.bert_padding")
     padding.pad_input, padding.unpad_input = fa_utils._pad_input, fa_utils._unpad_input
     fa3 = types.ModuleType("flash_attn_interface")
-    fa3.flash_attn_func, fa3.flash_attn_varlen_func, fa3.flash_attn_with_kvcache = fa2.flash_attn_func, \
-        fa2.flash_attn_varlen_func, None
+    fa3.flash_attn_func, fa3.flash_attn_varlen_func, fa3.flash_attn_with_kvcache = (
+        fa2.flash_attn_func,
+        fa2.flash_attn_varlen_func,
+        None,
+    )
     for name, module in (("flash_attn", fa2), ("flash_attn.bert_padding", padding), ("flash_attn_interface", fa3)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(fa_utils, "is_flash_attn_2_available", lambda *a, **k: True)
@@ -94,16 +116,34 @@ def _form_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=Fa
     return _torch_varlen("2.10", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal)
 
 
-def _form_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-               window_size=(-1, -1)):
-    return _torch_varlen("2.11", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0),
-                         scale)
+def _form_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
+    return _torch_varlen(
+        "2.11", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0), scale
+    )
 
 
-def _form_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-               window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
-    return _torch_varlen("2.12", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0),
-                         scale, enable_gqa)
+def _form_2_12(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
+    return _torch_varlen(
+        "2.12", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0), scale, enable_gqa
+    )
 
 
 # The keyword forms torch's varlen_attn has had (from its documentation): is_causal in the first release; scale and

@@ -14,7 +14,11 @@ class CPUFSDPStrategy(FSDPStrategy):
     """``FSDPStrategy`` whose wrapper is built with ``device_id=cpu`` (use ``process_group_backend="gloo"``)."""
 
     def _setup_model(self, model):
-        return FullyShardedDataParallel(module=model, cpu_offload=self.cpu_offload,
-                                        mixed_precision=self.mixed_precision_config,
-                                        sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
-                                        **self.kwargs)
+        return FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )

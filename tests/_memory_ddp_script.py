@@ -24,9 +24,18 @@ def main(devices: int, out: str, prealloc: bool) -> None:
     L.seed_everything(0)
     model, before, after = TinyLM(), WrappedProbe(), Probe()
     callbacks = [before, CachePreallocator(), after] if prealloc else []
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=devices, strategy="ddp", logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, callbacks=callbacks)
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
     trainer.fit(model, datamodule=TinyData())
     if prealloc:
         assert_same(before.state, after.state)

@@ -61,17 +61,43 @@ def main(kind: str, out: str, oom: bool) -> None:
     g = np.random.default_rng(0)
     docs = [g.integers(2, 64, n).tolist() for n in g.integers(3, 40, 48)]
     L.seed_everything(0)
-    model = RecordingLM(out, oom, model_config=dict(model_type="llama", hidden_size=32, intermediate_size=64,
-                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                    max_position_embeddings=64), vocab_size=64, pad_token_id=0)
-    dm = SeqMemDataModule(dataset=datasets.Dataset.from_dict({"input_ids": docs}), strategy="pack", max_length=32,
-                          micro_batch_size=3, pad_token_id=0)
+    model = RecordingLM(
+        out,
+        oom,
+        model_config=dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        ),
+        vocab_size=64,
+        pad_token_id=0,
+    )
+    dm = SeqMemDataModule(
+        dataset=datasets.Dataset.from_dict({"input_ids": docs}),
+        strategy="pack",
+        max_length=32,
+        micro_batch_size=3,
+        pad_token_id=0,
+    )
     strategy = CPUFSDPStrategy(process_group_backend="gloo") if kind == "fsdp" else "ddp"
     before, after, calls = Probe(), Probe(), WrapperCalls()
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy=strategy, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, gradient_clip_val=0.05,
-                        callbacks=[calls, before, CachePreallocator(), after])
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        gradient_clip_val=0.05,
+        callbacks=[calls, before, CachePreallocator(), after],
+    )
     try:
         trainer.fit(model, datamodule=dm)
     except torch.OutOfMemoryError as error:

@@ -21,8 +21,10 @@ def snapshot(trainer: L.Trainer, model: L.LightningModule) -> dict:
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "grads": [p.grad for p in model.parameters()],
-        "optimizer": {k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in s.items()}
-                      for k, s in opt.get("state", {}).items()},
+        "optimizer": {
+            k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in s.items()}
+            for k, s in opt.get("state", {}).items()
+        },
         "param_groups": [dict(g) for g in opt.get("param_groups", [])],
         "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
         "global_step": trainer.global_step,
@@ -30,8 +32,9 @@ def snapshot(trainer: L.Trainer, model: L.LightningModule) -> dict:
         "numpy": np.random.get_state()[1].copy(),
         "torch": torch.get_rng_state().clone(),
         "training": {n: m.training for n, m in model.named_modules()},
-        "metric": (model.train_loss.mean_value.clone(), model.train_loss.weight.clone(),
-                   model.train_loss._update_count) if hasattr(model, "train_loss") else None,
+        "metric": (model.train_loss.mean_value.clone(), model.train_loss.weight.clone(), model.train_loss._update_count)
+        if hasattr(model, "train_loss")
+        else None,
         "counter": getattr(model, "real_tokens_seen", None),
     }
 
@@ -74,9 +77,16 @@ class TinyLM(L.LightningModule):
 
     def __init__(self, vocab_size: int = VOCAB, lr: float = 1e-2):
         super().__init__()
-        config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                             attention_dropout=0.2)
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            attention_dropout=0.2,
+        )
         config._attn_implementation = "eager"
         self.model = LlamaForCausalLM(config)
         self.dropout = torch.nn.Dropout(0.2)
@@ -93,8 +103,14 @@ class TinyLM(L.LightningModule):
         self.train_loss.update(loss.detach())
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         self.log_dict({"train/mean_loss": self.train_loss}, batch_size=batch["input_ids"].shape[0])
-        self.seen.append({"shape": tuple(batch["input_ids"].shape), "keys": tuple(batch),
-                          "max_id": int(batch["input_ids"].max()), "rng": torch.get_rng_state().clone()})
+        self.seen.append(
+            {
+                "shape": tuple(batch["input_ids"].shape),
+                "keys": tuple(batch),
+                "max_id": int(batch["input_ids"].max()),
+                "rng": torch.get_rng_state().clone(),
+            }
+        )
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -130,8 +146,13 @@ class TinyData(L.LightningDataModule):
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
     def train_dataloader(self):
-        return DataLoader(self.docs, batch_size=self.micro_batch_size, shuffle=True, collate_fn=self._collate,
-                          generator=torch.Generator().manual_seed(1))
+        return DataLoader(
+            self.docs,
+            batch_size=self.micro_batch_size,
+            shuffle=True,
+            collate_fn=self._collate,
+            generator=torch.Generator().manual_seed(1),
+        )
 
     def val_dataloader(self):
         return DataLoader(self.docs[:4], batch_size=self.eval_batch_size, collate_fn=self._collate)
@@ -145,6 +166,14 @@ class TinyData(L.LightningDataModule):
 
 def trainer(tmp_path, callbacks, max_steps: int = 2, **kwargs) -> L.Trainer:
     kwargs = {"limit_val_batches": 0, "logger": False, **kwargs}
-    return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                     callbacks=callbacks, **kwargs)
+    return L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+        **kwargs,
+    )

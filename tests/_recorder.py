@@ -28,8 +28,16 @@ def fit_recording(tmp_path, max_steps, ckpt=None, save=False, **data):
     dm = SeqMemDataModule(**{"max_length": 32, "micro_batch_size": 8, "strategy": "pack", **data})
     model = Recorder()
     callbacks = [L.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)] if save else []
-    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, callbacks=callbacks,
-                        enable_checkpointing=save, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        enable_checkpointing=save,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
     return model.seen, dm

@@ -44,12 +44,24 @@ def main(kind: str, out: str) -> None:
     dm = SeqMemDataModule(dataset=stream, max_length=32, micro_batch_size=2, strategy="pack", streaming_buffer_size=4)
     model = CountingLM()
     strategy = CPUFSDPStrategy(process_group_backend="gloo") if kind == "fsdp" else "ddp"
-    trainer = L.Trainer(max_steps=4, val_check_interval=2, num_sanity_val_steps=0, accelerator="cpu", devices=2,
-                        strategy=strategy, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=4,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, datamodule=dm)
-    record = {"val_batches": model.val_batches, "val_loss": float(trainer.callback_metrics["val/loss"]),
-              "stats": dm.stats()["validation"]}
+    record = {
+        "val_batches": model.val_batches,
+        "val_loss": float(trainer.callback_metrics["val/loss"]),
+        "stats": dm.stats()["validation"],
+    }
     with open(os.path.join(out, f"{kind}_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(record, f)
     torch.distributed.barrier()

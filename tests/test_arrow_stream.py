@@ -17,8 +17,12 @@ def _write(path, texts, batch_rows):
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for lo in range(0, len(texts), batch_rows):
             chunk = texts[lo : lo + batch_rows]
-            writer.write_batch(pa.record_batch([pa.array(chunk, pa.large_string()),
-                                                pa.array(range(lo, lo + len(chunk)), pa.int64())], schema=schema))
+            writer.write_batch(
+                pa.record_batch(
+                    [pa.array(chunk, pa.large_string()), pa.array(range(lo, lo + len(chunk)), pa.int64())],
+                    schema=schema,
+                )
+            )
     return datasets.Dataset.from_file(str(path))
 
 
@@ -77,8 +81,12 @@ def test_a_pass_over_a_file_keeps_its_pages_out_of_resident_memory(tmp_path):
     ds = _write(tmp_path / "big.arrow", texts, 500)
     size = os.path.getsize(tmp_path / "big.arrow")
     before = file_rss()
-    chars = sum(len(s) for shard in plan_shards(ds, 2) for _, b in iter_shard(ds, shard, ["text"], 256)
-                for s in b.column(0).to_pylist())
+    chars = sum(
+        len(s)
+        for shard in plan_shards(ds, 2)
+        for _, b in iter_shard(ds, shard, ["text"], 256)
+        for s in b.column(0).to_pylist()
+    )
     assert chars == 10_000 * 4000
     assert file_rss() - before < size / 4  # a memory-mapped pass would add the whole file
 

@@ -29,8 +29,7 @@ def conversations():
 
 
 def _dm(dataset, tok, tmp_path, **kwargs):
-    kwargs = {"max_length": 512, "micro_batch_size": 4, "eval_batch_size": 4, "cache_dir": tmp_path / "cache",
-              **kwargs}
+    kwargs = {"max_length": 512, "micro_batch_size": 4, "eval_batch_size": 4, "cache_dir": tmp_path / "cache", **kwargs}
     dm = SeqMemDataModule(dataset=dataset, tokenizer=tok, **kwargs)
     dm.setup("fit")
     return dm
@@ -67,9 +66,13 @@ def test_every_source_gives_the_same_rows(tmp_path, chat_tokenizer, conversation
     datasets.Dataset.from_dict({"messages": conversations}).to_parquet(str(tmp_path / "chat.parquet"))
     with open(tmp_path / "chat.jsonl", "w") as f:
         f.writelines(json.dumps({"messages": m}) + "\n" for m in conversations)
-    sources = {"dataset": datasets.Dataset.from_dict({"messages": conversations}),
-               "jsonl": str(tmp_path / "chat.jsonl"), "parquet": str(tmp_path / "chat.parquet"),
-               "rows": [{"messages": m} for m in conversations], "list": conversations}
+    sources = {
+        "dataset": datasets.Dataset.from_dict({"messages": conversations}),
+        "jsonl": str(tmp_path / "chat.jsonl"),
+        "parquet": str(tmp_path / "chat.parquet"),
+        "rows": [{"messages": m} for m in conversations],
+        "list": conversations,
+    }
     seen = {}
     for name, source in sources.items():
         dm = _dm(source, chat_tokenizer, tmp_path / name, strategy="pad")
@@ -138,8 +141,10 @@ def test_train_on_and_the_template_are_part_of_the_cache_key(tmp_path, chat_toke
     assert entries() == n
     last = _dm(data, chat_tokenizer, tmp_path, train_on="last_assistant")
     assert entries() == n + 1  # train and validation are the same data: one entry
-    assert last.stats()["validation"]["trained_tokens"] < _dm(data, chat_tokenizer, tmp_path).stats()["validation"][
-        "trained_tokens"]
+    assert (
+        last.stats()["validation"]["trained_tokens"]
+        < _dm(data, chat_tokenizer, tmp_path).stats()["validation"]["trained_tokens"]
+    )
     from lightning_seqmem.data.tokenizer import load_tokenizer
 
     other = load_tokenizer()
@@ -165,13 +170,35 @@ def test_bad_conversations_and_tokenizers_are_refused_with_the_fix(tmp_path, cha
 def test_a_real_trainer_fits_on_packed_conversations(tmp_path, chat_tokenizer, conversations):
     """A tiny Llama from a config trains on packed conversations: finite loss, tokens counted by the model."""
     torch.manual_seed(0)
-    dm = SeqMemDataModule(dataset=_both(conversations), tokenizer=chat_tokenizer, strategy="pack", max_length=256,
-                          micro_batch_size=2, cache_dir=tmp_path / "cache")
-    model = CausalLM(model_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=2,
-                        default_root_dir=tmp_path)
+    dm = SeqMemDataModule(
+        dataset=_both(conversations),
+        tokenizer=chat_tokenizer,
+        strategy="pack",
+        max_length=256,
+        micro_batch_size=2,
+        cache_dir=tmp_path / "cache",
+    )
+    model = CausalLM(
+        model_config=dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+    )
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=2,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model, datamodule=dm)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
     assert 0 < dm.stats()["train"]["trained_share"] < 1
@@ -196,10 +223,20 @@ def test_seqmem_train_data_chat_trains_on_the_builtin_conversations(tmp_path):
 
     from lightning_seqmem.apps.train import train
 
-    cfg = _compose("config", ["data=chat", "data.max_length=64", "trainer.max_steps=3", "trainer.limit_val_batches=2",
-                              "trainer.val_check_interval=3", "+trainer.enable_progress_bar=false",
-                              "+trainer.enable_model_summary=false", "print_summary=false",
-                              f"data.cache_dir={tmp_path / 'cache'}"])
+    cfg = _compose(
+        "config",
+        [
+            "data=chat",
+            "data.max_length=64",
+            "trainer.max_steps=3",
+            "trainer.limit_val_batches=2",
+            "trainer.val_check_interval=3",
+            "+trainer.enable_progress_bar=false",
+            "+trainer.enable_model_summary=false",
+            "print_summary=false",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+    )
     with open_dict(cfg):
         cfg.hydra.runtime.output_dir = str(tmp_path)
         cfg.hydra.job.num = 0
@@ -242,12 +279,16 @@ NO_MARKERS = BUILTIN_CHAT_TEMPLATE.replace("{%- generation -%}", "").replace("{%
 def test_a_template_without_markers_gives_the_same_rows_by_prefix_difference(tmp_path, chat_tokenizer, conversations):
     """The fallback (rendering growing prefixes) reaches the loaders with the same labels as the markers."""
     with pytest.warns(UserWarning, match="no {% generation %} markers"):
-        fallback = _dm(_both(conversations[:12]), _template_tokenizer(NO_MARKERS + "{#- dm -#}"), tmp_path / "a",
-                       strategy="pad")
+        fallback = _dm(
+            _both(conversations[:12]), _template_tokenizer(NO_MARKERS + "{#- dm -#}"), tmp_path / "a", strategy="pad"
+        )
     markers = _dm(_both(conversations[:12]), chat_tokenizer, tmp_path / "b", strategy="pad")
     assert fallback.stats()["validation"]["mask_method"] == "prefix_difference"
-    rows = [[(ids.tolist(), labels.tolist()) for ids, labels in _rows(b)] for dm in (fallback, markers)
-            for b in [next(iter(dm.val_dataloader()))]]
+    rows = [
+        [(ids.tolist(), labels.tolist()) for ids, labels in _rows(b)]
+        for dm in (fallback, markers)
+        for b in [next(iter(dm.val_dataloader()))]
+    ]
     assert rows[0] == rows[1]
 
 
@@ -256,12 +297,18 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_turn(tmp_p
     its prefix-difference mask would be wrong, so the DataModule refuses it."""
     drops_reasoning = NO_MARKERS.replace(
         "message['content'] + eos_token -}}{%- else -%}",
-        "(message['content'] if loop.last else message['content'].split('</think>')[-1]) + eos_token -}}"
-        "{%- else -%}", 1)
+        "(message['content'] if loop.last else message['content'].split('</think>')[-1]) + eos_token -}}{%- else -%}",
+        1,
+    )
     assert drops_reasoning != NO_MARKERS
-    convs = conversations[:3] + [[{"role": "user", "content": "Why?"},
-                                  {"role": "assistant", "content": "<think>hm</think>Because."},
-                                  {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]]
+    convs = conversations[:3] + [
+        [
+            {"role": "user", "content": "Why?"},
+            {"role": "assistant", "content": "<think>hm</think>Because."},
+            {"role": "user", "content": "Sure?"},
+            {"role": "assistant", "content": "Yes."},
+        ]
+    ]
     with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"Conversation 3, turn 1 \(assistant\)"):
         _dm(convs, _template_tokenizer(drops_reasoning), tmp_path)
 
@@ -272,8 +319,15 @@ def test_streamed_conversations_are_packed_whole_with_their_masks(chat_tokenizer
     max_length = 256
     convs = conversations + [[{"role": "user", "content": "Is anyone there?"}]]  # nothing to learn: skipped
     stream = datasets.IterableDataset.from_generator(lambda: ({"messages": m} for m in convs))
-    dm = SeqMemDataModule(dataset=stream, tokenizer=chat_tokenizer, strategy="pack", max_length=max_length,
-                          micro_batch_size=4, streaming_buffer_size=8, streaming_validation_documents=0)
+    dm = SeqMemDataModule(
+        dataset=stream,
+        tokenizer=chat_tokenizer,
+        strategy="pack",
+        max_length=max_length,
+        micro_batch_size=4,
+        streaming_buffer_size=8,
+        streaming_validation_documents=0,
+    )
     dm.setup("fit")
     segments = [seg for batch in dm.train_dataloader() for seg in _segments(batch)]
     expected = {tuple(enc.input_ids.tolist()): enc for enc in _expected(conversations, chat_tokenizer, max_length)}
@@ -283,16 +337,26 @@ def test_streamed_conversations_are_packed_whole_with_their_masks(chat_tokenizer
         want = expected[tuple(ids.tolist())].labels()
         want[0] = IGNORE_INDEX
         np.testing.assert_array_equal(labels, want)
-    refusing = SeqMemDataModule(dataset=stream, tokenizer=chat_tokenizer, strategy="pack", max_length=max_length,
-                                on_empty_labels="error", streaming_validation_documents=0)
+    refusing = SeqMemDataModule(
+        dataset=stream,
+        tokenizer=chat_tokenizer,
+        strategy="pack",
+        max_length=max_length,
+        on_empty_labels="error",
+        streaming_validation_documents=0,
+    )
     refusing.setup("fit")
     with pytest.raises(ValueError, match=rf"no trained token \(first: conversation {len(convs) - 1} of the stream\)"):
         list(refusing.train_dataloader())
 
 
 def test_streams_of_other_kinds_are_refused_with_the_fix():
-    pairs = datasets.IterableDataset.from_generator(lambda: ({"prompt": "q", "chosen": "a", "rejected": "b"}
-                                                             for _ in range(4)))
-    with pytest.raises(ValueError, match=r"stream of preference \(columns \['chosen', 'prompt', 'rejected'\]\).*"
-                                         r"without streaming=True"):
+    pairs = datasets.IterableDataset.from_generator(
+        lambda: ({"prompt": "q", "chosen": "a", "rejected": "b"} for _ in range(4))
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"stream of preference \(columns \['chosen', 'prompt', 'rejected'\]\).*"
+        r"without streaming=True",
+    ):
         SeqMemDataModule(dataset=pairs, strategy="pack").setup("fit")

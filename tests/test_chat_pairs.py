@@ -36,9 +36,13 @@ def chat_rows(n=24):
             prompt = [{"role": "system", "content": "You answer Python questions."}] + prompt
         if i % 5 == 1:
             prompt = prompt + [assistant("Which order?"), user("Ascending, please.")]
-        rows.append({"prompt": prompt,
-                     "chosen": [assistant("Use sorted(items)." + " It is stable." * (i % 5))],
-                     "rejected": [assistant("You cannot." + " Sorry." * (i % 2))]})
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": [assistant("Use sorted(items)." + " It is stable." * (i % 5))],
+                "rejected": [assistant("You cannot." + " Sorry." * (i % 2))],
+            }
+        )
     return rows
 
 
@@ -60,13 +64,24 @@ def test_tokens_equal_trl_dpo_trainer(chat_tokenizer, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     rows = chat_rows()
-    config = LlamaConfig(vocab_size=len(chat_tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=len(chat_tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     model, reference = LlamaForCausalLM(config), LlamaForCausalLM(config)  # from a config: nothing downloaded
     args = trl.DPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_length=None)
     for data, settings in ((rows, ChatPairs()), (implicit(rows), ChatPairs(has_prompt=False))):
-        theirs = trl.DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=datasets.Dataset.from_list(data),
-                                processing_class=chat_tokenizer).train_dataset
+        theirs = trl.DPOTrainer(
+            model=model,
+            ref_model=reference,
+            args=args,
+            train_dataset=datasets.Dataset.from_list(data),
+            processing_class=chat_tokenizer,
+        ).train_dataset
         batch = {key: [r[key] for r in data] for key in data[0]}
         renderer = ChatRenderer(chat_tokenizer, masks=False)
         ours = encode_chat_pairs(batch, range(len(data)), renderer, settings, batch_encoder(chat_tokenizer))
@@ -82,10 +97,21 @@ def test_datamodule_takes_conversation_pairs_from_every_source(chat_tokenizer, t
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     batches = {}
-    for name, source in {"list": rows, "dataset": datasets.Dataset.from_list(rows), "jsonl": str(path),
-                         "implicit": datasets.Dataset.from_list(implicit(rows))}.items():
-        dm = SeqMemDataModule(source, tokenizer=chat_tokenizer, max_length=64, micro_batch_size=4,
-                              eval_batch_size=4, cache_dir=tmp_path / "cache", seed=0)
+    for name, source in {
+        "list": rows,
+        "dataset": datasets.Dataset.from_list(rows),
+        "jsonl": str(path),
+        "implicit": datasets.Dataset.from_list(implicit(rows)),
+    }.items():
+        dm = SeqMemDataModule(
+            source,
+            tokenizer=chat_tokenizer,
+            max_length=64,
+            micro_batch_size=4,
+            eval_batch_size=4,
+            cache_dir=tmp_path / "cache",
+            seed=0,
+        )
         dm.setup("fit")
         stats = dm.stats()["train"]
         assert stats["documents"] + dm.stats()["validation"]["documents"] == 24  # pairs, none lost
@@ -97,8 +123,16 @@ def test_datamodule_takes_conversation_pairs_from_every_source(chat_tokenizer, t
 
 @pytest.mark.parametrize("strategy", ["pad", "pack"])
 def test_padded_and_packed_pairs_carry_the_same_tokens(chat_tokenizer, tmp_path, strategy):
-    dm = SeqMemDataModule(chat_rows(), tokenizer=chat_tokenizer, max_length=48, max_prompt_length=24,
-                          strategy=strategy, micro_batch_size=4, eval_batch_size=4, cache_dir=tmp_path / "cache")
+    dm = SeqMemDataModule(
+        chat_rows(),
+        tokenizer=chat_tokenizer,
+        max_length=48,
+        max_prompt_length=24,
+        strategy=strategy,
+        micro_batch_size=4,
+        eval_batch_size=4,
+        cache_dir=tmp_path / "cache",
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dm.setup("fit")
@@ -112,13 +146,21 @@ def test_bad_turns_name_the_row_and_column(chat_tokenizer, tmp_path):
     rows = chat_rows(8)
     rows[5]["rejected"] = [{"role": "assistant"}]
     with pytest.raises(ValueError, match=r"Conversation 5 \(column 'rejected'\), turn 0 has no 'content'"):
-        SeqMemDataModule(datasets.DatasetDict(train=datasets.Dataset.from_list(rows)), tokenizer=chat_tokenizer,
-                         max_length=64, cache_dir=tmp_path / "cache").setup("fit")
+        SeqMemDataModule(
+            datasets.DatasetDict(train=datasets.Dataset.from_list(rows)),
+            tokenizer=chat_tokenizer,
+            max_length=64,
+            cache_dir=tmp_path / "cache",
+        ).setup("fit")
     rows = chat_rows(8)
     rows[2]["chosen"] = [{"role": "bot", "content": "x"}]
     with pytest.raises(ValueError, match=r"Conversation 2 \(column 'chosen'\), turn 0 has role 'bot'"):
-        SeqMemDataModule(datasets.DatasetDict(train=datasets.Dataset.from_list(rows)), tokenizer=chat_tokenizer,
-                         max_length=64, cache_dir=tmp_path / "cache").setup("fit")
+        SeqMemDataModule(
+            datasets.DatasetDict(train=datasets.Dataset.from_list(rows)),
+            tokenizer=chat_tokenizer,
+            max_length=64,
+            cache_dir=tmp_path / "cache",
+        ).setup("fit")
     plain = load_tokenizer()  # no chat template: say how to set one
     plain.chat_template = None
     with pytest.raises(ValueError, match="has no chat template"):
@@ -132,8 +174,9 @@ def test_a_generation_prompt_the_full_sequence_does_not_repeat_is_cut_where_they
     from lightning_seqmem.data.chat_template import BUILTIN_CHAT_TEMPLATE
 
     tok = copy.deepcopy(chat_tokenizer)
-    tok.chat_template = BUILTIN_CHAT_TEMPLATE.replace("bos_token + 'assistant\n' -}}{%- endif",
-                                                      "bos_token + 'assistant\nthink\n' -}}{%- endif")
+    tok.chat_template = BUILTIN_CHAT_TEMPLATE.replace(
+        "bos_token + 'assistant\n' -}}{%- endif", "bos_token + 'assistant\nthink\n' -}}{%- endif"
+    )
     rows = chat_rows(4)
     batch = {key: [r[key] for r in rows] for key in rows[0]}
     renderer = ChatRenderer(tok, masks=False)
@@ -149,14 +192,23 @@ def test_a_generation_prompt_the_full_sequence_does_not_repeat_is_cut_where_they
 def test_seqmem_plan_plans_conversation_pairs_as_the_datamodule_serves_them(chat_tokenizer, tmp_path):
     from lightning_seqmem.apps.planner import plan
 
-    arguments = dict(tokenizer=chat_tokenizer, max_length=48, max_prompt_length=24, micro_batch_size=4,
-                     strategy="pack", cache_dir=tmp_path / "cache")
+    arguments = dict(
+        tokenizer=chat_tokenizer,
+        max_length=48,
+        max_prompt_length=24,
+        micro_batch_size=4,
+        strategy="pack",
+        cache_dir=tmp_path / "cache",
+    )
     result = plan(SeqMemDataModule(chat_rows(), **arguments), None, strategies=["pack_bfd"], max_lengths=[48])
     dm = SeqMemDataModule(chat_rows(), **arguments)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dm.setup("fit")
     stats, mine = dm.stats()["train"], result.configured
-    assert (mine.token_efficiency, mine.rows, mine.tokens) == (stats["token_efficiency"], stats["rows"],
-                                                               stats["tokens"])
+    assert (mine.token_efficiency, mine.rows, mine.tokens) == (
+        stats["token_efficiency"],
+        stats["rows"],
+        stats["tokens"],
+    )
     assert mine.max_batch_shape == dm.max_batch_shape() == (4, 96)  # rows of 2 * max_length

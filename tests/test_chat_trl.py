@@ -25,12 +25,22 @@ def test_input_ids_and_labels_equal_trl_sft_trainer(tmp_path):
     tok.chat_template = BUILTIN_CHAT_TEMPLATE
     rows = load_builtin_chat_corpus()["validation"][:40]
     assert any(r["messages"][0]["content"] == SYSTEM_PROMPT for r in rows)  # system turns are covered
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
-    args = SFTConfig(output_dir=str(tmp_path), assistant_only_loss=True, report_to="none", max_length=None,
-                     use_cpu=True)
-    trl_rows = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
-                          processing_class=tok).train_dataset
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    args = SFTConfig(
+        output_dir=str(tmp_path), assistant_only_loss=True, report_to="none", max_length=None, use_cpu=True
+    )
+    trl_rows = SFTTrainer(
+        model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tok
+    ).train_dataset
 
     renderer = ChatRenderer(tok)
     for i, (row, theirs) in enumerate(zip(rows, trl_rows)):

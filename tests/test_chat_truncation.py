@@ -11,17 +11,20 @@ TURN_ENDS = np.array([4, 8, 14, 18, 26, 30])
 SPANS = np.array([[10, 14], [20, 26]])
 
 
-@pytest.mark.parametrize(("max_length", "ranges", "dropped"), [
-    (None, [[0, 30]], 0),
-    (30, [[0, 30]], 0),
-    (29, [[0, 26]], 4),  # the trailing user turn carries no loss: it goes first
-    (26, [[0, 26]], 4),
-    (25, [[0, 4], [8, 26]], 8),  # then the oldest turn after the system message
-    (16, [[0, 4], [14, 26]], 14),
-    (12, [[0, 4], [18, 26]], 18),  # the last trained turn alone, whole
-    (10, [[0, 4], [18, 24]], 20),  # ... or its start
-    (4, [[0, 4]], 26),  # the system message fills the limit: nothing trained is left (flagged by the caller)
-])
+@pytest.mark.parametrize(
+    ("max_length", "ranges", "dropped"),
+    [
+        (None, [[0, 30]], 0),
+        (30, [[0, 30]], 0),
+        (29, [[0, 26]], 4),  # the trailing user turn carries no loss: it goes first
+        (26, [[0, 26]], 4),
+        (25, [[0, 4], [8, 26]], 8),  # then the oldest turn after the system message
+        (16, [[0, 4], [14, 26]], 14),
+        (12, [[0, 4], [18, 26]], 18),  # the last trained turn alone, whole
+        (10, [[0, 4], [18, 24]], 20),  # ... or its start
+        (4, [[0, 4]], 26),  # the system message fills the limit: nothing trained is left (flagged by the caller)
+    ],
+)
 def test_truncate_turns(max_length, ranges, dropped):
     kept, lost = truncate_turns(TURN_ENDS, SPANS, 1, max_length)
     assert kept.tolist() == ranges and lost == dropped

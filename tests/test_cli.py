@@ -28,10 +28,15 @@ def _no_pytest_argv(monkeypatch):
 
 
 def test_defaults_callbacks_plus_equals_and_print_config_round_trip(tmp_path, capsys):
-    args = ["fit", *SMALL, f"--trainer.default_root_dir={tmp_path}",
-            "--trainer.callbacks+=lightning_seqmem.SeqLengthWarmup", "--trainer.callbacks.duration=0.5",
-            "--trainer.callbacks.max_seq_length=64",
-            "--trainer.callbacks+=lightning_seqmem.apps.job_record.JobRecord"]
+    args = [
+        "fit",
+        *SMALL,
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks+=lightning_seqmem.SeqLengthWarmup",
+        "--trainer.callbacks.duration=0.5",
+        "--trainer.callbacks.max_seq_length=64",
+        "--trainer.callbacks+=lightning_seqmem.apps.job_record.JobRecord",
+    ]
     with pytest.raises(SystemExit) as done:
         cli_main(args + ["--print_config"])
     assert done.value.code in (0, None)
@@ -45,13 +50,14 @@ def test_defaults_callbacks_plus_equals_and_print_config_round_trip(tmp_path, ca
     cli = cli_main(["fit", "--config", str(config)])  # the printed config runs as it is
     assert cli.trainer.global_step == 3
     warmup = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "SeqLengthWarmup"]
-    assert warmup and warmup[0].duration == 0.5 and 0 < warmup[0].tokens_seen
+    assert warmup and warmup[0].duration == 0.5 and warmup[0].tokens_seen > 0
     with open(tmp_path / "progress.csv") as f:
         assert [row["step"] for row in csv.DictReader(f)] == ["3"]
 
 
 def test_subclasses_replace_model_and_data(tmp_path, monkeypatch):
-    (tmp_path / "my_classes.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_classes.py").write_text(
+        textwrap.dedent("""
         from lightning_seqmem import CausalLM, SeqMemDataModule
 
         class MyLM(CausalLM):
@@ -61,21 +67,34 @@ def test_subclasses_replace_model_and_data(tmp_path, monkeypatch):
 
         class MyData(SeqMemDataModule):
             pass
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    cli = cli_main(["fit", *SMALL[:-1], f"--trainer.default_root_dir={tmp_path}", "--model=my_classes.MyLM",
-                    "--model.label=ours", "--model.model_config=tiny_gpt2", "--data=my_classes.MyData",
-                    "--data.max_length=64"])
+    cli = cli_main(
+        [
+            "fit",
+            *SMALL[:-1],
+            f"--trainer.default_root_dir={tmp_path}",
+            "--model=my_classes.MyLM",
+            "--model.label=ours",
+            "--model.model_config=tiny_gpt2",
+            "--data=my_classes.MyData",
+            "--data.max_length=64",
+        ]
+    )
     assert type(cli.model).__name__ == "MyLM" and cli.model.label == "ours"
     assert type(cli.datamodule).__name__ == "MyData"
     assert type(cli.model.model).__name__ == "GPT2LMHeadModel"
     assert cli.trainer.global_step == 3
 
 
-@pytest.mark.parametrize("args", [
-    ["--model=lightning_seqmem.NoSuchModel"],
-    ["--trainer.callbacks+=lightning_seqmem.NoSuchCallback"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model=lightning_seqmem.NoSuchModel"],
+        ["--trainer.callbacks+=lightning_seqmem.NoSuchCallback"],
+    ],
+)
 def test_bad_class_path_names_it(args, capsys):
     with pytest.raises(SystemExit) as err:
         cli_main(["fit", *args])
@@ -86,8 +105,13 @@ def test_bad_class_path_names_it(args, capsys):
 def test_bad_class_path_in_yaml_via_console_script(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("model:\n  class_path: my_missing_pkg.MyLM\n")
-    proc = subprocess.run([sys.executable, "-m", "lightning_seqmem.apps.cli", "fit", "--config", str(config)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_seqmem.apps.cli", "fit", "--config", str(config)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "my_missing_pkg.MyLM" in proc.stderr and "No module named 'my_missing_pkg'" in proc.stderr
 

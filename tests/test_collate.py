@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_seqmem.batching.collate import PackCollator, PadCollator, TruncateCollator, real_token_mask
 from lightning_seqmem.batching import pack_sequences
+from lightning_seqmem.batching.collate import PackCollator, PadCollator, TruncateCollator, real_token_mask
 
 PAD = 0
 rows_strategy = st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=30), min_size=1, max_size=6)
@@ -37,7 +37,10 @@ def test_truncate_collator_is_constant_shape():
 
 def test_pack_collator_contract():
     out = PackCollator(PAD, max_length=8, return_cu_seqlens=True)(
-        [{"input_ids": [5, 6, 7, 8], "seq_lengths": [3, 1]}, {"input_ids": [1, 0, 2, 3, 4, 5, 6, 7], "seq_lengths": [8]}]
+        [
+            {"input_ids": [5, 6, 7, 8], "seq_lengths": [3, 1]},
+            {"input_ids": [1, 0, 2, 3, 4, 5, 6, 7], "seq_lengths": [8]},
+        ]
     )
     assert set(out) == {"input_ids", "labels", "position_ids", "cu_seqlens"}  # no attention_mask
     assert out["position_ids"][0].tolist() == [0, 1, 2, 0, 0, 1, 2, 3]  # padding is its own segment
@@ -56,11 +59,15 @@ def test_pack_collator_rejects_bad_rows():
 
 
 @settings(max_examples=50, deadline=None)
-@given(rows=rows_strategy, max_length=st.integers(2, 40), side=st.sampled_from(["right", "left"]),
-       truncate=st.booleans())
+@given(
+    rows=rows_strategy, max_length=st.integers(2, 40), side=st.sampled_from(["right", "left"]), truncate=st.booleans()
+)
 def test_pad_and_truncate_collators_conserve_tokens(rows, max_length, side, truncate):
-    coll = (TruncateCollator(PAD, max_length, truncation_side=side) if truncate
-            else PadCollator(PAD, max_length=max_length, truncation_side=side))
+    coll = (
+        TruncateCollator(PAD, max_length, truncation_side=side)
+        if truncate
+        else PadCollator(PAD, max_length=max_length, truncation_side=side)
+    )
     out = coll([{"input_ids": r} for r in rows])
     mask = real_token_mask(out, PAD)
     for i, r in enumerate(rows):

@@ -12,8 +12,15 @@ import torch
 from lightning_seqmem import CausalLM
 from lightning_seqmem.training.varlen import cu_seqlens
 
-TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64)
+TINY = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def _documents(position_ids):
@@ -38,8 +45,9 @@ def test_compiled_model_keeps_packed_documents_apart():
     lm = CausalLM(model_config=TINY, vocab_size=100, pad_token_id=0, compile=True).eval()
     assert lm.model._compiled_call_impl is not None  # compiled in place: same parameter names, same checkpoints
     assert not any("_orig_mod" in name for name in lm.state_dict())
-    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7],
-                                 [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4, 5]])
+    position_ids = torch.tensor(
+        [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4, 5]]
+    )
     ids = torch.randint(1, 100, position_ids.shape, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         compiled = lm({"input_ids": ids, "position_ids": position_ids}).logits  # through the compiled __call__

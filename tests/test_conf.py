@@ -4,13 +4,12 @@ import importlib
 import inspect
 import os
 
+import lightning_seqmem.conf
 import pytest
 import yaml
 from hydra import compose, initialize_config_module
 from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
-
-import lightning_seqmem.conf
 
 CONF_DIR = os.path.dirname(lightning_seqmem.conf.__file__)
 GROUPS = ("data", "model", "callbacks", "trainer", "logger", "experiment")

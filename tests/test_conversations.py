@@ -71,11 +71,21 @@ def chatml_tok():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     texts = [m["content"] for m in CONVERSATION] * 20 + ["<think>hmm</think> user assistant system"] * 20
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
     fast.chat_template = CHATML
     return fast
 
@@ -84,22 +94,31 @@ def _spans_text(tok, enc: EncodedConversation) -> list[str]:
     return [tok.decode(enc.input_ids[s:e]) for s, e in enc.label_spans]
 
 
-@pytest.mark.parametrize(("messages", "match"), [
-    ([], "Conversation 7 is empty"),
-    ("hello", "Conversation 7 is empty or not a list"),
-    ([{"content": "hi"}], "Conversation 7, turn 0 has no 'role'"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant"}], "Conversation 7, turn 1 has no 'content'"),
-    ([{"role": "human", "content": "hi"}], "turn 0 has role 'human'; use one of"),
-    ([{"role": "user", "content": "hi", "train": "yes"}], "turn 0: 'train' is 'yes'"),
-])
+@pytest.mark.parametrize(
+    ("messages", "match"),
+    [
+        ([], "Conversation 7 is empty"),
+        ("hello", "Conversation 7 is empty or not a list"),
+        ([{"content": "hi"}], "Conversation 7, turn 0 has no 'role'"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant"}], "Conversation 7, turn 1 has no 'content'"),
+        ([{"role": "human", "content": "hi"}], "turn 0 has role 'human'; use one of"),
+        ([{"role": "user", "content": "hi", "train": "yes"}], "turn 0: 'train' is 'yes'"),
+    ],
+)
 def test_check_conversation_names_row_turn_and_fix(messages, match):
     with pytest.raises(ValueError, match=match):
         check_conversation(messages, 7)
 
 
 def test_check_conversation_accepts_tool_turns_and_tool_calls_without_content():
-    check_conversation([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"name": "f"}]},
-                        {"role": "tool", "content": "42"}], 0)
+    check_conversation(
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "tool_calls": [{"name": "f"}]},
+            {"role": "tool", "content": "42"},
+        ],
+        0,
+    )
 
 
 def test_conversation_columns():
@@ -133,8 +152,9 @@ def test_builtin_template_trains_assistant_content_and_its_eos(chat_tokenizer):
     assert _spans_text(chat_tokenizer, enc) == ["Path helpers.</s>", "Interpreter state.</s>"]
     assert enc.keep_turns == 1 and len(enc.turn_ends) == 5 and enc.turn_ends[-1] == len(enc.input_ids)
     # The same ids and mask as transformers' own apply_chat_template.
-    ref = chat_tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True,
-                                          return_assistant_tokens_mask=True)
+    ref = chat_tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     assert enc.input_ids.tolist() == ref["input_ids"]
     assert enc.trained_mask().astype(int).tolist() == ref["assistant_masks"]
     assert (enc.labels()[enc.trained_mask()] == enc.input_ids[enc.trained_mask()]).all()
@@ -200,22 +220,30 @@ def test_train_on_and_per_message_override(chat_tokenizer):
 
 
 def test_fallback_refuses_template_that_rewrites_earlier_turns(chatml_tok):
-    messages = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>hmm</think>A1"},
-                {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]
+    messages = [
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "<think>hmm</think>A1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "A2"},
+    ]
     saved = chatml_tok.chat_template
     try:
         chatml_tok.chat_template = _without_markers(DROPS_REASONING, "refuse")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             renderer = ChatRenderer(chatml_tok)
-        with pytest.raises(ValueError, match=r"Conversation 12, turn 1 \(assistant\): the chat template renders it "
-                                             r"differently once later turns follow.*generation"):
+        with pytest.raises(
+            ValueError,
+            match=r"Conversation 12, turn 1 \(assistant\): the chat template renders it "
+            r"differently once later turns follow.*generation",
+        ):
             encode_conversation(messages, renderer, 12)
         # With markers the mask is right (transformers' own), the turns it cannot separate are merged into one.
         chatml_tok.chat_template = DROPS_REASONING
         enc = encode_conversation(messages, ChatRenderer(chatml_tok), 12)
-        ref = chatml_tok.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                             return_assistant_tokens_mask=True)
+        ref = chatml_tok.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         assert enc.trained_mask().astype(int).tolist() == ref["assistant_masks"]
         assert len(enc.turn_ends) == 3  # user, assistant + user merged, assistant
     finally:
@@ -257,7 +285,8 @@ def test_fallback_refuses_template_that_cannot_render_a_prefix(chatml_tok):
     saved = chatml_tok.chat_template
     try:  # a template that insists on ending with an assistant turn
         chatml_tok.chat_template = _without_markers(CHATML, "raises") + (
-            "{%- if messages[-1]['role'] != 'assistant' -%}{{ raise_exception('end on assistant') }}{%- endif -%}")
+            "{%- if messages[-1]['role'] != 'assistant' -%}{{ raise_exception('end on assistant') }}{%- endif -%}"
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             renderer = ChatRenderer(chatml_tok)
@@ -268,8 +297,12 @@ def test_fallback_refuses_template_that_cannot_render_a_prefix(chatml_tok):
 
 
 def test_tool_turns_are_context(chatml_tok):
-    messages = [{"role": "user", "content": "What is 6 x 7?"}, {"role": "assistant", "content": "Calling."},
-                {"role": "tool", "content": "42"}, {"role": "assistant", "content": "It is 42."}]
+    messages = [
+        {"role": "user", "content": "What is 6 x 7?"},
+        {"role": "assistant", "content": "Calling."},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "It is 42."},
+    ]
     enc = encode_conversation(messages, ChatRenderer(chatml_tok), 0)
     assert _spans_text(chatml_tok, enc) == ["Calling.<|im_end|>", "It is 42.<|im_end|>"]
     assert len(enc.turn_ends) == 4 and enc.keep_turns == 0

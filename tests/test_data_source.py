@@ -80,11 +80,14 @@ def test_messages_never_echo_unbounded_data(tmp_path):
     assert len(short_repr(["z" * 10_000] * 1000)) < 300
 
 
-@pytest.mark.parametrize("bad,error,match", [
-    ([], ValueError, "empty list"),
-    ([1, "a"], TypeError, "list of int, str"),
-    (None, ValueError, "No dataset given"),
-])
+@pytest.mark.parametrize(
+    "bad,error,match",
+    [
+        ([], ValueError, "empty list"),
+        ([1, "a"], TypeError, "list of int, str"),
+        (None, ValueError, "No dataset given"),
+    ],
+)
 def test_bad_lists_and_none(bad, error, match):
     with pytest.raises(error, match=match):
         load_text_dataset(bad)
@@ -108,8 +111,11 @@ def test_select_rows_is_select_without_python_lists(form):
     from lightning_seqmem.data.sources import select_rows
 
     ds = hf.Dataset.from_dict({"input_ids": [[i] * (i % 4) for i in range(60)], "n": list(range(60))})
-    ds = {"plain": ds, "shuffled": ds.shuffle(seed=1),
-          "numpy_format": ds.with_format("numpy", columns=["n"], output_all_columns=True)}[form]
+    ds = {
+        "plain": ds,
+        "shuffled": ds.shuffle(seed=1),
+        "numpy_format": ds.with_format("numpy", columns=["n"], output_all_columns=True),
+    }[form]
     rows = np.random.default_rng(0).permutation(len(ds))[:25]
     got, want = select_rows(ds, rows, "test"), ds.select(rows)
     assert got.format == want.format and len(got) == 25

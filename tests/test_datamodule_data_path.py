@@ -32,8 +32,15 @@ def test_setup_memory_follows_documents_not_tokens():
     column = pa.ListArray.from_arrays(pa.array(np.arange(0, flat.size + 1, length, dtype=np.int32)), pa.array(flat))
     ds = datasets.Dataset(pa.table({"input_ids": column}))
     for strategy in ("pack", "pad"):
-        dm = SeqMemDataModule(dataset=ds, strategy=strategy, max_length=512, micro_batch_size=4, pad_token_id=0,
-                              eos_token_id=2, overflow="split" if strategy == "pack" else None)
+        dm = SeqMemDataModule(
+            dataset=ds,
+            strategy=strategy,
+            max_length=512,
+            micro_batch_size=4,
+            pad_token_id=0,
+            eos_token_id=2,
+            overflow="split" if strategy == "pack" else None,
+        )
         tracemalloc.start()
         with pytest.warns(UserWarning) if strategy == "pad" else _nothing():
             dm.setup("fit")
@@ -59,8 +66,14 @@ def test_multi_chunk_pretokenized_dataset_keeps_every_token(strategy):
     parts = [datasets.Dataset.from_dict({"input_ids": docs[i : i + 7]}) for i in range(0, len(docs), 7)]
     ds = datasets.concatenate_datasets(parts)
     assert ds.data.column("input_ids").num_chunks > 1
-    dm = SeqMemDataModule(dataset=datasets.DatasetDict(train=ds, validation=ds.select(range(5))), strategy=strategy,
-                          max_length=64, micro_batch_size=4, pad_token_id=0, eos_token_id=1)
+    dm = SeqMemDataModule(
+        dataset=datasets.DatasetDict(train=ds, validation=ds.select(range(5))),
+        strategy=strategy,
+        max_length=64,
+        micro_batch_size=4,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     dm.setup("fit")
     s = dm.stats()["train"]
     assert s["tokens"] == sum(map(len, docs))
@@ -74,17 +87,32 @@ def test_multi_chunk_pretokenized_dataset_keeps_every_token(strategy):
 def test_pretokenized_labels_and_prompt_completion_ids_are_used_as_given():
     ids = [[10, 11, 12, 13], [20, 21, 22]]
     labels = [[-100, -100, 12, 13], [-100, 21, 22]]
-    dm = SeqMemDataModule(dataset=datasets.DatasetDict(
-        train=datasets.Dataset.from_dict({"input_ids": ids, "labels": labels}),
-        validation=datasets.Dataset.from_dict({"input_ids": ids[:1], "labels": labels[:1]})),
-        strategy="pad", max_length=8, micro_batch_size=2, pad_to_multiple_of=None, pad_token_id=0, seed=1)
+    dm = SeqMemDataModule(
+        dataset=datasets.DatasetDict(
+            train=datasets.Dataset.from_dict({"input_ids": ids, "labels": labels}),
+            validation=datasets.Dataset.from_dict({"input_ids": ids[:1], "labels": labels[:1]}),
+        ),
+        strategy="pad",
+        max_length=8,
+        micro_batch_size=2,
+        pad_to_multiple_of=None,
+        pad_token_id=0,
+        seed=1,
+    )
     batch = next(iter(dm.train_dataloader()))
-    rows = {tuple(r[m.bool()].tolist()): lab[m.bool()].tolist()
-            for r, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])}
+    rows = {
+        tuple(r[m.bool()].tolist()): lab[m.bool()].tolist()
+        for r, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])
+    }
     assert rows == {tuple(i): lab for i, lab in zip(ids, labels)} and dm._tokenizer is None
     pc = datasets.Dataset.from_dict({"prompt_ids": [[30, 31, 32], [40]], "completion_ids": [[33, 34], [41, 42]]})
-    dm = SeqMemDataModule(dataset=datasets.DatasetDict(train=pc, validation=pc), strategy="pack", max_length=8,
-                          micro_batch_size=2, pad_token_id=0)
+    dm = SeqMemDataModule(
+        dataset=datasets.DatasetDict(train=pc, validation=pc),
+        strategy="pack",
+        max_length=8,
+        micro_batch_size=2,
+        pad_token_id=0,
+    )
     learned = sorted(t for b in dm.train_dataloader() for t in b["labels"][b["labels"] != -100].tolist())
     assert learned == [33, 34, 41, 42]  # completion-only loss on the ids as given
 
@@ -92,7 +120,11 @@ def test_pretokenized_labels_and_prompt_completion_ids_are_used_as_given():
 @pytest.mark.parametrize(
     "column, values, match",
     [
-        ("input_ids", [[1, 2], [3, -4, 5], [6]], r"Row 1 of split 'train', column 'input_ids' holds a token id outside"),
+        (
+            "input_ids",
+            [[1, 2], [3, -4, 5], [6]],
+            r"Row 1 of split 'train', column 'input_ids' holds a token id outside",
+        ),
         ("input_ids", [[1, 2], [3], [6, 70000]], r"Row 2 of split 'train', column 'input_ids' .*\[0, \d+\)"),
         ("input_ids", [[1.0, 2.5], [3.0], [6.0]], r"column 'input_ids' holds double values: token ids must be"),
         ("labels", [[1, 2], [-100, -7], [6]], r"Row 1 of split 'train', column 'labels'"),
@@ -106,8 +138,14 @@ def test_bad_token_values_name_the_row(tokenizer, column, values, match):
 
 
 def test_integral_numpy_arguments_are_accepted(small_text_dataset):
-    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=np.int64(64), micro_batch_size=np.int32(4),
-                          eval_batch_size=np.int64(2), strategy="pack", num_proc=np.int64(1))
+    dm = SeqMemDataModule(
+        dataset=small_text_dataset,
+        max_length=np.int64(64),
+        micro_batch_size=np.int32(4),
+        eval_batch_size=np.int64(2),
+        strategy="pack",
+        num_proc=np.int64(1),
+    )
     assert dm.max_length == 64 and type(dm.max_length) is int and dm.max_batch_shape() == (4, 64)
     with pytest.raises(ValueError, match="micro_batch_size must be an int >= 1"):
         SeqMemDataModule(micro_batch_size=2.0)
@@ -140,8 +178,9 @@ def test_packed_sft_rows_are_truncated_not_split_by_default(tokenizer):
 def test_splitting_sft_rows_needs_an_explicit_opt_in(tokenizer):
     with pytest.raises(ValueError, match="allow_split_prompt_completion=True"):
         SeqMemDataModule(dataset=_sft(), strategy="pack", max_length=32, overflow="split").setup("fit")
-    dm = SeqMemDataModule(dataset=_sft(), strategy="pack", max_length=32, overflow="split",
-                          allow_split_prompt_completion=True)
+    dm = SeqMemDataModule(
+        dataset=_sft(), strategy="pack", max_length=32, overflow="split", allow_split_prompt_completion=True
+    )
     dm.setup("fit")
     assert dm.stats()["train"]["documents_split"] >= 1 and dm.stats()["train"]["tokens_truncated"] == 0
 
@@ -153,21 +192,43 @@ def test_padded_and_packed_validation_give_the_same_per_token_loss(tmp_path, tok
     ds = datasets.Dataset.from_dict({"text": texts})
     dsd = datasets.DatasetDict(train=ds, validation=ds)
     torch.manual_seed(0)
-    model = CausalLM(model_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
-                     vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    model = CausalLM(
+        model_config=dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        ),
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model.eval()
     losses = {}
     for eval_strategy in ("pack", "pad"):
-        dm = SeqMemDataModule(dataset=dsd, tokenizer=tokenizer, strategy="pack", eval_strategy=eval_strategy,
-                              max_length=128, micro_batch_size=3, eval_batch_size=3)
+        dm = SeqMemDataModule(
+            dataset=dsd,
+            tokenizer=tokenizer,
+            strategy="pack",
+            eval_strategy=eval_strategy,
+            max_length=128,
+            micro_batch_size=3,
+            eval_batch_size=3,
+        )
         dm.setup("fit")
         assert dm.batch_keys() == ("input_ids", "labels", "position_ids")  # the train loader's keys
         val_keys = set(next(iter(dm.val_dataloader())))
         assert ("attention_mask" in val_keys) == (eval_strategy == "pad")
         assert dm.stats()["validation"]["tokens_truncated"] == 0  # the same documents, whole, both ways
-        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                            default_root_dir=tmp_path)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
         losses[eval_strategy] = trainer.validate(model, datamodule=dm, verbose=False)[0]["val/loss"]
     assert losses["pack"] == pytest.approx(losses["pad"], abs=1e-5)
 
@@ -183,18 +244,20 @@ def test_pretokenized_values_are_checked_once_per_dataset_version(tmp_path, toke
     monkeypatch.setattr(token_cache, "_streamed_values_ok", lambda *a: calls.append("streamed") or streamed(*a))
     monkeypatch.setattr(data_source, "check_token_values", lambda *a, **k: calls.append("exact") or exact(*a, **k))
     datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]] * 4}).save_to_disk(tmp_path / "good")
-    for run in range(2):
-        dm = SeqMemDataModule(dataset=str(tmp_path / "good"), tokenizer=tokenizer, max_length=8,
-                              cache_dir=tmp_path / "cache")
+    for _run in range(2):
+        dm = SeqMemDataModule(
+            dataset=str(tmp_path / "good"), tokenizer=tokenizer, max_length=8, cache_dir=tmp_path / "cache"
+        )
         dm.setup("fit")
         assert dm.stats()["train"]["tokens"] + dm.stats()["validation"]["tokens"] == 36
     assert calls == ["streamed"]  # clean in the stream: no exact pass; the second run trusted the first
 
     datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, -4]] * 4}).save_to_disk(tmp_path / "bad")
-    for run in range(2):  # a failed check leaves nothing behind: the error comes every time
+    for _run in range(2):  # a failed check leaves nothing behind: the error comes every time
         with pytest.raises(ValueError, match="Row 1 of split 'train', column 'input_ids' holds a token id outside"):
-            SeqMemDataModule(dataset=str(tmp_path / "bad"), tokenizer=tokenizer, max_length=8,
-                             cache_dir=tmp_path / "cache").setup("fit")
+            SeqMemDataModule(
+                dataset=str(tmp_path / "bad"), tokenizer=tokenizer, max_length=8, cache_dir=tmp_path / "cache"
+            ).setup("fit")
     assert calls[1:] == ["streamed", "exact"] * 2
 
 
@@ -209,11 +272,25 @@ def test_pretokenized_ids_with_their_own_special_ids_never_size_a_model_from_the
     data = datasets.Dataset.from_dict({"input_ids": rows})
 
     def fit(model):
-        dm = SeqMemDataModule(dataset=data, pad_token_id=0, eos_token_id=1, strategy="pack", max_length=16,
-                              micro_batch_size=4, cache_dir=tmp_path)
-        trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                            enable_checkpointing=False, enable_model_summary=False, limit_val_batches=1,
-                            default_root_dir=tmp_path)
+        dm = SeqMemDataModule(
+            dataset=data,
+            pad_token_id=0,
+            eos_token_id=1,
+            strategy="pack",
+            max_length=16,
+            micro_batch_size=4,
+            cache_dir=tmp_path,
+        )
+        trainer = L.Trainer(
+            max_steps=2,
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            limit_val_batches=1,
+            default_root_dir=tmp_path,
+        )
         trainer.fit(model, datamodule=dm)
         return dm, trainer
 

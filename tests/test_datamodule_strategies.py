@@ -5,7 +5,6 @@ import contextlib
 import datasets
 import pytest
 import torch
-
 from _recorder import fit_recording
 
 from lightning_seqmem import SeqMemDataModule
@@ -78,12 +77,20 @@ def test_packing_beats_padding_and_rows_reshuffle_without_repacking(small_text_d
 
 
 def test_prompt_completion_truncation_and_completion_only_labels(tokenizer):
-    ds = datasets.Dataset.from_dict({
-        "prompt": ["Question: what is two plus two?", "A very long prompt " * 30, "Say hi."],
-        "completion": [" Four.", " Fine.", ""],
-    })
-    dm = SeqMemDataModule(dataset=datasets.DatasetDict(train=ds, validation=ds), max_length=24, micro_batch_size=4,
-                          strategy="truncate", max_prompt_length=12, max_completion_length=8)
+    ds = datasets.Dataset.from_dict(
+        {
+            "prompt": ["Question: what is two plus two?", "A very long prompt " * 30, "Say hi."],
+            "completion": [" Four.", " Fine.", ""],
+        }
+    )
+    dm = SeqMemDataModule(
+        dataset=datasets.DatasetDict(train=ds, validation=ds),
+        max_length=24,
+        micro_batch_size=4,
+        strategy="truncate",
+        max_prompt_length=12,
+        max_completion_length=8,
+    )
     with pytest.warns(UserWarning, match="1 prompt/completion rows have no completion left"):
         dm.setup("fit")
     assert dm.stats()["train"]["rows_without_completion"] == 1  # the empty completion: reported, not trained on
@@ -98,8 +105,7 @@ def test_prompt_completion_truncation_and_completion_only_labels(tokenizer):
         assert labels[0] == -100  # the prompt is not learned
     eos = tokenizer.eos_token_id
     assert batch["labels"][0][int(batch["attention_mask"][0].sum()) - 1] == eos
-    full = SeqMemDataModule(dataset=ds, max_length=24, strategy="pad", completion_only_loss=False,
-                            max_prompt_length=12)
+    full = SeqMemDataModule(dataset=ds, max_length=24, strategy="pad", completion_only_loss=False, max_prompt_length=12)
     with pytest.warns(UserWarning):
         full.setup("fit")
     b = next(iter(full.train_dataloader()))
@@ -166,8 +172,14 @@ def test_lightning_mid_epoch_resume_replays_exactly_the_remaining_batches(small_
 def test_streaming_dataset_is_packed_on_the_fly_without_losing_a_token(tokenizer):
     texts = [f"doc {i} " + "word " * (1 + (i * 7) % 40) for i in range(120)] + ["", "tail"]
     stream = datasets.IterableDataset.from_generator(lambda: ({"text": t} for t in texts))
-    dm = SeqMemDataModule(dataset=stream, strategy="pack", max_length=32, micro_batch_size=4,
-                          streaming_buffer_size=16, streaming_validation_documents=20)
+    dm = SeqMemDataModule(
+        dataset=stream,
+        strategy="pack",
+        max_length=32,
+        micro_batch_size=4,
+        streaming_buffer_size=16,
+        streaming_validation_documents=20,
+    )
     dm.setup("fit")
     assert dm.max_batch_shape() == (4, 32) and dm.stats()["train"]["streaming"]
     pieces = []
@@ -177,7 +189,9 @@ def test_streaming_dataset_is_packed_on_the_fly_without_losing_a_token(tokenizer
             real = real_token_mask(batch, dm.pad_token_id)
             for row in range(batch["input_ids"].shape[0]):
                 starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist() + [32]
-                pieces += [batch["input_ids"][row, a:b].tolist() for a, b in zip(starts[:-1], starts[1:]) if real[row, a]]
+                pieces += [
+                    batch["input_ids"][row, a:b].tolist() for a, b in zip(starts[:-1], starts[1:]) if real[row, a]
+                ]
     docs = [encode_document(dm.tokenizer, "text", i, {"text": t}) for i, t in enumerate(texts)]
     expected = [d[j : j + 32] for d in docs for j in range(0, len(d), 32)]
     assert sorted(pieces) == sorted(expected)  # every token once, documents in order, none lost

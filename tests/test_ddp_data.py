@@ -34,8 +34,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
     result = {}
     for name, kwargs in STRATEGIES.items():
-        dm = SeqMemDataModule(dataset=datasets.Dataset.from_dict({"text": _texts()}), max_length=24,
-                              micro_batch_size=3, seed=7, **kwargs)
+        dm = SeqMemDataModule(
+            dataset=datasets.Dataset.from_dict({"text": _texts()}), max_length=24, micro_batch_size=3, seed=7, **kwargs
+        )
         dm.setup("fit")
         loader = dm.train_dataloader()
         loader.sampler.set_epoch(1)
@@ -47,8 +48,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             metric.update(batch)
         local = [metric.real_tokens.item(), metric.slots.item()]
         result[name] = {
-            "batches": batches, "len": len(loader), "rows": rows, "num_rows": len(dm._rows["train"]),
-            "efficiency": metric.compute().item(), "local": local,
+            "batches": batches,
+            "len": len(loader),
+            "rows": rows,
+            "num_rows": len(dm._rows["train"]),
+            "efficiency": metric.compute().item(),
+            "local": local,
             "packed": dm._rows["train"].packed.input_ids.tolist() if name == "pack" else None,
         }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -90,8 +95,13 @@ class _CountingModule(L.LightningModule):
 
     def on_train_epoch_end(self):
         sampler = self.trainer.train_dataloader.sampler
-        record = {"steps": self.steps, "rows": self.rows, "sampler": type(sampler).__name__,
-                  "num_replicas": sampler.num_replicas, "epoch": sampler.epoch}
+        record = {
+            "steps": self.steps,
+            "rows": self.rows,
+            "sampler": type(sampler).__name__,
+            "num_replicas": sampler.num_replicas,
+            "epoch": sampler.epoch,
+        }
         with open(os.path.join(self.out_dir, f"lightning_rank{self.global_rank}_epoch{sampler.epoch}.json"), "w") as f:
             json.dump(record, f)
 
@@ -104,11 +114,25 @@ def test_lightning_ddp_spawn_keeps_our_sampler_and_equal_steps(tmp_path, tokeniz
 
     from lightning_seqmem.datamodule.module import SeqMemDataModule
 
-    dm = SeqMemDataModule(dataset=datasets.Dataset.from_dict({"text": _texts()}), max_length=24, micro_batch_size=3,
-                          strategy="pack", seed=7)
-    trainer = L.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_epochs=2, logger=False,
-                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                        limit_val_batches=0, default_root_dir=tmp_path)
+    dm = SeqMemDataModule(
+        dataset=datasets.Dataset.from_dict({"text": _texts()}),
+        max_length=24,
+        micro_batch_size=3,
+        strategy="pack",
+        seed=7,
+    )
+    trainer = L.Trainer(
+        strategy="ddp_spawn",
+        devices=2,
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(_CountingModule(str(tmp_path)), datamodule=dm)
     dm.setup("fit")
     rows_per_epoch = len(dm._rows["train"])

@@ -13,8 +13,13 @@ HERE = os.path.dirname(__file__)
 
 def _run(kind, out):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, os.path.join(HERE, "_dpo_dist_script.py"), kind, str(out)],
-                          env=env, timeout=300, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_dpo_dist_script.py"), kind, str(out)],
+        env=env,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out / f"{kind}.pt")
 

@@ -10,15 +10,17 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
 def run_example(script, *args, cwd):
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
 def test_own_trainer(tmp_path):
-    out = run_example("own_trainer.py", "--max-steps", "3", "--max-length", "64", "--out", str(tmp_path / "run"),
-                      cwd=tmp_path)
+    out = run_example(
+        "own_trainer.py", "--max-steps", "3", "--max-length", "64", "--out", str(tmp_path / "run"), cwd=tmp_path
+    )
     assert "optimizer_steps" in out and "pack" in out  # RunSummary's table
     assert (tmp_path / "run" / "summary.json").exists()
 
@@ -49,8 +51,14 @@ def test_cli_yaml(tmp_path, monkeypatch):
     from lightning_seqmem.apps.cli import cli_main
 
     config = yaml.safe_load(open(EXAMPLES / "cli.yaml"))
-    config["trainer"].update(max_steps=3, val_check_interval=3, limit_val_batches=2, accelerator="cpu",
-                             default_root_dir=str(tmp_path), enable_progress_bar=False)
+    config["trainer"].update(
+        max_steps=3,
+        val_check_interval=3,
+        limit_val_batches=2,
+        accelerator="cpu",
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+    )
     config["data"]["init_args"]["max_length"] = 64
     config["trainer"]["callbacks"][0]["init_args"]["max_seq_length"] = 64
     path = tmp_path / "cli.yaml"
@@ -59,21 +67,37 @@ def test_cli_yaml(tmp_path, monkeypatch):
     cli = cli_main(["fit", "--config", str(path)])
     assert cli.trainer.global_step == 3
     assert [type(cb).__name__ for cb in cli.trainer.callbacks][:6] == [
-        "SeqLengthWarmup", "CachePreallocator", "MemoryMonitor", "ConfigChecks", "RunSummary", "JobRecord"]
+        "SeqLengthWarmup",
+        "CachePreallocator",
+        "MemoryMonitor",
+        "ConfigChecks",
+        "RunSummary",
+        "JobRecord",
+    ]
     assert (tmp_path / "progress.csv").exists() and (tmp_path / "summary.json").exists()
 
 
 def test_dpo_pairs(tmp_path):
-    out = run_example("dpo.py", "--max-steps", "3", "--max-length", "64", "--out", str(tmp_path / "run"),
-                      cwd=tmp_path)
+    out = run_example("dpo.py", "--max-steps", "3", "--max-length", "64", "--out", str(tmp_path / "run"), cwd=tmp_path)
     line = next(l for l in out.splitlines() if l.startswith("first batch"))
     assert "sequence_index" in line and "completion_mask" in line  # packed pairs
     assert "final_val_loss" in out and "val/reward_accuracy" in out
 
 
 def test_dpo_conversation_pairs(tmp_path):
-    out = run_example("dpo.py", "--max-steps", "2", "--max-length", "64", "--chat", "--strategy", "pad",
-                      "--out", str(tmp_path / "run"), cwd=tmp_path)
+    out = run_example(
+        "dpo.py",
+        "--max-steps",
+        "2",
+        "--max-length",
+        "64",
+        "--chat",
+        "--strategy",
+        "pad",
+        "--out",
+        str(tmp_path / "run"),
+        cwd=tmp_path,
+    )
     line = next(l for l in out.splitlines() if l.startswith("first batch"))
     assert "completion_mask" in line and "pairs" in line
     assert "val/reward_accuracy" in out

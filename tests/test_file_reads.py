@@ -21,8 +21,9 @@ def _token_file(tmp_path, docs, batch_docs):
     path = tmp_path / "tokens.arrow"
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for lo in range(0, len(docs), batch_docs):
-            writer.write_batch(pa.record_batch([pa.array(docs[lo : lo + batch_docs], pa.list_(pa.int32()))],
-                                               schema=schema))
+            writer.write_batch(
+                pa.record_batch([pa.array(docs[lo : lo + batch_docs], pa.list_(pa.int32()))], schema=schema)
+            )
     return datasets.Dataset.from_file(str(path))
 
 
@@ -108,8 +109,7 @@ def test_prompt_completion_rows_are_read_from_both_files(tmp_path):
     doc = rng.integers(0, 200, 40)
     start = np.minimum(rng.integers(0, 400, 40), both.lengths[doc])  # some segments start inside the completion
     length = np.minimum(rng.integers(0, 500, 40), both.lengths[doc] - start)
-    np.testing.assert_array_equal(both.gather(doc, start, length),
-                                  np.concatenate(both.pieces(doc, start, length)))
+    np.testing.assert_array_equal(both.gather(doc, start, length), np.concatenate(both.pieces(doc, start, length)))
     np.testing.assert_array_equal(both.row(7), prompts[7] + completions[7])
     np.testing.assert_array_equal(labels.row(7), [-100] * len(prompts[7]) + completions[7])
     assert both.gather(np.zeros(0, np.int64)).size == 0

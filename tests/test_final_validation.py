@@ -30,20 +30,31 @@ class ValidationSteps(Callback):
 
 def fit(tmp_path, callbacks, **kwargs):
     seen = ValidationSteps()
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
-                        callbacks=[*callbacks, seen], **{"limit_val_batches": 2, **kwargs})
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+        callbacks=[*callbacks, seen],
+        **{"limit_val_batches": 2, **kwargs},
+    )
     trainer.fit(LoggingModel())
     return seen, trainer
 
 
-@pytest.mark.parametrize("kwargs,without,with_final", [
-    (dict(max_steps=7, val_check_interval=3), [3, 6], [3, 6, 7]),                    # bounded by steps
-    (dict(max_steps=6, val_check_interval=3), [3, 6], [3, 6]),                       # last step validated already
-    (dict(max_steps=5, val_check_interval=50, limit_train_batches=50), [], [5]),     # no validation at all before
-    (dict(max_epochs=2, limit_train_batches=5, val_check_interval=3), [3, 8], [3, 8, 10]),  # bounded by epochs
-    (dict(max_epochs=2, limit_train_batches=5), [5, 10], [5, 10]),                   # every epoch end validates
-])
+@pytest.mark.parametrize(
+    "kwargs,without,with_final",
+    [
+        (dict(max_steps=7, val_check_interval=3), [3, 6], [3, 6, 7]),  # bounded by steps
+        (dict(max_steps=6, val_check_interval=3), [3, 6], [3, 6]),  # last step validated already
+        (dict(max_steps=5, val_check_interval=50, limit_train_batches=50), [], [5]),  # no validation at all before
+        (dict(max_epochs=2, limit_train_batches=5, val_check_interval=3), [3, 8], [3, 8, 10]),  # bounded by epochs
+        (dict(max_epochs=2, limit_train_batches=5), [5, 10], [5, 10]),  # every epoch end validates
+    ],
+)
 def test_validates_once_at_the_last_step(tmp_path, kwargs, without, with_final):
     assert fit(tmp_path, [], **kwargs)[0].steps == without
     seen, trainer = fit(tmp_path, [FinalValidation()], **kwargs)

@@ -19,15 +19,34 @@ from lightning_seqmem import CausalLM, SeqMemDataModule
 from lightning_seqmem.batching.collate import PackCollator
 from lightning_seqmem.memory.checks import ConfigChecks
 from lightning_seqmem.training import attention
-from lightning_seqmem.training.varlen import (batch_varlen_kwargs, cu_seqlens, flash_varlen_kwargs, is_flash_attention,
-                                              segment_starts)
+from lightning_seqmem.training.varlen import (
+    batch_varlen_kwargs,
+    cu_seqlens,
+    flash_varlen_kwargs,
+    is_flash_attention,
+    segment_starts,
+)
 from lightning_seqmem.warmup.transform import set_batch_sequence_length
 
 TINY = {
-    "llama": dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-    "qwen2": dict(model_type="qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    ),
 }
 
 
@@ -39,8 +58,9 @@ def reference_flash(monkeypatch):
 def _texts():
     import datasets
 
-    return datasets.Dataset.from_dict({"text": [f"note {i}: " + "the quick brown fox " * (1 + i % 5)
-                                                for i in range(48)]})
+    return datasets.Dataset.from_dict(
+        {"text": [f"note {i}: " + "the quick brown fox " * (1 + i % 5) for i in range(48)]}
+    )
 
 
 @pytest.fixture()
@@ -85,8 +105,10 @@ def test_cu_seqlens_from_position_ids():
 
 
 def test_cu_seqlens_agree_with_the_collator_and_after_warmup_reshape(tokenizer):
-    rows = [{"input_ids": list(range(1, 10)), "seq_lengths": [4, 5]},
-            {"input_ids": list(range(1, 7)), "seq_lengths": [2, 3, 1]}]
+    rows = [
+        {"input_ids": list(range(1, 10)), "seq_lengths": [4, 5]},
+        {"input_ids": list(range(1, 7)), "seq_lengths": [2, 3, 1]},
+    ]
     batch = PackCollator(pad_token_id=0, max_length=12, return_cu_seqlens=True)(rows)
     assert torch.equal(cu_seqlens(batch["position_ids"]), batch["cu_seqlens"])
     set_batch_sequence_length(batch, 4, truncate=False)  # reshape: more, shorter rows; cu_seqlens recomputed by warmup
@@ -101,15 +123,21 @@ def test_is_flash_attention():
 
 
 # ------------------------------------------------------------------------------- flash through transformers
-@pytest.mark.parametrize("arch,attn", [
-    ("llama", "flash_attention_2"), ("llama", "flash_attention_3"), ("llama", "kernels-community/flash-attn2"),
-    ("qwen2", "flash_attention_2"),
-])
+@pytest.mark.parametrize(
+    "arch,attn",
+    [
+        ("llama", "flash_attention_2"),
+        ("llama", "flash_attention_3"),
+        ("llama", "kernels-community/flash-attn2"),
+        ("qwen2", "flash_attention_2"),
+    ],
+)
 def test_packed_documents_get_their_logits_alone_at_micro_batch_4(reference_flash, packed_batch, arch, attn):
     dm, batch = packed_batch
     torch.manual_seed(0)
-    lm = CausalLM(model_config=TINY[arch], vocab_size=len(dm.tokenizer), pad_token_id=dm.pad_token_id,
-                  attn_implementation=attn).eval()
+    lm = CausalLM(
+        model_config=TINY[arch], vocab_size=len(dm.tokenizer), pad_token_id=dm.pad_token_id, attn_implementation=attn
+    ).eval()
     assert lm.model.config._attn_implementation == attn
     with torch.no_grad():
         fixed = lm(batch).logits
@@ -136,9 +164,18 @@ def test_trainer_fit_with_flash_and_packing_warns_nothing(reference_flash, tmp_p
     dm = SeqMemDataModule(dataset=_texts(), strategy="pack", max_length=64, micro_batch_size=4)
     checks = ConfigChecks()
     lm = CausalLM(model_config=TINY["llama"], attn_implementation="flash_attention_2")
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
-                        val_check_interval=2, callbacks=[checks], default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+        val_check_interval=2,
+        callbacks=[checks],
+        default_root_dir=tmp_path,
+    )
     trainer.fit(lm, datamodule=dm)
     assert not {"packing_attention", "flash_varlen"} & set(checks.problems)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
@@ -170,8 +207,12 @@ def test_torch_varlen_packed_documents_get_their_logits_alone(monkeypatch, packe
     use_reference_torch_varlen(monkeypatch, form)
     dm, batch = packed_batch
     torch.manual_seed(0)
-    lm = CausalLM(model_config=TINY[arch], vocab_size=len(dm.tokenizer), pad_token_id=dm.pad_token_id,
-                  attn_implementation="torch_varlen").eval()
+    lm = CausalLM(
+        model_config=TINY[arch],
+        vocab_size=len(dm.tokenizer),
+        pad_token_id=dm.pad_token_id,
+        attn_implementation="torch_varlen",
+    ).eval()
     assert lm.model.config._attn_implementation == "torch_varlen"
     rows, length = batch["input_ids"].shape
     with torch.no_grad():
@@ -181,9 +222,15 @@ def test_torch_varlen_packed_documents_get_their_logits_alone(monkeypatch, packe
         direct = lm.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         # Negative control: one segment per row (right positions, no document boundaries) leaks.
         rows_only = torch.arange(0, (rows + 1) * length, length, dtype=torch.int32)
-        leaky = lm.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                         cu_seq_lens_q=rows_only, cu_seq_lens_k=rows_only, max_length_q=length,
-                         max_length_k=length).logits
+        leaky = lm.model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            cu_seq_lens_q=rows_only,
+            cu_seq_lens_k=rows_only,
+            max_length_q=length,
+            max_length_k=length,
+        ).logits
     assert {form} == {f for f, _ in CALLS} and segments == len(_segments(batch["position_ids"]))
     assert _max_error_against_alone(lm, batch, fixed) <= 1e-5
     assert _max_error_against_alone(lm, batch, direct) <= 1e-5
@@ -231,9 +278,19 @@ def _fit(tmp_path, attn, **trainer_kwargs):
     dm = SeqMemDataModule(dataset=_texts(), strategy="pack", max_length=64, micro_batch_size=4)
     checks = ConfigChecks()
     lm = CausalLM(model_config=TINY["llama"], attn_implementation=attn)
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
-                        val_check_interval=2, callbacks=[checks], default_root_dir=tmp_path, **trainer_kwargs)
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+        val_check_interval=2,
+        callbacks=[checks],
+        default_root_dir=tmp_path,
+        **trainer_kwargs,
+    )
     trainer.fit(lm, datamodule=dm)
     return lm, trainer, checks
 

@@ -13,12 +13,18 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_wheel_ships_conf_and_hydra_finds_it(tmp_path):
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(wheels)], check=True, cwd=tmp_path)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)],
+        check=True,
+        cwd=tmp_path,
+    )
     [wheel] = list(wheels.glob("lightning_seqmem-*.whl"))
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
-                   check=True, cwd=tmp_path)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+        check=True,
+        cwd=tmp_path,
+    )
     script = (
         "import lightning_seqmem, hydra, sys\n"
         "assert lightning_seqmem.__file__.startswith(sys.argv[1]), lightning_seqmem.__file__\n"
@@ -28,8 +34,9 @@ def test_wheel_ships_conf_and_hydra_finds_it(tmp_path):
         "print(cfg.data._target_, cfg.data.max_length, cfg.model._target_)\n"
     )
     env = dict(os.environ, PYTHONPATH=str(site))
-    out = subprocess.run([sys.executable, "-c", script, str(site)], cwd=tmp_path, env=env, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(site)], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
+    ).stdout
     assert "SeqMemDataModule 64 lightning_seqmem.CausalLM" in out
 
 

@@ -19,9 +19,16 @@ class _LoggingRecorder(Recorder):
 
 def _rows(tmp_path, small_text_dataset, every):
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=32, micro_batch_size=4, strategy="pack")
-    trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[JobRecord(path=str(tmp_path / "progress.csv"), train_every_n_steps=every)])
+    trainer = L.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[JobRecord(path=str(tmp_path / "progress.csv"), train_every_n_steps=every)],
+    )
     trainer.fit(_LoggingRecorder(), datamodule=dm)
     path = tmp_path / "train_progress.csv"
     return list(csv.DictReader(open(path))) if path.exists() else []

@@ -17,8 +17,15 @@ from lightning_seqmem.batching.collate import IGNORE_INDEX
 from lightning_seqmem.training.loss import TokenLossNormalizer, power_of_two_scale, predicted_tokens, rescale_factor
 
 VOCAB, LENGTH = 64, 24
-TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64)
+TINY = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def micro_batch(predicted: int, rows: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -55,8 +62,10 @@ class RankData(GradCapture):
     PER_RANK = ((46, 30), (4, 1))
 
     def train_dataloader(self):
-        return DataLoader([micro_batch(n, seed=10 * self.global_rank + i)
-                           for i, n in enumerate(self.PER_RANK[self.global_rank])], batch_size=None)
+        return DataLoader(
+            [micro_batch(n, seed=10 * self.global_rank + i) for i, n in enumerate(self.PER_RANK[self.global_rank])],
+            batch_size=None,
+        )
 
 
 def _reference_grads(params, batches):
@@ -75,9 +84,16 @@ def relative_error(grads, reference):
 
 def _fit(model, batches, accumulate, tmp_path, **trainer_kwargs):
     L.seed_everything(0)
-    kwargs = dict(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=accumulate,
-                  default_root_dir=tmp_path)
+    kwargs = dict(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=accumulate,
+        default_root_dir=tmp_path,
+    )
     trainer = L.Trainer(**{**kwargs, **trainer_kwargs})
     trainer.fit(model, DataLoader(batches, batch_size=None))
     return trainer
@@ -139,8 +155,12 @@ class UserLM(L.LightningModule):
         loss = self.token_loss.rescale_gradients(self)
         if loss is not None:
             self.log("train/loss", loss)
-        self.steps.append(({n: p.detach().clone() for n, p in self.model.named_parameters()},
-                           {n: p.grad.detach().clone() for n, p in self.model.named_parameters()}))
+        self.steps.append(
+            (
+                {n: p.detach().clone() for n, p in self.model.named_parameters()},
+                {n: p.grad.detach().clone() for n, p in self.model.named_parameters()},
+            )
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -151,7 +171,7 @@ def test_the_documented_recipe_in_a_users_own_module(tmp_path):
     batches = [micro_batch(46), micro_batch(4, seed=1)]
     model = UserLM()
     _fit(model, batches, 2, tmp_path)
-    (params, grads), = model.steps
+    ((params, grads),) = model.steps
     assert relative_error(grads, _reference_grads(params, batches)) <= 1e-5
 
 
@@ -160,7 +180,7 @@ def test_accumulated_gradient_equals_the_big_batch_gradient(tmp_path):
     batches = [micro_batch(46), micro_batch(4, seed=1)]
     token = _model()
     trainer = _fit(token, batches, 2, tmp_path)
-    (params, grads), = token.steps
+    ((params, grads),) = token.steps
     reference = _reference_grads(params, batches)
     assert relative_error(grads, reference) <= 1e-5
     # The logged loss is the step's true per-token loss.
@@ -186,7 +206,7 @@ def test_last_partial_window_and_a_step_without_label_tokens(tmp_path):
 
     empty = _model()
     trainer = _fit(empty, [micro_batch(0), micro_batch(0, seed=1)], 2, tmp_path)
-    (_, grads), = empty.steps
+    ((_, grads),) = empty.steps
     assert all(torch.count_nonzero(g) == 0 for g in grads.values())
     assert all(torch.isfinite(p).all() for p in empty.parameters())
     assert "train/loss" not in trainer.callback_metrics or torch.isfinite(trainer.callback_metrics["train/loss"])
@@ -200,7 +220,7 @@ def test_a_preallocation_pass_does_not_count_in_the_first_step(tmp_path):
     batches = [micro_batch(46), micro_batch(4, seed=1)]
     model = _model()
     _fit(model, batches, 2, tmp_path, callbacks=[CachePreallocator(rows=2, length=LENGTH)])
-    (params, grads), = model.steps
+    ((params, grads),) = model.steps
     assert relative_error(grads, _reference_grads(params, batches)) <= 1e-5
 
 
@@ -219,8 +239,13 @@ class GradNormMonitor(Callback):
 def test_a_callback_reads_the_per_token_mean_gradients_in_on_before_optimizer_step(tmp_path):
     """Callbacks' on_before_optimizer_step runs before the module's: the gradients are final there already (the
     rescale happens in the module's on_after_backward of the step's last micro-batch), in every window."""
-    batches = [micro_batch(46), micro_batch(4, seed=1), micro_batch(10, seed=2), micro_batch(3, seed=3),
-               micro_batch(20, seed=4)]
+    batches = [
+        micro_batch(46),
+        micro_batch(4, seed=1),
+        micro_batch(10, seed=2),
+        micro_batch(3, seed=3),
+        micro_batch(20, seed=4),
+    ]
     monitor = GradNormMonitor()
     _fit(_model(), batches, 2, tmp_path, callbacks=[monitor])
     assert len(monitor.steps) == 3
@@ -247,6 +272,7 @@ class _HostReads:
                 self.reads.append((name, "".join(traceback.format_stack(limit=6)[:-1])))
                 self.on = True
             return original(tensor, *args, **kwargs)
+
         return read
 
 
@@ -313,13 +339,27 @@ def test_resume_is_bit_exact(tmp_path):
     """Three epochs of two accumulated steps each, uninterrupted or resumed from the end of the first."""
     batches = [micro_batch(n, seed=i) for i, n in enumerate((40, 3, 12, 25))]
     full = _model()
-    _fit(full, batches, 2, tmp_path, max_epochs=3, enable_checkpointing=True,
-         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")])
+    _fit(
+        full,
+        batches,
+        2,
+        tmp_path,
+        max_epochs=3,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{epoch}")],
+    )
     L.seed_everything(0)
     resumed = _model()
-    trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
-                        default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=2,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(resumed, DataLoader(batches, batch_size=None), ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"))
     assert trainer.global_step == 6 and len(resumed.steps) == 4
     for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
@@ -331,13 +371,24 @@ def test_two_gloo_ranks_with_different_token_counts(tmp_path):
     """Rank 0 holds 46 + 30 label tokens, rank 1 holds 4 + 1: DDP's averaged gradient, rescaled, is the gradient
     of the mean over all 81 tokens."""
     model = _model(RankData, out_dir=str(tmp_path))
-    trainer = L.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_epochs=1, accumulate_grad_batches=2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        strategy="ddp_spawn",
+        devices=2,
+        accelerator="cpu",
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model)
-    (params, grads), = torch.load(tmp_path / "steps.pt")
-    batches = [micro_batch(n, seed=10 * r + i) for r, counts in enumerate(RankData.PER_RANK)
-               for i, n in enumerate(counts)]
+    ((params, grads),) = torch.load(tmp_path / "steps.pt")
+    batches = [
+        micro_batch(n, seed=10 * r + i) for r, counts in enumerate(RankData.PER_RANK) for i, n in enumerate(counts)
+    ]
     assert relative_error(grads, _reference_grads(params, batches)) <= 1e-5
 
 
@@ -355,5 +406,11 @@ if __name__ == "__main__":  # the before/after figure for the README: python tes
             m = _model(loss_normalization=mode)
             _fit(m, batches, 2, tmp)
             params, grads = m.steps[0]
-            print(json.dumps({"loss_normalization": mode,
-                              "relative_l2_error": relative_error(grads, _reference_grads(params, batches))}))
+            print(
+                json.dumps(
+                    {
+                        "loss_normalization": mode,
+                        "relative_l2_error": relative_error(grads, _reference_grads(params, batches)),
+                    }
+                )
+            )

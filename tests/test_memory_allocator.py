@@ -34,8 +34,13 @@ def test_importing_the_allocator_and_the_package_does_not_import_torch():
 
 @pytest.mark.parametrize(
     ("version", "name", "value"),
-    [((2, 13), ENV_VAR, OURS), ((2, 11), ENV_VAR, OURS), ((2, 9), LEGACY_ENV_VAR, OURS), ((2, 5), LEGACY_ENV_VAR, OURS),
-     ((2, 1), None, None)],
+    [
+        ((2, 13), ENV_VAR, OURS),
+        ((2, 11), ENV_VAR, OURS),
+        ((2, 9), LEGACY_ENV_VAR, OURS),
+        ((2, 5), LEGACY_ENV_VAR, OURS),
+        ((2, 1), None, None),
+    ],
 )
 def test_sets_the_variable_the_torch_version_reads(monkeypatch, version, name, value):
     monkeypatch.setattr(allocator, "_torch_version", lambda: version)

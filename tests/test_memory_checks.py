@@ -24,6 +24,7 @@ class PackedTinyData(TinyData):
     def packs_documents(self) -> bool:
         return True
 
+
 # One case per check: the facts that trigger it (on top of a quiet baseline).
 CASES = {
     "eval_batch_size": dict(micro_batch_size=8, eval_batch_size=32),
@@ -84,8 +85,16 @@ def test_batch_size_without_micro_batch_size_under_accumulation():
 
 
 def test_flash_varlen_reads_the_module_and_says_the_fix(tmp_path):
-    problems = find_problems(RunFacts(packing=True, attn_implementation="flash_attention_3", micro_batch_size=1,
-                                      eval_batch_size=1, dynamic_shapes=True), SAFE)  # warmup may reshape rows
+    problems = find_problems(
+        RunFacts(
+            packing=True,
+            attn_implementation="flash_attention_3",
+            micro_batch_size=1,
+            eval_batch_size=1,
+            dynamic_shapes=True,
+        ),
+        SAFE,
+    )  # warmup may reshape rows
     assert list(problems) == ["flash_varlen"]
     assert "flash_varlen_kwargs(batch['position_ids'])" in problems["flash_varlen"]
     model, dm = TinyLM(), PackedTinyData()
@@ -122,8 +131,9 @@ def test_callback_gathers_facts_defensively(tmp_path):
     facts = checks.gather_facts(t, model)
     assert facts.packing and facts.attn_implementation == "my_custom_attention" and not facts.on_cuda
     assert facts.micro_batch_size == 2 and facts.precision == "32-true" and not facts.compiled
-    bare = types.SimpleNamespace(datamodule=None, callbacks=[], strategy=t.strategy, precision="32-true",
-                                 accumulate_grad_batches=1, world_size=1)
+    bare = types.SimpleNamespace(
+        datamodule=None, callbacks=[], strategy=t.strategy, precision="32-true", accumulate_grad_batches=1, world_size=1
+    )
     assert checks.gather_facts(bare, torch.nn.Linear(2, 2)) == RunFacts()  # any model, no DataModule: all unknown
 
 
@@ -143,8 +153,14 @@ def test_resolve_precision(monkeypatch):
     assert resolve_precision() == "16-mixed"
 
 
-TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 2}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
 
 
 @pytest.mark.filterwarnings("ignore:.*never reach the model.*")
@@ -157,8 +173,9 @@ TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_
         (dict(strategy="pack", eval_strategy="pad"), True, True),  # validation batches change shape
     ],
 )
-def test_dynamic_shapes_and_packing_are_asked_of_the_datamodule(tmp_path, small_text_dataset, settings, dynamic,
-                                                                  packing):
+def test_dynamic_shapes_and_packing_are_asked_of_the_datamodule(
+    tmp_path, small_text_dataset, settings, dynamic, packing
+):
     """A real fit: the facts come from the DataModule's strategies (train and validation), not a strategy name."""
     from lightning_seqmem import CausalLM, SeqMemDataModule
 

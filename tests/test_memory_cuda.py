@@ -54,8 +54,16 @@ def test_monitor_finishes_when_the_last_step_is_not_a_logging_step(tmp_path):
     from lightning_seqmem.memory import MemoryMonitor
 
     monitor = MemoryMonitor(every_n_steps=5)
-    L.Trainer(max_steps=7, accelerator="cuda", devices=1, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, limit_val_batches=0, default_root_dir=tmp_path,
-              callbacks=[monitor]).fit(TinyLM(), datamodule=TinyData())
+    L.Trainer(
+        max_steps=7,
+        accelerator="cuda",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        callbacks=[monitor],
+    ).fit(TinyLM(), datamodule=TinyData())
     assert [row["step"] for row in monitor.history] == [1, 5, 7]
     assert monitor.summary["steps"] == 7 and "reserved_growth_gib" in monitor.summary

@@ -17,9 +17,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from plan_accuracy import PACK_KEYS, PAD_KEYS  # noqa: E402
 
 VOCAB = 512
-SMALL = {"tiny_llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-         "tiny_gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=1024)}
+SMALL = {
+    "tiny_llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "tiny_gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=1024),
+}
 
 
 def config(arch: str):
@@ -55,8 +64,12 @@ def test_estimate_is_within_5_percent_of_a_real_cpu_step(arch, rows, length):
 
 
 def test_packed_eager_mixed_and_checkpointed_steps_agree_with_reality_too():
-    cases = [dict(keys=PACK_KEYS), dict(attn_implementation="eager"), dict(precision="bf16-mixed"),
-             dict(gradient_checkpointing=True)]
+    cases = [
+        dict(keys=PACK_KEYS),
+        dict(attn_implementation="eager"),
+        dict(precision="bf16-mixed"),
+        dict(gradient_checkpointing=True),
+    ]
     for case in cases:
         keys = case.pop("keys", PAD_KEYS)
         est = estimate_training_memory(config("tiny_llama"), 2, 128, keys, device="cpu", **case)
@@ -144,8 +157,18 @@ def test_a_model_the_tracer_cannot_run_raises_naming_the_op():
 def test_a_7b_llama_is_estimated_in_seconds_without_allocating_it():
     import psutil
 
-    cfg = build_model_config(dict(model_type="llama", hidden_size=4096, intermediate_size=11008,
-                                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32), 32000, 0)
+    cfg = build_model_config(
+        dict(
+            model_type="llama",
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+        ),
+        32000,
+        0,
+    )
     rss = psutil.Process().memory_info().rss
     est = estimate_training_memory(cfg, 1, 512, precision="bf16-mixed", device="cuda")
     assert 6.7e9 < est.num_parameters < 6.8e9

@@ -14,8 +14,16 @@ from lightning_seqmem.memory.preallocate import CachePreallocator
 
 def _peak(module, rows, length, keys):
     facts = module_facts(module)
-    return cached_estimate(facts["model_config"], rows, length, keys, "32-true", "cuda",
-                           facts["attn_implementation"], facts["gradient_checkpointing"]).peak
+    return cached_estimate(
+        facts["model_config"],
+        rows,
+        length,
+        keys,
+        "32-true",
+        "cuda",
+        facts["attn_implementation"],
+        facts["gradient_checkpointing"],
+    ).peak
 
 
 def test_preallocator_warns_with_the_micro_batch_size_that_fits_before_its_pass(tmp_path, monkeypatch):

@@ -20,8 +20,13 @@ HERE = os.path.dirname(__file__)
 
 def _run(kind, out, *flags):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, os.path.join(HERE, "_memory_fsdp_script.py"), kind, str(out), *flags],
-                          env=env, timeout=240, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_memory_fsdp_script.py"), kind, str(out), *flags],
+        env=env,
+        timeout=240,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -32,8 +37,9 @@ def test_fsdp_clips_preallocates_and_gives_the_ddp_gradient(tmp_path):
     token-weighted gradient equals DDP's."""
     _run("ddp", tmp_path)
     _run("fsdp", tmp_path)
-    done = {(kind, rank): (tmp_path / f"{kind}_rank{rank}.ok").read_text() for kind in ("ddp", "fsdp")
-            for rank in (0, 1)}
+    done = {
+        (kind, rank): (tmp_path / f"{kind}_rank{rank}.ok").read_text() for kind in ("ddp", "fsdp") for rank in (0, 1)
+    }
     assert set(done.values()) == {"1 [16, 5]"}, done  # one step; FSDP decays the 16 matrices DDP decays, not 5 norms
     ddp = torch.load(tmp_path / "DistributedDataParallel.pt")
     fsdp = torch.load(tmp_path / "FullyShardedDataParallel.pt")

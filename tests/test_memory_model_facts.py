@@ -7,8 +7,15 @@ from lightning_seqmem import CausalLM
 from lightning_seqmem.memory.estimate import module_facts
 from lightning_seqmem.memory.model_facts import ModelFacts, model_facts
 
-TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64)
+TINY = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def test_causal_lm_answers_every_fact_from_its_hugging_face_model():
@@ -16,9 +23,16 @@ def test_causal_lm_answers_every_fact_from_its_hugging_face_model():
     facts = model_facts(module)
     assert facts.config is module.model.config
     assert (facts.vocab_size, facts.attn_implementation, facts.gradient_checkpointing, facts.compiled) == (
-        96, "eager", True, False)
-    assert module_facts(module) == {"model_config": module.model.config, "attn_implementation": "eager",
-                                    "gradient_checkpointing": True}  # what the estimate traces
+        96,
+        "eager",
+        True,
+        False,
+    )
+    assert module_facts(module) == {
+        "model_config": module.model.config,
+        "attn_implementation": "eager",
+        "gradient_checkpointing": True,
+    }  # what the estimate traces
     assert model_facts(CausalLM(model_config=TINY, vocab_size=96, compile=True)).compiled
 
 

@@ -32,11 +32,23 @@ def test_stats_arithmetic():
     assert stats.format_bytes(1536 * 2**20) == "1.50 GiB" and stats.format_bytes(None) == "unknown"
     assert stats.parse_tried_to_allocate("CUDA out of memory. Tried to allocate 20.00 MiB.") == 20 * 2**20
     assert stats.parse_tried_to_allocate("no size here") is None
-    metrics = stats.cuda_memory_metrics({"allocated_bytes.all.current": GIB, "reserved_bytes.all.current": 4 * GIB,
-                                         "inactive_split_bytes.all.current": GIB // 2,
-                                         "num_alloc_retries": 3, "num_device_alloc": 7})
-    assert metrics == {"allocated_gib": 1.0, "reserved_gib": 4.0, "inactive_split_gib": 0.5, "num_alloc_retries": 3.0,
-                       "num_device_alloc": 7.0, "fragmentation": 0.125}
+    metrics = stats.cuda_memory_metrics(
+        {
+            "allocated_bytes.all.current": GIB,
+            "reserved_bytes.all.current": 4 * GIB,
+            "inactive_split_bytes.all.current": GIB // 2,
+            "num_alloc_retries": 3,
+            "num_device_alloc": 7,
+        }
+    )
+    assert metrics == {
+        "allocated_gib": 1.0,
+        "reserved_gib": 4.0,
+        "inactive_split_gib": 0.5,
+        "num_alloc_retries": 3.0,
+        "num_device_alloc": 7.0,
+        "fragmentation": 0.125,
+    }
     assert stats.memory_advice(0, 0.01, 0.2) is None
     assert "expandable segments" in stats.memory_advice(2, 0.01, 0.2)
     assert "fragmentation 50%" in stats.memory_advice(0, 0.5, 0.2)
@@ -45,9 +57,13 @@ def test_stats_arithmetic():
 def test_fragmentation_is_what_split_blocks_strand_at_the_peak():
     """A pre-allocated run after a small step: 30 of 36 GiB reserved are free but reusable, 0.2 GiB stranded in split
     blocks at the peak. The old figure, (reserved - allocated) / reserved, called that 83 % fragmentation."""
-    after_small_step = {"allocated_bytes.all.current": 6 * GIB, "reserved_bytes.all.current": 36 * GIB,
-                        "reserved_bytes.all.peak": 36 * GIB, "inactive_split_bytes.all.current": GIB // 10,
-                        "inactive_split_bytes.all.peak": GIB // 5}
+    after_small_step = {
+        "allocated_bytes.all.current": 6 * GIB,
+        "reserved_bytes.all.current": 36 * GIB,
+        "reserved_bytes.all.peak": 36 * GIB,
+        "inactive_split_bytes.all.current": GIB // 10,
+        "inactive_split_bytes.all.peak": GIB // 5,
+    }
     metrics = stats.cuda_memory_metrics(after_small_step)
     assert metrics["fragmentation"] == pytest.approx(0.2 / 36)
     fragmented = stats.cuda_memory_metrics({**after_small_step, "inactive_split_bytes.all.peak": 9 * GIB})
@@ -87,10 +103,16 @@ def test_counts_optimizer_steps_not_micro_batches(tmp_path):
 def _fake_cuda(monkeypatch, reserved_gib, retries, stranded_gib=0.0):
     """Every memory_stats() call returns the next fake reading; the run trains on (simulated) cuda:0."""
     readings = iter(
-        {"allocated_bytes.all.current": 1 * GIB, "reserved_bytes.all.current": int(r * GIB),
-         "allocated_bytes.all.peak": 2 * GIB, "reserved_bytes.all.peak": int(max(reserved_gib) * GIB),
-         "inactive_split_bytes.all.peak": int(stranded_gib * GIB),
-         "num_alloc_retries": retries, "num_ooms": 0, "num_device_alloc": 4}
+        {
+            "allocated_bytes.all.current": 1 * GIB,
+            "reserved_bytes.all.current": int(r * GIB),
+            "allocated_bytes.all.peak": 2 * GIB,
+            "reserved_bytes.all.peak": int(max(reserved_gib) * GIB),
+            "inactive_split_bytes.all.peak": int(stranded_gib * GIB),
+            "num_alloc_retries": retries,
+            "num_ooms": 0,
+            "num_device_alloc": 4,
+        }
         for r in reserved_gib
     )
     monkeypatch.setattr(monitor, "_training_device", lambda trainer: torch.device("cuda", 0))
@@ -138,7 +160,8 @@ def test_no_advice_to_add_the_preallocator_the_run_has(tmp_path, monkeypatch):
     monkeypatch.setattr(CachePreallocator, "on_fit_start", lambda *args: None)  # the pass itself is tested elsewhere
     with pytest.warns(UserWarning, match="1 allocation retries") as warned:
         trainer(tmp_path, [CachePreallocator(), MemoryMonitor(every_n_steps=1)], max_steps=2).fit(
-            TinyLM(), datamodule=TinyData())
+            TinyLM(), datamodule=TinyData()
+        )
     advice = [str(w.message) for w in warned if "allocation retries" in str(w.message)]
     assert advice and not any("CachePreallocator" in a or "expandable" in a for a in advice)
 

@@ -41,13 +41,29 @@ def _peaks(data, strategy, datamodule_class=SeqMemDataModule, max_steps=6):
     def fit():
         L.seed_everything(0)
         dm = datamodule_class(dataset=data, strategy=strategy, max_length=LENGTH, micro_batch_size=2, pad_token_id=0)
-        config = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH)
+        config = dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=LENGTH,
+        )
         model = CausalLM(model_config=config, vocab_size=VOCAB, pad_token_id=0)
         warmup = SeqLengthWarmup(duration=0.5, min_seq_length=32, max_seq_length=LENGTH)
-        L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, gradient_clip_val=1.0,
-                  callbacks=[warmup, CachePreallocator(), StepRanges()]).fit(model, datamodule=dm)
+        L.Trainer(
+            max_steps=max_steps,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            gradient_clip_val=1.0,
+            callbacks=[warmup, CachePreallocator(), StepRanges()],
+        ).fit(model, datamodule=dm)
 
     # Garbage from earlier tests freed inside a profiled step would count as negative live bytes there: collect it
     # first and keep the collector out of the profiled run.

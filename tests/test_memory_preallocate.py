@@ -113,8 +113,18 @@ def test_oom_gives_shape_memory_and_fixes(tmp_path):
         trainer(tmp_path, [before, CachePreallocator()], max_steps=1).fit(model, datamodule=TinyData(rows=4))
     message = str(info.value)
     assert isinstance(info.value, torch.OutOfMemoryError)
-    for needle in ("rows=4, length=48", "192 tokens", "Memory needed", "available", "micro_batch_size",
-                   "max_length", "max_tokens_per_batch", "gradient checkpointing", "bf16", "Tried to allocate"):
+    for needle in (
+        "rows=4, length=48",
+        "192 tokens",
+        "Memory needed",
+        "available",
+        "micro_batch_size",
+        "max_length",
+        "max_tokens_per_batch",
+        "gradient checkpointing",
+        "bf16",
+        "Tried to allocate",
+    ):
         assert needle in message, needle
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), before.state["torch"])
@@ -157,7 +167,7 @@ def test_lightning_empties_the_cache_after_on_fit_start_and_not_after_on_train_s
     )
     first = events.index("on_train_batch_start")
     assert events.index("on_fit_start") < events.index("empty_cache") < events.index("on_train_start") < first
-    assert "empty_cache" not in events[events.index("on_train_start"):first]
+    assert "empty_cache" not in events[events.index("on_train_start") : first]
 
 
 class _FakeAllocatorLM(TinyLM):
@@ -196,9 +206,18 @@ def test_with_real_causallm_and_seqmem_datamodule(tmp_path, small_text_dataset):
 
     L.seed_everything(0)
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=2)
-    model = CausalLM(model_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                       attention_dropout=0.1))
+    model = CausalLM(
+        model_config=dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            attention_dropout=0.1,
+        )
+    )
     shapes = []
     model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0]["input_ids"].shape)))
     before, after, cb = Probe(), Probe(), CachePreallocator()
@@ -216,8 +235,13 @@ def _ddp_run(devices, out, *flags):
     os.makedirs(out, exist_ok=True)
     here = os.path.dirname(__file__)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, os.path.join(here, "_memory_ddp_script.py"), str(devices), str(out), *flags],
-                   check=True, env=env, timeout=240, capture_output=True)
+    subprocess.run(
+        [sys.executable, os.path.join(here, "_memory_ddp_script.py"), str(devices), str(out), *flags],
+        check=True,
+        env=env,
+        timeout=240,
+        capture_output=True,
+    )
 
 
 def test_ddp_two_ranks_run_the_pass_and_stay_in_step(tmp_path):
@@ -233,8 +257,17 @@ def test_with_seq_length_warmup_in_reshape_mode(tmp_path, small_text_dataset):
     from lightning_seqmem.warmup.callback import SeqLengthWarmup
 
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=2)
-    model = CausalLM(model_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    model = CausalLM(
+        model_config=dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+    )
     warmup = SeqLengthWarmup(duration=0.5, min_seq_length=8, max_seq_length=32, truncate=False)
     cb = CachePreallocator()
     trainer(tmp_path, [warmup, cb], max_steps=2).fit(model, datamodule=dm)

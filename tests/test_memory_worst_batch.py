@@ -21,7 +21,8 @@ def test_packed_rows_match_what_the_pack_collator_makes():
     ours = make_dummy_batch(2, 8, (*PACK, "cu_seqlens"), vocab_size=50, layout=layout, pad_token_id=0)
     ids = ours["input_ids"]
     real = PackCollator(pad_token_id=0, max_length=8, return_cu_seqlens=True)(
-        [{"input_ids": ids[0, :7].tolist(), "seq_lengths": [3, 4]}, {"input_ids": ids[1].tolist()}])
+        [{"input_ids": ids[0, :7].tolist(), "seq_lengths": [3, 4]}, {"input_ids": ids[1].tolist()}]
+    )
     for key in (*PACK, "cu_seqlens"):
         assert torch.equal(ours[key], real[key].to(ours[key].dtype)), key
 
@@ -41,8 +42,9 @@ def test_padded_rows_and_defaults_by_keys():
 
 
 def test_strategies_say_when_rows_are_never_padded():
-    pad, truncate, pack = (make_strategy(BatchingSettings(max_length=16, strategy=name))
-                           for name in ("pad", "truncate", "pack"))
+    pad, truncate, pack = (
+        make_strategy(BatchingSettings(max_length=16, strategy=name)) for name in ("pad", "truncate", "pack")
+    )
     assert pad.worst_layout(2, 16, np.array([3, 16])) == ((16,), (15,))
     assert pad.worst_layout(2, 16, np.array([16, 16])) == full_rows(2, 16)  # every row 16 tokens: no padding
     assert pad.worst_layout(2, 16, None) == ((16,), (15,))  # unknown: assume padding

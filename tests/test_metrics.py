@@ -18,4 +18,3 @@ def test_packed_batches_count_pad_id_tokens_inside_documents_as_real():
     m = TokenEfficiency(pad_token_id=0)
     m.update(batch)
     assert m.compute().item() == 0.5
-

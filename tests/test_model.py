@@ -35,14 +35,28 @@ def test_vocab_size_comes_from_the_datamodule_tokenizer(small_text_dataset, tmp_
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=4)
     model = CausalLM()
     assert model.model is None  # built at setup, once the tokenizer is known
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, limit_val_batches=1, val_check_interval=3,
-                        default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=1,
+        val_check_interval=3,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model, datamodule=dm)
     assert model.model.config.vocab_size == len(dm.tokenizer)
     assert model.hparams.vocab_size == len(dm.tokenizer)
     metrics = trainer.callback_metrics
-    for key in ("train/loss", "train/ppl", "val/loss", "val/ppl", "train/real_token_fraction", "train/token_efficiency"):
+    for key in (
+        "train/loss",
+        "train/ppl",
+        "val/loss",
+        "val/ppl",
+        "train/real_token_fraction",
+        "train/token_efficiency",
+    ):
         assert key in metrics, key
     assert torch.isclose(metrics["val/ppl"], torch.exp(metrics["val/loss"]))
     # Real tokens counted from the attention mask, never more than the slots.
@@ -51,8 +65,14 @@ def test_vocab_size_comes_from_the_datamodule_tokenizer(small_text_dataset, tmp_
 
 def test_checkpoint_round_trip(small_text_dataset, tmp_path):
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=4)
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        limit_val_batches=0, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     model = CausalLM(model_config="tiny_gpt2")
     trainer.fit(model, datamodule=dm)
     path = tmp_path / "m.ckpt"
@@ -89,20 +109,43 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 def test_rows_longer_than_learned_positions_fail_before_the_first_step(small_text_dataset, tmp_path):
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=4, strategy="pack")
     model = CausalLM(model_config=dict(model_type="gpt2", n_embd=32, n_layer=1, n_head=2, n_positions=32))
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, limit_val_batches=0, default_root_dir=tmp_path)
-    with pytest.raises(ValueError, match=r"up to 64 tokens .* 32 positions \(GPT2Config.n_positions=32\).*"
-                                         r"max_length to 32 or less.*n_positions >= 64"):
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"up to 64 tokens .* 32 positions \(GPT2Config.n_positions=32\).*"
+        r"max_length to 32 or less.*n_positions >= 64",
+    ):
         trainer.fit(model, datamodule=dm)
     assert trainer.global_step == 0
 
 
 def test_rows_longer_than_rope_positions_warn(small_text_dataset, tmp_path):
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=4, strategy="pack")
-    config = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, max_position_embeddings=32)
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, limit_val_batches=0, default_root_dir=tmp_path)
+    config = dict(
+        model_type="llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     with pytest.warns(UserWarning, match=r"max_position_embeddings=32.*max_length to 32 or less"):
         trainer.fit(CausalLM(model_config=config), datamodule=dm)  # RoPE runs past the limit: a warning only
     assert trainer.global_step == 1

@@ -6,16 +6,22 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from lightning_seqmem.batching.collate import IGNORE_INDEX, PackCollator
 from lightning_seqmem.batching import pack_sequences
+from lightning_seqmem.batching.collate import IGNORE_INDEX, PackCollator
 
 VOCAB = 64
 
 
 def _llama(attn: str):
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation=attn,
     )
     return LlamaForCausalLM(cfg)
 
@@ -41,11 +47,14 @@ def test_packed_losses_equal_separate_losses(build, attn):
     assert packed.num_rows < len(docs)  # rows really hold several documents
     batch = PackCollator(pad_token_id=0, max_length=16)([packed.row(r) for r in range(packed.num_rows)])
     with torch.no_grad():
-        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                    use_cache=False)
+        out = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], use_cache=False
+        )
         logits = out.logits
-        alone = {i: model(input_ids=torch.tensor([d]), labels=torch.tensor([d]), use_cache=False).loss
-                 for i, d in enumerate(docs)}
+        alone = {
+            i: model(input_ids=torch.tensor([d]), labels=torch.tensor([d]), use_cache=False).loss
+            for i, d in enumerate(docs)
+        }
 
     seg = 0
     total, count = 0.0, 0

@@ -34,7 +34,7 @@ def _check_conservation(docs, res, max_length, eos=None):
         covered[doc][start : start + n] += 1
         pos += n
     assert pos == len(flat)
-    for i, c in covered.items():
+    for _i, c in covered.items():
         assert c.max(initial=0) <= 1
         kept = int(c.sum())
         assert np.all(c[:kept] == 1)  # what is kept is a prefix (truncate) or everything (split)
@@ -164,8 +164,12 @@ lengths_strategy = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(lengths=lengths_strategy, capacity=st.integers(64, 100), short=st.sampled_from([0, 4, 16]),
-       max_work=st.sampled_from([1, 200, None]))
+@given(
+    lengths=lengths_strategy,
+    capacity=st.integers(64, 100),
+    short=st.sampled_from([0, 4, 16]),
+    max_work=st.sampled_from([1, 200, None]),
+)
 def test_repacking_never_loses_to_bfd_and_conserves_items(lengths, capacity, short, max_work):
     lengths = np.array(lengths, dtype=np.int64)
     order, bin_of = best_fit_decreasing(lengths, capacity)

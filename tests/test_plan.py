@@ -6,9 +6,6 @@ import numpy as np
 import pytest
 
 from lightning_seqmem import SeqMemDataModule
-from lightning_seqmem.batching.settings import BatchingSettings
-from lightning_seqmem.memory.estimate import estimate_training_memory
-from lightning_seqmem.training.model import build_model_config
 from lightning_seqmem.apps.planner import (
     PEAK_NOTES,
     STRATEGIES,
@@ -19,6 +16,9 @@ from lightning_seqmem.apps.planner import (
     plan_memory,
     plan_strategy,
 )
+from lightning_seqmem.batching.settings import BatchingSettings
+from lightning_seqmem.memory.estimate import estimate_training_memory
+from lightning_seqmem.training.model import build_model_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*")
 
@@ -41,8 +41,13 @@ def test_every_strategy_matches_the_datamodule_on_the_builtin_corpus(strategy, m
     _check_equal(dm, lengths, strategy, max_length)
 
 
-SETTINGS = [dict(drop_last=True, micro_batch_size=3), dict(max_tokens_per_batch=256),
-            dict(pad_to_multiple_of=None, eval_batch_size=5), dict(overflow="truncate"), dict(overflow="drop")]
+SETTINGS = [
+    dict(drop_last=True, micro_batch_size=3),
+    dict(max_tokens_per_batch=256),
+    dict(pad_to_multiple_of=None, eval_batch_size=5),
+    dict(overflow="truncate"),
+    dict(overflow="drop"),
+]
 CASES = [(s, e) for s in ("pad", "truncate", "pack_bfd") for e in SETTINGS] + [("pad", dict(group_by_length=True))]
 
 
@@ -59,8 +64,13 @@ def test_pretokenized_data_without_a_tokenizer_is_planned_from_its_offsets(tmp_p
     import datasets
 
     rows = [[9000 + (i * 7 + j) % 900 for j in range(1 + (i * 13) % 70)] for i in range(60)]
-    base = dict(dataset=datasets.Dataset.from_dict({"input_ids": rows}), pad_token_id=0, max_length=32,
-                micro_batch_size=4, cache_dir=tmp_path)
+    base = dict(
+        dataset=datasets.Dataset.from_dict({"input_ids": rows}),
+        pad_token_id=0,
+        max_length=32,
+        micro_batch_size=4,
+        cache_dir=tmp_path,
+    )
     probe = SeqMemDataModule(**base)
     lengths = datamodule_lengths(probe)
     assert probe.tokenizer is None and sum(map(sum, (lengths["train"], lengths["validation"]))) == sum(map(len, rows))
@@ -91,8 +101,9 @@ def test_bad_input_says_what_is_wrong():
 
 def _tiny_estimate(arch="tiny_llama"):
     cfg = build_model_config(arch, 512, 0)
-    return lambda rows, length, ckpt: estimate_training_memory(cfg, rows, length, device="cuda",
-                                                              gradient_checkpointing=ckpt)
+    return lambda rows, length, ckpt: estimate_training_memory(
+        cfg, rows, length, device="cuda", gradient_checkpointing=ckpt
+    )
 
 
 def test_largest_micro_batch_that_fits_the_budget_with_a_margin():
@@ -108,8 +119,9 @@ def test_largest_micro_batch_that_fits_the_budget_with_a_margin():
 def test_no_micro_batch_fits_says_what_would():
     estimate = _tiny_estimate()
     one_row = estimate(1, 512, False).peak
-    memory = plan_memory(estimate, 512, [1, 2, 4], budget=int(one_row * 0.95), margin=0.0,
-                         shorter_lengths=[64, 128, 512])
+    memory = plan_memory(
+        estimate, 512, [1, 2, 4], budget=int(one_row * 0.95), margin=0.0, shorter_lengths=[64, 128, 512]
+    )
     assert memory.fits[False] is None
     assert "No micro_batch_size fits" in memory.advice
     assert "gradient checkpointing" in memory.advice or "max_length=" in memory.advice
@@ -117,15 +129,23 @@ def test_no_micro_batch_fits_says_what_would():
 
 def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset):
     lengths = datamodule_lengths(SeqMemDataModule(dataset=small_text_dataset))
-    plan = build_plan(lengths, list(STRATEGIES), [32, 128], BatchingSettings(micro_batch_size=4), ("pad", 128),
-                      estimate=_tiny_estimate(), micro_batch_sizes=[1, 2, 4], budget=2**30)
+    plan = build_plan(
+        lengths,
+        list(STRATEGIES),
+        [32, 128],
+        BatchingSettings(micro_batch_size=4),
+        ("pad", 128),
+        estimate=_tiny_estimate(),
+        micro_batch_sizes=[1, 2, 4],
+        budget=2**30,
+    )
     text = format_plan(plan)
     assert len(plan.strategies) == 10 and "<- config" in text and "Recommended:" in text
     assert plan.recommended["strategy"].startswith("pack")  # packing loses nothing and wastes the least
     assert plan.recommended["micro_batch_size"] == 4  # everything fits 1 GiB
     assert plan.distribution["percentiles"][100] == int(lengths["train"].max())
     # The memory table says where each peak falls and why a column is short there, never a bare "0 B".
-    memory = text[text.index("Peak training memory"):text.index("Recommended:")]
+    memory = text[text.index("Peak training memory") : text.index("Recommended:")]
     assert "falls in" in memory and "live at the peak" in memory and " 0 B " not in memory
     for phase in {e.peak_phase for by_rows in plan.memory.estimates.values() for e in by_rows.values()}:
         assert PEAK_NOTES[phase] in memory
@@ -135,17 +155,32 @@ def test_plan_api_from_a_datamodule_and_a_model_config(small_text_dataset):
     from lightning_seqmem.apps.planner import plan
 
     dm = SeqMemDataModule(small_text_dataset, max_length=64, micro_batch_size=2, strategy="pack")
-    result = plan(dm, build_model_config("tiny_gpt2", len(dm.tokenizer), 0), max_lengths=[32, 64],
-                  micro_batch_sizes=[1, 2], gpu_memory="1GiB", device="cpu", precision="32-true")
+    result = plan(
+        dm,
+        build_model_config("tiny_gpt2", len(dm.tokenizer), 0),
+        max_lengths=[32, 64],
+        micro_batch_sizes=[1, 2],
+        gpu_memory="1GiB",
+        device="cpu",
+        precision="32-true",
+    )
     assert (result.configured.strategy, result.configured.max_length) == ("pack_bfd", 64)
     assert result.configured.max_batch_shape == dm.max_batch_shape()
     assert result.memory.fits == {False: 2, True: 2}
     assert result.recommended["micro_batch_size"] == 2
 
 
-@pytest.mark.parametrize("name,packing,overflow", [("pad", "bfd", "split"), ("truncate", "bfd", "split"),
-                                                   ("pack", "bfd", "split"), ("pack", "bfd", "drop"),
-                                                   ("pack", "bfd", "truncate"), ("pack", "wrapped", "split")])
+@pytest.mark.parametrize(
+    "name,packing,overflow",
+    [
+        ("pad", "bfd", "split"),
+        ("truncate", "bfd", "split"),
+        ("pack", "bfd", "split"),
+        ("pack", "bfd", "drop"),
+        ("pack", "bfd", "truncate"),
+        ("pack", "wrapped", "split"),
+    ],
+)
 def test_lengths_only_plan_equals_the_token_plan(name, packing, overflow):
     from lightning_seqmem.batching.strategies import make_strategy
     from lightning_seqmem.data.tokens import as_token_source
@@ -163,12 +198,17 @@ def test_lengths_only_plan_equals_the_token_plan(name, packing, overflow):
 def test_memory_table_says_where_the_peak_falls_and_what_is_live_there():
     """Past a few rows this model's peak moves from the forward to early backward, where no gradient of the step
     exists yet: the table says so instead of printing a bare 0 B under gradients."""
-    from lightning_seqmem.memory.stats import format_bytes
     from lightning_seqmem.apps.planner import memory_table
+    from lightning_seqmem.memory.stats import format_bytes
 
     cfg = build_model_config("tiny_llama", 2048, 0)
-    memory = plan_memory(lambda rows, length, ckpt: estimate_training_memory(
-        cfg, rows, length, device="cpu", gradient_checkpointing=ckpt), 256, [1, 8])
+    memory = plan_memory(
+        lambda rows, length, ckpt: estimate_training_memory(
+            cfg, rows, length, device="cpu", gradient_checkpointing=ckpt
+        ),
+        256,
+        [1, 8],
+    )
     lines = memory_table(memory)
     rows = {(int(line.split()[0]), line.split()[1] == "yes"): line for line in lines[3:] if line.split()[0].isdigit()}
     phases = set()

@@ -20,8 +20,13 @@ def _compose(name, overrides):
 
 
 def test_plan_composes_the_run_seqmem_train_would_launch_and_matches_its_datamodule():
-    overrides = ["data=pack_wrapped", "data.max_length=128", "data.micro_batch_size=4", "model=tiny_gpt2",
-                 "trainer.accumulate_grad_batches=2"]
+    overrides = [
+        "data=pack_wrapped",
+        "data.max_length=128",
+        "data.micro_batch_size=4",
+        "model=tiny_gpt2",
+        "trainer.accumulate_grad_batches=2",
+    ]
     plan_cfg = _compose("plan", overrides + ["plan.memory=false", "plan.max_lengths=[64,128]"])
     train_cfg = _compose("config", overrides)
     for group in ("data", "model", "trainer", "callbacks"):
@@ -36,9 +41,18 @@ def test_plan_composes_the_run_seqmem_train_would_launch_and_matches_its_datamod
 
 
 def test_seqmem_plan_command_prints_the_tables_and_writes_plan_json_and_histogram(tmp_path):
-    cmd = [sys.executable, "-m", "lightning_seqmem.apps.plan_app", "data=pad", "model=tiny_llama", "data.max_length=128",
-           "plan.max_lengths=[64,128]", "plan.micro_batch_sizes=[1,2]", "plan.gpu_memory=2GiB",
-           f"hydra.run.dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_seqmem.apps.plan_app",
+        "data=pad",
+        "model=tiny_llama",
+        "data.max_length=128",
+        "plan.max_lengths=[64,128]",
+        "plan.micro_batch_sizes=[1,2]",
+        "plan.gpu_memory=2GiB",
+        f"hydra.run.dir={tmp_path}",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ})
     assert out.returncode == 0, out.stderr[-2000:]
     for text in ("pack_bfd", "token", "Peak training memory", "Recommended: strategy=", "Why: "):
@@ -53,8 +67,15 @@ def test_seqmem_plan_command_prints_the_tables_and_writes_plan_json_and_histogra
 def test_prompt_completion_data_gets_its_two_panel_histogram_and_a_clear_error(tmp_path):
     rows = [{"prompt": "question " * (1 + i % 9), "completion": "answer " * (1 + i % 4)} for i in range(40)]
     (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = _compose("plan", ["data=local", f"data.dataset={tmp_path / 'sft.jsonl'}", "plan.memory=false",
-                            f"data.cache_dir={tmp_path / 'cache'}"])
+    cfg = _compose(
+        "plan",
+        [
+            "data=local",
+            f"data.dataset={tmp_path / 'sft.jsonl'}",
+            "plan.memory=false",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+    )
     with pytest.raises(ValueError, match="prompt/completion data is not supported yet .*lengths.png"):
         plan_from_config(cfg, str(tmp_path / "out"))
     assert (tmp_path / "out" / "lengths.png").read_bytes()[:4] == b"\x89PNG"
@@ -98,8 +119,16 @@ def test_plan_of_dpo_with_a_reference_copy_counts_the_copy():
 
 
 def test_seqmem_plan_on_a_stream_plans_its_first_documents_and_says_so():
-    cfg = _compose("plan", ["data=pack_bfd", "data.streaming=true", "plan.stream_sample=500", "plan.memory=false",
-                            "plan.max_lengths=[64,128]"])
+    cfg = _compose(
+        "plan",
+        [
+            "data=pack_bfd",
+            "data.streaming=true",
+            "plan.stream_sample=500",
+            "plan.memory=false",
+            "plan.max_lengths=[64,128]",
+        ],
+    )
     plan, notes = plan_from_config(cfg)
     assert any("a stream: planned on its first 500 training documents" in note for note in notes)
     assert len(plan.train_lengths) == 500 and {s.max_length for s in plan.strategies} == {64, 128}

@@ -7,8 +7,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from lightning_seqmem import SeqMemDataModule
-from lightning_seqmem import plan_cache
+from lightning_seqmem import SeqMemDataModule, plan_cache
 from lightning_seqmem.batching.packed_rows import pack_lengths
 from lightning_seqmem.batching.plan_cache import PLAN_CACHE_MIN_DOCUMENTS, cached_pack_lengths
 
@@ -103,8 +102,16 @@ def _pretokenized(n=N_DOCS, seed=0):
 
 
 def _module(ds, cache_dir):
-    return SeqMemDataModule(dataset=ds, strategy="pack", max_length=256, micro_batch_size=4, pad_token_id=0,
-                            eos_token_id=2, cache_dir=cache_dir, seed=3)
+    return SeqMemDataModule(
+        dataset=ds,
+        strategy="pack",
+        max_length=256,
+        micro_batch_size=4,
+        pad_token_id=0,
+        eos_token_id=2,
+        cache_dir=cache_dir,
+        seed=3,
+    )
 
 
 def test_prepare_data_plans_and_another_rank_maps_the_same_rows(tmp_path, monkeypatch):
@@ -145,9 +152,18 @@ class _PlanSource(L.LightningModule):
 
 def test_two_ranks_plan_once_per_node(tmp_path):
     dm = _module(_pretokenized(), tmp_path / "cache")
-    trainer = L.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_steps=2, logger=False,
-                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                        limit_val_batches=0, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        strategy="ddp_spawn",
+        devices=2,
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(_PlanSource(str(tmp_path)), datamodule=dm)
     seen = {rank: (tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)}
     assert seen == {0: "ndarray", 1: "memmap"}  # local rank 0 planned in prepare_data; rank 1 mapped its plan

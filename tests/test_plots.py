@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from lightning_seqmem import SeqMemDataModule, plots
-from lightning_seqmem.batching.settings import BatchingSettings
 from lightning_seqmem.apps.planner import (
     STRATEGIES,
     column_lengths,
@@ -18,6 +17,7 @@ from lightning_seqmem.apps.planner import (
     plan_strategies,
     recommend_data,
 )
+from lightning_seqmem.batching.settings import BatchingSettings
 
 pytest.importorskip("matplotlib")
 pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*")
@@ -51,15 +51,15 @@ def test_histogram_of_the_builtin_corpus_is_log_scaled_with_readable_labels(tmp_
     bars, share = fig.axes[0], fig.axes[1]
     assert bars.get_xscale() == "log" and share.get_xscale() == "log"
     assert bars.get_xlim()[0] <= lengths["documents"].min() and bars.get_xlim()[1] >= lengths["documents"].max()
-    assert {line.get_label() for line in share.lines} == {"cumulative share of documents",
-                                                          "cumulative share of tokens"}
+    assert {line.get_label() for line in share.lines} == {"cumulative share of documents", "cumulative share of tokens"}
     assert all(max(line.get_ydata()) == pytest.approx(100) for line in share.lines)
     # One dotted line and one label per candidate, with the share of tokens the planner prints for it.
     assert sorted(line.get_xdata()[0] for line in bars.lines) == candidates
     over = length_distribution(lengths["documents"], candidates)["over"]
     [(ax, labels)] = _labels(fig)
-    assert sorted(text for text, _ in labels) == sorted(f"{m:,}\n{over[m]['tokens']:.1%} of tokens past"
-                                                        for m in candidates)
+    assert sorted(text for text, _ in labels) == sorted(
+        f"{m:,}\n{over[m]['tokens']:.1%} of tokens past" for m in candidates
+    )
     _check_apart_and_inside(ax, labels, fig.canvas.get_renderer())
     assert plots.save(fig, str(tmp_path / "lengths.png")) and (tmp_path / "lengths.png").stat().st_size > 10_000
 
@@ -82,8 +82,12 @@ def test_prompt_completion_data_gets_two_panels():
 
     rng = np.random.default_rng(1)
     words = lambda n: " ".join(["word"] * int(n))  # noqa: E731
-    ds = datasets.Dataset.from_dict({"prompt": [words(n) for n in rng.lognormal(3, 1, 120)],
-                                     "completion": [words(n) for n in rng.lognormal(2, 1, 120)]})
+    ds = datasets.Dataset.from_dict(
+        {
+            "prompt": [words(n) for n in rng.lognormal(3, 1, 120)],
+            "completion": [words(n) for n in rng.lognormal(2, 1, 120)],
+        }
+    )
     dm = SeqMemDataModule(ds, max_length=64)
     panels = column_lengths(dm)
     assert set(panels) == {"prompt", "completion"} and panels["prompt"].mean() > panels["completion"].mean()

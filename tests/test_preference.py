@@ -6,9 +6,17 @@ import pytest
 import torch
 
 from lightning_seqmem.batch import IGNORE_INDEX
-from lightning_seqmem.batching.preference import (CHOSEN, REJECTED, PreferenceCollator, PreferenceLimits,
-                                                  check_pairs, identical_completions, pair_sequences,
-                                                  preference_spans, sequence_spans)
+from lightning_seqmem.batching.preference import (
+    CHOSEN,
+    REJECTED,
+    PreferenceCollator,
+    PreferenceLimits,
+    check_pairs,
+    identical_completions,
+    pair_sequences,
+    preference_spans,
+    sequence_spans,
+)
 
 
 def text_pairs(tokenizer, n=12):
@@ -18,23 +26,25 @@ def text_pairs(tokenizer, n=12):
     pairs = []
     for i in range(n):
         topic = topics[i % len(topics)]
-        pairs.append({
-            "prompt_ids": enc(f"Question {i}: what is {topic} in Python?" + " Explain briefly." * (i % 3)),
-            "chosen_ids": enc(f"{topic.capitalize()} is a built-in concept." + " It is documented." * (i % 4)),
-            "rejected_ids": enc("No idea." + " Maybe." * (i % 5)),
-        })
+        pairs.append(
+            {
+                "prompt_ids": enc(f"Question {i}: what is {topic} in Python?" + " Explain briefly." * (i % 3)),
+                "chosen_ids": enc(f"{topic.capitalize()} is a built-in concept." + " It is documented." * (i % 4)),
+                "rejected_ids": enc("No idea." + " Maybe." * (i % 5)),
+            }
+        )
     return pairs
 
 
 def _slice_reference(prompt, completion, limits):
     """One sequence truncated as TRL's guide says, on the tokens: ``(kept prompt, kept completion)``."""
     if limits.max_prompt_length is not None:
-        prompt = prompt[max(len(prompt) - limits.max_prompt_length, 0):]
+        prompt = prompt[max(len(prompt) - limits.max_prompt_length, 0) :]
     if limits.max_completion_length is not None:
         completion = completion[: limits.max_completion_length]
     tagged = [("p", t) for t in prompt] + [("c", t) for t in completion]
     if limits.max_length is not None:  # DataCollatorForPreference's slice
-        tagged = tagged[: limits.max_length] if limits.truncation_mode == "keep_start" else tagged[-limits.max_length:]
+        tagged = tagged[: limits.max_length] if limits.truncation_mode == "keep_start" else tagged[-limits.max_length :]
     return [t for k, t in tagged if k == "p"], [t for k, t in tagged if k == "c"]
 
 
@@ -65,8 +75,9 @@ def test_spans_equal_truncating_the_tokens(limits):
             assert list(range(start, start + n)) == kept_c, (i, side)
     dropped = spans.dropped()
     assert dropped["prompt_tokens_truncated"] == int((2 * p - spans.prompt_kept.sum(0)).sum())
-    assert dropped["chosen_tokens_truncated"] + dropped["rejected_tokens_truncated"] == \
-        int(c.sum() - spans.completion_kept.sum())
+    assert dropped["chosen_tokens_truncated"] + dropped["rejected_tokens_truncated"] == int(
+        c.sum() - spans.completion_kept.sum()
+    )
     assert dropped["tokens_truncated"] == int(2 * p.sum() + c.sum() - spans.sequence_lengths.sum())
     assert dropped["rows_without_completion"] == int(spans.lost.sum())
 
@@ -80,8 +91,10 @@ def test_sequence_spans_is_trls_slice():
 
 def test_a_pair_that_loses_a_completion_is_counted_warned_and_refused_by_the_collator():
     limits = PreferenceLimits(6)
-    pairs = [{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4]},
-             {"prompt_ids": [1] * 6, "chosen_ids": [3], "rejected_ids": [4, 5]}]  # the prompt fills max_length
+    pairs = [
+        {"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4]},
+        {"prompt_ids": [1] * 6, "chosen_ids": [3], "rejected_ids": [4, 5]},
+    ]  # the prompt fills max_length
     with pytest.warns(UserWarning, match=r"1 pair\(s\) lose a whole completion to truncation \(row 11\)"):
         spans = check_pairs(pairs, limits, first_row=10)
     assert spans.lost.tolist() == [False, True] and spans.dropped()["rows_without_completion"] == 1
@@ -110,9 +123,11 @@ def test_bad_pairs_name_their_row():
 
 
 def test_identical_pairs_are_counted_and_warned():
-    pairs = [{"prompt_ids": [1], "chosen_ids": [3, 4], "rejected_ids": [3, 4]},
-             {"prompt_ids": [1], "chosen_ids": [3, 4], "rejected_ids": [3, 5]},
-             {"prompt_ids": [1], "chosen_ids": [3], "rejected_ids": [3, 4]}]
+    pairs = [
+        {"prompt_ids": [1], "chosen_ids": [3, 4], "rejected_ids": [3, 4]},
+        {"prompt_ids": [1], "chosen_ids": [3, 4], "rejected_ids": [3, 5]},
+        {"prompt_ids": [1], "chosen_ids": [3], "rejected_ids": [3, 4]},
+    ]
     with pytest.warns(UserWarning, match=r"1 pair\(s\) with chosen == rejected \(row 0\): no preference signal"):
         spans = check_pairs(pairs, PreferenceLimits(None))
     assert spans.identical.tolist() == [True, False, False] and spans.dropped()["rows_chosen_equals_rejected"] == 1
@@ -142,10 +157,17 @@ def test_limits_are_checked():
 
 
 # ---------------------------------------------------------------------------------------- padded: TRL's layout
-@pytest.mark.parametrize("max_length,mode,multiple", [
-    (None, "keep_start", None), (32, "keep_start", None), (32, "keep_end", None), (40, "keep_start", 8),
-    (None, "keep_end", 8), (32, "keep_end", 4),
-])
+@pytest.mark.parametrize(
+    "max_length,mode,multiple",
+    [
+        (None, "keep_start", None),
+        (32, "keep_start", None),
+        (32, "keep_end", None),
+        (40, "keep_start", 8),
+        (None, "keep_end", 8),
+        (32, "keep_end", 4),
+    ],
+)
 def test_padded_batch_equals_trls_collator(tokenizer, max_length, mode, multiple):
     trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
     pairs = text_pairs(tokenizer)
@@ -153,10 +175,12 @@ def test_padded_batch_equals_trls_collator(tokenizer, max_length, mode, multiple
         assert max(len(p["prompt_ids"]) + len(p["chosen_ids"]) for p in pairs) > max_length
     for i, p in enumerate(pairs):
         p["ref_chosen_logps"], p["ref_rejected_logps"] = -1.5 * i, -2.0 * i
-    ours = PreferenceCollator(tokenizer.pad_token_id, PreferenceLimits(max_length, truncation_mode=mode),
-                              pad_to_multiple_of=multiple)(pairs)
-    theirs = trl_dpo.DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length,
-                                               truncation_mode=mode, pad_to_multiple_of=multiple)(pairs)
+    ours = PreferenceCollator(
+        tokenizer.pad_token_id, PreferenceLimits(max_length, truncation_mode=mode), pad_to_multiple_of=multiple
+    )(pairs)
+    theirs = trl_dpo.DataCollatorForPreference(
+        pad_token_id=tokenizer.pad_token_id, max_length=max_length, truncation_mode=mode, pad_to_multiple_of=multiple
+    )(pairs)
     assert set(theirs) <= set(ours) and ours["input_ids"].shape[0] == 2 * len(pairs)
     for key in theirs:
         assert torch.equal(ours[key], theirs[key]), key

@@ -15,28 +15,39 @@ import torch
 from lightning_seqmem import DPO, SeqMemDataModule
 from lightning_seqmem.batch import SEQUENCE_INDEX, count_real_tokens
 
-TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=512)
+TINY = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+)
 
 
 def text_rows(n=40):
     """Pairs with prompts and completions of different lengths (some cut by max_length=32)."""
     rows = []
     for i in range(n):
-        rows.append({"prompt": f"Question {i}: how do I sort a list in Python?" + " Please explain." * (i % 4),
-                     "chosen": "Call sorted(items) or items.sort()." + " It is stable." * (i % 6),
-                     "rejected": "Lists cannot be sorted." + " Sorry." * (i % 3)})
+        rows.append(
+            {
+                "prompt": f"Question {i}: how do I sort a list in Python?" + " Please explain." * (i % 4),
+                "chosen": "Call sorted(items) or items.sort()." + " It is stable." * (i % 6),
+                "rejected": "Lists cannot be sorted." + " Sorry." * (i % 3),
+            }
+        )
     return rows
 
 
 def splits(rows):
-    return datasets.DatasetDict(train=datasets.Dataset.from_list(rows[8:]),
-                                validation=datasets.Dataset.from_list(rows[:8]))
+    return datasets.DatasetDict(
+        train=datasets.Dataset.from_list(rows[8:]), validation=datasets.Dataset.from_list(rows[:8])
+    )
 
 
 def module(dataset, tmp_path, **kwargs):
-    kwargs = {"max_length": 32, "micro_batch_size": 4, "eval_batch_size": 8, "cache_dir": tmp_path / "cache",
-              **kwargs}
+    kwargs = {"max_length": 32, "micro_batch_size": 4, "eval_batch_size": 8, "cache_dir": tmp_path / "cache", **kwargs}
     dm = SeqMemDataModule(dataset, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -45,8 +56,14 @@ def module(dataset, tmp_path, **kwargs):
 
 
 def quiet_trainer(**kwargs):
-    return pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, **kwargs)
+    return pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
@@ -57,11 +74,18 @@ def test_padded_pairs_equal_trls_collator_on_the_same_rows(tokenizer, tmp_path, 
     ours = next(iter(dm.val_dataloader()))  # validation keeps the dataset's order
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    pairs = [{"prompt_ids": [bos] + enc(r["prompt"]), "chosen_ids": enc(r["chosen"]) + [eos],
-              "rejected_ids": enc(r["rejected"]) + [eos]} for r in rows[:8]]
+    pairs = [
+        {
+            "prompt_ids": [bos] + enc(r["prompt"]),
+            "chosen_ids": enc(r["chosen"]) + [eos],
+            "rejected_ids": enc(r["rejected"]) + [eos],
+        }
+        for r in rows[:8]
+    ]
     assert max(len(p["prompt_ids"]) + len(p["chosen_ids"]) for p in pairs) > 32  # really cut
-    theirs = trl_dpo.DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=32,
-                                               truncation_mode=mode)(pairs)
+    theirs = trl_dpo.DataCollatorForPreference(
+        pad_token_id=tokenizer.pad_token_id, max_length=32, truncation_mode=mode
+    )(pairs)
     assert ours["input_ids"].shape[0] == 16  # [2B, L]: chosen rows, then rejected rows
     for key in theirs:
         assert torch.equal(ours[key], theirs[key]), key
@@ -82,22 +106,33 @@ def test_every_source_gives_the_same_pairs(tokenizer, tmp_path):
     reference = dm_dataset.stats()
     for dm in (dm_list, dm_file, dm_ids):
         assert dm.stats() == reference
-        assert all(torch.equal(a, b) for a, b in zip(next(iter(dm.val_dataloader())).values(),
-                                                      next(iter(dm_dataset.val_dataloader())).values()))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(next(iter(dm.val_dataloader())).values(), next(iter(dm_dataset.val_dataloader())).values())
+        )
 
 
 @pytest.mark.parametrize("strategy", ["pad", "truncate", "pack"])
 def test_stats_count_every_token_and_shapes_count_pairs(tokenizer, tmp_path, strategy):
     # Pre-tokenized, so that one prompt is exactly max_length long: under keep_start its pair keeps no completion.
     rng = np.random.default_rng(0)
-    rows = [{"prompt_ids": rng.integers(3, 100, rng.integers(1, 20)).tolist(),
-             "chosen_ids": rng.integers(3, 100, rng.integers(1, 30)).tolist(),
-             "rejected_ids": rng.integers(3, 100, rng.integers(1, 30)).tolist()} for _ in range(60)]
+    rows = [
+        {
+            "prompt_ids": rng.integers(3, 100, rng.integers(1, 20)).tolist(),
+            "chosen_ids": rng.integers(3, 100, rng.integers(1, 30)).tolist(),
+            "rejected_ids": rng.integers(3, 100, rng.integers(1, 30)).tolist(),
+        }
+        for _ in range(60)
+    ]
     rows[5]["prompt_ids"] = list(range(3, 35))  # 32 tokens: nothing left for a completion
     rows[7]["rejected_ids"] = rows[7]["chosen_ids"]
-    dm = module(datasets.DatasetDict(train=datasets.Dataset.from_list(rows),
-                                     validation=datasets.Dataset.from_list(rows[:4])), tmp_path,
-                strategy=strategy, pad_token_id=0, max_completion_length=20)
+    dm = module(
+        datasets.DatasetDict(train=datasets.Dataset.from_list(rows), validation=datasets.Dataset.from_list(rows[:4])),
+        tmp_path,
+        strategy=strategy,
+        pad_token_id=0,
+        max_completion_length=20,
+    )
     stats = dm.stats()["train"]
     assert stats["rows_without_completion"] == 1 and stats["rows_chosen_equals_rejected"] == 1
     total = sum(2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows)
@@ -126,12 +161,18 @@ def test_bad_pairs_get_clear_errors(tmp_path):
     ids = [{"prompt_ids": [5, 6], "chosen_ids": [7], "rejected_ids": [8, 9]} for _ in range(10)]
     ids[3]["rejected_ids"] = []
     with pytest.raises(ValueError, match="row 3: empty rejected completion"):
-        module(datasets.DatasetDict(train=datasets.Dataset.from_list(ids),
-                                    validation=datasets.Dataset.from_list(ids[:2])), tmp_path, pad_token_id=0)
+        module(
+            datasets.DatasetDict(train=datasets.Dataset.from_list(ids), validation=datasets.Dataset.from_list(ids[:2])),
+            tmp_path,
+            pad_token_id=0,
+        )
     ids[3]["rejected_ids"], ids[6]["prompt_ids"] = [8], list(range(3, 50))
     with pytest.raises(ValueError, match="row 6: the prompt alone is longer than max_length=32"):
-        module(datasets.DatasetDict(train=datasets.Dataset.from_list(ids),
-                                    validation=datasets.Dataset.from_list(ids[:2])), tmp_path, pad_token_id=0)
+        module(
+            datasets.DatasetDict(train=datasets.Dataset.from_list(ids), validation=datasets.Dataset.from_list(ids[:2])),
+            tmp_path,
+            pad_token_id=0,
+        )
 
 
 def test_identical_pairs_are_warned_and_counted(tmp_path):
@@ -145,8 +186,14 @@ def test_identical_pairs_are_warned_and_counted(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["pad", "pack"])
 def test_dpo_trains_on_pairs_with_a_real_trainer(tmp_path, strategy):
-    dm = SeqMemDataModule(splits(text_rows()), max_length=32, micro_batch_size=4, strategy=strategy,
-                          max_prompt_length=16, cache_dir=tmp_path)
+    dm = SeqMemDataModule(
+        splits(text_rows()),
+        max_length=32,
+        micro_batch_size=4,
+        strategy=strategy,
+        max_prompt_length=16,
+        cache_dir=tmp_path,
+    )
     model = DPO(model_config={**TINY, "attention_dropout": 0.5}, learning_rate=1e-2, beta=0.5)
     trainer = quiet_trainer(max_steps=4, limit_val_batches=1, val_check_interval=4)
     with warnings.catch_warnings(record=True) as caught:
@@ -172,10 +219,24 @@ def test_dpo_refuses_bad_arguments():
 
 
 def test_dpo_with_precomputed_reference_logps_needs_no_copy(tmp_path):
-    rows = [{"prompt_ids": [5 + i % 7, 6], "chosen_ids": [7, 8 + i % 5], "rejected_ids": [9 + i % 3],
-             "ref_chosen_logps": -3.0 - i % 4, "ref_rejected_logps": -2.5} for i in range(24)]
-    dm = SeqMemDataModule(datasets.Dataset.from_list(rows), max_length=16, micro_batch_size=4, pad_token_id=0,
-                          cache_dir=tmp_path, strategy="pack")
+    rows = [
+        {
+            "prompt_ids": [5 + i % 7, 6],
+            "chosen_ids": [7, 8 + i % 5],
+            "rejected_ids": [9 + i % 3],
+            "ref_chosen_logps": -3.0 - i % 4,
+            "ref_rejected_logps": -2.5,
+        }
+        for i in range(24)
+    ]
+    dm = SeqMemDataModule(
+        datasets.Dataset.from_list(rows),
+        max_length=16,
+        micro_batch_size=4,
+        pad_token_id=0,
+        cache_dir=tmp_path,
+        strategy="pack",
+    )
     batch = next(iter(dm.train_dataloader()))
     pairs = (int(batch["sequence_index"].max()) + 1) // 2  # sequences 0..P-1 chosen, P..2P-1 rejected
     assert batch["ref_chosen_logps"].shape == (pairs,) and batch["ref_chosen_logps"].dtype == torch.float32

@@ -15,8 +15,8 @@ from _flash_reference import CALLS, use_reference_torch_varlen
 from test_preference import text_pairs
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_seqmem.batching.bin_packing import best_fit_decreasing
 from lightning_seqmem.batch import PREFERENCE_PACK_KEYS
+from lightning_seqmem.batching.bin_packing import best_fit_decreasing
 from lightning_seqmem.batching.pair_packing import PackedPairCollator, plan_pair_rows
 from lightning_seqmem.batching.preference import PreferenceCollator, PreferenceLimits, check_pairs
 from lightning_seqmem.training.attention import register_varlen_attention
@@ -86,9 +86,16 @@ def test_packed_shape_settings(tokenizer):
 # ---------------------------------------------------------------------------------- log-probabilities and loss
 def _llama(attn="sdpa", vocab=4096):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * ROW,
-                      attn_implementation=attn)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * ROW,
+        attn_implementation=attn,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -113,23 +120,37 @@ def test_padded_and_packed_pairs_give_the_same_logps(tokenizer, monkeypatch, mod
     padded = PreferenceCollator(0, limits)([pairs[k] for k in order])
     sdpa = _llama("sdpa")
     with torch.no_grad():
-        reference = sequence_logps(sdpa(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
-                                        use_cache=False).logits, padded)
-        results = {"packed sdpa": sequence_logps(sdpa(input_ids=packed["input_ids"],
-                                                      position_ids=packed["position_ids"], use_cache=False).logits,
-                                                 packed)}
+        reference = sequence_logps(
+            sdpa(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], use_cache=False).logits, padded
+        )
+        results = {
+            "packed sdpa": sequence_logps(
+                sdpa(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits, packed
+            )
+        }
         # Negative control: packed rows without position_ids attend across sequences.
         leaky = sequence_logps(sdpa(input_ids=packed["input_ids"], use_cache=False).logits, packed)
         use_reference_torch_varlen(monkeypatch)
         varlen = _llama(register_varlen_attention())
         varlen.load_state_dict(sdpa.state_dict())
-        results["padded varlen"] = sequence_logps(varlen(input_ids=padded["input_ids"],
-                                                         attention_mask=padded["attention_mask"], use_cache=False,
-                                                         **batch_varlen_kwargs(padded)).logits, padded)
-        results["packed varlen"] = sequence_logps(varlen(input_ids=packed["input_ids"],
-                                                         position_ids=packed["position_ids"], use_cache=False,
-                                                         **flash_varlen_kwargs(packed["position_ids"])).logits,
-                                                  packed)
+        results["padded varlen"] = sequence_logps(
+            varlen(
+                input_ids=padded["input_ids"],
+                attention_mask=padded["attention_mask"],
+                use_cache=False,
+                **batch_varlen_kwargs(padded),
+            ).logits,
+            padded,
+        )
+        results["packed varlen"] = sequence_logps(
+            varlen(
+                input_ids=packed["input_ids"],
+                position_ids=packed["position_ids"],
+                use_cache=False,
+                **flash_varlen_kwargs(packed["position_ids"]),
+            ).logits,
+            packed,
+        )
     assert CALLS and all(n > len(pairs) for _, n in CALLS)  # the varlen kernel ran, one segment per sequence
     for name, (chosen, rejected) in results.items():
         error = max((chosen - reference[0]).abs().max().item(), (rejected - reference[1]).abs().max().item())

@@ -51,8 +51,13 @@ def test_warmup_refuses_to_reshape_pairs(tokenizer):
         set_batch_sequence_length(packed, 8, truncate=False)
 
 
-@pytest.mark.parametrize("keys,rows", [(("input_ids", "attention_mask", COMPLETION_MASK, "labels"), 8),
-                                       (("input_ids", "labels", "position_ids", COMPLETION_MASK, SEQUENCE_INDEX), 4)])
+@pytest.mark.parametrize(
+    "keys,rows",
+    [
+        (("input_ids", "attention_mask", COMPLETION_MASK, "labels"), 8),
+        (("input_ids", "labels", "position_ids", COMPLETION_MASK, SEQUENCE_INDEX), 4),
+    ],
+)
 def test_the_worst_batch_is_a_pair_batch(keys, rows):
     from lightning_seqmem.batch import packed_rows, padded_rows
 
@@ -66,7 +71,15 @@ def test_the_worst_batch_is_a_pair_batch(keys, rows):
 def test_seqmem_train_data_preference_model_dpo(tmp_path):
     from test_train import run_in_process
 
-    summary = run_in_process(tmp_path, ["data=preference", "model=dpo", "data.max_prompt_length=24",
-                                        "data.micro_batch_size=4", "callbacks.seq_warmup.duration=0.5"])
+    summary = run_in_process(
+        tmp_path,
+        [
+            "data=preference",
+            "model=dpo",
+            "data.max_prompt_length=24",
+            "data.micro_batch_size=4",
+            "callbacks.seq_warmup.duration=0.5",
+        ],
+    )
     assert summary["optimizer_steps"] == 4 and summary["strategy"] == "pack (pairs, bfd)"
     assert summary["final_val_loss"] > 0 and summary["real_tokens_trained"] > 0

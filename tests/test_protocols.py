@@ -13,8 +13,15 @@ from lightning_seqmem.protocols import (
     find_pad_token_id,
 )
 
-TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
 
 
 @pytest.mark.parametrize("strategy", ["pad", "pack"])
@@ -41,8 +48,9 @@ def test_config_checks_see_warmup_and_preallocator_by_type(tmp_path):
     facts = gather_facts(plain, model)
     assert not facts.dynamic_shapes and not facts.preallocating
     callbacks = [SeqLengthWarmup(max_seq_length=64), CachePreallocator()]
-    facts = gather_facts(L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=callbacks),
-                         model)
+    facts = gather_facts(
+        L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=callbacks), model
+    )
     assert facts.dynamic_shapes and facts.preallocating
 
 
@@ -63,9 +71,18 @@ def test_every_consumer_counts_the_same_real_tokens(small_text_dataset, tmp_path
     warmup = SeqLengthWarmup(duration=0.5, min_seq_length=16, max_seq_length=64, step_size=16, truncate=False)
     record = JobRecord()
     model = CausalLM(model_config=TINY)
-    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
-                        val_check_interval=4, default_root_dir=tmp_path, callbacks=[warmup, record])
+    trainer = L.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+        val_check_interval=4,
+        default_root_dir=tmp_path,
+        callbacks=[warmup, record],
+    )
     trainer.fit(model, datamodule=dm)
     rows = (tmp_path / "progress.csv").read_text().splitlines()
     tokens_in_record = int(rows[-1].split(",")[4])

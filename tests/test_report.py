@@ -16,12 +16,21 @@ def make_job(root, name, overrides, rows, status="finished", error=None):
     (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
     if rows is not None:
         with open(job / "progress.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["step", "wall_clock_s", "elapsed_s", "cpu_s", "tokens_seen",
-                                                   "val_loss"])
+            writer = csv.DictWriter(
+                f, fieldnames=["step", "wall_clock_s", "elapsed_s", "cpu_s", "tokens_seen", "val_loss"]
+            )
             writer.writeheader()
             for step, t, tokens, loss in rows:
-                writer.writerow({"step": step, "wall_clock_s": t, "elapsed_s": t + 1, "cpu_s": 2 * t,
-                                 "tokens_seen": tokens, "val_loss": loss})
+                writer.writerow(
+                    {
+                        "step": step,
+                        "wall_clock_s": t,
+                        "elapsed_s": t + 1,
+                        "cpu_s": 2 * t,
+                        "tokens_seen": tokens,
+                        "val_loss": loss,
+                    }
+                )
     if status is not None:
         record = {"status": status, **({"error": error} if error else {})}
         (job / "job_status.json").write_text(json.dumps(record))
@@ -32,12 +41,26 @@ def make_job(root, name, overrides, rows, status="finished", error=None):
 def sweep(tmp_path):
     common = "trainer.max_steps=30"
     # Baseline ends at 4.0 after 30 s / 3000 tokens; warmup reaches 4.0 half-way between its points at 10 s and 20 s.
-    make_job(tmp_path, "0", ["callbacks.seq_warmup.duration=0.0", common],
-             [(10, 10.0, 1000, 6.0), (20, 20.0, 2000, 5.0), (30, 30.0, 3000, 4.0)])
-    make_job(tmp_path, "1", ["callbacks.seq_warmup.duration=0.3", common],
-             [(10, 10.0, 500, 5.0), (20, 20.0, 1500, 3.0), (30, 30.0, 2500, 2.5)])
-    make_job(tmp_path, "2", ["callbacks.seq_warmup.duration=0.6", common],
-             [(10, 8.0, 400, 7.0)], status="failed", error="RuntimeError: boom")
+    make_job(
+        tmp_path,
+        "0",
+        ["callbacks.seq_warmup.duration=0.0", common],
+        [(10, 10.0, 1000, 6.0), (20, 20.0, 2000, 5.0), (30, 30.0, 3000, 4.0)],
+    )
+    make_job(
+        tmp_path,
+        "1",
+        ["callbacks.seq_warmup.duration=0.3", common],
+        [(10, 10.0, 500, 5.0), (20, 20.0, 1500, 3.0), (30, 30.0, 2500, 2.5)],
+    )
+    make_job(
+        tmp_path,
+        "2",
+        ["callbacks.seq_warmup.duration=0.6", common],
+        [(10, 8.0, 400, 7.0)],
+        status="failed",
+        error="RuntimeError: boom",
+    )
     return tmp_path
 
 
@@ -68,8 +91,9 @@ def test_report_table_and_files(sweep, capsys):
 
 def test_target_baseline_and_clock_options(sweep, tmp_path):
     out = tmp_path / "out"
-    rep = report.write_report(str(sweep), str(out), target_loss=5.0, baseline="callbacks.seq_warmup.duration=0.3",
-                              clock="cpu")
+    rep = report.write_report(
+        str(sweep), str(out), target_loss=5.0, baseline="callbacks.seq_warmup.duration=0.3", clock="cpu"
+    )
     rows = {r["job"]: r for r in rep["rows"]}
     assert rep["baseline"].name == "1" and rep["target"] == 5.0
     assert rows["1"]["time_to_target_s"] == 20.0  # cpu_s = 2 * wall in the fixture
@@ -153,8 +177,9 @@ def test_seeds_group_into_mean_and_sd(tmp_path):
     assert warm["tokens_noise"] == "beyond noise"  # every seed gains about the same
     assert warm["time_noise"] == "within noise"  # the times straddle the baseline's
     # Job speed-ups are against the baseline of the same seed.
-    assert rows["1"]["speedup_tokens"] == pytest.approx(rows["0"]["tokens_to_target"] / rows["1"]["tokens_to_target"],
-                                                        rel=1e-3)
+    assert rows["1"]["speedup_tokens"] == pytest.approx(
+        rows["0"]["tokens_to_target"] / rows["1"]["tokens_to_target"], rel=1e-3
+    )
     md = (tmp_path / "report.md").read_text()
     assert "Mean ± sd over seed" in md and "3/3 finished" in md and "(within noise)" in md
     with open(tmp_path / "report_seeds.csv") as f:
@@ -186,8 +211,10 @@ def test_plot_with_seeds_has_one_line_per_setting_with_a_band_and_the_target(tmp
     fig = report.figure(jobs, rep)
     for ax in fig.axes:  # validation loss against CPU time and against tokens
         lines = _legend_lines(ax)
-        assert [line.get_label() for line in lines] == ["callbacks.seq_warmup.duration=0.0 (mean of 3)",
-                                                        "callbacks.seq_warmup.duration=0.3 (mean of 3)"]
+        assert [line.get_label() for line in lines] == [
+            "callbacks.seq_warmup.duration=0.0 (mean of 3)",
+            "callbacks.seq_warmup.duration=0.3 (mean of 3)",
+        ]
         bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
         assert len(bands) == 2
         [target] = [line for line in ax.lines if line.get_label().startswith("target")]

@@ -6,7 +6,6 @@ from _recorder import fit_recording
 from lightning_seqmem import SeqMemDataModule
 
 
-
 def test_resume_with_another_max_length_is_refused_naming_the_change(small_text_dataset, tmp_path):
     fit_recording(tmp_path, 3, save=True, dataset=small_text_dataset)
     ckpt = str(tmp_path / "epoch=0-step=3.ckpt")
@@ -30,8 +29,14 @@ def test_restart_epoch_starts_the_new_rows_from_their_first_batch(small_text_dat
     fit_recording(tmp_path, 3, save=True, dataset=small_text_dataset)
     fresh, dm = fit_recording(tmp_path / "fresh", 2, dataset=small_text_dataset, max_length=16)
     with pytest.warns(UserWarning, match="the current epoch restarts from its first batch"):
-        resumed, _ = fit_recording(tmp_path, 5, ckpt=str(tmp_path / "epoch=0-step=3.ckpt"), dataset=small_text_dataset,
-                          max_length=16, on_resume_mismatch="restart_epoch")
+        resumed, _ = fit_recording(
+            tmp_path,
+            5,
+            ckpt=str(tmp_path / "epoch=0-step=3.ckpt"),
+            dataset=small_text_dataset,
+            max_length=16,
+            on_resume_mismatch="restart_epoch",
+        )
     assert resumed[:2] == fresh  # epoch 0 of the new rows from its start, not from the old position
     assert all(len(row) == 16 for batch in resumed for row in batch)
 

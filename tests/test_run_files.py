@@ -63,9 +63,19 @@ class _CountingModel(_Model):
 
 
 def _fit(root, model, callbacks):
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False, default_root_dir=root,
-                        val_check_interval=1, num_sanity_val_steps=0, log_every_n_steps=1, callbacks=callbacks)
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        val_check_interval=1,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        callbacks=callbacks,
+    )
     trainer.fit(model, datamodule=_Data())
     return trainer
 
@@ -78,7 +88,8 @@ def test_a_recorded_job_folder_reads_back_through_the_same_names(tmp_path):
     (job / run_files.OVERRIDES_FILE).write_text("- data.max_length=8\n")
     _write_status(str(job), run_files.FINISHED)
     assert sorted(p.name for p in job.iterdir() if p.is_file()) == sorted(
-        [run_files.PROGRESS_FILE, run_files.TRAIN_PROGRESS_FILE, run_files.SUMMARY_FILE, run_files.JOB_STATUS_FILE])
+        [run_files.PROGRESS_FILE, run_files.TRAIN_PROGRESS_FILE, run_files.SUMMARY_FILE, run_files.JOB_STATUS_FILE]
+    )
     assert json.loads((job / run_files.SUMMARY_FILE).read_text()) == pytest.approx(summary.summary)
 
     [read] = load_jobs(str(tmp_path / "sweep"))

@@ -40,8 +40,12 @@ def test_balanced_batch_sizes(n, batch_size, world, drop_last):
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.integers(1, 200), min_size=8, max_size=120), world=st.integers(1, 3),
-       kind=st.sampled_from(["shuffled", "grouped", "budget"]), epoch=st.integers(0, 3))
+@given(
+    lengths=st.lists(st.integers(1, 200), min_size=8, max_size=120),
+    world=st.integers(1, 3),
+    kind=st.sampled_from(["shuffled", "grouped", "budget"]),
+    epoch=st.integers(0, 3),
+)
 def test_every_rank_gets_the_same_number_of_batches_and_no_index_is_lost(lengths, world, kind, epoch):
     makers = {
         "shuffled": lambda **kw: ShuffledBatchSampler(len(lengths), 4, seed=3, **kw),
@@ -68,8 +72,10 @@ def test_epochs_reshuffle_deterministically():
 
 def test_length_grouping_cuts_padding_and_puts_the_longest_batch_first():
     lengths = np.random.default_rng(0).integers(1, 500, 1000)
+
     def padded_slots(batches):
         return sum(len(b) * lengths[b].max() for b in batches)
+
     grouped = LengthGroupedSampler(lengths, 8, seed=0).batches()
     plain = ShuffledBatchSampler(len(lengths), 8, seed=0).batches()
     assert padded_slots(grouped) < 0.7 * padded_slots(plain)
@@ -113,8 +119,9 @@ def test_stateful_dataloader_resume():
     data = [{"input_ids": list(range(1, 2 + i % 9))} for i in range(40)]
 
     def loader():
-        return StatefulDataLoader(BatchFetcher(data), sampler=ShuffledBatchSampler(40, 4, seed=1), batch_size=None,
-                                  collate_fn=PadCollator(0))
+        return StatefulDataLoader(
+            BatchFetcher(data), sampler=ShuffledBatchSampler(40, 4, seed=1), batch_size=None, collate_fn=PadCollator(0)
+        )
 
     dl = loader()
     it = iter(dl)

@@ -58,7 +58,9 @@ def test_pretokenized_corpus_is_what_the_tokenizer_makes(scale, tmp_path):
 
 def test_rss_growth_fits_a_slope_over_sizes(scale):
     gib = 2**30
-    runs = [{"side": "ours", "run": "warm", "ok": True, "tokens": t, "peak_rss": gib + 10 * 2**20 * t / 1e6}
-            for t in (60e6, 120e6)]
+    runs = [
+        {"side": "ours", "run": "warm", "ok": True, "tokens": t, "peak_rss": gib + 10 * 2**20 * t / 1e6}
+        for t in (60e6, 120e6)
+    ]
     assert scale.rss_growth(runs)["warm"] == pytest.approx(10.0)
     assert scale.rss_growth(runs[:1]) is None  # one size: no slope

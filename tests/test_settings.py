@@ -33,17 +33,26 @@ def test_the_settings_are_frozen_and_built_once_from_the_arguments():
         (dict(max_length=1), "max_length must be an int >= 2 (a row needs an input and a target), got 1."),
         (dict(strategy="bogus"), "Unknown strategy 'bogus'; choose one of ['pad', 'truncate', 'pack']."),
         (dict(eval_strategy="bogus"), "Unknown eval_strategy 'bogus'; choose one of ['pad', 'truncate', 'pack']."),
-        (dict(overflow="x"), "overflow='x' is not valid; use one of ('split', 'truncate', 'drop', 'error') (or None: "
-                             "split text, truncate prompt/completion rows)."),
-        (dict(strategy="pack", max_length=32, max_tokens_per_batch=16),
-         "max_tokens_per_batch=16 is smaller than one row of max_length=32 tokens (strategy='pack' rows are always "
-         "max_length long); set it to at least 32."),
+        (
+            dict(overflow="x"),
+            "overflow='x' is not valid; use one of ('split', 'truncate', 'drop', 'error') (or None: "
+            "split text, truncate prompt/completion rows).",
+        ),
+        (
+            dict(strategy="pack", max_length=32, max_tokens_per_batch=16),
+            "max_tokens_per_batch=16 is smaller than one row of max_length=32 tokens (strategy='pack' rows are always "
+            "max_length long); set it to at least 32.",
+        ),
         (dict(eval_batch_size=0), "eval_batch_size must be an int >= 1 or None (= micro_batch_size), got 0."),
         (dict(num_workers=-1), "num_workers must be an int >= 0, got -1."),
-        (dict(on_resume_mismatch="skip"), "on_resume_mismatch='skip' is not valid; use one of ('error', "
-                                          "'restart_epoch')."),
-        (dict(truncation_mode="keep_middle"), "truncation_mode='keep_middle' is not valid; use one of ('keep_start', "
-                                              "'keep_end')."),
+        (
+            dict(on_resume_mismatch="skip"),
+            "on_resume_mismatch='skip' is not valid; use one of ('error', 'restart_epoch').",
+        ),
+        (
+            dict(truncation_mode="keep_middle"),
+            "truncation_mode='keep_middle' is not valid; use one of ('keep_start', 'keep_end').",
+        ),
         (dict(train_on="user"), "train_on='user' is not valid; use one of ('assistant', 'last_assistant', 'all')."),
         (dict(on_empty_labels="skip"), "on_empty_labels='skip' is not valid; use one of ('drop', 'keep', 'error')."),
         (dict(streaming="false"), "streaming must be True or False, got 'false'."),  # "false" is truthy: would stream
@@ -63,8 +72,14 @@ def test_a_pad_budget_may_be_shorter_than_a_row():
 def test_setup_does_not_change_the_strategies_or_the_settings(tokenizer):
     """Prompt/completion data resolve overflow to truncate: the pack strategy is built with it (full limits), once."""
     ds = datasets.Dataset.from_dict({"prompt": ["Question: what is two plus two?"] * 4, "completion": [" Four."] * 4})
-    dm = SeqMemDataModule(dataset=datasets.DatasetDict(train=ds, validation=ds), tokenizer=tokenizer, max_length=16,
-                          strategy="pack", eval_strategy="pad", max_prompt_length=12)
+    dm = SeqMemDataModule(
+        dataset=datasets.DatasetDict(train=ds, validation=ds),
+        tokenizer=tokenizer,
+        max_length=16,
+        strategy="pack",
+        eval_strategy="pad",
+        max_prompt_length=12,
+    )
     before = dm.settings
     expected = make_strategy(before.batching, "train", "prompt_completion").prompt_completion_limits
     assert expected == before.batching.limits  # overflow=None on prompt/completion data: truncate, all limits
@@ -88,8 +103,9 @@ def test_setup_does_not_change_the_strategies_or_the_settings(tokenizer):
         (dict(strategy="truncate", eval_strategy="pack"), "truncate", True, True),
     ],
 )
-def test_the_datamodule_describes_its_batching_through_its_strategies(small_text_dataset, kwargs, label, constant,
-                                                                      packs):
+def test_the_datamodule_describes_its_batching_through_its_strategies(
+    small_text_dataset, kwargs, label, constant, packs
+):
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, **kwargs)
     assert isinstance(dm, DescribesBatching)
     assert (dm.batching_label(), dm.constant_shapes(), dm.packs_documents()) == (label, constant, packs)
@@ -105,8 +121,10 @@ def test_the_planner_reads_the_datamodules_settings(small_text_dataset, monkeypa
     monkeypatch.setattr(planner, "build_plan", build_plan)
     planner.plan(dm)
     assert seen["settings"] is dm.settings.batching and seen["configured"] == ("pack_bfd", 64)
-    assert planner_name(dataclasses.replace(dm.settings.batching, strategy="pad", pad_to_max_length=True)) == \
-        "pad_to_max_length"
+    assert (
+        planner_name(dataclasses.replace(dm.settings.batching, strategy="pad", pad_to_max_length=True))
+        == "pad_to_max_length"
+    )
 
 
 def test_the_planners_names_select_valid_settings():
@@ -119,7 +137,17 @@ def test_data_signature_keeps_its_key_names(small_text_dataset):
     """Checkpoints saved before the settings object compare equal: the same keys, overflow resolved."""
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, strategy="pack")
     signature = dm.data_signature()
-    assert set(signature) == {"strategy", "max_length", "micro_batch_size", "seed", "packing", "overflow",
-                              "group_by_length", "max_tokens_per_batch", "drop_last", "train_rows",
-                              "train_lengths_crc32"}
+    assert set(signature) == {
+        "strategy",
+        "max_length",
+        "micro_batch_size",
+        "seed",
+        "packing",
+        "overflow",
+        "group_by_length",
+        "max_tokens_per_batch",
+        "drop_last",
+        "train_rows",
+        "train_lengths_crc32",
+    }
     assert signature["overflow"] == "split" and signature["strategy"] == "pack"

@@ -24,8 +24,16 @@ from lightning_seqmem.batching.collate import real_token_mask
 from lightning_seqmem.data.chat_corpus import load_builtin_chat_corpus
 
 HERE = os.path.dirname(__file__)
-COUNTED = ("documents", "empty_documents_skipped", "tokens", "tokens_truncated", "tokens_dropped",
-           "documents_split", "documents_over_max_length", "longest_document")
+COUNTED = (
+    "documents",
+    "empty_documents_skipped",
+    "tokens",
+    "tokens_truncated",
+    "tokens_dropped",
+    "documents_split",
+    "documents_over_max_length",
+    "longest_document",
+)
 
 
 def _write_shards(directory, shards=4, per_shard=30):
@@ -72,8 +80,15 @@ def test_sharded_stream_reads_every_document_once_with_workers(tmp_path, tokeniz
     """4 files, 2 workers: each worker reads its own files (``datasets`` deals them out) and nothing else, so the
     train and validation documents together are the stream's documents, each once."""
     paths = _write_shards(tmp_path)
-    dm = SeqMemDataModule(dataset=_stream(paths), max_length=24, micro_batch_size=4, strategy="pack",
-                          num_workers=num_workers, streaming_validation_documents=12, streaming_buffer_size=8)
+    dm = SeqMemDataModule(
+        dataset=_stream(paths),
+        max_length=24,
+        micro_batch_size=4,
+        strategy="pack",
+        num_workers=num_workers,
+        streaming_validation_documents=12,
+        streaming_buffer_size=8,
+    )
     dm.setup("fit")
     seen, expected, documents = _read_once(dm, paths)
     assert seen == expected
@@ -87,8 +102,14 @@ def test_validation_documents_are_the_streams_first_and_never_trained_on(tokeniz
     of them further on included, whatever the number of readers."""
     texts = [f"doc {i} " + "word " * (1 + i % 5) for i in range(40)] + ["doc 1 word word "]  # a copy of doc 1
     stream = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset(num_shards=4)
-    dm = SeqMemDataModule(dataset=stream, max_length=32, micro_batch_size=4, strategy="pack", num_workers=2,
-                          streaming_validation_documents=3)
+    dm = SeqMemDataModule(
+        dataset=stream,
+        max_length=32,
+        micro_batch_size=4,
+        strategy="pack",
+        num_workers=2,
+        streaming_validation_documents=3,
+    )
     dm.setup("fit")
     assert dm.datasets["validation"] == [{"text": t} for t in texts[:3]]
     trained = {d for b in dm.train_dataloader() for d in _documents(b, dm.pad_token_id)}
@@ -99,10 +120,14 @@ def test_validation_documents_are_the_streams_first_and_never_trained_on(tokeniz
 
 def _read_once(dm, paths):
     """``(pieces the train and validation loaders gave, the files' documents cut at 24, documents)``, sorted."""
-    seen = [d for loader in (dm.train_dataloader(), dm.val_dataloader())
-            for batch in loader for d in _documents(batch, dm.pad_token_id)]
+    seen = [
+        d
+        for loader in (dm.train_dataloader(), dm.val_dataloader())
+        for batch in loader
+        for d in _documents(batch, dm.pad_token_id)
+    ]
     encoded = _encoded(SeqMemDataModule(max_length=24, strategy="pack"), paths)
-    return sorted(seen), sorted(tuple(d[j:j + 24]) for d in encoded for j in range(0, len(d), 24)), len(encoded)
+    return sorted(seen), sorted(tuple(d[j : j + 24]) for d in encoded for j in range(0, len(d), 24)), len(encoded)
 
 
 def _texts(paths):
@@ -122,11 +147,19 @@ def test_stream_counts_every_lost_token_as_the_map_style_pipeline_does(tmp_path,
     paths = _write_shards(tmp_path, shards=2)
     rows = [{"text": t} for t in _texts(paths)]
     kwargs = dict(max_length=24, micro_batch_size=4, strategy="pack", overflow=overflow, streaming_buffer_size=8)
-    whole = SeqMemDataModule(dataset=datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:40]),
-                                                           "validation": datasets.Dataset.from_list(rows[40:])}),
-                             cache_dir=tmp_path / "cache", **kwargs)
-    stream = datasets.IterableDatasetDict({"train": datasets.Dataset.from_list(rows[:40]).to_iterable_dataset(),
-                                           "validation": datasets.Dataset.from_list(rows[40:]).to_iterable_dataset()})
+    whole = SeqMemDataModule(
+        dataset=datasets.DatasetDict(
+            {"train": datasets.Dataset.from_list(rows[:40]), "validation": datasets.Dataset.from_list(rows[40:])}
+        ),
+        cache_dir=tmp_path / "cache",
+        **kwargs,
+    )
+    stream = datasets.IterableDatasetDict(
+        {
+            "train": datasets.Dataset.from_list(rows[:40]).to_iterable_dataset(),
+            "validation": datasets.Dataset.from_list(rows[40:]).to_iterable_dataset(),
+        }
+    )
     dm = SeqMemDataModule(dataset=stream, **kwargs)
     dm.setup("fit")
     loses = overflow != "split"
@@ -146,11 +179,14 @@ def test_streamed_conversations_count_cut_turns_as_the_map_style_pipeline_does(c
     convs.append([{"role": "user", "content": "Nothing to learn from this one."}])  # dropped: no trained token
     halves = {"train": convs[:20], "validation": convs[20:]}
     kwargs = dict(tokenizer=chat_tokenizer, max_length=160, micro_batch_size=4, strategy="pack")
-    whole = SeqMemDataModule(dataset=datasets.DatasetDict({k: datasets.Dataset.from_dict({"messages": v})
-                                                           for k, v in halves.items()}),
-                             cache_dir=tmp_path / "cache", **kwargs)
-    stream = datasets.IterableDatasetDict({k: datasets.Dataset.from_dict({"messages": v}).to_iterable_dataset()
-                                           for k, v in halves.items()})
+    whole = SeqMemDataModule(
+        dataset=datasets.DatasetDict({k: datasets.Dataset.from_dict({"messages": v}) for k, v in halves.items()}),
+        cache_dir=tmp_path / "cache",
+        **kwargs,
+    )
+    stream = datasets.IterableDatasetDict(
+        {k: datasets.Dataset.from_dict({"messages": v}).to_iterable_dataset() for k, v in halves.items()}
+    )
     dm = SeqMemDataModule(dataset=stream, **kwargs)
     dm.setup("fit")
     with pytest.warns(UserWarning, match="lose tokens"):
@@ -160,17 +196,29 @@ def test_streamed_conversations_count_cut_turns_as_the_map_style_pipeline_does(c
     assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
     assert got["tokens_truncated"] > 0 and got["conversations_dropped_empty"] == 1
     assert trained == got["trained_tokens"]  # every trained token counted reaches the loss
-    assert "trained_tokens" not in SeqMemDataModule(dataset=datasets.IterableDataset.from_generator(
-        lambda: ({"text": "a b"} for _ in range(3))), strategy="pack",
-        streaming_validation_documents=0).stats()["train"]
+    assert (
+        "trained_tokens"
+        not in SeqMemDataModule(
+            dataset=datasets.IterableDataset.from_generator(lambda: ({"text": "a b"} for _ in range(3))),
+            strategy="pack",
+            streaming_validation_documents=0,
+        ).stats()["train"]
+    )
 
 
 def test_shuffled_stream_is_dealt_anew_each_epoch(tokenizer):
     texts = [f"doc {i} " + "word " * (1 + i % 5) for i in range(64)]
-    stream = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset(num_shards=8).shuffle(seed=0,
-                                                                                                 buffer_size=16)
-    dm = SeqMemDataModule(dataset=stream, max_length=32, micro_batch_size=4, strategy="pack",
-                          streaming_validation_documents=0, streaming_buffer_size=4)
+    stream = (
+        datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset(num_shards=8).shuffle(seed=0, buffer_size=16)
+    )
+    dm = SeqMemDataModule(
+        dataset=stream,
+        max_length=32,
+        micro_batch_size=4,
+        strategy="pack",
+        streaming_validation_documents=0,
+        streaming_buffer_size=4,
+    )
     dm.setup("fit")
     loader = dm.train_dataloader()
     first, second = ([d for b in loader for d in _documents(b, dm.pad_token_id)] for _ in range(2))
@@ -182,13 +230,22 @@ def test_shuffled_stream_is_dealt_anew_each_epoch(tokenizer):
 def _ddp_worker(rank: int, world: int, port: int, paths: list[str], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_DATASETS_DISABLE_PROGRESS_BARS="1")
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    dm = SeqMemDataModule(dataset=_stream(paths), max_length=24, micro_batch_size=4, strategy="pack",
-                          num_workers=2, streaming_validation_documents=12, streaming_buffer_size=8)
+    dm = SeqMemDataModule(
+        dataset=_stream(paths),
+        max_length=24,
+        micro_batch_size=4,
+        strategy="pack",
+        num_workers=2,
+        streaming_validation_documents=12,
+        streaming_buffer_size=8,
+    )
     dm.setup("fit")
     train = dm.train_dataloader()
     train.dataset.cycle = False  # one pass, to compare with the stream (training repeats it under DDP)
-    seen = {split: [list(d) for batch in loader for d in _documents(batch, dm.pad_token_id)]
-            for split, loader in (("train", train), ("validation", dm.val_dataloader()))}
+    seen = {
+        split: [list(d) for batch in loader for d in _documents(batch, dm.pad_token_id)]
+        for split, loader in (("train", train), ("validation", dm.val_dataloader()))
+    }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"seen": seen, "stats": dm.stats()}, f)
     dist.destroy_process_group()
@@ -204,9 +261,10 @@ def test_ddp_ranks_and_their_workers_read_disjoint_shards_covering_the_stream(tm
     mp.start_processes(_ddp_worker, args=(2, port, paths, str(tmp_path)), nprocs=2, start_method="spawn")
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     seen = [tuple(d) for r in ranks for split in ("train", "validation") for d in r["seen"][split]]
-    whole = SeqMemDataModule(dataset=datasets.Dataset.from_list([{"text": t} for t in _texts(paths)]),
-                             max_length=24, strategy="pack")
-    expected = [tuple(d[j:j + 24]) for d in _encoded(whole, paths) for j in range(0, len(d), 24)]
+    whole = SeqMemDataModule(
+        dataset=datasets.Dataset.from_list([{"text": t} for t in _texts(paths)]), max_length=24, strategy="pack"
+    )
+    expected = [tuple(d[j : j + 24]) for d in _encoded(whole, paths) for j in range(0, len(d), 24)]
     assert sorted(seen) == sorted(expected)
     train = [r["stats"]["train"]["documents"] for r in ranks]
     assert ranks[0]["stats"]["validation"] == ranks[1]["stats"]["validation"]  # each read all of it
@@ -219,8 +277,13 @@ def test_uneven_validation_stream_under_fsdp_runs_the_same_batches_on_every_rank
     rank would run 13 batches and the other 1, their collective forwards crossing into the next training step.
     Dealt out, both run the same batches, and each counts the whole split."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, os.path.join(HERE, "_stream_dist_script.py"), "fsdp", str(tmp_path)],
-                          env=env, timeout=300, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_stream_dist_script.py"), "fsdp", str(tmp_path)],
+        env=env,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.load(open(tmp_path / f"fsdp_rank{r}.json")) for r in range(2)]
     assert ranks[0]["val_batches"] == ranks[1]["val_batches"] > 0
@@ -230,8 +293,13 @@ def test_uneven_validation_stream_under_fsdp_runs_the_same_batches_on_every_rank
 
 # --------------------------------------------------------------------------------------- other kinds of stream
 def _prompt_completion_rows(n=30):
-    return [{"prompt": f"question {i} " + "why " * (i % 17), "completion": "" if i == 4 else f"answer {i} " +
-             "because " * (i % 11)} for i in range(n)]
+    return [
+        {
+            "prompt": f"question {i} " + "why " * (i % 17),
+            "completion": "" if i == 4 else f"answer {i} " + "because " * (i % 11),
+        }
+        for i in range(n)
+    ]
 
 
 def test_prompt_completion_stream_is_truncated_and_counted_as_the_map_style_rows(tokenizer, tmp_path):
@@ -240,11 +308,14 @@ def test_prompt_completion_stream_is_truncated_and_counted_as_the_map_style_rows
     rows = _prompt_completion_rows()
     halves = {"train": rows[:20], "validation": rows[20:]}
     kwargs = dict(max_length=24, max_prompt_length=10, micro_batch_size=4, strategy="pack")
-    whole = SeqMemDataModule(dataset=datasets.DatasetDict({k: datasets.Dataset.from_list(v)
-                                                           for k, v in halves.items()}),
-                             cache_dir=tmp_path / "cache", **kwargs)
-    stream = datasets.IterableDatasetDict({k: datasets.Dataset.from_list(v).to_iterable_dataset()
-                                           for k, v in halves.items()})
+    whole = SeqMemDataModule(
+        dataset=datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in halves.items()}),
+        cache_dir=tmp_path / "cache",
+        **kwargs,
+    )
+    stream = datasets.IterableDatasetDict(
+        {k: datasets.Dataset.from_list(v).to_iterable_dataset() for k, v in halves.items()}
+    )
     dm = SeqMemDataModule(dataset=stream, **kwargs)
     dm.setup("fit")
     with pytest.warns(UserWarning, match="train stream: documents longer than max_length=24 lose tokens"):
@@ -268,21 +339,29 @@ def _documents_with_labels(batches, pad_token_id):
         for row in range(batch["input_ids"].shape[0]):
             ids, pos, labels = batch["input_ids"][row], batch["position_ids"][row], batch["labels"][row]
             starts = (pos == 0).nonzero().flatten().tolist() + [len(ids)]
-            out += [(tuple(ids[a:b].tolist()), tuple(labels[a:b].tolist()))
-                    for a, b in zip(starts[:-1], starts[1:]) if real[row, a]]
+            out += [
+                (tuple(ids[a:b].tolist()), tuple(labels[a:b].tolist()))
+                for a, b in zip(starts[:-1], starts[1:])
+                if real[row, a]
+            ]
     return out
 
 
 def test_token_id_stream_is_packed_with_its_labels_and_checked(tokenizer):
-    rows = [{"input_ids": list(range(1, 5 + i % 40)), "labels": [-100] * 2 + list(range(3, 5 + i % 40))}
-            for i in range(30)]
+    rows = [
+        {"input_ids": list(range(1, 5 + i % 40)), "labels": [-100] * 2 + list(range(3, 5 + i % 40))} for i in range(30)
+    ]
     stream = datasets.Dataset.from_list(rows).to_iterable_dataset()
-    dm = SeqMemDataModule(dataset=stream, max_length=24, micro_batch_size=4, strategy="pack",
-                          streaming_validation_documents=0)
+    dm = SeqMemDataModule(
+        dataset=stream, max_length=24, micro_batch_size=4, strategy="pack", streaming_validation_documents=0
+    )
     dm.setup("fit")
     pieces = [p for b in dm.train_dataloader() for p in _documents_with_labels([b], dm.pad_token_id)]
-    expected = [(tuple(r["input_ids"][j:j + 24]), tuple(r["labels"][j:j + 24]))
-                for r in rows for j in range(0, len(r["input_ids"]), 24)]
+    expected = [
+        (tuple(r["input_ids"][j : j + 24]), tuple(r["labels"][j : j + 24]))
+        for r in rows
+        for j in range(0, len(r["input_ids"]), 24)
+    ]
     # a packed piece's first label is -100 (nothing in its row predicts it)
     assert sorted(ids for ids, _ in pieces) == sorted(ids for ids, _ in expected)
     for ids, labels in pieces:
@@ -292,8 +371,9 @@ def test_token_id_stream_is_packed_with_its_labels_and_checked(tokenizer):
     assert stats["documents"] == 30 and stats["tokens"] == sum(len(r["input_ids"]) for r in rows)
     assert stats["documents_split"] == sum(len(r["input_ids"]) > 24 for r in rows)
     bad = datasets.Dataset.from_list([{"input_ids": [1, 2]}, {"input_ids": [3, len(tokenizer) + 7]}])
-    dm = SeqMemDataModule(dataset=bad.to_iterable_dataset(), strategy="pack", tokenizer=tokenizer,
-                          streaming_validation_documents=0)
+    dm = SeqMemDataModule(
+        dataset=bad.to_iterable_dataset(), strategy="pack", tokenizer=tokenizer, streaming_validation_documents=0
+    )
     dm.setup("fit")
     with pytest.raises(ValueError, match=rf"Row 1 of the stream: input_ids holds {len(tokenizer) + 7}, outside"):
         list(dm.train_dataloader())
@@ -304,9 +384,16 @@ def test_streaming_true_reads_local_files_lazily_and_every_document_once(tmp_pat
     """``streaming=True`` on jsonl files: ``datasets`` reads them as a stream (no Arrow copy is written), one shard
     per file, and train plus validation are the files' documents, each once."""
     paths = _write_shards(tmp_path)
-    dm = SeqMemDataModule(dataset=str(tmp_path / "part*.jsonl"), streaming=True, max_length=24, micro_batch_size=4,
-                          strategy="pack", num_workers=2, streaming_validation_documents=12,
-                          cache_dir=tmp_path / "cache")
+    dm = SeqMemDataModule(
+        dataset=str(tmp_path / "part*.jsonl"),
+        streaming=True,
+        max_length=24,
+        micro_batch_size=4,
+        strategy="pack",
+        num_workers=2,
+        streaming_validation_documents=12,
+        cache_dir=tmp_path / "cache",
+    )
     dm.prepare_data()
     dm.setup("fit")
     assert isinstance(dm.dataset, datasets.IterableDatasetDict) and dm.dataset["train"].num_shards == 4
@@ -316,10 +403,12 @@ def test_streaming_true_reads_local_files_lazily_and_every_document_once(tmp_pat
 
 
 def test_streaming_true_serves_a_map_style_dataset_as_shards(tokenizer):
-    ds = datasets.Dataset.from_dict({"prompt": [f"q {i}" for i in range(40)],
-                                     "completion": [f"a {i} " + "so " * (i % 9) for i in range(40)]})
-    dm = SeqMemDataModule(dataset=ds, streaming=True, max_length=32, micro_batch_size=4, strategy="pack",
-                          streaming_validation_documents=5)
+    ds = datasets.Dataset.from_dict(
+        {"prompt": [f"q {i}" for i in range(40)], "completion": [f"a {i} " + "so " * (i % 9) for i in range(40)]}
+    )
+    dm = SeqMemDataModule(
+        dataset=ds, streaming=True, max_length=32, micro_batch_size=4, strategy="pack", streaming_validation_documents=5
+    )
     dm.setup("fit")
     assert dm.dataset["train"].num_shards == 8 and len(dm.datasets["validation"]) == 5
     list(dm.train_dataloader())
@@ -336,18 +425,34 @@ def test_resuming_a_streamed_run_says_the_stream_starts_again(tmp_path, tokenize
     texts = [f"doc {i} " + "word " * (1 + i % 9) for i in range(200)]
 
     def fit(max_steps, ckpt=None):
-        dm = SeqMemDataModule(dataset=datasets.Dataset.from_dict({"text": texts}), streaming=True, max_length=32,
-                              micro_batch_size=2, strategy="pack", streaming_validation_documents=4)
-        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+        dm = SeqMemDataModule(
+            dataset=datasets.Dataset.from_dict({"text": texts}),
+            streaming=True,
+            max_length=32,
+            micro_batch_size=2,
+            strategy="pack",
+            streaming_validation_documents=4,
+        )
+        trainer = L.Trainer(
+            max_steps=max_steps,
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=tmp_path,
+        )
         trainer.fit(CausalLM(), datamodule=dm, ckpt_path=ckpt)
         return trainer, dm
 
     trainer, dm = fit(2)
     read = dm.stats()["train"]["documents"]
     trainer.save_checkpoint(tmp_path / "two.ckpt")
-    with pytest.warns(UserWarning, match=rf"reads it again from its first document \(the checkpointed run had "
-                                         rf"read {read:,} training documents"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"reads it again from its first document \(the checkpointed run had "
+        rf"read {read:,} training documents",
+    ):
         trainer, _ = fit(4, str(tmp_path / "two.ckpt"))
     assert trainer.global_step == 4
 
@@ -390,8 +495,9 @@ def test_stream_layouts_that_waste_reading_are_named():
 
 def test_more_workers_than_files_is_warned_through_the_datamodule(tmp_path, tokenizer):
     paths = _write_shards(tmp_path, shards=2, per_shard=10)
-    dm = SeqMemDataModule(dataset=paths, streaming=True, strategy="pack", max_length=24, num_workers=3,
-                          streaming_validation_documents=0)
+    dm = SeqMemDataModule(
+        dataset=paths, streaming=True, strategy="pack", max_length=24, num_workers=3, streaming_validation_documents=0
+    )
     dm.setup("fit")
     with pytest.warns(UserWarning, match=r"3 loader workers but 2 file\(s\) \(shards\) per rank"):
         dm.train_dataloader()
@@ -416,16 +522,25 @@ def test_a_stream_is_planned_on_its_first_documents(tmp_path, tokenizer):
 
 
 def test_pretokenized_prompt_completion_stream_matches_the_map_style_rows(tokenizer, tmp_path):
-    rows = [{"prompt_ids": list(range(5, 8 + i % 19)), "completion_ids": list(range(40, 40 + (i * 7) % 23))}
-            for i in range(30)]  # i = 0, 23: an empty completion
+    rows = [
+        {"prompt_ids": list(range(5, 8 + i % 19)), "completion_ids": list(range(40, 40 + (i * 7) % 23))}
+        for i in range(30)
+    ]  # i = 0, 23: an empty completion
     halves = {"train": rows[:20], "validation": rows[20:]}
-    kwargs = dict(max_length=24, max_prompt_length=10, micro_batch_size=4, strategy="pack", pad_token_id=0,
-                  eos_token_id=1)
-    whole = SeqMemDataModule(dataset=datasets.DatasetDict({k: datasets.Dataset.from_list(v)
-                                                           for k, v in halves.items()}),
-                             cache_dir=tmp_path / "cache", **kwargs)
-    dm = SeqMemDataModule(dataset=datasets.IterableDatasetDict(
-        {k: datasets.Dataset.from_list(v).to_iterable_dataset() for k, v in halves.items()}), **kwargs)
+    kwargs = dict(
+        max_length=24, max_prompt_length=10, micro_batch_size=4, strategy="pack", pad_token_id=0, eos_token_id=1
+    )
+    whole = SeqMemDataModule(
+        dataset=datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in halves.items()}),
+        cache_dir=tmp_path / "cache",
+        **kwargs,
+    )
+    dm = SeqMemDataModule(
+        dataset=datasets.IterableDatasetDict(
+            {k: datasets.Dataset.from_list(v).to_iterable_dataset() for k, v in halves.items()}
+        ),
+        **kwargs,
+    )
     dm.setup("fit")
     assert dm.tokenizer is None  # pre-tokenized with its pad id: no tokenizer loaded
     mine = sorted(_documents_with_labels(dm.train_dataloader(), 0))
@@ -437,11 +552,18 @@ def test_pretokenized_prompt_completion_stream_matches_the_map_style_rows(tokeni
 
 def test_a_stream_with_nothing_left_to_train_on_is_a_clear_error(tokenizer):
     small = datasets.Dataset.from_dict({"text": [f"doc {i}" for i in range(5)]}).to_iterable_dataset()
-    with pytest.raises(ValueError, match=r"The stream holds 5 documents, and the first "
-                                         r"streaming_validation_documents=100 go to validation"):
+    with pytest.raises(
+        ValueError,
+        match=r"The stream holds 5 documents, and the first "
+        r"streaming_validation_documents=100 go to validation",
+    ):
         SeqMemDataModule(dataset=small, strategy="pack").setup("fit")
-    empty = datasets.IterableDatasetDict({split: datasets.Dataset.from_dict({"text": [""] * 4}).to_iterable_dataset()
-                                          for split in ("train", "validation")})
+    empty = datasets.IterableDatasetDict(
+        {
+            split: datasets.Dataset.from_dict({"text": [""] * 4}).to_iterable_dataset()
+            for split in ("train", "validation")
+        }
+    )
     dm = SeqMemDataModule(dataset=empty, strategy="pack")
     dm.setup("fit")
     with pytest.raises(ValueError, match=r"training stream holds no document to train on \(0 read, all empty"):
@@ -458,8 +580,14 @@ def test_a_repeating_stream_with_an_idle_loader_worker_goes_on_with_the_others(t
     from lightning_seqmem.datamodule.streaming import StreamCounts, StreamingRows, encode_document
 
     one_file = datasets.Dataset.from_dict({"text": [f"doc {i} word word" for i in range(20)]}).to_iterable_dataset()
-    rows = StreamingRows(one_file, partial(encode_document, tokenizer, "text"), StreamingPacker(16, buffer_size=4),
-                         cycle=True, required=True, counts=StreamCounts(2))
+    rows = StreamingRows(
+        one_file,
+        partial(encode_document, tokenizer, "text"),
+        StreamingPacker(16, buffer_size=4),
+        cycle=True,
+        required=True,
+        counts=StreamCounts(2),
+    )
     loader = DataLoader(rows, batch_size=None, num_workers=2, timeout=60)
     taken = list(itertools.islice(loader, 60))  # more rows than one pass gives: worker 0 repeats its file
     assert len(taken) == 60
@@ -473,8 +601,9 @@ def test_streaming_true_checks_its_files_as_map_style_loading_does(tmp_path, tok
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "one two"}) + "\n")
     (tmp_path / "b.parquet").write_bytes(b"")
     with pytest.raises(ValueError, match=r"Cannot read files with extensions \['.jsonl', '.parquet'\] together"):
-        SeqMemDataModule(dataset=[str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")], streaming=True,
-                         strategy="pack").setup("fit")
+        SeqMemDataModule(
+            dataset=[str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")], streaming=True, strategy="pack"
+        ).setup("fit")
     (tmp_path / "b.parquet").unlink()
     (tmp_path / "c.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"c\.jsonl is empty"):
@@ -483,7 +612,11 @@ def test_streaming_true_checks_its_files_as_map_style_loading_does(tmp_path, tok
     folder = SeqMemDataModule(dataset=str(tmp_path), streaming=True, strategy="pack", streaming_validation_documents=0)
     folder.setup("fit")
     assert folder.dataset["train"].num_shards == 2 and len(list(folder.train_dataloader())) == 1
-    documents = SeqMemDataModule(dataset=["alpha beta", "gamma delta", "epsilon"], streaming=True, strategy="pack",
-                                 streaming_validation_documents=1)
+    documents = SeqMemDataModule(
+        dataset=["alpha beta", "gamma delta", "epsilon"],
+        streaming=True,
+        strategy="pack",
+        streaming_validation_documents=1,
+    )
     documents.setup("fit")
     assert isinstance(documents.dataset, datasets.IterableDatasetDict) and documents.datasets["validation"]

@@ -53,11 +53,16 @@ def _imports() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names if a.name.startswith("lightning_seqmem"))
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("lightning_seqmem"):
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and (node.module or "").startswith("lightning_seqmem")
+            ):
                 for alias in node.names:
                     candidate = f"{node.module}.{alias.name}"
                     is_module = (PACKAGE.parent / candidate.replace(".", "/")).with_suffix(".py").exists() or (
-                        PACKAGE.parent / candidate.replace(".", "/")).is_dir()
+                        PACKAGE.parent / candidate.replace(".", "/")
+                    ).is_dir()
                     targets.add(candidate if is_module else node.module)
         targets.discard(module)
     return graph
@@ -65,7 +70,9 @@ def _imports() -> dict[str, set[str]]:
 
 def test_every_folder_is_on_a_floor():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert folders - {"conf"} <= set(LAYERS), f"give {sorted(folders - set(LAYERS))} a floor in LAYERS and ARCHITECTURE.md"
+    assert folders - {"conf"} <= set(LAYERS), (
+        f"give {sorted(folders - set(LAYERS))} a floor in LAYERS and ARCHITECTURE.md"
+    )
 
 
 def test_imports_point_down_the_layers():
@@ -91,7 +98,7 @@ def test_no_import_cycles():
         stack.append(node)
         for nxt in graph.get(node, ()):
             if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt in graph and not state.get(nxt):
                 visit(nxt, stack)
         stack.pop()
@@ -105,17 +112,21 @@ def test_no_import_cycles():
 
 
 def test_no_module_hides_its_structure_in_length():
-    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
+    long = {
+        str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400
+    }
     assert not long, f"modules over 400 lines (split them by concern): {long}"
 
 
-@pytest.mark.parametrize("old, new", [
-    ("lightning_seqmem.varlen", "lightning_seqmem.training.varlen"),
-    ("lightning_seqmem.plan", "lightning_seqmem.apps.planner"),
-    ("lightning_seqmem.packing", "lightning_seqmem.batching"),
-    ("lightning_seqmem.model", "lightning_seqmem.training.model"),
-])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("lightning_seqmem.varlen", "lightning_seqmem.training.varlen"),
+        ("lightning_seqmem.plan", "lightning_seqmem.apps.planner"),
+        ("lightning_seqmem.packing", "lightning_seqmem.batching"),
+        ("lightning_seqmem.model", "lightning_seqmem.training.model"),
+    ],
+)
 def test_old_flat_paths_import_the_moved_module(old, new):
     """Users' code written against the flat layout keeps working: the old path is the same module object."""
     assert importlib.import_module(old) is importlib.import_module(new)

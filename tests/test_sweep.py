@@ -33,8 +33,11 @@ def seqmem_train(tmp_path, *args):
 def test_warmup_sweep_example_then_report(tmp_path):
     """examples/warmup_sweep.sh, shortened: a real multirun of seqmem-train, then seqmem-report on it."""
     sweep = tmp_path / "sweep"
-    env = {**os.environ, "SWEEP_DIR": str(sweep),
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    env = {
+        **os.environ,
+        "SWEEP_DIR": str(sweep),
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+    }
     # duration=1.5 is invalid: that job fails at instantiation; the other two must still run and be reported.
     # seed=1 replaces the preset's three seeds: one job per duration.
     cmd = ["bash", str(EXAMPLES / "warmup_sweep.sh"), *SHRINK, "callbacks.seq_warmup.duration=0.0,0.5,1.5", "seed=1"]
@@ -42,7 +45,10 @@ def test_warmup_sweep_example_then_report(tmp_path):
     assert proc.returncode != 0  # Hydra re-raises the failed job after running all of them; the script keeps it
     assert "duration" in proc.stderr
     assert [json.load(open(sweep / str(i) / "job_status.json"))["status"] for i in range(3)] == [
-        "finished", "finished", "failed"]
+        "finished",
+        "finished",
+        "failed",
+    ]
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
 
     assert "baseline: job 0 (callbacks.seq_warmup.duration=0.0)" in proc.stdout  # the report ran anyway
@@ -61,11 +67,29 @@ def test_warmup_sweep_example_then_report(tmp_path):
     fig = figure(jobs, rep)
     for ax in fig.axes[:2]:
         labels = [line.get_label() for line in ax.lines if not line.get_label().startswith("_")]
-        assert labels == ["callbacks.seq_warmup.duration=0.0", "callbacks.seq_warmup.duration=0.5",
-                          f"target {rep['target']:.4g}"]
+        assert labels == [
+            "callbacks.seq_warmup.duration=0.0",
+            "callbacks.seq_warmup.duration=0.5",
+            f"target {rep['target']:.4g}",
+        ]
 
-    again = subprocess.run([sys.executable, "-m", "lightning_seqmem.apps.report", str(sweep), "--clock", "cpu",
-                            "--target-loss", "100", "--name", "cpu"], capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_seqmem.apps.report",
+            str(sweep),
+            "--clock",
+            "cpu",
+            "--target-loss",
+            "100",
+            "--name",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr
     assert (sweep / "cpu.csv").exists() and "Times are training CPU time" in again.stdout
 
@@ -74,9 +98,17 @@ def test_warmup_sweep_example_then_report(tmp_path):
 def test_ddp_spawn_job_inside_a_multirun(tmp_path):
     """trainer=ddp_spawn: two CPU processes per job, launched by the Trainer, so the sweep is not re-run per rank."""
     sweep = tmp_path / "sweep"
-    proc = seqmem_train(tmp_path, "trainer=ddp_spawn", "trainer.accelerator=cpu", "trainer.devices=2",
-                        "trainer.precision=32-true", "trainer.max_steps=2", "trainer.val_check_interval=2",
-                        "callbacks.seq_warmup.duration=0.5", f"hydra.sweep.dir={sweep}")
+    proc = seqmem_train(
+        tmp_path,
+        "trainer=ddp_spawn",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.precision=32-true",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "callbacks.seq_warmup.duration=0.5",
+        f"hydra.sweep.dir={sweep}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]  # one job, not one per rank
     summary = json.load(open(sweep / "0" / "summary.json"))
@@ -89,9 +121,19 @@ def test_ddp_spawn_job_inside_a_multirun(tmp_path):
 def test_ddp_single_run(tmp_path):
     """trainer=ddp outside a sweep: Lightning re-launches seqmem-train for rank 1 into the same run directory."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", *SHRINK, "trainer=ddp", "trainer.accelerator=cpu",
-           "trainer.devices=2", "trainer.precision=32-true", "trainer.max_steps=2", "trainer.val_check_interval=2",
-           f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_seqmem.apps.train",
+        *SHRINK,
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.precision=32-true",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.load(open(run_dir / "summary.json"))
@@ -105,15 +147,25 @@ def test_short_sweep_validates_at_the_last_step_and_reports(tmp_path):
     """12 steps with validation scheduled every 50: only the final validation runs, and the report has numbers."""
     sweep = tmp_path / "sweep"
     shrink = [o for o in SHRINK if "val_check_interval" not in o and "max_steps" not in o]
-    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", "-m", *shrink, "data.micro_batch_size=4",
-           "callbacks.seq_warmup.duration=0.0,0.3", "trainer.max_steps=12", f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_seqmem.apps.train",
+        "-m",
+        *shrink,
+        "data.micro_batch_size=4",
+        "callbacks.seq_warmup.duration=0.0,0.3",
+        "trainer.max_steps=12",
+        f"hydra.sweep.dir={sweep}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for job in ("0", "1"):
         with open(sweep / job / "progress.csv") as f:
             assert [r["step"] for r in csv.DictReader(f)] == ["12"]  # the final validation, and only it
-    report = subprocess.run([sys.executable, "-m", "lightning_seqmem.apps.report", str(sweep)], capture_output=True,
-                            text=True, timeout=300)
+    report = subprocess.run(
+        [sys.executable, "-m", "lightning_seqmem.apps.report", str(sweep)], capture_output=True, text=True, timeout=300
+    )
     assert report.returncode == 0, report.stderr
     with open(sweep / "report.csv") as f:
         rows = list(csv.DictReader(f))

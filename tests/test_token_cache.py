@@ -59,11 +59,21 @@ class _Steps(L.LightningModule):
 def test_two_ranks_tokenize_once_and_a_new_tokenizer_invalidates_the_cache(tmp_path, tokenizer):
     tok = _counting(tokenizer, tmp_path, "tok")
     cache = tmp_path / "cache"
-    dm = SeqMemDataModule(dataset=_data(), tokenizer=tok, strategy="pack", max_length=32, micro_batch_size=2,
-                          cache_dir=cache, num_proc=1)
-    trainer = L.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_steps=2, logger=False,
-                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                        limit_val_batches=0, default_root_dir=tmp_path)
+    dm = SeqMemDataModule(
+        dataset=_data(), tokenizer=tok, strategy="pack", max_length=32, micro_batch_size=2, cache_dir=cache, num_proc=1
+    )
+    trainer = L.Trainer(
+        strategy="ddp_spawn",
+        devices=2,
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(_Steps(), datamodule=dm)
     calls = _calls(tok)
     assert calls and len(set(calls)) == 1  # one process tokenized (local rank 0 in prepare_data); rank 1 read
@@ -84,8 +94,9 @@ def test_two_ranks_tokenize_once_and_a_new_tokenizer_invalidates_the_cache(tmp_p
 def test_setup_alone_tokenizes_and_num_proc_gives_the_same_tokens(tmp_path, tokenizer):
     ids = {}
     for procs in (1, 2):
-        dm = SeqMemDataModule(dataset=_data(), tokenizer=tokenizer, cache_dir=tmp_path / f"c{procs}", num_proc=procs,
-                              max_length=512)
+        dm = SeqMemDataModule(
+            dataset=_data(), tokenizer=tokenizer, cache_dir=tmp_path / f"c{procs}", num_proc=procs, max_length=512
+        )
         dm.setup("fit")  # plain Python use: no prepare_data
         ids[procs] = [r.tolist() for r in (dm._rows["train"][i]["input_ids"] for i in range(len(dm._rows["train"])))]
     assert ids[1] == ids[2] and len(ids[1]) > 0
@@ -182,8 +193,10 @@ def test_the_fast_encoder_gives_the_tokenizers_ids_and_steps_aside_when_it_might
     disagreeing = Disagreeing(tokenizer_object=tokenizer.backend_tokenizer)
     encode = batch_encoder(disagreeing)
     assert encode.fast is True
-    assert encode(texts) == expected and encode(["alpha beta"]) == tokenizer(["alpha beta"], add_special_tokens=False)[
-        "input_ids"]
+    assert (
+        encode(texts) == expected
+        and encode(["alpha beta"]) == tokenizer(["alpha beta"], add_special_tokens=False)["input_ids"]
+    )
     assert encode.fast is False  # the first batch disagreed: __call__ for good
     assert pickle.loads(pickle.dumps(batch_encoder(tokenizer)))(texts) == expected  # loader workers get a copy
 
@@ -195,8 +208,9 @@ def test_two_writers_of_one_split_each_rename_their_own_file(tmp_path, tokenizer
     from lightning_seqmem.data.arrow_stream import Shard
 
     ds = _file_dataset(tmp_path, [f"row {i} " + "alpha " * (i % 5) for i in range(40)])
-    job = token_cache._Job(tokenizer, "text", ["text"], "text", "prompt", "completion", None, True, "train",
-                           str(tmp_path / "out"))
+    job = token_cache._Job(
+        tokenizer, "text", ["text"], "text", "prompt", "completion", None, True, "train", str(tmp_path / "out")
+    )
     (tmp_path / "out").mkdir()
     real_replace, raced = os.replace, []
 
@@ -285,7 +299,8 @@ def test_only_temporary_files_of_writers_that_are_gone_are_stale(tmp_path):
         assert stale == {names["dead"], names["dead manifest"], names["other host, silent"]}
         assert remove_stale_temporaries(tmp_path) == 3 * len(b"partial")
         assert sorted(p.name for p in entry.iterdir()) == sorted(
-            names[k] for k in ("ours", "other live rank", "other host, writing"))
+            names[k] for k in ("ours", "other live rank", "other host, writing")
+        )
     finally:
         live.kill()
         live.wait()
@@ -309,7 +324,9 @@ def test_a_damaged_entry_is_reported_and_tokenized_again(tmp_path, tokenizer, ca
 
     arrow = entry / "tokens-00000.arrow"
     arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
-    with pytest.warns(UserWarning, match=rf"Token cache entry {entry} is damaged \(tokens-00000.arrow: .*tokenizing again"):
+    with pytest.warns(
+        UserWarning, match=rf"Token cache entry {entry} is damaged \(tokens-00000.arrow: .*tokenizing again"
+    ):
         assert _tokens(tokenize_cached(dsd, tokenizer, cache_dir=tmp_path)) == first
 
     manifest = entry / "manifest.json"
@@ -331,8 +348,11 @@ def test_a_cache_dir_that_cannot_be_written_tokenizes_for_this_run(tmp_path, tok
     blocked = tmp_path / "cache"
     blocked.write_text("a file where the cache directory should be")
     dsd = datasets.DatasetDict({"train": _data()})
-    with pytest.warns(UserWarning, match=rf"Cannot write the token cache under {blocked} \(.*\); tokenizing train into "
-                                         r".* for this process only\. Set data\.cache_dir"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"Cannot write the token cache under {blocked} \(.*\); tokenizing train into "
+        r".* for this process only\. Set data\.cache_dir",
+    ):
         tokens = _tokens(tokenize_cached(dsd, tokenizer, cache_dir=blocked))
     assert tokens == _tokens(tokenize_cached(dsd, tokenizer, cache_dir=tmp_path / "ok"))
 
@@ -345,7 +365,7 @@ def test_seqmem_cache_lists_entries_and_removes_the_old_ones(tmp_path, tokenizer
     from lightning_seqmem import cache as cache_app
 
     data = tmp_path / "pages.jsonl"
-    data.write_text("".join('{"text": "page %d of the book"}\n' % i for i in range(30)))
+    data.write_text("".join(f'{{"text": "page {i} of the book"}}\n' for i in range(30)))
     root = tmp_path / "cache"
     for dataset in (str(data), _data()):
         dm = SeqMemDataModule(dataset=dataset, tokenizer=tokenizer, cache_dir=root, max_length=64)
@@ -354,8 +374,12 @@ def test_seqmem_cache_lists_entries_and_removes_the_old_ones(tmp_path, tokenizer
     assert set(entries) == {f"{data} (train)", "an in-memory dataset of 48 rows (train)"}
     assert entries[f"{data} (train)"].rows == 30 and all(e.size > 0 for e in entries.values())
 
-    listing = subprocess.run([sys.executable, "-m", "lightning_seqmem.apps.cache", "--cache-dir", str(root)],
-                             capture_output=True, text=True, timeout=120)
+    listing = subprocess.run(
+        [sys.executable, "-m", "lightning_seqmem.apps.cache", "--cache-dir", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listing.returncode == 0, listing.stderr
     assert f"Cache {root}: 2 entries" in listing.stdout and "pages.jsonl (train)" in listing.stdout
     assert Path(tokenizer.name_or_path).name[:20] in listing.stdout
@@ -365,7 +389,9 @@ def test_seqmem_cache_lists_entries_and_removes_the_old_ones(tmp_path, tokenizer
     os.utime(manifest, (month_ago, month_ago))
     assert cache_app.main(["--cache-dir", str(root), "--older-than", "7d"]) == 0
     assert not manifest.parent.exists() and entries["an in-memory dataset of 48 rows (train)"].path.exists()
-    assert cache_app.main(["--cache-dir", str(root), "--all", "--dry-run"]) == 0 and len(cache_app.list_entries(root)) == 1
+    assert (
+        cache_app.main(["--cache-dir", str(root), "--all", "--dry-run"]) == 0 and len(cache_app.list_entries(root)) == 1
+    )
     assert cache_app.main(["--cache-dir", str(root), "--all"]) == 0 and cache_app.list_entries(root) == []
     assert cache_app.parse_age("12h") == 12 * 3600 and cache_app.parse_age("2") == 2 * 86400
 

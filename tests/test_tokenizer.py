@@ -4,7 +4,7 @@ from lightning_seqmem.data.tokenizer import load_tokenizer
 
 
 def test_default_tokenizer_round_trips_and_has_special_tokens(tokenizer):
-    text = "def parse(text):\n    \"\"\"Return the tokens — ünïcödé too.\"\"\"\n    return text.split()  # 42\n"
+    text = 'def parse(text):\n    """Return the tokens — ünïcödé too."""\n    return text.split()  # 42\n'
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == text
     assert len(ids) < len(text.encode()) / 2  # the BPE actually learned merges
@@ -34,7 +34,9 @@ def test_local_tokenizer_directory_loads(tokenizer, tmp_path):
 
 
 def test_unloadable_tokenizer_name_is_a_clear_error():
-    with pytest.raises(ValueError, match="(?s)Could not load tokenizer 'no-such-org/no-such-tokenizer'.*local directory"):
+    with pytest.raises(
+        ValueError, match="(?s)Could not load tokenizer 'no-such-org/no-such-tokenizer'.*local directory"
+    ):
         load_tokenizer("no-such-org/no-such-tokenizer")
 
 

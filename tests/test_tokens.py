@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_seqmem.batching.collate import PackCollator, PadCollator
 from lightning_seqmem.batching import pack_lengths, pack_sequences
+from lightning_seqmem.batching.collate import PackCollator, PadCollator
 from lightning_seqmem.data.tokens import (
     ARROW_GATHER_MIN_SEGMENTS,
     ConcatView,
@@ -39,7 +39,14 @@ def test_views_are_zero_copy_and_read_every_chunk():
     arrow_values = ds.data.column("input_ids").chunk(0).values
     assert np.shares_memory(view.chunks[0], np.frombuffer(arrow_values.buffers()[1], dtype=view.chunks[0].dtype))
     # rows of a later chunk, in bulk, as segments (doc, start, length)
-    assert view.gather(np.array([3, 5, 0]), np.array([1, 2, 0]), np.array([3, 2, 1])).tolist() == [10, 11, 12, 18, 19, 5]
+    assert view.gather(np.array([3, 5, 0]), np.array([1, 2, 0]), np.array([3, 2, 1])).tolist() == [
+        10,
+        11,
+        12,
+        18,
+        19,
+        5,
+    ]
 
 
 def test_views_follow_a_datasets_indices_mapping():
@@ -63,8 +70,12 @@ def test_pack_sequences_takes_every_form_without_python_lists(form):
     flat = np.array([t for d in DOCS for t in d])
     offsets = np.concatenate([[0], np.cumsum([len(d) for d in DOCS])])
     inputs = {
-        "lists": DOCS, "dataset": ds, "column": ds["input_ids"], "chunked": ds.data.column("input_ids"),
-        "list_array": pa.array(DOCS), "flat_offsets": (flat, offsets),
+        "lists": DOCS,
+        "dataset": ds,
+        "column": ds["input_ids"],
+        "chunked": ds.data.column("input_ids"),
+        "list_array": pa.array(DOCS),
+        "flat_offsets": (flat, offsets),
     }[form]
     res = pack_sequences(inputs, max_length=6)
     ref = pack_sequences(DOCS, max_length=6)
@@ -130,8 +141,9 @@ def test_bulk_gather_follows_a_shuffled_datasets_indices_mapping():
     ds = datasets.concatenate_datasets(parts).shuffle(seed=1)
     res = pack_sequences(ds, max_length=20)
     shuffled = [list(r) for r in ds["input_ids"]]
-    expected = [t for d, a, n in zip(res.segment_doc, res.segment_start, res.segment_length)
-                for t in shuffled[d][a : a + n]]
+    expected = [
+        t for d, a, n in zip(res.segment_doc, res.segment_start, res.segment_length) for t in shuffled[d][a : a + n]
+    ]
     assert len(res.segment_doc) >= ARROW_GATHER_MIN_SEGMENTS and res.input_ids.tolist() == expected
 
 

@@ -63,8 +63,18 @@ def test_console_script_run(tmp_path):
     each log line once, the bar counts steps out of max_steps, no upstream deprecation noise, a final validation."""
     run_dir = tmp_path / "run"
     shrink = [o for o in SHRINK if "enable_progress_bar" not in o and "max_steps" not in o]
-    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", *shrink, "trainer.max_steps=5", "model=tiny_gpt2",
-           "data=pack_bfd", "logger=[csv,tensorboard]", "~callbacks.preallocate", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_seqmem.apps.train",
+        *shrink,
+        "trainer.max_steps=5",
+        "model=tiny_gpt2",
+        "data=pack_bfd",
+        "logger=[csv,tensorboard]",
+        "~callbacks.preallocate",
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.load(open(run_dir / "job_status.json")) == {"status": "finished"}
@@ -108,8 +118,9 @@ def test_noise_is_silenced_at_entry_points_only():
 
 @pytest.mark.parametrize("option", ["local", "hf"])
 def test_data_option_without_dataset_fails_clearly(tmp_path, option):
-    with pytest.raises(ValueError, match=f"data.dataset is required with data={option}: .*seqmem-train data={option} "
-                                         "data.dataset="):
+    with pytest.raises(
+        ValueError, match=f"data.dataset is required with data={option}: .*seqmem-train data={option} data.dataset="
+    ):
         run_in_process(tmp_path, [f"data={option}"])
     assert not (tmp_path / "summary.json").exists()
 
@@ -117,8 +128,16 @@ def test_data_option_without_dataset_fails_clearly(tmp_path, option):
 def test_data_local_trains_on_the_given_file(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i} " + "words " * (i % 9)}) + "\n" for i in range(60)))
-    summary = run_in_process(tmp_path, ["data=local", f"data.dataset={data}", "trainer.max_steps=2",
-                                        "trainer.val_check_interval=2", "~callbacks.preallocate"])
+    summary = run_in_process(
+        tmp_path,
+        [
+            "data=local",
+            f"data.dataset={data}",
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            "~callbacks.preallocate",
+        ],
+    )
     assert summary["optimizer_steps"] == 2 and summary["final_val_loss"] > 0
 
 
@@ -140,8 +159,13 @@ def test_bad_input_fails_clearly_and_records_it(tmp_path):
 
 
 def test_unknown_group_option_lists_valid_ones(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "lightning_seqmem.apps.train", "trainer=tpu",
-                           f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_seqmem.apps.train", "trainer=tpu", f"hydra.run.dir={tmp_path}/run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "Could not find 'trainer/tpu'" in proc.stderr and "ddp_spawn" in proc.stderr
 
@@ -178,9 +202,21 @@ def test_pretokenized_parquet_through_the_main_job(tmp_path):
     pq.write_table(pa.table({"input_ids": rows}), tmp_path / "pages.parquet")
     run_dir = tmp_path / "run"
     shrink = [o for o in SHRINK if "max_steps" not in o]
-    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", "data=local", "data.dataset=pages.parquet",
-           "data.tokenizer=null", "data.pad_token_id=0", "data.eos_token_id=102", "model.vocab_size=30522",
-           *shrink, "trainer.max_steps=2", "~callbacks.preallocate", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_seqmem.apps.train",
+        "data=local",
+        "data.dataset=pages.parquet",
+        "data.tokenizer=null",
+        "data.pad_token_id=0",
+        "data.eos_token_id=102",
+        "model.vocab_size=30522",
+        *shrink,
+        "trainer.max_steps=2",
+        "~callbacks.preallocate",
+        f"hydra.run.dir={run_dir}",
+    ]
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

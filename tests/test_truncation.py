@@ -57,8 +57,10 @@ def test_a_completion_cut_to_nothing_is_flagged():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_length=8, max_prompt_length=5, max_completion_length=4),
-         r"max_prompt_length \(5\) \+ max_completion_length \(4\) > max_length \(8\)"),
+        (
+            dict(max_length=8, max_prompt_length=5, max_completion_length=4),
+            r"max_prompt_length \(5\) \+ max_completion_length \(4\) > max_length \(8\)",
+        ),
         (dict(max_length=1), "max_length=1 is too small"),
         (dict(max_length=8, truncation_side="middle"), r"truncation_side='middle' is not valid; use one of"),
         (dict(max_length=8, max_prompt_length=0), "max_prompt_length=0 must be >= 1"),
@@ -71,8 +73,11 @@ def test_bad_limits(kwargs, match):
 
 @settings(max_examples=100, deadline=None)
 @given(
-    prompt=st.lists(st.integers(0, 9), max_size=20), completion=st.lists(st.integers(0, 9), max_size=20),
-    max_length=st.integers(2, 30), mp=st.none() | st.integers(1, 10), mc=st.none() | st.integers(1, 10),
+    prompt=st.lists(st.integers(0, 9), max_size=20),
+    completion=st.lists(st.integers(0, 9), max_size=20),
+    max_length=st.integers(2, 30),
+    mp=st.none() | st.integers(1, 10),
+    mc=st.none() | st.integers(1, 10),
     side=st.sampled_from(["right", "left"]),
 )
 def test_prompt_completion_conserves_tokens(prompt, completion, max_length, mp, mc, side):

@@ -35,7 +35,7 @@ def pad_collate(docs: list[list[int]]) -> dict[str, torch.Tensor]:
     ids = torch.full((len(docs), longest), PAD)
     mask = torch.zeros_like(ids)
     for i, d in enumerate(docs):
-        ids[i, :len(d)], mask[i, :len(d)] = torch.tensor(d), 1
+        ids[i, : len(d)], mask[i, : len(d)] = torch.tensor(d), 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
@@ -49,9 +49,17 @@ class TinyLM(LightningModule):
     def __init__(self, record_dir: str | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                             pad_token_id=PAD, attn_implementation="sdpa")
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            pad_token_id=PAD,
+            attn_implementation="sdpa",
+        )
         self.model = LlamaForCausalLM(config)
         self.record_dir = record_dir
         self.train_seen: list[dict] = []
@@ -62,8 +70,13 @@ class TinyLM(LightningModule):
         rows, seq = batch["input_ids"].shape
         self.real_tokens += int(batch["attention_mask"].sum())
         warmup = next((c for c in self.trainer.callbacks if isinstance(c, SeqLengthWarmup)), None)
-        record = {"step": self.trainer.global_step, "rows": rows, "seq": seq, "real": self.real_tokens,
-                  "tokens_seen": warmup.tokens_seen if warmup is not None else None}
+        record = {
+            "step": self.trainer.global_step,
+            "rows": rows,
+            "seq": seq,
+            "real": self.real_tokens,
+            "tokens_seen": warmup.tokens_seen if warmup is not None else None,
+        }
         self.train_seen.append(record)
         if self.record_dir is not None:
             with open(Path(self.record_dir) / f"rank{self.global_rank}.jsonl", "a") as f:
@@ -80,15 +93,32 @@ class TinyLM(LightningModule):
 
 
 def trainer(tmp_path: Path, callbacks: list[Callback], **kwargs) -> Trainer:
-    options = {"accelerator": "cpu", "devices": 1, "max_epochs": 1, "logger": False, "enable_checkpointing": False,
-               "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
-               "default_root_dir": tmp_path, "deterministic": True} | kwargs
+    options = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "default_root_dir": tmp_path,
+        "deterministic": True,
+    } | kwargs
     return Trainer(callbacks=callbacks, **options)
 
 
 def expected(step: int, total: int, warmup: SeqLengthWarmup) -> int:
-    return seq_length_at(step, total, warmup.duration, warmup.min_seq_length, warmup.max_seq_length,
-                         warmup.step_size, warmup.curve, warmup.root_degree)
+    return seq_length_at(
+        step,
+        total,
+        warmup.duration,
+        warmup.min_seq_length,
+        warmup.max_seq_length,
+        warmup.step_size,
+        warmup.curve,
+        warmup.root_degree,
+    )
 
 
 # ---------------------------------------------------------------------------------------- schedule in fit
@@ -182,11 +212,18 @@ def test_resume_mid_warmup_matches_uninterrupted_run(tmp_path):
         warmup = SeqLengthWarmup(duration=0.75, min_seq_length=8, max_seq_length=LENGTH, step_size=8)
         callbacks: list[Callback] = [warmup]
         if checkpoint_dir is not None:
-            callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, filename="{epoch}", every_n_epochs=1,
-                                             save_top_k=-1))
+            callbacks.append(
+                ModelCheckpoint(dirpath=checkpoint_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+            )
         model = TinyLM()
-        t = trainer(tmp_path, callbacks, max_epochs=4, accumulate_grad_batches=2, limit_val_batches=0,
-                    enable_checkpointing=checkpoint_dir is not None)
+        t = trainer(
+            tmp_path,
+            callbacks,
+            max_epochs=4,
+            accumulate_grad_batches=2,
+            limit_val_batches=0,
+            enable_checkpointing=checkpoint_dir is not None,
+        )
         t.fit(model, loader(4), ckpt_path=ckpt_path)
         return model, warmup
 
@@ -196,7 +233,8 @@ def test_resume_mid_warmup_matches_uninterrupted_run(tmp_path):
     assert [r["step"] for r in resumed.train_seen][0] == 4
     assert len({r["seq"] for r in resumed.train_seen}) > 1
     assert [(r["step"], r["seq"]) for r in resumed.train_seen] == [
-        (r["step"], r["seq"]) for r in full.train_seen if r["step"] >= 4]
+        (r["step"], r["seq"]) for r in full.train_seen if r["step"] >= 4
+    ]
     for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert resumed_warmup.tokens_seen == full_warmup.tokens_seen
@@ -209,8 +247,15 @@ def test_resume_mid_warmup_matches_uninterrupted_run(tmp_path):
 def test_ddp_ranks_see_the_same_length(tmp_path):
     warmup = SeqLengthWarmup(duration=0.75, min_seq_length=8, max_seq_length=LENGTH, step_size=8)
     model = TinyLM(record_dir=str(tmp_path))
-    t = trainer(tmp_path, [warmup], strategy="ddp_spawn", devices=2, accumulate_grad_batches=2,
-                limit_val_batches=0, deterministic=False)
+    t = trainer(
+        tmp_path,
+        [warmup],
+        strategy="ddp_spawn",
+        devices=2,
+        accumulate_grad_batches=2,
+        limit_val_batches=0,
+        deterministic=False,
+    )
     t.fit(model, loader(12))  # 6 batches per rank, 3 optimizer steps
     ranks = [[json.loads(line) for line in open(tmp_path / f"rank{r}.jsonl")] for r in (0, 1)]
     assert len(ranks[0]) == len(ranks[1]) == 6
@@ -273,8 +318,9 @@ class ShapeDataModule(LightningDataModule):
         return ROWS, self.length
 
 
-@pytest.mark.parametrize(("max_seq_length", "match"), [(128, "longer than the longest batch"),
-                                                       (32, "shorter than the DataModule")])
+@pytest.mark.parametrize(
+    ("max_seq_length", "match"), [(128, "longer than the longest batch"), (32, "shorter than the DataModule")]
+)
 def test_max_seq_length_mismatch_reported_once(tmp_path, max_seq_length, match):
     warmup = SeqLengthWarmup(max_seq_length=max_seq_length, min_seq_length=8)
     with pytest.warns(UserWarning, match=match) as record:
@@ -299,8 +345,15 @@ def test_matching_datamodule_is_silent(tmp_path):
 
 # --------------------------------------------------------------------- with CausalLM and SeqMemDataModule
 
-TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 
 @pytest.mark.parametrize(("strategy", "truncate"), [("pad", True), ("pack", False)])

@@ -104,8 +104,14 @@ def test_schedule_properties(total, duration, lo, extra, step, curve, root):
     ],
 )
 def test_bad_arguments(kwargs, match):
-    args = {"step": 0, "total_steps": 10, "duration": 0.3, "min_seq_length": 8, "max_seq_length": 64,
-            "step_size": 8} | kwargs
+    args = {
+        "step": 0,
+        "total_steps": 10,
+        "duration": 0.3,
+        "min_seq_length": 8,
+        "max_seq_length": 64,
+        "step_size": 8,
+    } | kwargs
     with pytest.raises(ValueError, match=match):
         seq_length_at(**args)
 

@@ -15,9 +15,17 @@ VOCAB, PAD = 128, 0
 
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=PAD, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).float()
 
 
@@ -43,10 +51,10 @@ def packed_batch(doc_lengths: list[list[int]], length: int, seed: int = 0) -> di
     for row, docs in enumerate(doc_lengths):
         col = 0
         for n in docs:
-            ids[row, col:col + n] = torch.randint(1, VOCAB, (n,), generator=gen)
-            labels[row, col:col + n] = ids[row, col:col + n]
+            ids[row, col : col + n] = torch.randint(1, VOCAB, (n,), generator=gen)
+            labels[row, col : col + n] = ids[row, col : col + n]
             labels[row, col] = -100
-            positions[row, col:col + n] = torch.arange(n)
+            positions[row, col : col + n] = torch.arange(n)
             col += n
         positions[row, col:] = torch.arange(length - col)
     return {"input_ids": ids, "labels": labels, "position_ids": positions}
@@ -71,7 +79,8 @@ def per_token_loss(model: LlamaForCausalLM, batch: dict[str, torch.Tensor]) -> t
     with torch.no_grad():
         logits = model(**inputs, use_cache=False).logits.float()
     loss = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1), reduction="none", ignore_index=-100)
+        logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1), reduction="none", ignore_index=-100
+    )
     return torch.nn.functional.pad(loss.view(logits.shape[0], -1), (1, 0))
 
 
@@ -102,7 +111,7 @@ def test_truncate_preserve_end_of_sequence(model, curr):
         kept = min(curr, n)
         assert batch["input_ids"][row, kept - 1] == before["input_ids"][row, n - 1]
         assert batch["labels"][row, kept - 1] == before["labels"][row, n - 1]
-        assert torch.equal(batch["input_ids"][row, :kept - 1], before["input_ids"][row, :kept - 1])
+        assert torch.equal(batch["input_ids"][row, : kept - 1], before["input_ids"][row, : kept - 1])
         assert batch["attention_mask"][row].sum() == kept
     forward_backward(model, batch)
 
@@ -196,7 +205,7 @@ def test_reshape_packed_keeps_documents_apart(model):
     losses = per_token_loss(model, batch)
     trained = 0
     for row, start, end in segments(batch):
-        piece = {k: batch[k][row:row + 1, start:end] for k in ("input_ids", "labels", "position_ids")}
+        piece = {k: batch[k][row : row + 1, start:end] for k in ("input_ids", "labels", "position_ids")}
         assert piece["position_ids"][0, 0] == 0, "every segment restarts at position 0"
         assert piece["labels"][0, 0] == -100, "no segment predicts its first token from another"
         alone = per_token_loss(model, {"input_ids": piece["input_ids"], "labels": piece["labels"]})
@@ -294,12 +303,19 @@ def test_reshape_packed_invariants(docs, curr, wrapped):
     [
         ([torch.zeros(2, 4)], {}, TypeError, "collate_fn"),
         ({"input_ids": torch.zeros(4, dtype=torch.long)}, {}, ValueError, "unsqueeze"),
-        ({"input_ids": torch.zeros(2, 8), "labels": torch.zeros(2, 6)}, {"truncate": False}, ValueError,
-         "same shape"),
-        ({"input_ids": torch.zeros(2, 8), "position_ids": torch.zeros(2, 8)}, {"preserve_end_of_sequence": True},
-         ValueError, "attention_mask"),
-        ({"input_ids": torch.zeros(2, 8), "attention_mask": torch.ones(2, 8)},
-         {"preserve_end_of_sequence": True, "truncate": False}, ValueError, "truncate=True"),
+        ({"input_ids": torch.zeros(2, 8), "labels": torch.zeros(2, 6)}, {"truncate": False}, ValueError, "same shape"),
+        (
+            {"input_ids": torch.zeros(2, 8), "position_ids": torch.zeros(2, 8)},
+            {"preserve_end_of_sequence": True},
+            ValueError,
+            "attention_mask",
+        ),
+        (
+            {"input_ids": torch.zeros(2, 8), "attention_mask": torch.ones(2, 8)},
+            {"preserve_end_of_sequence": True, "truncate": False},
+            ValueError,
+            "truncate=True",
+        ),
         ({"input_ids": torch.zeros(2, 8)}, {"curr_seq_len": 0}, ValueError, ">= 1"),
         ({"meta": "x"}, {}, ValueError, "input_ids"),
     ],

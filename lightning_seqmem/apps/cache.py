@@ -26,8 +26,8 @@ from lightning_seqmem.batching.plan_cache import PLAN_META, PLANS, STAGING_PREFI
 from lightning_seqmem.data.cache_dir import default_cache_dir
 from lightning_seqmem.data.corpus import CORPUS_PREFIX
 from lightning_seqmem.data.token_cache import MANIFEST, STALE_AFTER_S, TOKENIZED, stale_temporaries
-from lightning_seqmem.data.value_checks import CHECKED
 from lightning_seqmem.data.tokenizer import TOKENIZER_PREFIX
+from lightning_seqmem.data.value_checks import CHECKED
 from lightning_seqmem.memory.stats import format_bytes
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -68,8 +68,15 @@ def _tokens_entry(directory: Path) -> CacheEntry:
     except (OSError, ValueError):
         meta = {"dataset": "(incomplete: no manifest)"}
     split = f" ({meta['split']})" if meta.get("split") else ""
-    return CacheEntry("tokens", directory, f"{meta.get('dataset', '?')}{split}", str(meta.get("tokenizer", "?")),
-                      meta.get("rows"), size, last_use)
+    return CacheEntry(
+        "tokens",
+        directory,
+        f"{meta.get('dataset', '?')}{split}",
+        str(meta.get("tokenizer", "?")),
+        meta.get("rows"),
+        size,
+        last_use,
+    )
 
 
 def _plan_entry(directory: Path) -> CacheEntry:
@@ -88,18 +95,37 @@ def list_entries(root: str | os.PathLike | None = None) -> list[CacheEntry]:
     entries = [_tokens_entry(d) for d in sorted(root.glob(f"{TOKENIZED}/*")) if d.is_dir()]
     stale_before = time.time() - STALE_AFTER_S
     for path in stale_temporaries(root):
-        entries.append(CacheEntry("partial", path, "a crashed writer's temporary file", "-", None, path.stat().st_size,
-                                  path.stat().st_mtime))
+        entries.append(
+            CacheEntry(
+                "partial",
+                path,
+                "a crashed writer's temporary file",
+                "-",
+                None,
+                path.stat().st_size,
+                path.stat().st_mtime,
+            )
+        )
     for path in sorted(root.glob(f"{PLANS}/*")):
         if path.name.startswith(STAGING_PREFIX):
             if path.stat().st_mtime < stale_before:
-                entries.append(CacheEntry("partial", path, "a crashed plan writer's directory", "-", None,
-                                          _scan(path)[0], path.stat().st_mtime))
+                entries.append(
+                    CacheEntry(
+                        "partial",
+                        path,
+                        "a crashed plan writer's directory",
+                        "-",
+                        None,
+                        _scan(path)[0],
+                        path.stat().st_mtime,
+                    )
+                )
         elif path.is_dir():
             entries.append(_plan_entry(path))
     for path in sorted(root.glob(f"{CHECKED}/*")):
-        entries.append(CacheEntry("checked", path, "marker: pre-tokenized values checked", "-", None, 0,
-                                  path.stat().st_mtime))
+        entries.append(
+            CacheEntry("checked", path, "marker: pre-tokenized values checked", "-", None, 0, path.stat().st_mtime)
+        )
     for path in sorted(root.glob(f"{CORPUS_PREFIX}*")):
         entries.append(CacheEntry("corpus", path, "built-in corpus", "-", None, *_scan(path)))
     for path in sorted(root.glob(f"{TOKENIZER_PREFIX}*")):
@@ -145,7 +171,7 @@ def _ago(seconds: float) -> str:
 def _short(text: str, width: int) -> str:
     if len(text) <= width:
         return text
-    return "..." + text[-(width - 3):]
+    return "..." + text[-(width - 3) :]
 
 
 def format_entries(entries: list[CacheEntry], now: float | None = None) -> str:
@@ -156,20 +182,30 @@ def format_entries(entries: list[CacheEntry], now: float | None = None) -> str:
     for e in entries:
         tokenizer = Path(e.tokenizer).name if os.sep in e.tokenizer else e.tokenizer
         rows = f"{e.rows:,}" if isinstance(e.rows, int) else "-"
-        lines.append(f"{e.kind:<9}  {e.path.name[:12]:<12}  {_short(e.dataset, 40):<40}  {_short(tokenizer, 34):<34}  "
-                     f"{rows:>9}  {format_bytes(e.size):>10}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(e.last_use))}"
-                     f" ({_ago(now - e.last_use)})")
+        lines.append(
+            f"{e.kind:<9}  {e.path.name[:12]:<12}  {_short(e.dataset, 40):<40}  {_short(tokenizer, 34):<34}  "
+            f"{rows:>9}  {format_bytes(e.size):>10}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(e.last_use))}"
+            f" ({_ago(now - e.last_use)})"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point (``seqmem-cache``)."""
-    parser = argparse.ArgumentParser(prog="seqmem-cache", description=__doc__.split("\n\n")[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cache-dir", default=None,
-                        help="the cache's root (default: $XDG_CACHE_HOME/lightning_seqmem, ~/.cache/lightning_seqmem)")
-    parser.add_argument("--older-than", metavar="AGE", default=None,
-                        help="remove entries last used longer ago than AGE (e.g. 12h, 30d, 2w)")
+    parser = argparse.ArgumentParser(
+        prog="seqmem-cache", description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="the cache's root (default: $XDG_CACHE_HOME/lightning_seqmem, ~/.cache/lightning_seqmem)",
+    )
+    parser.add_argument(
+        "--older-than",
+        metavar="AGE",
+        default=None,
+        help="remove entries last used longer ago than AGE (e.g. 12h, 30d, 2w)",
+    )
     parser.add_argument("--all", action="store_true", help="remove every entry")
     parser.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     args = parser.parse_args(argv)

@@ -48,12 +48,18 @@ class JobRecord(Callback):
         Trainer(callbacks=[SeqLengthWarmup(duration=0.3), JobRecord()], val_check_interval=25)
     """
 
-    def __init__(self, path: str | None = None, monitor: str = "val/loss", train_monitor: str = "train/loss",
-                 train_every_n_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | None = None,
+        monitor: str = "val/loss",
+        train_monitor: str = "train/loss",
+        train_every_n_steps: int | None = None,
+    ) -> None:
         super().__init__()
         if train_every_n_steps is not None and (not isinstance(train_every_n_steps, int) or train_every_n_steps < 0):
-            raise ValueError(f"train_every_n_steps must be an int >= 0 (0 = no training rows) or None, "
-                             f"got {train_every_n_steps!r}.")
+            raise ValueError(
+                f"train_every_n_steps must be an int >= 0 (0 = no training rows) or None, got {train_every_n_steps!r}."
+            )
         self.path = path
         self.monitor = monitor
         self.train_monitor = train_monitor
@@ -117,8 +123,14 @@ class JobRecord(Callback):
             return
         # Every rank reaches this step together (global_step is shared), so the all-reduce in _progress is matched.
         now = time.perf_counter()
-        self._append_train(trainer, {"step": step, **self._progress(trainer, pl_module, now, time.process_time()),
-                                     "train_loss": self._train_sum / self._train_count})
+        self._append_train(
+            trainer,
+            {
+                "step": step,
+                **self._progress(trainer, pl_module, now, time.process_time()),
+                "train_loss": self._train_sum / self._train_count,
+            },
+        )
         self._train_sum, self._train_count, self._train_recorded_step = 0.0, 0, step
 
     @override
@@ -142,17 +154,29 @@ class JobRecord(Callback):
         if value is None:
             if not self._warned:
                 self._warned = True
-                rank_zero_warn(f"JobRecord: no logged metric {self.monitor!r}; logged: {sorted(trainer.callback_metrics)}.")
+                rank_zero_warn(
+                    f"JobRecord: no logged metric {self.monitor!r}; logged: {sorted(trainer.callback_metrics)}."
+                )
             return
-        self._append(trainer, {"step": trainer.global_step, **progress, "elapsed_s": round(now - self._start, 4),
-                               "val_loss": float(value)})
+        self._append(
+            trainer,
+            {
+                "step": trainer.global_step,
+                **progress,
+                "elapsed_s": round(now - self._start, 4),
+                "val_loss": float(value),
+            },
+        )
 
     def _progress(self, trainer: Trainer, pl_module: LightningModule, now: float, cpu_now: float) -> dict[str, Any]:
         """Training wall-clock and CPU time (validation left out) and real tokens summed over ranks (an
         all-reduce: every rank must call it at the same point)."""
         tokens = trainer.strategy.reduce(torch.tensor(float(self._tokens), device=pl_module.device), reduce_op="sum")
-        return {"wall_clock_s": round(now - self._start - self._val_time, 4),
-                "cpu_s": round(cpu_now - self._cpu_start - self._val_cpu, 4), "tokens_seen": int(tokens.item())}
+        return {
+            "wall_clock_s": round(now - self._start - self._val_time, 4),
+            "cpu_s": round(cpu_now - self._cpu_start - self._val_cpu, 4),
+            "tokens_seen": int(tokens.item()),
+        }
 
     @rank_zero_only
     def _append(self, trainer: Trainer, row: dict[str, Any]) -> None:

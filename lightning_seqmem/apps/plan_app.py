@@ -86,21 +86,39 @@ def plan_from_config(cfg, output_dir: str | None = None):
     devices, note_devices = _devices(cfg)
     notes = [n for n in (note_precision, note_devices) if n]
     if sampled is not None:
-        notes.append(f"a stream: planned on its first {sampled:,} training documents (plan.stream_sample); "
-                     "lengths, efficiency and memory carry over, document counts and steps per epoch are the sample's")
+        notes.append(
+            f"a stream: planned on its first {sampled:,} training documents (plan.stream_sample); "
+            "lengths, efficiency and memory carry over, document counts and steps per epoch are the sample's"
+        )
     model_config, device = None, p.get("device") or ("cpu" if str(cfg.trainer.get("accelerator")) == "cpu" else "cuda")
     attention = cfg.model.get("attn_implementation", "sdpa")
     if p.get("memory", True):
         vocab_size = cfg.model.get("vocab_size") or (len(dm.tokenizer) if dm.tokenizer is not None else None)
         if vocab_size is None:
-            raise ValueError("Pre-tokenized data without a tokenizer: give the model's vocabulary size "
-                             "(model.vocab_size=<n>), or plan without memory (plan.memory=false).")
+            raise ValueError(
+                "Pre-tokenized data without a tokenizer: give the model's vocabulary size "
+                "(model.vocab_size=<n>), or plan without memory (plan.memory=false)."
+            )
         model_config = _model_config(cfg, vocab_size, dm.pad_token_id)
-        notes.append(f"memory for {getattr(model_config, 'model_type', '?')} on {device}, precision {precision}, "
-                     f"attention {attention}, AdamW")
-    result = plan(dm, model_config, list(p.strategies), max_lengths, list(p.micro_batch_sizes), p.get("gpu_memory"),
-                  float(p.margin), precision, device, attention, devices,
-                  int(cfg.trainer.get("accumulate_grad_batches", 1)), reference_copy=_reference_copy(cfg))
+        notes.append(
+            f"memory for {getattr(model_config, 'model_type', '?')} on {device}, precision {precision}, "
+            f"attention {attention}, AdamW"
+        )
+    result = plan(
+        dm,
+        model_config,
+        list(p.strategies),
+        max_lengths,
+        list(p.micro_batch_sizes),
+        p.get("gpu_memory"),
+        float(p.margin),
+        precision,
+        device,
+        attention,
+        devices,
+        int(cfg.trainer.get("accumulate_grad_batches", 1)),
+        reference_copy=_reference_copy(cfg),
+    )
     if output_dir is not None:
         _write(result, output_dir)
         try:
@@ -137,13 +155,21 @@ def _pictures(plan, dm, max_lengths, output_dir: str, p) -> list[str]:
 
 def _write(plan, output_dir: str) -> None:
     os.makedirs(output_dir, exist_ok=True)
-    record: dict[str, Any] = {"recommended": plan.recommended, "reason": plan.recommendation,
-                              "distribution": plan.distribution, "strategies": [asdict(s) for s in plan.strategies]}
+    record: dict[str, Any] = {
+        "recommended": plan.recommended,
+        "reason": plan.recommendation,
+        "distribution": plan.distribution,
+        "strategies": [asdict(s) for s in plan.strategies],
+    }
     if plan.memory is not None:
-        record["memory"] = {"length": plan.memory.length, "budget": plan.memory.budget, "margin": plan.memory.margin,
-                            "fits": {str(k): v for k, v in plan.memory.fits.items()}, "advice": plan.memory.advice,
-                            "estimates": [e.as_dict() for by_rows in plan.memory.estimates.values()
-                                          for e in by_rows.values()]}
+        record["memory"] = {
+            "length": plan.memory.length,
+            "budget": plan.memory.budget,
+            "margin": plan.memory.margin,
+            "fits": {str(k): v for k, v in plan.memory.fits.items()},
+            "advice": plan.memory.advice,
+            "estimates": [e.as_dict() for by_rows in plan.memory.estimates.values() for e in by_rows.values()],
+        }
     with open(os.path.join(output_dir, "plan.json"), "w") as f:
         json.dump(record, f, indent=2, default=str)
 

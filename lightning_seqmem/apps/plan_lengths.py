@@ -32,8 +32,11 @@ class Conversations:
         from lightning_seqmem.batching.conversation_rows import conversation_rows
 
         rows = conversation_rows(self.dataset, max_length, self.on_empty_labels)
-        return rows.source.lengths, rows.stats["tokens_truncated"] + rows.stats["tokens_dropped"], \
-            rows.stats["trained_tokens"]
+        return (
+            rows.source.lengths,
+            rows.stats["tokens_truncated"] + rows.stats["tokens_dropped"],
+            rows.stats["trained_tokens"],
+        )
 
 
 def lengths_at(docs: Any, max_length: int) -> tuple[np.ndarray, int, int | None]:
@@ -65,14 +68,20 @@ def stream_sample(dm: Any, documents: int = 20_000) -> tuple[Any, int | None]:
     from lightning_seqmem.datamodule.streaming import is_stream
 
     if isinstance(documents, bool) or not isinstance(documents, numbers.Integral) or documents < 1:
-        raise ValueError(f"plan.stream_sample must be an int >= 1 (documents read from a stream to plan on), got "
-                         f"{documents!r}.")
+        raise ValueError(
+            f"plan.stream_sample must be an int >= 1 (documents read from a stream to plan on), got {documents!r}."
+        )
     if not (dm.settings.data.streaming or is_stream(dm.dataset)):
         return dm, None
     stream = open_stream(dm.dataset)
     splits = stream if isinstance(stream, dict) else {"train": stream}
-    head = datasets.DatasetDict({split: datasets.Dataset.from_list(list(s.take(documents)))
-                                 for split, s in splits.items() if split in ("train", "validation")})
+    head = datasets.DatasetDict(
+        {
+            split: datasets.Dataset.from_list(list(s.take(documents)))
+            for split, s in splits.items()
+            if split in ("train", "validation")
+        }
+    )
     copy = type(dm)(dataset=head, tokenizer=dm._tokenizer_arg, **dict(dm.hparams, streaming=False))
     return copy, len(head["train"])
 

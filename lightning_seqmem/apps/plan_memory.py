@@ -25,8 +25,17 @@ def parse_bytes(value: str | int | float) -> int:
     match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B|B)?\s*", str(value), flags=re.IGNORECASE)
     if not match:
         raise ValueError(f"Cannot read a memory size from {str(value)[:40]!r}; write e.g. 80GiB, 40GB or 512MiB.")
-    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    units = {
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }
     return int(float(match.group(1)) * units[(match.group(2) or "B").lower()])
 
 
@@ -72,8 +81,9 @@ def plan_memory(
     out = MemoryPlan(length=length, budget=budget, margin=margin)
     limit = out.usable if out.usable is not None else math.inf
     for checkpointing in (False, True):
-        fits, out.estimates[checkpointing] = largest_fitting(lambda rows: estimate(rows, length, checkpointing),
-                                                             limit, sizes)
+        fits, out.estimates[checkpointing] = largest_fitting(
+            lambda rows: estimate(rows, length, checkpointing), limit, sizes
+        )
         out.fits[checkpointing] = fits if out.usable is not None else None
     if out.usable is not None and out.fits[False] is None:
         out.advice = _no_fit_advice(estimate, out, shorter_lengths)
@@ -84,44 +94,55 @@ def _no_fit_advice(estimate, memory: MemoryPlan, shorter_lengths: Sequence[int])
     one = memory.estimates[False][min(memory.estimates[False])]
     ways = []
     if memory.fits[True] is not None:
-        ways.append(f"gradient checkpointing (model.gradient_checkpointing=true) fits micro_batch_size="
-                    f"{memory.fits[True]}")
+        ways.append(
+            f"gradient checkpointing (model.gradient_checkpointing=true) fits micro_batch_size={memory.fits[True]}"
+        )
     for length in sorted((m for m in shorter_lengths if m < memory.length), reverse=True):
         if estimate(1, length, False).peak <= memory.usable:
             ways.append(f"data.max_length={length} fits micro_batch_size=1")
             break
     ways = ways or ["a smaller model, bf16 weights (trainer.precision=bf16-true) or a bigger device"]
-    return (f"No micro_batch_size fits {format_bytes(memory.budget)} ({format_bytes(memory.usable)} usable after a "
-            f"{memory.margin:.0%} allocator margin) at length {memory.length}: one row needs {format_bytes(one.peak)}. "
-            "What would fit: " + "; ".join(ways) + ".")
+    return (
+        f"No micro_batch_size fits {format_bytes(memory.budget)} ({format_bytes(memory.usable)} usable after a "
+        f"{memory.margin:.0%} allocator margin) at length {memory.length}: one row needs {format_bytes(one.peak)}. "
+        "What would fit: " + "; ".join(ways) + "."
+    )
 
 
 # What is live at a peak in each phase of the traced step (forward, zero_grad, backward, optimizer step).
 PEAK_NOTES = {
     "forward": "the previous step's gradients are still alive (zero_grad frees them after the forward).",
     "backward": "the forward's saved activations are alive and this step's gradients are not all written yet "
-                "('none yet of X': zero_grad freed the previous ones); they come later, below the peak.",
+    "('none yet of X': zero_grad freed the previous ones); they come later, below the peak.",
     "optimizer": "parameters, gradients and AdamW state are all alive, with the optimizer step's temporaries.",
 }
 
 
 def memory_table(memory: MemoryPlan) -> list[str]:
     """The memory table's lines: per micro_batch_size, the peak, the phase it falls in and what is live then."""
-    lines = [f"Peak training memory at length {memory.length} (worst case of the configured run)" + (
-                 f"; budget {format_bytes(memory.budget)}, {format_bytes(memory.usable)} usable after a "
-                 f"{memory.margin:.0%} allocator margin" if memory.budget else ""),
-             f"{'':>56}{' live at the peak ':-^58}",
-             "micro_batch_size  checkpointing        peak  falls in    parameters  gradients             "
-             "   optimizer  activations"]
+    lines = [
+        f"Peak training memory at length {memory.length} (worst case of the configured run)"
+        + (
+            f"; budget {format_bytes(memory.budget)}, {format_bytes(memory.usable)} usable after a "
+            f"{memory.margin:.0%} allocator margin"
+            if memory.budget
+            else ""
+        ),
+        f"{'':>56}{' live at the peak ':-^58}",
+        "micro_batch_size  checkpointing        peak  falls in    parameters  gradients             "
+        "   optimizer  activations",
+    ]
     for checkpointing, by_rows in memory.estimates.items():
         for rows, e in by_rows.items():
             full, gradients = e.state.get("gradients", 0), format_bytes(e.gradients)
             if e.gradients < full:  # not all written yet at the peak
                 gradients = f"{gradients if e.gradients else 'none yet'} of {format_bytes(full)}"
             fit = "" if memory.usable is None else ("  fits" if e.peak <= memory.usable else "  too big")
-            lines.append(f"{rows:>16}  {'yes' if checkpointing else 'no':>13}  {format_bytes(e.peak):>10}  "
-                         f"{e.peak_phase:<9}  {format_bytes(e.parameters):>11}  {gradients:<20}  "
-                         f"{format_bytes(e.optimizer_state):>10}  {format_bytes(e.activations):>11}{fit}")
+            lines.append(
+                f"{rows:>16}  {'yes' if checkpointing else 'no':>13}  {format_bytes(e.peak):>10}  "
+                f"{e.peak_phase:<9}  {format_bytes(e.parameters):>11}  {gradients:<20}  "
+                f"{format_bytes(e.optimizer_state):>10}  {format_bytes(e.activations):>11}{fit}"
+            )
     phases = dict.fromkeys(e.peak_phase for by_rows in memory.estimates.values() for e in by_rows.values())
     lines += [f"Peak in {'the optimizer step' if p == 'optimizer' else p}: {PEAK_NOTES.get(p, '')}" for p in phases]
     return lines + ([memory.advice] if memory.advice else [])

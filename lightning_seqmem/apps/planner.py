@@ -26,9 +26,9 @@ from lightning_seqmem.apps.plan_memory import (
     parse_bytes,
     plan_memory,
 )
+from lightning_seqmem.batching.pair_strategies import PREFERENCE, make_split_strategy
 from lightning_seqmem.batching.settings import BatchingSettings
 from lightning_seqmem.batching.strategies import PLANNER_STRATEGIES as STRATEGIES
-from lightning_seqmem.batching.pair_strategies import PREFERENCE, make_split_strategy
 from lightning_seqmem.batching.strategies import Strategy, largest_shape, planner_name
 from lightning_seqmem.batching.truncation import MIN_MAX_LENGTH, count_truncated, valid_max_length
 from lightning_seqmem.datamodule.pipeline import split_documents
@@ -42,8 +42,10 @@ PLANNED_KINDS = ("text", "conversations", PREFERENCE)
 def check_text(kind: str, detail: str = "") -> None:
     """Refuse data the planner cannot plan yet (``detail``: where to look instead)."""
     if kind not in PLANNED_KINDS:
-        raise ValueError(f"seqmem-plan plans text datasets, conversations and preference pairs; prompt/completion "
-                         f"data is not supported yet{detail}.")
+        raise ValueError(
+            f"seqmem-plan plans text datasets, conversations and preference pairs; prompt/completion "
+            f"data is not supported yet{detail}."
+        )
 
 
 def check_strategies(strategies: Sequence[str]) -> tuple[str, ...]:
@@ -74,10 +76,14 @@ def length_distribution(lengths: np.ndarray, max_lengths: Sequence[int]) -> dict
         "documents": int(lengths.size),
         "tokens": int(lengths.sum()),
         "mean": float(lengths.mean()) if lengths.size else 0.0,
-        "percentiles": {p: int(np.percentile(lengths, p, method="higher")) if lengths.size else 0
-                        for p in PERCENTILES},
-        "over": {m: {"documents": float((lengths > m).mean()) if lengths.size else 0.0,
-                     "tokens": count_truncated(lengths, m) / total} for m in max_lengths},
+        "percentiles": {p: int(np.percentile(lengths, p, method="higher")) if lengths.size else 0 for p in PERCENTILES},
+        "over": {
+            m: {
+                "documents": float((lengths > m).mean()) if lengths.size else 0.0,
+                "tokens": count_truncated(lengths, m) / total,
+            }
+            for m in max_lengths
+        },
     }
 
 
@@ -145,19 +151,27 @@ def plan_strategy(
         largest += [epoch.largest] if epoch.largest is not None else []
         if train:
             per_rank = len(batcher.split_sampler(rows, "train", devices, 0))
-            counts = dict(epoch.counts(), tokens=cut.get("tokens", int(whole_lengths(docs).sum())),
-                          tokens_lost=lost + cut["tokens_truncated"] + cut.get("tokens_dropped", 0),
-                          optimizer_steps=math.ceil(per_rank / accumulate_grad_batches),
-                          trained_share=None if trained is None else trained / max(int(rows.sum()), 1))
-    return StrategyPlan(strategy=strategy, max_length=max_length, max_batch_shape=largest_shape([batcher], largest),
-                        **counts)
+            counts = dict(
+                epoch.counts(),
+                tokens=cut.get("tokens", int(whole_lengths(docs).sum())),
+                tokens_lost=lost + cut["tokens_truncated"] + cut.get("tokens_dropped", 0),
+                optimizer_steps=math.ceil(per_rank / accumulate_grad_batches),
+                trained_share=None if trained is None else trained / max(int(rows.sum()), 1),
+            )
+    return StrategyPlan(
+        strategy=strategy, max_length=max_length, max_batch_shape=largest_shape([batcher], largest), **counts
+    )
 
 
-def plan_strategies(lengths, strategies, max_lengths, settings=BatchingSettings(), devices=1,
-                    accumulate_grad_batches=1, kind="text") -> list[StrategyPlan]:
+def plan_strategies(
+    lengths, strategies, max_lengths, settings=BatchingSettings(), devices=1, accumulate_grad_batches=1, kind="text"
+) -> list[StrategyPlan]:
     """:func:`plan_strategy` for every strategy x max_length."""
-    return [plan_strategy(lengths, s, m, settings, devices, accumulate_grad_batches, kind)
-            for s in check_strategies(strategies) for m in check_max_lengths(max_lengths)]
+    return [
+        plan_strategy(lengths, s, m, settings, devices, accumulate_grad_batches, kind)
+        for s in check_strategies(strategies)
+        for m in check_max_lengths(max_lengths)
+    ]
 
 
 def recommend_data(plans: Sequence[StrategyPlan], max_length: int | None = None) -> tuple[StrategyPlan, str]:
@@ -165,10 +179,14 @@ def recommend_data(plans: Sequence[StrategyPlan], max_length: int | None = None)
     closest to ``max_length`` (the configured one: packing is ~100% efficient at any length, and shorter rows cut
     more documents); ties go to the earlier strategy (``pack_bfd`` keeps documents whole, ``pack_wrapped`` not)."""
     target = max_length or max(p.max_length for p in plans)
-    best = min(plans, key=lambda p: (p.tokens_lost, -round(p.token_efficiency, 2), abs(math.log2(p.max_length / target))))
+    best = min(
+        plans, key=lambda p: (p.tokens_lost, -round(p.token_efficiency, 2), abs(math.log2(p.max_length / target)))
+    )
     lost = "no token lost" if best.tokens_lost == 0 else f"{best.lost_share:.2%} of tokens lost (the least of all)"
-    return best, (f"strategy={best.strategy} max_length={best.max_length}: {lost}, "
-                  f"{best.token_efficiency:.1%} of the slots hold real tokens")
+    return best, (
+        f"strategy={best.strategy} max_length={best.max_length}: {lost}, "
+        f"{best.token_efficiency:.1%} of the slots hold real tokens"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ report
@@ -185,12 +203,17 @@ class RunPlan:
     train_lengths: np.ndarray = field(default=None, repr=False)  # [documents], for the histogram
 
 
-def recommend(plans: Sequence[StrategyPlan], memory: MemoryPlan | None, micro_batch_size: int,
-              max_length: int | None = None) -> tuple[dict, str]:
+def recommend(
+    plans: Sequence[StrategyPlan], memory: MemoryPlan | None, micro_batch_size: int, max_length: int | None = None
+) -> tuple[dict, str]:
     """``({strategy, max_length, micro_batch_size, gradient_checkpointing}, one-line reason)``."""
     best, reason = recommend_data(plans, max_length)
-    choice = {"strategy": best.strategy, "max_length": best.max_length, "micro_batch_size": micro_batch_size,
-              "gradient_checkpointing": False}
+    choice = {
+        "strategy": best.strategy,
+        "max_length": best.max_length,
+        "micro_batch_size": micro_batch_size,
+        "gradient_checkpointing": False,
+    }
     if memory is not None and memory.usable is not None:
         if memory.fits[False] is not None:
             choice["micro_batch_size"] = memory.fits[False]
@@ -208,22 +231,37 @@ def format_plan(plan: RunPlan) -> str:
     """The report as text tables."""
     d = plan.distribution
     pct = "  ".join(f"p{p}={v}" for p, v in d["percentiles"].items())
-    lines = [f"Train documents: {d['documents']:,}, {d['tokens']:,} tokens, mean {d['mean']:.1f} tokens; {pct}",
-             "max_length | documents longer | tokens beyond it"]
+    lines = [
+        f"Train documents: {d['documents']:,}, {d['tokens']:,} tokens, mean {d['mean']:.1f} tokens; {pct}",
+        "max_length | documents longer | tokens beyond it",
+    ]
     lines += [f"{m:>10} | {o['documents']:>16.2%} | {o['tokens']:>16.2%}" for m, o in d["over"].items()]
     chat = any(s.trained_share is not None for s in plan.strategies)  # conversations: the trained share too
-    lines += ["", "strategy           max_length  efficiency" + ("     trained" if chat else "")
-              + "        tokens lost     rows  batches   steps  largest batch"]
+    lines += [
+        "",
+        "strategy           max_length  efficiency"
+        + ("     trained" if chat else "")
+        + "        tokens lost     rows  batches   steps  largest batch",
+    ]
     for s in plan.strategies:
-        mark = " <- config" if plan.configured is not None and (s.strategy, s.max_length) == (
-            plan.configured.strategy, plan.configured.max_length) else ""
+        mark = (
+            " <- config"
+            if plan.configured is not None
+            and (s.strategy, s.max_length) == (plan.configured.strategy, plan.configured.max_length)
+            else ""
+        )
         trained = f"  {s.trained_share:>10.1%}" if chat else ""
-        lines.append(f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}{trained}  {s.tokens_lost:>9,} "
-                     f"({s.lost_share:>5.1%}) {s.rows:>8,} {s.batches:>8,} {s.optimizer_steps:>7,}  "
-                     f"{s.max_batch_shape[0]} x {s.max_batch_shape[1]}{mark}")
+        lines.append(
+            f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}{trained}  {s.tokens_lost:>9,} "
+            f"({s.lost_share:>5.1%}) {s.rows:>8,} {s.batches:>8,} {s.optimizer_steps:>7,}  "
+            f"{s.max_batch_shape[0]} x {s.max_batch_shape[1]}{mark}"
+        )
     lines += ["", *memory_table(plan.memory)] if plan.memory is not None else []
-    lines += ["", "Recommended: " + " ".join(f"{k}={v}" for k, v in plan.recommended.items()),
-              "Why: " + plan.recommendation]
+    lines += [
+        "",
+        "Recommended: " + " ".join(f"{k}={v}" for k, v in plan.recommended.items()),
+        "Why: " + plan.recommendation,
+    ]
     return "\n".join(lines)
 
 
@@ -251,7 +289,8 @@ def build_plan(
     config_strategy, config_length = configured
     plans = plan_strategies(lengths, strategies, max_lengths, settings, devices, accumulate_grad_batches, kind)
     current = _with_config(plans, config_strategy, config_length) or plan_strategy(
-        lengths, config_strategy, config_length, settings, devices, accumulate_grad_batches, kind)
+        lengths, config_strategy, config_length, settings, devices, accumulate_grad_batches, kind
+    )
     memory = None
     if estimate is not None:
         memory = plan_memory(estimate, current.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
@@ -264,9 +303,15 @@ def build_plan(
     train = whole_lengths(lengths["train"])
     if kind == PREFERENCE:  # the distribution of sequences (prompt + chosen, prompt + rejected), as max_length cuts
         train = (train[:, :1] + train[:, 1:]).reshape(-1)
-    return RunPlan(distribution=length_distribution(train, max_lengths), strategies=plans,
-                   configured=current, memory=memory, recommendation=reason, recommended=recommended,
-                   train_lengths=train)
+    return RunPlan(
+        distribution=length_distribution(train, max_lengths),
+        strategies=plans,
+        configured=current,
+        memory=memory,
+        recommendation=reason,
+        recommended=recommended,
+        train_lengths=train,
+    )
 
 
 def default_max_lengths(max_length: int) -> list[int]:
@@ -325,16 +370,32 @@ def plan(
     if model_config is not None:  # (micro_batch_size, length, checkpointing) -> MemoryEstimate
         keys = [k for k in dm.batch_keys() if k in MODEL_KEYS]  # pair bookkeeping keys cost next to nothing
         # Rows per micro_batch_size: 2 for padded pairs (chosen and rejected rows), else 1 (documents, packed rows).
-        per = _strategy(configured[0], settings.max_length, settings, kind).rows_per_batch("train") \
+        per = (
+            _strategy(configured[0], settings.max_length, settings, kind).rows_per_batch("train")
             // settings.micro_batch_size
+        )
 
         def estimate(rows: int, length: int, checkpointing: bool):
-            est = estimate_training_memory(model_config, per * rows, length, keys, precision, device,
-                                           attn_implementation, checkpointing)
+            est = estimate_training_memory(
+                model_config, per * rows, length, keys, precision, device, attn_implementation, checkpointing
+            )
             return with_reference(est) if reference_copy else est
+
     budget = parse_bytes(gpu_memory) if gpu_memory is not None else None
-    return build_plan(datamodule_lengths(dm), strategies, max_lengths, settings, configured,
-                      estimate, micro_batch_sizes, budget, margin, devices, accumulate_grad_batches, kind)
+    return build_plan(
+        datamodule_lengths(dm),
+        strategies,
+        max_lengths,
+        settings,
+        configured,
+        estimate,
+        micro_batch_sizes,
+        budget,
+        margin,
+        devices,
+        accumulate_grad_batches,
+        kind,
+    )
 
 
 def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
@@ -347,11 +408,15 @@ def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
     if kind in ("conversations", PREFERENCE):
         documents = split_documents(tokenized, kind, dm.settings.batching.seed)
         if kind == "conversations":
-            return {split: Conversations(docs.dataset, dm.settings.conversation.on_empty_labels)
-                    for split, docs in documents.items()}
+            return {
+                split: Conversations(docs.dataset, dm.settings.conversation.on_empty_labels)
+                for split, docs in documents.items()
+            }
         # [pairs, 3]: prompt, chosen, rejected (an empty prompt is a valid pair)
-        return {split: np.stack([docs.parts[p].lengths for p in ("prompt", "chosen", "rejected")], axis=1)
-                for split, docs in documents.items()}
+        return {
+            split: np.stack([docs.parts[p].lengths for p in ("prompt", "chosen", "rejected")], axis=1)
+            for split, docs in documents.items()
+        }
     return {split: parts["documents"] for split, parts in _split_lengths(dm).items()}
 
 
@@ -366,12 +431,34 @@ def _split_lengths(dm: Any) -> dict[str, dict[str, np.ndarray]]:
     validation split carved out as ``setup`` carves it); a part's empty entries are left out too."""
     tokenized, kind = dm.tokenized_documents()
     documents = split_documents(tokenized, kind, dm.settings.batching.seed)
-    return {split: {part: source.lengths[source.lengths > 0] for part, source in docs.parts.items()}
-            for split, docs in documents.items()}
+    return {
+        split: {part: source.lengths[source.lengths > 0] for part, source in docs.parts.items()}
+        for split, docs in documents.items()
+    }
 
 
-__all__ = ["DEFAULT_MARGIN", "PEAK_NOTES", "PLANNED_KINDS", "STRATEGIES", "Conversations", "MemoryPlan", "RunPlan",
-           "StrategyPlan", "build_plan",
-           "check_text", "column_lengths", "datamodule_lengths", "default_max_lengths", "format_plan",
-           "length_distribution", "memory_table", "parse_bytes", "plan", "plan_memory", "plan_strategies",
-           "plan_strategy", "recommend", "recommend_data"]
+__all__ = [
+    "DEFAULT_MARGIN",
+    "PEAK_NOTES",
+    "PLANNED_KINDS",
+    "STRATEGIES",
+    "Conversations",
+    "MemoryPlan",
+    "RunPlan",
+    "StrategyPlan",
+    "build_plan",
+    "check_text",
+    "column_lengths",
+    "datamodule_lengths",
+    "default_max_lengths",
+    "format_plan",
+    "length_distribution",
+    "memory_table",
+    "parse_bytes",
+    "plan",
+    "plan_memory",
+    "plan_strategies",
+    "plan_strategy",
+    "recommend",
+    "recommend_data",
+]

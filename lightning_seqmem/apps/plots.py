@@ -18,8 +18,12 @@ from lightning_seqmem.batching.truncation import count_truncated
 __all__ = ["length_histogram", "memory_bars", "save", "strategy_bars", "sweep_curves"]
 
 LINE_COLOUR = "#c44e52"  # candidate max_length lines and their labels
-CATEGORIES = (("parameters", "#4c72b0"), ("gradients", "#dd8452"), ("optimizer_state", "#55a868"),
-              ("activations", "#8172b3"))
+CATEGORIES = (
+    ("parameters", "#4c72b0"),
+    ("gradients", "#dd8452"),
+    ("optimizer_state", "#55a868"),
+    ("activations", "#8172b3"),
+)
 
 
 def _figure(width: float, height: float, rows: int = 1, cols: int = 1):
@@ -57,8 +61,18 @@ def _place_labels(ax, xs: Sequence[float], texts: Sequence[str], colour: str = L
     transform = blended_transform_factory(ax.transData, ax.transAxes)
     placed, labels = [], []
     for x, text in sorted(zip(xs, texts)):
-        label = ax.text(x, 0.98, text, transform=transform, va="top", ha="left", fontsize=8, color=colour,
-                        bbox=dict(facecolor="white", alpha=0.85, edgecolor="none", pad=1.0), zorder=5)
+        label = ax.text(
+            x,
+            0.98,
+            text,
+            transform=transform,
+            va="top",
+            ha="left",
+            fontsize=8,
+            color=colour,
+            bbox=dict(facecolor="white", alpha=0.85, edgecolor="none", pad=1.0),
+            zorder=5,
+        )
         if label.get_window_extent(renderer).x1 > box_ax.x1:
             label.set_horizontalalignment("right")
         y = 0.98
@@ -73,8 +87,11 @@ def _place_labels(ax, xs: Sequence[float], texts: Sequence[str], colour: str = L
     return labels
 
 
-def length_histogram(panels: Mapping[str, np.ndarray] | np.ndarray, max_lengths: Sequence[int] = (),
-                     title: str = "Train document lengths and candidate max_length"):
+def length_histogram(
+    panels: Mapping[str, np.ndarray] | np.ndarray,
+    max_lengths: Sequence[int] = (),
+    title: str = "Train document lengths and candidate max_length",
+):
     """Token counts per document on logarithmic bins, with the cumulative share of documents and of tokens.
 
     Args:
@@ -102,14 +119,28 @@ def length_histogram(panels: Mapping[str, np.ndarray] | np.ndarray, max_lengths:
         ax.set_xlim(low, high)
         ax.set_xlabel(f"tokens per {'document' if name == 'documents' else name} (log scale)")
         ax.set_ylabel("documents")
-        ax.set_title(f"{name}: {lengths.size:,}, {int(lengths.sum()):,} tokens, median "
-                     f"{int(np.median(lengths))}, longest {int(lengths.max()):,}", fontsize=9)
+        ax.set_title(
+            f"{name}: {lengths.size:,}, {int(lengths.sum()):,} tokens, median "
+            f"{int(np.median(lengths))}, longest {int(lengths.max()):,}",
+            fontsize=9,
+        )
         values, counts = np.unique(lengths, return_counts=True)
         share = ax.twinx()
-        share.step(values, 100 * np.cumsum(counts) / lengths.size, where="post", color="#333333",
-                   label="cumulative share of documents")
-        share.step(values, 100 * np.cumsum(values * counts) / lengths.sum(), where="post", color="#dd8452",
-                   linestyle="--", label="cumulative share of tokens")
+        share.step(
+            values,
+            100 * np.cumsum(counts) / lengths.size,
+            where="post",
+            color="#333333",
+            label="cumulative share of documents",
+        )
+        share.step(
+            values,
+            100 * np.cumsum(values * counts) / lengths.sum(),
+            where="post",
+            color="#dd8452",
+            linestyle="--",
+            label="cumulative share of tokens",
+        )
         share.set_ylim(0, 105)
         share.set_ylabel("cumulative share (%)")
         for m in max_lengths:
@@ -122,8 +153,11 @@ def length_histogram(panels: Mapping[str, np.ndarray] | np.ndarray, max_lengths:
     _freeze_layout(fig)
     for _, share, lengths in twins:  # on the twin axes: drawn last, the labels stay above the curves
         total = int(lengths.sum())
-        _place_labels(share, list(max_lengths), [f"{m:,}\n{count_truncated(lengths, m) / total:.1%} of tokens past"
-                                              for m in max_lengths])
+        _place_labels(
+            share,
+            list(max_lengths),
+            [f"{m:,}\n{count_truncated(lengths, m) / total:.1%} of tokens past" for m in max_lengths],
+        )
     return fig
 
 
@@ -140,8 +174,13 @@ def strategy_bars(plans: Sequence[Any], recommended: tuple[str, int] | None = No
     fig, axes = _figure(9, 5.6, rows=2)
     width = 0.8 / len(lengths)
     shades = [f"C{i % 10}" for i in range(len(lengths))]
-    for ax, (what, value) in zip(axes[:, 0], (("token efficiency: real tokens / slots (%)", "token_efficiency"),
-                                              ("tokens lost: truncated or dropped (%)", "lost_share"))):
+    for ax, (what, value) in zip(
+        axes[:, 0],
+        (
+            ("token efficiency: real tokens / slots (%)", "token_efficiency"),
+            ("tokens lost: truncated or dropped (%)", "lost_share"),
+        ),
+    ):
         for i, (length, colour) in enumerate(zip(lengths, shades)):
             xs = [s + (i - (len(lengths) - 1) / 2) * width for s in range(len(strategies))]
             ys = [100 * getattr(by_key[(s, length)], value) if (s, length) in by_key else np.nan for s in strategies]
@@ -155,8 +194,13 @@ def strategy_bars(plans: Sequence[Any], recommended: tuple[str, int] | None = No
         ax.set_ylim(0, 110)
         ax.set_xticks(range(len(strategies)), strategies)
         ax.grid(axis="y", alpha=0.3)
-    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncols=min(len(lengths), 6),
-               fontsize=8, frameon=False)
+    fig.legend(
+        *axes[0, 0].get_legend_handles_labels(),
+        loc="outside lower center",
+        ncols=min(len(lengths), 6),
+        fontsize=8,
+        frameon=False,
+    )
     title = "Strategy x max_length on the train documents"
     if recommended is not None:
         title += f" (hatched: recommended, {recommended[0]} at {recommended[1]:,})"
@@ -189,31 +233,43 @@ def memory_bars(memory: Any):
         bottom = np.zeros(len(rows))
         for category, colour in CATEGORIES:
             heights = np.array([getattr(by_rows[r], category) for r in rows]) / scale
-            bars = ax.bar(range(len(rows)), heights, 0.7, bottom=bottom, color=colour,
-                          label=category.replace("_", " "))
+            bars = ax.bar(range(len(rows)), heights, 0.7, bottom=bottom, color=colour, label=category.replace("_", " "))
             bottom += heights
         over = [memory.usable is not None and by_rows[r].peak > memory.usable for r in rows]
         ax.bar_label(bars, [f"{h:.3g}" + (" too big" if o else "") for h, o in zip(bottom, over)], fontsize=7)
         if memory.budget is not None:
-            ax.axhline(memory.budget / scale, color="black", linewidth=1.2,
-                       label=f"budget {format_bytes(memory.budget)}")
-            ax.axhspan(memory.usable / scale, memory.budget / scale, color="grey", alpha=0.25,
-                       label=f"margin: {memory.margin:.0%} of the budget kept back (allocator, CUDA context)")
+            ax.axhline(
+                memory.budget / scale, color="black", linewidth=1.2, label=f"budget {format_bytes(memory.budget)}"
+            )
+            ax.axhspan(
+                memory.usable / scale,
+                memory.budget / scale,
+                color="grey",
+                alpha=0.25,
+                label=f"margin: {memory.margin:.0%} of the budget kept back (allocator, CUDA context)",
+            )
         ax.set_xticks(range(len(rows)), [f"{r}\n{by_rows[r].peak_phase}" for r in rows], fontsize=8)
         ax.set_ylim(0, 1.1 * top / scale)
         ax.set_xlabel("micro_batch_size / where the peak falls")
         ax.set_ylabel(f"live at the peak ({unit})")
         fits = memory.fits.get(checkpointing)
-        ax.set_title(f"gradient checkpointing {'on' if checkpointing else 'off'}"
-                     + (f": largest that fits {fits}" if fits is not None else
-                        (": none fits" if memory.budget is not None else "")), fontsize=9)
+        ax.set_title(
+            f"gradient checkpointing {'on' if checkpointing else 'off'}"
+            + (
+                f": largest that fits {fits}"
+                if fits is not None
+                else (": none fits" if memory.budget is not None else "")
+            ),
+            fontsize=9,
+        )
         ax.grid(axis="y", alpha=0.3)
-    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize=8,
-               frameon=False)
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize=8, frameon=False)
     early = any(e.peak_phase == "backward" and not e.gradients for _, by_rows in panels for e in by_rows.values())
-    fig.suptitle(f"Peak training memory at length {memory.length:,}, split into what is live at the peak"
-                 + ("\n(no gradients at a peak early in backward: this step has written none yet)" if early else ""),
-                 fontsize=10)
+    fig.suptitle(
+        f"Peak training memory at length {memory.length:,}, split into what is live at the peak"
+        + ("\n(no gradients at a peak early in backward: this step has written none yet)" if early else ""),
+        fontsize=10,
+    )
     _freeze_layout(fig)
     return fig
 
@@ -229,8 +285,9 @@ def _mean_band(curves: list[list[dict]], x: str, y: str):
     return grid, values.mean(axis=0), values.min(axis=0), values.max(axis=0)
 
 
-def sweep_curves(groups: Mapping[str, Sequence[Any]], time_key: str, target: float, clock: str = "wall-clock",
-                 per_job: bool = False):
+def sweep_curves(
+    groups: Mapping[str, Sequence[Any]], time_key: str, target: float, clock: str = "wall-clock", per_job: bool = False
+):
     """Validation loss (and training loss, when recorded) against time and against tokens.
 
     Args:
@@ -248,7 +305,7 @@ def sweep_curves(groups: Mapping[str, Sequence[Any]], time_key: str, target: flo
     for index, (name, jobs) in enumerate(groups.items()):
         colour = f"C{index % 10}"
         done = [job for job in jobs if job.finished] or list(jobs)
-        for row, (attr, loss) in enumerate((("rows", "val_loss"), ("train_rows", "train_loss"))[:len(axes)]):
+        for row, (attr, loss) in enumerate((("rows", "val_loss"), ("train_rows", "train_loss"))[: len(axes)]):
             for ax, x in zip(axes[row], (time_key, "tokens_seen")):
                 curves = [getattr(job, attr) for job in (jobs if per_job else done)]
                 curves = [c for c in curves if c and x in c[0]]
@@ -264,10 +321,17 @@ def sweep_curves(groups: Mapping[str, Sequence[Any]], time_key: str, target: flo
                         continue
                     tag = "" if job.finished else f" ({job.status})"
                     tag += " (1 seed)" if seeds > 1 and not per_job and len(curves) == 1 else ""
-                    ax.plot([r[x] for r in curve], [r[loss] for r in curve], "-" if job.finished else ":",
-                            color=colour, marker="o" if loss == "val_loss" else None, markersize=3, linewidth=1,
-                            label=(name + tag) if i == 0 or not per_job else None)
-    for row, what in enumerate(("validation loss", "training loss")[:len(axes)]):
+                    ax.plot(
+                        [r[x] for r in curve],
+                        [r[loss] for r in curve],
+                        "-" if job.finished else ":",
+                        color=colour,
+                        marker="o" if loss == "val_loss" else None,
+                        markersize=3,
+                        linewidth=1,
+                        label=(name + tag) if i == 0 or not per_job else None,
+                    )
+    for row, what in enumerate(("validation loss", "training loss")[: len(axes)]):
         for ax, xlabel in zip(axes[row], (f"training {clock} (s, validation excluded)", "real tokens trained on")):
             if row == 0:
                 ax.axhline(target, color="black", linestyle="--", linewidth=0.9, label=f"target {target:.4g}")
@@ -275,7 +339,9 @@ def sweep_curves(groups: Mapping[str, Sequence[Any]], time_key: str, target: flo
             ax.set_ylabel(what)
             ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle("one line per job" if per_job or seeds < 2 else
-                 "one line per setting: mean over its seeds, band min-max", fontsize=10)
+    fig.suptitle(
+        "one line per job" if per_job or seeds < 2 else "one line per setting: mean over its seeds, band min-max",
+        fontsize=10,
+    )
     _freeze_layout(fig)
     return fig

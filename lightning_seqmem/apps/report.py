@@ -24,8 +24,16 @@ import statistics
 import sys
 
 from lightning_seqmem.apps.run_files import PROGRESS_FILE
-from lightning_seqmem.apps.sweep_jobs import (DID_NOT_FINISH, Job, ReportError, label, load_jobs, seed_groups, seed_key,
-                                              varying_keys)
+from lightning_seqmem.apps.sweep_jobs import (
+    DID_NOT_FINISH,
+    Job,
+    ReportError,
+    label,
+    load_jobs,
+    seed_groups,
+    seed_key,
+    varying_keys,
+)
 
 __all__ = ["ReportError", "build_report", "figure", "load_jobs", "main", "reach", "write_report"]
 
@@ -80,16 +88,24 @@ def _beyond_noise(base: list[float], other: list[float]) -> str:
 def _group_rows(groups: dict[str, list[Job]], rows: dict[str, dict], base_label: str) -> list[dict]:
     """Mean ± sd over seeds of each group's final loss and time / tokens to target (finished jobs only: a killed
     job's last validation is not its final loss)."""
+
     def figures(members: list[Job], key: str) -> list[float]:
         return [rows[j.name][key] for j in members if j.finished and rows[j.name][key] is not None]
 
     base = {key: figures(groups[base_label], key) for key in ("time_to_target_s", "tokens_to_target")}
     out = []
     for name, members in groups.items():
-        entry: dict = {"group": name, "baseline": name == base_label, "seeds": len(members),
-                       "finished": sum(j.finished for j in members)}
-        for key, column in (("final_val_loss", "final_val_loss"), ("time_to_target_s", "time_to_target_s"),
-                            ("tokens_to_target", "tokens_to_target")):
+        entry: dict = {
+            "group": name,
+            "baseline": name == base_label,
+            "seeds": len(members),
+            "finished": sum(j.finished for j in members),
+        }
+        for key, column in (
+            ("final_val_loss", "final_val_loss"),
+            ("time_to_target_s", "time_to_target_s"),
+            ("tokens_to_target", "tokens_to_target"),
+        ):
             entry[f"{column}_mean"], entry[f"{column}_sd"] = _mean_sd(figures(members, key))
         entry["reached"] = len(figures(members, "time_to_target_s"))  # of the finished seeds
         for what, key in (("time", "time_to_target_s"), ("tokens", "tokens_to_target")):
@@ -116,8 +132,10 @@ def pick_baseline(jobs: list[Job], baseline: str | None) -> Job:
             seen = sorted({f"{key}={job.overrides[key]}" for job in jobs if key in job.overrides})
             raise ReportError(f"--baseline {baseline}: no job has it. Jobs have: {seen or 'no override ' + key}.")
         if not matches[0].rows:
-            raise ReportError(f"--baseline {baseline}: job {matches[0].name} recorded no validation loss "
-                              f"({matches[0].status}); pick another baseline.")
+            raise ReportError(
+                f"--baseline {baseline}: job {matches[0].name} recorded no validation loss "
+                f"({matches[0].status}); pick another baseline."
+            )
         return matches[0]
     for job in with_rows:
         for key, value in job.overrides.items():
@@ -126,8 +144,9 @@ def pick_baseline(jobs: list[Job], baseline: str | None) -> Job:
     return with_rows[0]
 
 
-def build_report(jobs: list[Job], target_loss: float | None = None, baseline: str | None = None,
-                 clock: str = "wall") -> dict:
+def build_report(
+    jobs: list[Job], target_loss: float | None = None, baseline: str | None = None, clock: str = "wall"
+) -> dict:
     """The rows of the report, the baseline, the target and the notes.
 
     ``clock`` is ``"wall"`` (training wall-clock) or ``"cpu"`` (process CPU time, steadier on a shared machine).
@@ -172,20 +191,22 @@ def build_report(jobs: list[Job], target_loss: float | None = None, baseline: st
         ref = paired_base(job)
         base_time = reach(ref.rows, target, time_key)
         base_tokens = reach(ref.rows, target, "tokens_seen") if "tokens_seen" in ref.final else None
-        rows.append({
-            "job": job.name,
-            "overrides": label(job, keys),
-            "baseline": job is base or (skey is not None and job in base_seeds),
-            "status": job.status,
-            "steps": int(final["step"]) if "step" in final else None,
-            "final_val_loss": final.get("val_loss"),
-            "time_s": final.get(time_key),
-            "tokens_seen": int(final["tokens_seen"]) if "tokens_seen" in final else None,
-            "time_to_target_s": t,
-            "tokens_to_target": round(n) if n is not None else None,
-            "speedup_time": base_time / t if base_time and t else None,
-            "speedup_tokens": base_tokens / n if base_tokens and n else None,
-        })
+        rows.append(
+            {
+                "job": job.name,
+                "overrides": label(job, keys),
+                "baseline": job is base or (skey is not None and job in base_seeds),
+                "status": job.status,
+                "steps": int(final["step"]) if "step" in final else None,
+                "final_val_loss": final.get("val_loss"),
+                "time_s": final.get(time_key),
+                "tokens_seen": int(final["tokens_seen"]) if "tokens_seen" in final else None,
+                "time_to_target_s": t,
+                "tokens_to_target": round(n) if n is not None else None,
+                "speedup_time": base_time / t if base_time and t else None,
+                "speedup_tokens": base_tokens / n if base_tokens and n else None,
+            }
+        )
     group_rows = _group_rows(groups, {r["job"]: r for r in rows}, base_label) if skey else []
     notes = []
     common = {k: v for k, v in jobs[0].overrides.items() if k not in keys}
@@ -195,11 +216,23 @@ def build_report(jobs: list[Job], target_loss: float | None = None, baseline: st
     for job in unfinished:
         what = f"{len(job.rows)} validation point(s) kept" if job.rows else "no metrics"
         status = "" if job.status == DID_NOT_FINISH else f": {job.status}"
-        notes.append(f"Job {job.name} ({label(job, keys)}) did not finish{status}"
-                     + (f" — {job.error}" if job.error else "") + f"; {what}.")
-    return {"rows": rows, "baseline": base, "target": target, "keys": keys, "notes": notes,
-            "target_given": target_loss is not None, "clock": clock, "time_key": time_key,
-            "seed_key": skey, "groups": group_rows}
+        notes.append(
+            f"Job {job.name} ({label(job, keys)}) did not finish{status}"
+            + (f" — {job.error}" if job.error else "")
+            + f"; {what}."
+        )
+    return {
+        "rows": rows,
+        "baseline": base,
+        "target": target,
+        "keys": keys,
+        "notes": notes,
+        "target_given": target_loss is not None,
+        "clock": clock,
+        "time_key": time_key,
+        "seed_key": skey,
+        "groups": group_rows,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------- output
@@ -231,13 +264,24 @@ def seeds_markdown(report: dict) -> str:
     if not report["groups"]:
         return ""
     clock = "wall-clock" if report["clock"] == "wall" else "CPU time"
-    head = ["configuration", "seeds", "final val loss", f"{clock} to target (s)", "tokens to target",
-            "speed-up (time)", "speed-up (tokens)"]
-    lines = [f"Mean ± sd over {report['seed_key']} (sample sd) of the finished jobs; times and tokens to target over "
-             "those that reached it (k/n reached when not all did). "
-             "A gain is *beyond noise* when the means differ by more than twice the standard error of the "
-             "difference, else *within noise*.", "",
-             "| " + " | ".join(head) + " |", "|" + "|".join("---" if i < 1 else "---:" for i in range(len(head))) + "|"]
+    head = [
+        "configuration",
+        "seeds",
+        "final val loss",
+        f"{clock} to target (s)",
+        "tokens to target",
+        "speed-up (time)",
+        "speed-up (tokens)",
+    ]
+    lines = [
+        f"Mean ± sd over {report['seed_key']} (sample sd) of the finished jobs; times and tokens to target over "
+        "those that reached it (k/n reached when not all did). "
+        "A gain is *beyond noise* when the means differ by more than twice the standard error of the "
+        "difference, else *within noise*.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" if i < 1 else "---:" for i in range(len(head))) + "|",
+    ]
     for g in report["groups"]:
         reached = f" ({g['reached']}/{g['finished']} reached)" if g["reached"] < g["finished"] else ""
 
@@ -247,11 +291,15 @@ def seeds_markdown(report: dict) -> str:
                 return "1.00× (baseline)"
             return _fmt(value, "x") + (f" ({g[f'{what}_noise']})" if value is not None else "")
 
-        cells = [g["group"] + (" (baseline)" if g["baseline"] else ""), f"{g['finished']}/{g['seeds']} finished",
-                 _pm(g["final_val_loss_mean"], g["final_val_loss_sd"], "loss"),
-                 _pm(g["time_to_target_s_mean"], g["time_to_target_s_sd"]) + reached,
-                 _pm(g["tokens_to_target_mean"], g["tokens_to_target_sd"], "int") + reached,
-                 speed("time"), speed("tokens")]
+        cells = [
+            g["group"] + (" (baseline)" if g["baseline"] else ""),
+            f"{g['finished']}/{g['seeds']} finished",
+            _pm(g["final_val_loss_mean"], g["final_val_loss_sd"], "loss"),
+            _pm(g["time_to_target_s_mean"], g["time_to_target_s_sd"]) + reached,
+            _pm(g["tokens_to_target_mean"], g["tokens_to_target_sd"], "int") + reached,
+            speed("time"),
+            speed("tokens"),
+        ]
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -265,11 +313,25 @@ def markdown(report: dict) -> str:
     else:
         source = "baseline's final val loss"
     clock = "wall-clock" if report["clock"] == "wall" else "CPU time"
-    head = ["job", "overrides", "status", "steps", "final val loss", f"{clock} (s)", "tokens seen",
-            "time to target (s)", "tokens to target", "speed-up (time)", "speed-up (tokens)"]
-    baseline_text = (f"baseline: {next(g['group'] for g in report['groups'] if g['baseline'])}, each job against "
-                     f"the baseline job of its {report['seed_key']}" if report["groups"]
-                     else f"baseline: job {base.name} ({label(base, report['keys'])})")
+    head = [
+        "job",
+        "overrides",
+        "status",
+        "steps",
+        "final val loss",
+        f"{clock} (s)",
+        "tokens seen",
+        "time to target (s)",
+        "tokens to target",
+        "speed-up (time)",
+        "speed-up (tokens)",
+    ]
+    baseline_text = (
+        f"baseline: {next(g['group'] for g in report['groups'] if g['baseline'])}, each job against "
+        f"the baseline job of its {report['seed_key']}"
+        if report["groups"]
+        else f"baseline: job {base.name} ({label(base, report['keys'])})"
+    )
     lines = [
         f"Target val loss: **{report['target']:.4f}** ({source}); {baseline_text}. Times are training {clock}, "
         "validation excluded.",
@@ -282,11 +344,19 @@ def markdown(report: dict) -> str:
         "|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|",
     ]
     for r in report["rows"]:
-        cells = [r["job"] + (" (baseline)" if r["baseline"] else ""), r["overrides"], r["status"], _fmt(r["steps"]),
-                 _fmt(r["final_val_loss"], "loss"), _fmt(r["time_s"], "s"), _fmt(r["tokens_seen"]),
-                 _fmt(r["time_to_target_s"], "s") if r["time_to_target_s"] is not None else "not reached",
-                 _fmt(r["tokens_to_target"]) if r["tokens_to_target"] is not None else "not reached",
-                 _fmt(r["speedup_time"], "x"), _fmt(r["speedup_tokens"], "x")]
+        cells = [
+            r["job"] + (" (baseline)" if r["baseline"] else ""),
+            r["overrides"],
+            r["status"],
+            _fmt(r["steps"]),
+            _fmt(r["final_val_loss"], "loss"),
+            _fmt(r["time_s"], "s"),
+            _fmt(r["tokens_seen"]),
+            _fmt(r["time_to_target_s"], "s") if r["time_to_target_s"] is not None else "not reached",
+            _fmt(r["tokens_to_target"]) if r["tokens_to_target"] is not None else "not reached",
+            _fmt(r["speedup_time"], "x"),
+            _fmt(r["speedup_tokens"], "x"),
+        ]
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     if report["notes"]:
         lines += [""] + [f"- {note}" for note in report["notes"]]
@@ -304,9 +374,15 @@ def figure(jobs: list[Job], report: dict, per_job: bool = False):
     return sweep_curves(groups, report["time_key"], report["target"], clock, per_job)
 
 
-def write_report(sweep_dir: str, out_dir: str | None = None, target_loss: float | None = None,
-                 baseline: str | None = None, name: str = "report", clock: str = "wall",
-                 per_job: bool = False) -> dict:
+def write_report(
+    sweep_dir: str,
+    out_dir: str | None = None,
+    target_loss: float | None = None,
+    baseline: str | None = None,
+    name: str = "report",
+    clock: str = "wall",
+    per_job: bool = False,
+) -> dict:
     """Build the report for ``sweep_dir`` and write ``<name>.md``, ``<name>.csv`` (one row per job),
     ``<name>_seeds.csv`` (one row per configuration, when the sweep varies a seed) and ``<name>.png`` to ``out_dir``
     (one line per setting, mean and min-max band over seeds; ``per_job``: one line per job).
@@ -329,16 +405,28 @@ def write_report(sweep_dir: str, out_dir: str | None = None, target_loss: float 
         writer = csv.DictWriter(f, fieldnames=list(report["rows"][0]) + ["clock", "all_overrides", "target_val_loss"])
         writer.writeheader()
         for job, row in zip(jobs, report["rows"]):
-            writer.writerow({**row, "clock": report["time_key"], "all_overrides": " ".join(f"{k}={v}" for k, v in job.overrides.items()),
-                             "target_val_loss": report["target"]})
+            writer.writerow(
+                {
+                    **row,
+                    "clock": report["time_key"],
+                    "all_overrides": " ".join(f"{k}={v}" for k, v in job.overrides.items()),
+                    "target_val_loss": report["target"],
+                }
+            )
     if report["groups"]:
         files.append(os.path.join(out_dir, f"{name}_seeds.csv"))
         with open(files[-1], "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(report["groups"][0]) + ["seed_key", "clock", "target_val_loss"])
             writer.writeheader()
             for group in report["groups"]:
-                writer.writerow({**group, "seed_key": report["seed_key"], "clock": report["time_key"],
-                                 "target_val_loss": report["target"]})
+                writer.writerow(
+                    {
+                        **group,
+                        "seed_key": report["seed_key"],
+                        "clock": report["time_key"],
+                        "target_val_loss": report["target"],
+                    }
+                )
     png = os.path.join(out_dir, f"{name}.png")
     try:
         figure(jobs, report, per_job).savefig(png, dpi=120)
@@ -355,24 +443,40 @@ def write_report(sweep_dir: str, out_dir: str | None = None, target_loss: float 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point (``seqmem-report``)."""
     parser = argparse.ArgumentParser(
-        prog="seqmem-report", description="Aggregate a seqmem-train sweep: table (markdown, CSV) and plot (PNG).")
+        prog="seqmem-report", description="Aggregate a seqmem-train sweep: table (markdown, CSV) and plot (PNG)."
+    )
     parser.add_argument("sweep_dir", help="the sweep folder (multirun/<date>/<time> or your hydra.sweep.dir)")
-    parser.add_argument("--target-loss", type=float, default=None,
-                        help="validation loss to reach; default: what the baseline job ends at")
-    parser.add_argument("--baseline", default=None, metavar="KEY=VALUE",
-                        help="the job to compare with, by an override it has; default: the job with "
-                             "*.duration=0, else the first job")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="validation loss to reach; default: what the baseline job ends at",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="KEY=VALUE",
+        help="the job to compare with, by an override it has; default: the job with *.duration=0, else the first job",
+    )
     parser.add_argument("--out", default=None, help="folder for report.md/.csv/.png; default: the sweep folder")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="time axis: training wall-clock (default) or process CPU time (steadier when other "
-                             "work shares the machine)")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="time axis: training wall-clock (default) or process CPU time (steadier when other "
+        "work shares the machine)",
+    )
     parser.add_argument("--name", default="report", help="file name stem of the outputs (default: report)")
-    parser.add_argument("--per-job", action="store_true",
-                        help="plot one line per job instead of one per setting (mean over seeds, min-max band)")
+    parser.add_argument(
+        "--per-job",
+        action="store_true",
+        help="plot one line per job instead of one per setting (mean over seeds, min-max band)",
+    )
     args = parser.parse_args(argv)
     try:
-        report = write_report(args.sweep_dir, args.out, args.target_loss, args.baseline, args.name, args.clock,
-                              args.per_job)
+        report = write_report(
+            args.sweep_dir, args.out, args.target_loss, args.baseline, args.name, args.clock, args.per_job
+        )
     except ReportError as err:
         print(f"seqmem-report: {err}", file=sys.stderr)
         return 2

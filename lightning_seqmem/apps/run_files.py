@@ -16,8 +16,18 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["FAILED", "FINISHED", "JOB_STATUS_FILE", "OVERRIDES_FILE", "PROGRESS_FIELDS", "PROGRESS_FILE", "RUNNING",
-           "SUMMARY_FILE", "TRAIN_PROGRESS_FIELDS", "TRAIN_PROGRESS_FILE"]
+__all__ = [
+    "FAILED",
+    "FINISHED",
+    "JOB_STATUS_FILE",
+    "OVERRIDES_FILE",
+    "PROGRESS_FIELDS",
+    "PROGRESS_FILE",
+    "RUNNING",
+    "SUMMARY_FILE",
+    "TRAIN_PROGRESS_FIELDS",
+    "TRAIN_PROGRESS_FILE",
+]
 
 OVERRIDES_FILE = os.path.join(".hydra", "overrides.yaml")  # written by Hydra: how a folder is known to be a job
 JOB_STATUS_FILE = "job_status.json"

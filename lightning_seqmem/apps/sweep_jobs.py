@@ -13,8 +13,15 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from lightning_seqmem.apps.run_files import (FINISHED, JOB_STATUS_FILE, OVERRIDES_FILE, PROGRESS_FILE, RUNNING,
-                                             SUMMARY_FILE, TRAIN_PROGRESS_FILE)
+from lightning_seqmem.apps.run_files import (
+    FINISHED,
+    JOB_STATUS_FILE,
+    OVERRIDES_FILE,
+    PROGRESS_FILE,
+    RUNNING,
+    SUMMARY_FILE,
+    TRAIN_PROGRESS_FILE,
+)
 
 __all__ = ["DID_NOT_FINISH", "Job", "ReportError", "label", "load_jobs", "seed_groups", "seed_key", "varying_keys"]
 
@@ -110,19 +117,31 @@ def load_jobs(sweep_dir: str) -> list[Job]:
         ReportError: the folder does not exist or holds no job folders.
     """
     if not os.path.isdir(sweep_dir):
-        raise ReportError(f"{sweep_dir!r} is not a directory. Pass the sweep folder seqmem-train -m printed "
-                          "(multirun/<date>/<time> by default, or your hydra.sweep.dir).")
+        raise ReportError(
+            f"{sweep_dir!r} is not a directory. Pass the sweep folder seqmem-train -m printed "
+            "(multirun/<date>/<time> by default, or your hydra.sweep.dir)."
+        )
     dirs = _job_dirs(sweep_dir)
     if not dirs:
-        raise ReportError(f"No jobs in {sweep_dir!r}: expected job folders with {OVERRIDES_FILE}, as "
-                          "`seqmem-train -m ...` writes them. Is this the sweep folder, and did any job start?")
+        raise ReportError(
+            f"No jobs in {sweep_dir!r}: expected job folders with {OVERRIDES_FILE}, as "
+            "`seqmem-train -m ...` writes them. Is this the sweep folder, and did any job start?"
+        )
     jobs = []
     for path in dirs:
         status, error = _read_status(path)
         name = os.path.relpath(path, sweep_dir)
-        jobs.append(Job(path=path, name="." if name == "." else name, overrides=_read_overrides(path),
-                        status=status, error=error, rows=_read_progress(path),
-                        train_rows=_read_progress(path, TRAIN_PROGRESS_FILE, "train_loss")))
+        jobs.append(
+            Job(
+                path=path,
+                name="." if name == "." else name,
+                overrides=_read_overrides(path),
+                status=status,
+                error=error,
+                rows=_read_progress(path),
+                train_rows=_read_progress(path, TRAIN_PROGRESS_FILE, "train_loss"),
+            )
+        )
     return jobs
 
 

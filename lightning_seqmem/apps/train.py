@@ -36,9 +36,11 @@ def choose_trainer(overrides: list[str], doing: str = "training with") -> list[s
     count = num_cuda_devices()
     if count == 0:
         return overrides
-    print(f"[lightning_seqmem] {count} CUDA GPU{'s' if count > 1 else ''} visible: {doing} trainer=gpu (one GPU, "
-          "precision from resolve_precision('auto')). trainer=cpu keeps the CPU; trainer=ddp uses every GPU.",
-          file=sys.stderr)
+    print(
+        f"[lightning_seqmem] {count} CUDA GPU{'s' if count > 1 else ''} visible: {doing} trainer=gpu (one GPU, "
+        "precision from resolve_precision('auto')). trainer=cpu keeps the CPU; trainer=ddp uses every GPU.",
+        file=sys.stderr,
+    )
     return [o for o in overrides if o not in given] + ["trainer=gpu"]
 
 
@@ -111,8 +113,9 @@ def train(cfg) -> dict[str, Any]:
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
-    return {k.replace("val/loss", "final_val_loss"): float(v) for k, v in trainer.callback_metrics.items()
-            if v.numel() == 1}
+    return {
+        k.replace("val/loss", "final_val_loss"): float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1
+    }
 
 
 def _write_status(output_dir: str, status: str, error: BaseException | None = None) -> None:

@@ -223,8 +223,11 @@ def repack_partial_rows(
     if not in_pool.any():
         return order, bin_of
     pool = order[in_pool]
-    patterns, left = exact_fit_patterns(np.bincount(lengths[pool], minlength=capacity + 1), capacity,
-                                        1000 + 8 * int(dissolve.sum()) if max_work is None else max_work)
+    patterns, left = exact_fit_patterns(
+        np.bincount(lengths[pool], minlength=capacity + 1),
+        capacity,
+        1000 + 8 * int(dissolve.sum()) if max_work is None else max_work,
+    )
     slot_len, slot_row = _pattern_slots(patterns)  # pattern k's row repeated ``times``, rows numbered from 0
     if left.any():  # what the bounded search did not reach: best fit, in rows after the patterns
         rest_len = np.repeat(np.arange(capacity + 1), left)
@@ -239,12 +242,12 @@ def repack_partial_rows(
     key = np.uint16 if capacity < 2**16 else np.int64
     new_order = np.empty(pool.size, dtype=np.int64)  # the item in each slot
     new_order[np.argsort((capacity - slot_len).astype(key), kind="stable")] = pool[
-        np.argsort((capacity - lengths[pool]).astype(key), kind="stable")]
+        np.argsort((capacity - lengths[pool]).astype(key), kind="stable")
+    ]
     kept_rows = np.cumsum(~dissolve) - 1  # renumber the rows that stay
     n_kept = int(kept_rows[-1]) + 1
     stay = ~in_pool
-    return (np.concatenate([order[stay], new_order]),
-            np.concatenate([kept_rows[bin_of[stay]], slot_row + n_kept]))
+    return (np.concatenate([order[stay], new_order]), np.concatenate([kept_rows[bin_of[stay]], slot_row + n_kept]))
 
 
 def _pattern_slots(patterns: list[tuple[list[int], int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from lightning_seqmem.batch import IGNORE_INDEX, real_token_mask  # noqa: F401  (old import path kept)
-from lightning_seqmem.data.tokens import as_token_source
 from lightning_seqmem.batching.truncation import check_max_length, check_truncation_side, cut_tokens
+from lightning_seqmem.data.tokens import as_token_source
 
 
 def as_examples(examples: Any) -> Sequence[Mapping[str, Any]]:
@@ -29,8 +29,9 @@ def as_examples(examples: Any) -> Sequence[Mapping[str, Any]]:
     ids = as_token_source(examples)
     has_labels = hasattr(examples, "column_names") and "labels" in examples.column_names
     labels = as_token_source(examples, column="labels") if has_labels else None
-    return [{"input_ids": ids.row(i), **({"labels": labels.row(i)} if labels is not None else {})}
-            for i in range(len(ids))]
+    return [
+        {"input_ids": ids.row(i), **({"labels": labels.row(i)} if labels is not None else {})} for i in range(len(ids))
+    ]
 
 
 def _cut(row: Any, max_length: int | None, side: str) -> np.ndarray:
@@ -116,8 +117,11 @@ class PadCollator:
         _fill(ids, lengths, input_ids)
         _fill(labels, lengths, out_labels)
         attention_mask = (np.arange(length) < lengths[:, None]).astype(np.int64)
-        return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
-                "labels": torch.from_numpy(out_labels)}
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention_mask),
+            "labels": torch.from_numpy(out_labels),
+        }
 
 
 class TruncateCollator(PadCollator):
@@ -207,16 +211,20 @@ class PackCollator:
         input_ids = np.full((batch, length), self.pad_token_id, dtype=np.int64)
         _fill(ids, lengths, input_ids)
         labels = input_ids.copy()
-        with_labels = [np.asarray(ex["labels"], dtype=np.int64) if "labels" in ex else row
-                       for ex, row in zip(examples, ids)]
+        with_labels = [
+            np.asarray(ex["labels"], dtype=np.int64) if "labels" in ex else row for ex, row in zip(examples, ids)
+        ]
         _fill(with_labels, lengths, labels)
         labels[np.arange(length) >= lengths[:, None]] = IGNORE_INDEX
         seg_lengths = np.concatenate(segments) if segments else np.zeros(0, np.int64)
         seg_starts = np.cumsum(seg_lengths) - seg_lengths  # over the flattened [batch * seq]
         position_ids = np.arange(batch * length) - np.repeat(seg_starts, seg_lengths)
         labels.reshape(-1)[seg_starts] = IGNORE_INDEX  # no document predicts another
-        out = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
-               "position_ids": torch.from_numpy(position_ids.reshape(batch, length))}
+        out = {
+            "input_ids": torch.from_numpy(input_ids),
+            "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(position_ids.reshape(batch, length)),
+        }
         if self.return_cu_seqlens:
             cu = np.concatenate([[0], np.cumsum(seg_lengths)])
             out["cu_seqlens"] = torch.from_numpy(cu.astype(np.int32))

@@ -35,8 +35,9 @@ class SpanLabels(_SourceMixin):
 
     dtype = np.dtype(np.int64)
 
-    def __init__(self, ids: TokenView, spans: TokenView, offset: np.ndarray | None = None,
-                 lengths: np.ndarray | None = None) -> None:
+    def __init__(
+        self, ids: TokenView, spans: TokenView, offset: np.ndarray | None = None, lengths: np.ndarray | None = None
+    ) -> None:
         self.ids, self.spans = ids, spans
         self.offset = np.zeros(len(ids.lengths), np.int64) if offset is None else np.asarray(offset, np.int64)
         self.lengths = ids.lengths.copy() if lengths is None else np.asarray(lengths, np.int64)
@@ -106,8 +107,9 @@ def conversation_rows(ds: Any, max_length: int, on_empty_labels: str = "drop") -
             ranges, _ = truncate_turns(turn_ends.row(i), doc_spans, int(keep_turns[i]), max_length)
             (a0, a1), (b0, b1) = ranges[0], ranges[1] if len(ranges) > 1 else (ranges[0][1], ranges[0][1])
             head_start[i], head[i], tail_start[i], tail_len[i] = a0, a1 - a0, b0, b1 - b0
-            trained[i] = sum(max(0, min(e, b) - max(s, a)) for s, e in doc_spans.tolist()
-                             for a, b in ((a0, a1), (b0, b1)))
+            trained[i] = sum(
+                max(0, min(e, b) - max(s, a)) for s, e in doc_spans.tolist() for a, b in ((a0, a1), (b0, b1))
+            )
     kept_tokens = head + tail_len
     keep, dropped = select_trained(trained, on_empty_labels, rows=dataset_indices(ds))
     labels = SpanLabels(ids, spans)

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from lightning_seqmem.batching.bin_packing import pack_bins
-from lightning_seqmem.data.tokens import ConcatView, ConstantView, TokenView, as_token_source
 from lightning_seqmem.batching.truncation import check_max_length, count_truncated
+from lightning_seqmem.data.tokens import ConcatView, ConstantView, TokenView, as_token_source
 from lightning_seqmem.messages import check_choice
 
 PACKINGS = ("bfd", "wrapped")
@@ -205,7 +205,6 @@ class PackResult:
         }
 
 
-
 def _split_pieces(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut every document into ``max_length`` pieces (the last one shorter): ``(doc, start, length)`` each."""
     n_pieces = -(-lengths // max_length)
@@ -249,8 +248,13 @@ def pack_lengths(
     check_packing(packing, overflow)
     lengths = np.asarray(lengths, dtype=np.int64)
     empty = lengths == 0
-    base = dict(max_length=max_length, packing=packing, documents=int(lengths.size - empty.sum()),
-                tokens=int(lengths.sum()), empty_documents=int(empty.sum()))
+    base = dict(
+        max_length=max_length,
+        packing=packing,
+        documents=int(lengths.size - empty.sum()),
+        tokens=int(lengths.sum()),
+        empty_documents=int(empty.sum()),
+    )
     if packing == "wrapped":
         nonempty = np.flatnonzero(~empty)
         return _plan_wrapped(lengths[nonempty] + int(add_eos), nonempty, base)

@@ -30,6 +30,7 @@ from lightning_seqmem.batching.collate import PackCollator, _fill
 from lightning_seqmem.batching.preference import PreferenceLimits, name_rows, pair_sequences, ref_logps
 from lightning_seqmem.batching.truncation import check_max_length
 
+
 def plan_pair_rows(pair_lengths: np.ndarray, row_length: int, first_row: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Pack whole pairs into rows of ``row_length`` tokens (``bin_packing.pack_bins``: best fit, then the exact
     repack of rows with gaps).
@@ -54,8 +55,10 @@ def plan_pair_rows(pair_lengths: np.ndarray, row_length: int, first_row: int = 0
     check_max_length(row_length, "row_length")
     lengths = np.asarray(pair_lengths, dtype=np.int64)
     if (lengths > row_length).any():
-        raise ValueError(f"{name_rows(lengths > row_length, first_row)}: the pair (chosen + rejected) is longer than "
-                         f"row_length={row_length}; use row_length >= 2 * max_length so every pair fits.")
+        raise ValueError(
+            f"{name_rows(lengths > row_length, first_row)}: the pair (chosen + rejected) is longer than "
+            f"row_length={row_length}; use row_length >= 2 * max_length so every pair fits."
+        )
     if (lengths < 1).any():
         raise ValueError(f"{name_rows(lengths < 1, first_row)}: empty pair; drop pairs that lost a completion first.")
     order, bin_of = pack_bins(lengths, row_length)
@@ -90,11 +93,23 @@ class PackedPairCollator:
         ([[0, 1, 2, 0, 1, 2, 3, 0]], [[0, 0, 0, 1, 1, 1, 1, -1]])
     """
 
-    def __init__(self, pad_token_id: int, limits: PreferenceLimits, row_length: int, pad_to_longest: bool = False,
-                 pad_to_multiple_of: int | None = 8, return_cu_seqlens: bool = False) -> None:
+    def __init__(
+        self,
+        pad_token_id: int,
+        limits: PreferenceLimits,
+        row_length: int,
+        pad_to_longest: bool = False,
+        pad_to_multiple_of: int | None = 8,
+        return_cu_seqlens: bool = False,
+    ) -> None:
         # The pack layout (positions, first labels, padding segment) has one owner: PackCollator.
-        self._pack = PackCollator(pad_token_id, row_length, pad_to_longest=pad_to_longest,
-                                  pad_to_multiple_of=pad_to_multiple_of, return_cu_seqlens=return_cu_seqlens)
+        self._pack = PackCollator(
+            pad_token_id,
+            row_length,
+            pad_to_longest=pad_to_longest,
+            pad_to_multiple_of=pad_to_multiple_of,
+            return_cu_seqlens=return_cu_seqlens,
+        )
         self.limits = limits
 
     def __call__(self, rows: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, torch.Tensor]:
@@ -104,14 +119,26 @@ class PackedPairCollator:
         lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
         first = np.cumsum([0] + [len(row) for row in rows])
         # Row r holds, for each of its pairs k: chosen sequence k, then rejected sequence P + k.
-        order = [np.stack([np.arange(a, b), np.arange(a, b) + len(pairs)], axis=1).reshape(-1)
-                 for a, b in zip(first[:-1], first[1:])]
-        out = self._pack([{"input_ids": np.concatenate([sequences[i] for i in ids]) if len(ids) else [],
-                           "labels": np.concatenate([labels[i] for i in ids]) if len(ids) else [],
-                           "seq_lengths": lengths[ids]} for ids in order])
+        order = [
+            np.stack([np.arange(a, b), np.arange(a, b) + len(pairs)], axis=1).reshape(-1)
+            for a, b in zip(first[:-1], first[1:])
+        ]
+        out = self._pack(
+            [
+                {
+                    "input_ids": np.concatenate([sequences[i] for i in ids]) if len(ids) else [],
+                    "labels": np.concatenate([labels[i] for i in ids]) if len(ids) else [],
+                    "seq_lengths": lengths[ids],
+                }
+                for ids in order
+            ]
+        )
         sequence_index = np.full(out["input_ids"].shape, -1, dtype=np.int64)
-        _fill([np.repeat(ids, lengths[ids]) for ids in order], np.array([lengths[ids].sum() for ids in order]),
-              sequence_index)
+        _fill(
+            [np.repeat(ids, lengths[ids]) for ids in order],
+            np.array([lengths[ids].sum() for ids in order]),
+            sequence_index,
+        )
         out[COMPLETION_MASK] = (out["labels"] != IGNORE_INDEX).long()
         out[SEQUENCE_INDEX] = torch.from_numpy(sequence_index)
         return {**out, **ref_logps(pairs)}

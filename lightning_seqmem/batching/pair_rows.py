@@ -16,8 +16,15 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from lightning_seqmem.batch import REF_LOGPS_KEYS
-from lightning_seqmem.batching.preference import (CHOSEN, REJECTED, PairSpans, PreferenceLimits,
-                                                  identical_completions, name_rows, preference_spans)
+from lightning_seqmem.batching.preference import (
+    CHOSEN,
+    REJECTED,
+    PairSpans,
+    PreferenceLimits,
+    identical_completions,
+    name_rows,
+    preference_spans,
+)
 
 _COMPARE_BLOCK = 4096  # pairs whose completions are gathered at once for the identical-completion check
 
@@ -44,8 +51,7 @@ class PairSource:
 
     def example(self, i: int) -> dict[str, Any]:
         """Pair ``i`` as the collators take it: ``{"prompt_ids", "chosen_ids", "rejected_ids"[, ref logps]}``."""
-        out = {"prompt_ids": self.prompt.row(i), "chosen_ids": self.chosen.row(i),
-               "rejected_ids": self.rejected.row(i)}
+        out = {"prompt_ids": self.prompt.row(i), "chosen_ids": self.chosen.row(i), "rejected_ids": self.rejected.row(i)}
         return {**out, **{key: float(values[i]) for key, values in self.ref.items()}}
 
 
@@ -94,8 +100,9 @@ def kept_identical(chosen: Any, rejected: Any, spans: PairSpans) -> np.ndarray:
     return out
 
 
-def plan_pairs(prompt: Any, chosen: Any, rejected: Any, ref: dict[str, np.ndarray], limits: PreferenceLimits
-               ) -> tuple[PairSource, PairSpans, list[str]]:
+def plan_pairs(
+    prompt: Any, chosen: Any, rejected: Any, ref: dict[str, np.ndarray], limits: PreferenceLimits
+) -> tuple[PairSource, PairSpans, list[str]]:
     """Check and plan a split's pairs on lengths: ``(pairs kept, spans of all pairs, warnings)``.
 
     Args:
@@ -110,15 +117,23 @@ def plan_pairs(prompt: Any, chosen: Any, rejected: Any, ref: dict[str, np.ndarra
     spans = replace(spans, identical=kept_identical(chosen, rejected, spans))
     warnings = []
     if spans.identical.any():
-        warnings.append(f"{int(spans.identical.sum())} pair(s) with chosen == rejected "
-                        f"({name_rows(spans.identical, 0)}): no preference signal in them (compared after "
-                        "truncation); they are kept and counted (rows_chosen_equals_rejected).")
+        warnings.append(
+            f"{int(spans.identical.sum())} pair(s) with chosen == rejected "
+            f"({name_rows(spans.identical, 0)}): no preference signal in them (compared after "
+            "truncation); they are kept and counted (rows_chosen_equals_rejected)."
+        )
     keep = np.flatnonzero(~spans.lost)
     if len(keep) < len(spans.lost):
-        warnings.append(f"{int(spans.lost.sum())} pair(s) lose a whole completion to truncation "
-                        f"({name_rows(spans.lost, 0)}) and are left out (rows_without_completion); raise max_length "
-                        "or lower max_prompt_length to keep them.")
-    source = PairSource(prompt.select(keep), chosen.select(keep), rejected.select(keep),
-                        {key: np.asarray(values)[keep] for key, values in ref.items() if key in REF_LOGPS_KEYS},
-                        spans.sequence_lengths[:, keep])
+        warnings.append(
+            f"{int(spans.lost.sum())} pair(s) lose a whole completion to truncation "
+            f"({name_rows(spans.lost, 0)}) and are left out (rows_without_completion); raise max_length "
+            "or lower max_prompt_length to keep them."
+        )
+    source = PairSource(
+        prompt.select(keep),
+        chosen.select(keep),
+        rejected.select(keep),
+        {key: np.asarray(values)[keep] for key, values in ref.items() if key in REF_LOGPS_KEYS},
+        spans.sequence_lengths[:, keep],
+    )
     return source, spans, warnings

@@ -24,8 +24,14 @@ from lightning_seqmem.batching.pair_packing import PackedPairCollator, plan_pair
 from lightning_seqmem.batching.pair_rows import PackedPairRows, PairRows, PairSource
 from lightning_seqmem.batching.preference import PairSpans, PreferenceCollator, preference_spans
 from lightning_seqmem.batching.sampling import ShuffledBatchSampler
-from lightning_seqmem.batching.strategies import (EpochStats, SplitRows, _as_batch_list, largest_shape,
-                                                  make_strategy, strategy_class)
+from lightning_seqmem.batching.strategies import (
+    EpochStats,
+    SplitRows,
+    _as_batch_list,
+    largest_shape,
+    make_strategy,
+    strategy_class,
+)
 
 PREFERENCE = "preference"
 """The data kind of preference pairs (``data.columns``: text or pre-tokenized)."""
@@ -40,8 +46,11 @@ def pair_cuts(lengths: np.ndarray, limits: Any) -> tuple[PairSpans, dict[str, in
     p, c, r = np.asarray(lengths, dtype=np.int64).reshape(-1, 3).T
     spans = preference_spans(p, c, r, limits)
     counts = spans.dropped()
-    return spans, {"tokens": int((2 * p + c + r).sum()), "tokens_truncated": counts["tokens_truncated"],
-                   "tokens_dropped": int(spans.sequence_lengths[:, spans.lost].sum())}
+    return spans, {
+        "tokens": int((2 * p + c + r).sum()),
+        "tokens_truncated": counts["tokens_truncated"],
+        "tokens_dropped": int(spans.sequence_lengths[:, spans.lost].sum()),
+    }
 
 
 def _epoch_stats(strategy: Any, lengths: np.ndarray, sampler, shapes) -> EpochStats:
@@ -50,9 +59,13 @@ def _epoch_stats(strategy: Any, lengths: np.ndarray, sampler, shapes) -> EpochSt
     shapes = shapes(batches)
     real = np.asarray(lengths, dtype=np.int64).reshape(len(lengths), -1).sum(axis=1)
     fed = int(batches.reduce(real, np.add).sum()) if len(batches) else 0
-    return EpochStats(rows=len(lengths), batches=len(shapes), rows_dropped_per_epoch=sampler.num_dropped,
-                      token_efficiency=fed / max(sum(r * n for r, n in shapes), 1),
-                      largest=largest_shape([strategy], shapes) if shapes else None)
+    return EpochStats(
+        rows=len(lengths),
+        batches=len(shapes),
+        rows_dropped_per_epoch=sampler.num_dropped,
+        token_efficiency=fed / max(sum(r * n for r, n in shapes), 1),
+        largest=largest_shape([strategy], shapes) if shapes else None,
+    )
 
 
 class _PairLimits:
@@ -122,20 +135,27 @@ class PairPadStrategy(_PairLimits):
 
     def collator(self, pad_token_id: int) -> PreferenceCollator:
         s = self.settings
-        return PreferenceCollator(pad_token_id, s.preference_limits, pad_to_multiple_of=s.pad_to_multiple_of,
-                                  pad_to_max_length=self.constant_shapes and not self.budget_shapes)
+        return PreferenceCollator(
+            pad_token_id,
+            s.preference_limits,
+            pad_to_multiple_of=s.pad_to_multiple_of,
+            pad_to_max_length=self.constant_shapes and not self.budget_shapes,
+        )
 
     def rows_per_batch(self, split: str) -> int:
         return 2 * self._documents.rows_per_batch(split)
 
-    def split_sampler(self, lengths: np.ndarray, split: str, num_replicas: int | None = None,
-                      rank: int | None = None):
+    def split_sampler(self, lengths: np.ndarray, split: str, num_replicas: int | None = None, rank: int | None = None):
         return self._documents.split_sampler(_longer_side(lengths), split, num_replicas, rank)
 
     def epoch_stats(self, lengths: np.ndarray, sampler) -> EpochStats:
         longer = _longer_side(lengths)
-        return _epoch_stats(self, lengths, sampler, lambda batches: [
-            (2 * rows, length) for rows, length in self._documents.shapes(batches, longer)])
+        return _epoch_stats(
+            self,
+            lengths,
+            sampler,
+            lambda batches: [(2 * rows, length) for rows, length in self._documents.shapes(batches, longer)],
+        )
 
     def worst_layout(self, rows: int, length: int, lengths: np.ndarray | None = None):
         flat = None if lengths is None else np.asarray(lengths).reshape(-1)
@@ -192,22 +212,30 @@ class PairPackStrategy(_PairLimits):
 
     def collator(self, pad_token_id: int) -> PackedPairCollator:
         s = self.settings
-        return PackedPairCollator(pad_token_id, s.preference_limits, self.row_length,
-                                  return_cu_seqlens=s.return_cu_seqlens)
+        return PackedPairCollator(
+            pad_token_id, s.preference_limits, self.row_length, return_cu_seqlens=s.return_cu_seqlens
+        )
 
     def rows_per_batch(self, split: str) -> int:
         budget = self.settings.max_tokens_per_batch
         return self.settings.batch_size(split) if budget is None else max(1, budget // self.row_length)
 
-    def split_sampler(self, lengths: np.ndarray, split: str, num_replicas: int | None = None,
-                      rank: int | None = None):
+    def split_sampler(self, lengths: np.ndarray, split: str, num_replicas: int | None = None, rank: int | None = None):
         train, s = split == "train", self.settings
-        return ShuffledBatchSampler(len(lengths), self.rows_per_batch(split), shuffle=train, seed=s.seed,
-                                    num_replicas=num_replicas, rank=rank, drop_last=s.drop_last and train)
+        return ShuffledBatchSampler(
+            len(lengths),
+            self.rows_per_batch(split),
+            shuffle=train,
+            seed=s.seed,
+            num_replicas=num_replicas,
+            rank=rank,
+            drop_last=s.drop_last and train,
+        )
 
     def epoch_stats(self, lengths: np.ndarray, sampler) -> EpochStats:
-        return _epoch_stats(self, lengths, sampler,
-                            lambda batches: [(rows, self.row_length) for rows in batches.sizes.tolist()])
+        return _epoch_stats(
+            self, lengths, sampler, lambda batches: [(rows, self.row_length) for rows in batches.sizes.tolist()]
+        )
 
     def worst_layout(self, rows: int, length: int, lengths: np.ndarray | None = None):
         """Several sequences in every row (at least a pair's two)."""

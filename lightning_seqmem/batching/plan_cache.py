@@ -35,8 +35,14 @@ def plan_key(lengths: np.ndarray, max_length: int, packing: str, overflow: str, 
     return digest.hexdigest()
 
 
-def cached_pack_lengths(lengths: np.ndarray, max_length: int, packing: str = "bfd", overflow: str = "split",
-                        cache_dir: str | os.PathLike | None = None, add_eos: bool = False) -> PackResult:
+def cached_pack_lengths(
+    lengths: np.ndarray,
+    max_length: int,
+    packing: str = "bfd",
+    overflow: str = "split",
+    cache_dir: str | os.PathLike | None = None,
+    add_eos: bool = False,
+) -> PackResult:
     """``pack_lengths``, read from ``cache_dir/plans`` when a run with the same lengths and settings wrote it.
 
     The arrays come back memory-mapped read-only. A missing or unreadable plan is planned again and written
@@ -64,8 +70,9 @@ def _load(directory: Path) -> PackResult | None:
         arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
     except (OSError, ValueError):
         return None
-    return PackResult(max_length=meta["max_length"], packing=meta["packing"], **arrays,
-                      **{name: meta[name] for name in _COUNTS})
+    return PackResult(
+        max_length=meta["max_length"], packing=meta["packing"], **arrays, **{name: meta[name] for name in _COUNTS}
+    )
 
 
 def _save(plan: PackResult, directory: Path) -> None:
@@ -74,8 +81,7 @@ def _save(plan: PackResult, directory: Path) -> None:
     try:
         for name in _ARRAYS:
             np.save(staging / f"{name}.npy", np.ascontiguousarray(getattr(plan, name), dtype=np.int64))
-        meta = {"max_length": plan.max_length, "packing": plan.packing,
-                **{n: int(getattr(plan, n)) for n in _COUNTS}}
+        meta = {"max_length": plan.max_length, "packing": plan.packing, **{n: int(getattr(plan, n)) for n in _COUNTS}}
         with open(staging / PLAN_META, "w") as f:
             json.dump(meta, f)
         os.rename(staging, directory)  # fails when another rank got there first with the same plan

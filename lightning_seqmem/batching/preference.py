@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from lightning_seqmem.batch import COMPLETION_MASK, IGNORE_INDEX, REF_LOGPS_KEYS
-from lightning_seqmem.messages import check_choice, short_repr
 from lightning_seqmem.batching.collate import PadCollator, _fill
 from lightning_seqmem.batching.truncation import check_max_length, check_part_limits
 from lightning_seqmem.data.columns import PREFERENCE_IDS
+from lightning_seqmem.messages import check_choice, short_repr
 
 CHOSEN, REJECTED = 0, 1
 """Index of each side on the first axis of the ``[2, rows]`` arrays of :class:`PairSpans`."""
@@ -63,14 +63,23 @@ class PreferenceLimits:
         check_max_length(self.max_length)
         check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
         check_part_limits(self.max_prompt_length, self.max_completion_length)
-        if self.max_length is not None and self.max_prompt_length is not None \
-                and self.max_prompt_length >= self.max_length:
-            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) >= max_length ({self.max_length}) leaves "
-                             "no room for a completion: lower max_prompt_length or raise max_length.")
+        if (
+            self.max_length is not None
+            and self.max_prompt_length is not None
+            and self.max_prompt_length >= self.max_length
+        ):
+            raise ValueError(
+                f"max_prompt_length ({self.max_prompt_length}) >= max_length ({self.max_length}) leaves "
+                "no room for a completion: lower max_prompt_length or raise max_length."
+            )
 
 
-def sequence_spans(prompt_lengths: np.ndarray, completion_lengths: np.ndarray, max_length: int | None,
-                   truncation_mode: str = "keep_start") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def sequence_spans(
+    prompt_lengths: np.ndarray,
+    completion_lengths: np.ndarray,
+    max_length: int | None,
+    truncation_mode: str = "keep_start",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """What ``max_length`` keeps of each prompt + completion sequence, as TRL's collator slices it.
 
     Args:
@@ -155,8 +164,13 @@ class PairSpans:
         }
 
 
-def preference_spans(prompt_lengths: np.ndarray, chosen_lengths: np.ndarray, rejected_lengths: np.ndarray,
-                     limits: PreferenceLimits, first_row: int = 0) -> PairSpans:
+def preference_spans(
+    prompt_lengths: np.ndarray,
+    chosen_lengths: np.ndarray,
+    rejected_lengths: np.ndarray,
+    limits: PreferenceLimits,
+    first_row: int = 0,
+) -> PairSpans:
     """Both truncation stages for every pair at once, on lengths only (numpy, no tokens touched).
 
     Args:
@@ -179,21 +193,33 @@ def preference_spans(prompt_lengths: np.ndarray, chosen_lengths: np.ndarray, rej
     c = np.stack([np.asarray(chosen_lengths, dtype=np.int64), np.asarray(rejected_lengths, dtype=np.int64)])
     for side, name in ((CHOSEN, "chosen"), (REJECTED, "rejected")):
         if (c[side] == 0).any():
-            raise ValueError(f"{name_rows(c[side] == 0, first_row)}: empty {name} completion; a pair needs both "
-                             "completions (drop such rows from the dataset).")
+            raise ValueError(
+                f"{name_rows(c[side] == 0, first_row)}: empty {name} completion; a pair needs both "
+                "completions (drop such rows from the dataset)."
+            )
     p1 = p if limits.max_prompt_length is None else np.minimum(p, limits.max_prompt_length)
     if limits.max_length is not None and (p1 > limits.max_length).any():
-        raise ValueError(f"{name_rows(p1 > limits.max_length, first_row)}: the prompt alone is longer than max_length="
-                         f"{limits.max_length}; set max_prompt_length below max_length or drop these rows.")
+        raise ValueError(
+            f"{name_rows(p1 > limits.max_length, first_row)}: the prompt alone is longer than max_length="
+            f"{limits.max_length}; set max_prompt_length below max_length or drop these rows."
+        )
     c1 = c if limits.max_completion_length is None else np.minimum(c, limits.max_completion_length)
-    p_start, p_kept, c_start, c_kept = sequence_spans(np.broadcast_to(p1, c1.shape), c1, limits.max_length,
-                                                      limits.truncation_mode)
-    return PairSpans(prompt_lengths=p, completion_lengths=c, prompt_start=p_start + (p - p1), prompt_kept=p_kept,
-                     completion_start=c_start, completion_kept=c_kept)
+    p_start, p_kept, c_start, c_kept = sequence_spans(
+        np.broadcast_to(p1, c1.shape), c1, limits.max_length, limits.truncation_mode
+    )
+    return PairSpans(
+        prompt_lengths=p,
+        completion_lengths=c,
+        prompt_start=p_start + (p - p1),
+        prompt_kept=p_kept,
+        completion_start=c_start,
+        completion_kept=c_kept,
+    )
 
 
-def identical_completions(chosen_flat: np.ndarray, chosen_offsets: np.ndarray, rejected_flat: np.ndarray,
-                          rejected_offsets: np.ndarray) -> np.ndarray:
+def identical_completions(
+    chosen_flat: np.ndarray, chosen_offsets: np.ndarray, rejected_flat: np.ndarray, rejected_offsets: np.ndarray
+) -> np.ndarray:
     """``[rows]`` bool: chosen == rejected, on flat token arrays and ``[rows + 1]`` offsets (Arrow's layout).
 
     Only rows of equal lengths are compared, token by token in one vectorised pass.
@@ -202,8 +228,10 @@ def identical_completions(chosen_flat: np.ndarray, chosen_offsets: np.ndarray, r
     same = np.flatnonzero(c_len == r_len)
     lengths = c_len[same]
     within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    differs = chosen_flat[np.repeat(chosen_offsets[same], lengths) + within] != \
-        rejected_flat[np.repeat(rejected_offsets[same], lengths) + within]
+    differs = (
+        chosen_flat[np.repeat(chosen_offsets[same], lengths) + within]
+        != rejected_flat[np.repeat(rejected_offsets[same], lengths) + within]
+    )
     out = np.zeros(len(c_len), dtype=bool)
     out[same] = np.bincount(np.repeat(np.arange(len(same)), lengths), weights=differs, minlength=len(same)) == 0
     return out
@@ -227,14 +255,17 @@ def pair_tokens(examples: Sequence[Mapping[str, Any]], first_row: int = 0) -> li
         for j, key in enumerate(PAIR_COLUMNS):
             ids = ex.get(key)
             if ids is None and j:
-                raise ValueError(f"row {first_row + i}: the pair has no {key!r} (keys: {short_repr(sorted(ex))}); "
-                                 f"every pair needs {PAIR_COLUMNS[1]!r} and {PAIR_COLUMNS[2]!r}.")
+                raise ValueError(
+                    f"row {first_row + i}: the pair has no {key!r} (keys: {short_repr(sorted(ex))}); "
+                    f"every pair needs {PAIR_COLUMNS[1]!r} and {PAIR_COLUMNS[2]!r}."
+                )
             out[j].append(np.asarray(ids if ids is not None else [], dtype=np.int64))
     return out
 
 
-def _tokens_and_spans(examples: Sequence[Mapping[str, Any]], limits: PreferenceLimits, first_row: int = 0
-                      ) -> tuple[list[list[np.ndarray]], PairSpans]:
+def _tokens_and_spans(
+    examples: Sequence[Mapping[str, Any]], limits: PreferenceLimits, first_row: int = 0
+) -> tuple[list[list[np.ndarray]], PairSpans]:
     tokens = pair_tokens(examples, first_row)
     lengths = [np.fromiter(map(len, side), dtype=np.int64, count=len(side)) for side in tokens]
     return tokens, preference_spans(*lengths, limits, first_row=first_row)
@@ -250,22 +281,30 @@ def check_pairs(examples: Sequence[Mapping[str, Any]], limits: PreferenceLimits,
     (prompts, chosen, rejected), spans = _tokens_and_spans(examples, limits, first_row)
     # Compared as kept: completions that differ only in what truncation cuts carry no signal either (and equal
     # kept completions mean equal sequences: the prompt part then has the same length on both sides).
-    kept = [[ids[a : a + n] for ids, a, n in zip(side, spans.completion_start[s], spans.completion_kept[s])]
-            for s, side in ((CHOSEN, chosen), (REJECTED, rejected))]
+    kept = [
+        [ids[a : a + n] for ids, a, n in zip(side, spans.completion_start[s], spans.completion_kept[s])]
+        for s, side in ((CHOSEN, chosen), (REJECTED, rejected))
+    ]
     identical = identical_completions(*_flat(kept[CHOSEN]), *_flat(kept[REJECTED])) & ~spans.lost
     spans = replace(spans, identical=identical)
     if identical.any():
-        warnings.warn(f"{int(identical.sum())} pair(s) with chosen == rejected ({name_rows(identical, first_row)}): "
-                      "no preference signal in them (compared after truncation).", stacklevel=2)
+        warnings.warn(
+            f"{int(identical.sum())} pair(s) with chosen == rejected ({name_rows(identical, first_row)}): "
+            "no preference signal in them (compared after truncation).",
+            stacklevel=2,
+        )
     if spans.lost.any():
-        warnings.warn(f"{int(spans.lost.sum())} pair(s) lose a whole completion to truncation "
-                      f"({name_rows(spans.lost, first_row)}): drop them (PairSpans.lost) or raise max_length.",
-                      stacklevel=2)
+        warnings.warn(
+            f"{int(spans.lost.sum())} pair(s) lose a whole completion to truncation "
+            f"({name_rows(spans.lost, first_row)}): drop them (PairSpans.lost) or raise max_length.",
+            stacklevel=2,
+        )
     return spans
 
 
-def pair_sequences(examples: Sequence[Mapping[str, Any]], limits: PreferenceLimits
-                   ) -> tuple[list[np.ndarray], np.ndarray]:
+def pair_sequences(
+    examples: Sequence[Mapping[str, Any]], limits: PreferenceLimits
+) -> tuple[list[np.ndarray], np.ndarray]:
     """The ``2 * pairs`` truncated sequences of a batch in TRL's order (chosen ``0..P-1``, then rejected) and the
     number of prompt tokens each keeps.
 
@@ -275,21 +314,29 @@ def pair_sequences(examples: Sequence[Mapping[str, Any]], limits: PreferenceLimi
     """
     (prompts, chosen, rejected), spans = _tokens_and_spans(examples, limits)
     if spans.lost.any():
-        raise ValueError(f"{name_rows(spans.lost, 0)} of the batch lost a whole completion to truncation; drop such "
-                         "pairs before batching (check_pairs(...).lost).")
+        raise ValueError(
+            f"{name_rows(spans.lost, 0)} of the batch lost a whole completion to truncation; drop such "
+            "pairs before batching (check_pairs(...).lost)."
+        )
     sequences = []
     for side, completions in ((CHOSEN, chosen), (REJECTED, rejected)):
         for i, (prompt, completion) in enumerate(zip(prompts, completions)):
             ps, cs = spans.prompt_start[side, i], spans.completion_start[side, i]
-            sequences.append(np.concatenate([prompt[ps : ps + spans.prompt_kept[side, i]],
-                                             completion[cs : cs + spans.completion_kept[side, i]]]))
+            sequences.append(
+                np.concatenate(
+                    [prompt[ps : ps + spans.prompt_kept[side, i]], completion[cs : cs + spans.completion_kept[side, i]]]
+                )
+            )
     return sequences, spans.prompt_kept.reshape(-1)
 
 
 def ref_logps(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     """The precomputed reference log-probabilities the examples carry, as ``[pairs]`` tensors (TRL's keys)."""
-    return {key: torch.tensor([float(ex[key]) for ex in examples]) for key in REF_LOGPS_KEYS
-            if examples and key in examples[0]}
+    return {
+        key: torch.tensor([float(ex[key]) for ex in examples])
+        for key in REF_LOGPS_KEYS
+        if examples and key in examples[0]
+    }
 
 
 class PreferenceCollator:
@@ -317,11 +364,21 @@ class PreferenceCollator:
         ([[1, 2, 3, 0], [1, 2, 4, 5]], [[0, 0, 1, 0], [0, 0, 1, 1]])
     """
 
-    def __init__(self, pad_token_id: int, limits: PreferenceLimits, pad_to_multiple_of: int | None = 8,
-                 pad_to_max_length: bool = False, return_labels: bool = True) -> None:
+    def __init__(
+        self,
+        pad_token_id: int,
+        limits: PreferenceLimits,
+        pad_to_multiple_of: int | None = 8,
+        pad_to_max_length: bool = False,
+        return_labels: bool = True,
+    ) -> None:
         # The padded length follows the same rule as every other padded batch: PadCollator owns it.
-        self._pad = PadCollator(pad_token_id, max_length=limits.max_length, pad_to_multiple_of=pad_to_multiple_of,
-                                pad_to_max_length=pad_to_max_length)
+        self._pad = PadCollator(
+            pad_token_id,
+            max_length=limits.max_length,
+            pad_to_multiple_of=pad_to_multiple_of,
+            pad_to_max_length=pad_to_max_length,
+        )
         self.limits = limits
         self.return_labels = return_labels
 
@@ -334,9 +391,11 @@ class PreferenceCollator:
         slots = np.arange(length)
         attention_mask = slots < lengths[:, None]
         completion_mask = attention_mask & (slots >= prompt_kept[:, None])
-        out = {"input_ids": torch.from_numpy(input_ids),
-               "attention_mask": torch.from_numpy(attention_mask.astype(np.int64)),
-               COMPLETION_MASK: torch.from_numpy(completion_mask.astype(np.int64))}
+        out = {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention_mask.astype(np.int64)),
+            COMPLETION_MASK: torch.from_numpy(completion_mask.astype(np.int64)),
+        }
         if self.return_labels:
             out["labels"] = torch.from_numpy(np.where(completion_mask, input_ids, IGNORE_INDEX))
         return {**out, **ref_logps(examples)}

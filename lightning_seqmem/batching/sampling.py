@@ -106,7 +106,9 @@ class BatchList(Sequence):
             yield order[a:b].tolist()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and len(self) == len(other) and all(a == list(b) for a, b in zip(self, other))
+        return (
+            isinstance(other, Sequence) and len(self) == len(other) and all(a == list(b) for a, b in zip(self, other))
+        )
 
     def __repr__(self) -> str:
         return f"BatchList({len(self)} batches, {int(self.sizes.sum())} items)"
@@ -146,8 +148,9 @@ class _ShardedBatchSampler(DistributedSampler):
         drop_last: bool = False,
     ) -> None:
         num_replicas, rank = _world(num_replicas, rank)
-        super().__init__(range(num_items), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
+        super().__init__(
+            range(num_items), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
         self.num_items = num_items
         self._yielded = 0
         self._skip = 0
@@ -223,8 +226,16 @@ class ShuffledBatchSampler(_ShardedBatchSampler):
         [[0, 1], [2, 3], [4]]
     """
 
-    def __init__(self, num_items: int, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 num_replicas: int | None = None, rank: int | None = None, drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        num_items: int,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
         super().__init__(num_items, shuffle, seed, num_replicas, rank, drop_last)
         self.batch_size = batch_size
         self._sizes = balanced_batch_sizes(num_items, batch_size, self.num_replicas, drop_last)
@@ -260,9 +271,17 @@ class LengthGroupedSampler(ShuffledBatchSampler):
         shuffle, seed, num_replicas, rank, drop_last: as in ``ShuffledBatchSampler``.
     """
 
-    def __init__(self, lengths: Sequence[int] | np.ndarray, batch_size: int, mega_batch_mult: int = 50,
-                 shuffle: bool = True, seed: int = 0, num_replicas: int | None = None, rank: int | None = None,
-                 drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        batch_size: int,
+        mega_batch_mult: int = 50,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         super().__init__(len(self.lengths), batch_size, shuffle, seed, num_replicas, rank, drop_last)
         self.mega_batch_size = max(1, mega_batch_mult) * batch_size * self.num_replicas
@@ -295,9 +314,17 @@ class TokenBudgetBatchSampler(_ShardedBatchSampler):
         ValueError: the budget cannot hold even the longest row; the message gives the smallest valid budget.
     """
 
-    def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens_per_batch: int,
-                 padded_length: Callable[[int], int] | None = None, shuffle: bool = True, seed: int = 0,
-                 num_replicas: int | None = None, rank: int | None = None, drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        max_tokens_per_batch: int,
+        padded_length: Callable[[int], int] | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         super().__init__(len(self.lengths), shuffle, seed, num_replicas, rank, drop_last)
         self.max_tokens_per_batch = max_tokens_per_batch

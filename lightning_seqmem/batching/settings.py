@@ -29,8 +29,9 @@ SPLITS = ("train", "validation")
 def integer(default: Any, minimum: int, hint: str = "", optional: bool = False, signature: bool = False):
     """A dataclass field holding an ``int >= minimum`` (any integral number is accepted and stored as ``int``);
     ``optional``: ``None`` is allowed too. ``signature``: the field decides the train rows and batches (resume)."""
-    return field(default=default, metadata={"minimum": minimum, "hint": hint, "optional": optional,
-                                            "signature": signature})
+    return field(
+        default=default, metadata={"minimum": minimum, "hint": hint, "optional": optional, "signature": signature}
+    )
 
 
 def decides_rows(default: Any):
@@ -118,15 +119,19 @@ class BatchingSettings:
             if value not in STRATEGIES:
                 raise ValueError(f"Unknown {name} {value!r}; choose one of {list(STRATEGIES)}.")
         if self.overflow is not None and self.overflow not in OVERFLOWS:
-            raise ValueError(f"overflow={self.overflow!r} is not valid; use one of {OVERFLOWS} (or None: split text, "
-                             "truncate prompt/completion rows).")
+            raise ValueError(
+                f"overflow={self.overflow!r} is not valid; use one of {OVERFLOWS} (or None: split text, "
+                "truncate prompt/completion rows)."
+            )
         check_packing(self.packing, self.overflow or "split")
         check_truncation_side(self.truncation_side)
         check_part_limits(self.max_prompt_length, self.max_completion_length)  # their sum: check_kind
         if self.truncation_mode is not None:
             _ = self.preference_limits  # a known mode
-        budget, fixed = self.max_tokens_per_batch, [strategy_class(self.strategy_for(s)).full_length_rows
-                                                    for s in SPLITS]
+        budget, fixed = (
+            self.max_tokens_per_batch,
+            [strategy_class(self.strategy_for(s)).full_length_rows for s in SPLITS],
+        )
         if budget is not None and budget < self.max_length and any(fixed):
             raise ValueError(
                 f"max_tokens_per_batch={budget} is smaller than one row of max_length={self.max_length} "
@@ -137,8 +142,9 @@ class BatchingSettings:
     @property
     def limits(self) -> PromptCompletionLimits:
         """The prompt/completion truncation limits (validated)."""
-        return PromptCompletionLimits(self.max_length, self.max_prompt_length, self.max_completion_length,
-                                      self.truncation_side)
+        return PromptCompletionLimits(
+            self.max_length, self.max_prompt_length, self.max_completion_length, self.truncation_side
+        )
 
     @property
     def preference_limits(self):
@@ -181,8 +187,12 @@ class BatchingSettings:
                 "conversation without its start would be trained on without its context. Use packing='bfd' "
                 "(conversations packed whole)."
             )
-        if kind == "prompt_completion" and self.overflow == "split" and not self.allow_split_prompt_completion \
-                and self.packs_any():
+        if (
+            kind == "prompt_completion"
+            and self.overflow == "split"
+            and not self.allow_split_prompt_completion
+            and self.packs_any()
+        ):
             raise ValueError(
                 "overflow='split' would cut long prompt/completion rows into pieces, and every piece after the "
                 "first would train on completion tokens without their prompt. Leave overflow=None (truncate: keep "

@@ -22,9 +22,14 @@ from lightning_seqmem.batch import CU_SEQLENS, PACK_KEYS, PAD_KEYS, full_rows, p
 from lightning_seqmem.batching.collate import PackCollator, PadCollator, TruncateCollator
 from lightning_seqmem.batching.packed_rows import PackResult, pack_lengths
 from lightning_seqmem.batching.plan_cache import cached_pack_lengths
-from lightning_seqmem.batching.sampling import BatchList, LengthGroupedSampler, ShuffledBatchSampler, TokenBudgetBatchSampler
-from lightning_seqmem.data.tokens import as_token_source
+from lightning_seqmem.batching.sampling import (
+    BatchList,
+    LengthGroupedSampler,
+    ShuffledBatchSampler,
+    TokenBudgetBatchSampler,
+)
 from lightning_seqmem.batching.truncation import PromptCompletionLimits, count_truncated
+from lightning_seqmem.data.tokens import as_token_source
 
 STRATEGIES = ("pad", "truncate", "pack")
 
@@ -40,8 +45,11 @@ PLANNER_STRATEGIES: dict[str, dict[str, Any]] = {
 
 def planner_name(settings: Any) -> str:
     """The planner's name for the train loader of ``settings``: ``strategy="pack", packing="bfd"`` -> ``"pack_bfd"``."""
-    return next(name for name, values in PLANNER_STRATEGIES.items()
-                if all(getattr(settings, key) == value for key, value in values.items()))
+    return next(
+        name
+        for name, values in PLANNER_STRATEGIES.items()
+        if all(getattr(settings, key) == value for key, value in values.items())
+    )
 
 
 class Strategy(Protocol):
@@ -74,8 +82,9 @@ class Strategy(Protocol):
 
     def rows_per_batch(self, split: str) -> int: ...
 
-    def split_sampler(self, lengths: np.ndarray, split: str, num_replicas: int | None = None,
-                      rank: int | None = None): ...
+    def split_sampler(
+        self, lengths: np.ndarray, split: str, num_replicas: int | None = None, rank: int | None = None
+    ): ...
 
     def epoch_stats(self, lengths: np.ndarray, sampler) -> EpochStats: ...
 
@@ -134,8 +143,12 @@ class EpochStats:
     largest: tuple[int, int] | None  # (rows, length) of the largest batch (``strategy.largest``); None: no batch
 
     def counts(self) -> dict[str, float]:
-        return {"rows": self.rows, "batches": self.batches, "rows_dropped_per_epoch": self.rows_dropped_per_epoch,
-                "token_efficiency": self.token_efficiency}
+        return {
+            "rows": self.rows,
+            "batches": self.batches,
+            "rows_dropped_per_epoch": self.rows_dropped_per_epoch,
+            "token_efficiency": self.token_efficiency,
+        }
 
 
 class PadStrategy:
@@ -194,8 +207,13 @@ class PadStrategy:
 
     def collator(self, pad_token_id: int):
         s = self.settings
-        return PadCollator(pad_token_id, max_length=s.max_length, pad_to_multiple_of=s.pad_to_multiple_of,
-                           pad_to_max_length=s.pad_to_max_length, truncation_side=s.truncation_side)
+        return PadCollator(
+            pad_token_id,
+            max_length=s.max_length,
+            pad_to_multiple_of=s.pad_to_multiple_of,
+            pad_to_max_length=s.pad_to_max_length,
+            truncation_side=s.truncation_side,
+        )
 
     def padded_length(self, longest: int) -> int:
         """The ``seq`` of a batch whose longest row has ``longest`` tokens (asked once per batch by samplers)."""
@@ -222,8 +240,15 @@ class PadStrategy:
         """``split``'s sampler: train shuffles (``seed + epoch``) and honours ``drop_last``; validation keeps order
         and every row."""
         train = split == "train"
-        return self.sampler(lengths, self.settings.batch_size(split), shuffle=train, seed=self.settings.seed,
-                            num_replicas=num_replicas, rank=rank, drop_last=self.settings.drop_last and train)
+        return self.sampler(
+            lengths,
+            self.settings.batch_size(split),
+            shuffle=train,
+            seed=self.settings.seed,
+            num_replicas=num_replicas,
+            rank=rank,
+            drop_last=self.settings.drop_last and train,
+        )
 
     def shapes(self, batches: BatchList, lengths: np.ndarray) -> list[tuple[int, int]]:
         """``(rows, length)`` of each batch."""
@@ -237,9 +262,13 @@ class PadStrategy:
         batches = _as_batch_list(sampler.batches(0))
         shapes = self.shapes(batches, lengths)
         fed = int(batches.reduce(np.asarray(lengths, dtype=np.int64), np.add).sum())
-        return EpochStats(rows=len(lengths), batches=len(shapes), rows_dropped_per_epoch=sampler.num_dropped,
-                          token_efficiency=fed / max(sum(r * n for r, n in shapes), 1),
-                          largest=self.largest(shapes) if shapes else None)
+        return EpochStats(
+            rows=len(lengths),
+            batches=len(shapes),
+            rows_dropped_per_epoch=sampler.num_dropped,
+            token_efficiency=fed / max(sum(r * n for r, n in shapes), 1),
+            largest=self.largest(shapes) if shapes else None,
+        )
 
     def largest(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
         """The shape to pre-allocate for: with a token budget rows and length vary together (most slots)."""

@@ -40,8 +40,9 @@ class StreamingPacker:
         self.buffer_size = buffer_size
         self.overflow = overflow
 
-    def _pieces(self, index: int, ids: list[int], labels: list[int] | None,
-                counts: Counter) -> list[tuple[list[int], list[int] | None]]:
+    def _pieces(
+        self, index: int, ids: list[int], labels: list[int] | None, counts: Counter
+    ) -> list[tuple[list[int], list[int] | None]]:
         m = self.max_length
         if len(ids) <= m:
             return [(ids, labels)]
@@ -74,8 +75,12 @@ class StreamingPacker:
                 keep.extend(members)
         return rows, keep
 
-    def __call__(self, sequences: Iterable[Sequence[int] | Mapping[str, Sequence[int]]],
-                 counts: Counter | None = None, steady: bool = False) -> Iterator[dict[str, list[int]]]:
+    def __call__(
+        self,
+        sequences: Iterable[Sequence[int] | Mapping[str, Sequence[int]]],
+        counts: Counter | None = None,
+        steady: bool = False,
+    ) -> Iterator[dict[str, list[int]]]:
         counts = Counter() if counts is None else counts
         buffer: list[tuple[list[int], list[int] | None]] = []
         ready: deque[dict] = deque()  # packed rows, handed out evenly while the window fills again

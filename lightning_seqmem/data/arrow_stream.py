@@ -173,8 +173,10 @@ def _mapped_batches(part: FilePart, columns: list[str]):
             if data is None:
                 continue
             offsets = np.frombuffer(offsets, dtype=np.int64 if wide else np.int32)
-            unmap(data.address - base + int(offsets[column.offset]),
-                  data.address - base + int(offsets[column.offset + len(column)]))
+            unmap(
+                data.address - base + int(offsets[column.offset]),
+                data.address - base + int(offsets[column.offset + len(column)]),
+            )
 
     try:
         if hasattr(mmap, "MADV_SEQUENTIAL"):

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 SYSTEM_PROMPT = "You answer questions about the Python standard library, quoting its documentation."
 MAX_EXCHANGES = 6
 _QUESTIONS = (
-    "What does the code documented as \"{}\" do?",
+    'What does the code documented as "{}" do?',
     "Explain this part of the standard library: {}",
     "Tell me more about: {}",
-    "I found \"{}\" in the Python docs. What does it mean?",
+    'I found "{}" in the Python docs. What does it mean?',
 )
 _SOURCE_QUESTION = "Show me the source of the standard-library module that starts with: {}"
 

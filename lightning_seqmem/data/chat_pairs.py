@@ -86,9 +86,13 @@ def _turns(value: Any, row: int, column: str, allow_empty: bool) -> list:
     return [dict(m) for m in value]
 
 
-def encode_chat_pairs(batch: Mapping[str, Sequence], rows: Sequence[int], renderer: ChatRenderer,
-                      settings: ChatPairs, encode: Callable[[list[str]], list[list[int]]] | None = None
-                      ) -> dict[str, list]:
+def encode_chat_pairs(
+    batch: Mapping[str, Sequence],
+    rows: Sequence[int],
+    renderer: ChatRenderer,
+    settings: ChatPairs,
+    encode: Callable[[list[str]], list[list[int]]] | None = None,
+) -> dict[str, list]:
     """Token columns of a batch of conversation-form pairs.
 
     Args:
@@ -114,12 +118,15 @@ def encode_chat_pairs(batch: Mapping[str, Sequence], rows: Sequence[int], render
         else:
             n = shared_turns(chosen, rejected)
             prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-        texts += [renderer.render(prompt, add_generation_prompt=True, spans=False)[0],
-                  renderer.render(prompt + chosen, spans=False)[0], renderer.render(prompt + rejected, spans=False)[0]]
+        texts += [
+            renderer.render(prompt, add_generation_prompt=True, spans=False)[0],
+            renderer.render(prompt + chosen, spans=False)[0],
+            renderer.render(prompt + rejected, spans=False)[0],
+        ]
     ids = encode(texts) if encode is not None else [t.tolist() for t, _ in renderer.tokenize_batch(texts)]
     out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "length": []}
     for i, row in enumerate(rows):
-        prompt, chosen, rejected = ids[3 * i: 3 * i + 3]
+        prompt, chosen, rejected = ids[3 * i : 3 * i + 3]
         cut = min(common_prefix(prompt, chosen), common_prefix(prompt, rejected))
         if cut < len(prompt):
             parted.append(row)

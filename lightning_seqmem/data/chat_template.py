@@ -114,8 +114,9 @@ class ChatRenderer:
         self.preamble = self.try_render([])
         """What the template writes before any message (a BOS, a default system prompt), or ``None``."""
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False,
-               spans: bool = True) -> tuple[str, list[tuple[int, int]]]:
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = False, spans: bool = True
+    ) -> tuple[str, list[tuple[int, int]]]:
         """Render one conversation as ``apply_chat_template(tokenize=False)`` does (``None`` values dropped).
 
         Returns:
@@ -151,7 +152,9 @@ class ChatRenderer:
     def tokenize_batch(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         """:meth:`tokenize` of each text, in one call to the Rust tokenizer (which spreads a batch over threads)."""
         if self._backend is not None:  # the Rust tokenizer itself: no per-token Python objects for the offsets
-            return [_ids_and_ends(e.ids, e.offsets) for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+            return [
+                _ids_and_ends(e.ids, e.offsets) for e in self._backend.encode_batch(texts, add_special_tokens=False)
+            ]
         enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         return [_ids_and_ends(ids, offsets) for ids, offsets in zip(enc["input_ids"], enc["offset_mapping"])]
 

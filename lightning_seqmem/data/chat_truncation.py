@@ -13,8 +13,9 @@ import numpy as np
 from lightning_seqmem.data.conversations import EncodedConversation, merge_spans
 
 
-def truncate_turns(turn_ends: np.ndarray, label_spans: np.ndarray, keep_turns: int,
-                   max_length: int | None) -> tuple[np.ndarray, int]:
+def truncate_turns(
+    turn_ends: np.ndarray, label_spans: np.ndarray, keep_turns: int, max_length: int | None
+) -> tuple[np.ndarray, int]:
     """Which token ranges of a conversation to keep under ``max_length``: whole turns, oldest dropped first.
 
     The first ``keep_turns`` turns (preamble, system message) stay. Turns after the last trained one carry no loss
@@ -65,8 +66,9 @@ def truncate_turns(turn_ends: np.ndarray, label_spans: np.ndarray, keep_turns: i
 
 def truncate(conversation: EncodedConversation, max_length: int | None) -> EncodedConversation:
     """The conversation cut by :func:`truncate_turns`, its spans and turn ends moved to the kept tokens."""
-    ranges, dropped = truncate_turns(conversation.turn_ends, conversation.label_spans, conversation.keep_turns,
-                                     max_length)
+    ranges, dropped = truncate_turns(
+        conversation.turn_ends, conversation.label_spans, conversation.keep_turns, max_length
+    )
     if dropped == 0:
         return conversation
     pieces, spans, turn_ends, offset = [], [], [], 0

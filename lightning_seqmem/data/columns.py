@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-PRETOKENIZED_KINDS = {"tokens": "text", "prompt_completion_tokens": "prompt_completion",
-                      "preference_tokens": "preference"}
+PRETOKENIZED_KINDS = {
+    "tokens": "text",
+    "prompt_completion_tokens": "prompt_completion",
+    "preference_tokens": "preference",
+}
 """Pre-tokenized kinds and the rows they give: ``input_ids`` [+ ``labels``]; ``prompt_ids`` + ``completion_ids``;
 ``prompt_ids`` + ``chosen_ids`` + ``rejected_ids``."""
 
@@ -15,12 +18,16 @@ PREFERENCE_TEXT = ("prompt", "chosen", "rejected")
 PREFERENCE_IDS = ("prompt_ids", "chosen_ids", "rejected_ids")
 """Token columns of preference pairs (TRL's names)."""
 
-ID_COLUMNS = {"tokens": ("input_ids", "labels"), "prompt_completion_tokens": ("prompt_ids", "completion_ids"),
-              "preference_tokens": PREFERENCE_IDS}
+ID_COLUMNS = {
+    "tokens": ("input_ids", "labels"),
+    "prompt_completion_tokens": ("prompt_ids", "completion_ids"),
+    "preference_tokens": PREFERENCE_IDS,
+}
 
 
-def check_columns(dsd, text_column: str = "text", prompt_column: str = "prompt",
-                  completion_column: str = "completion") -> str:
+def check_columns(
+    dsd, text_column: str = "text", prompt_column: str = "prompt", completion_column: str = "completion"
+) -> str:
     """Which kind of data this is: ``"text"``, ``"prompt_completion"``, ``"conversations"`` (a ``messages``
     column of turns), or pre-tokenized ``"tokens"`` (``input_ids``, optionally ``labels``) or
     ``"prompt_completion_tokens"`` (``prompt_ids``, ``completion_ids``); preference pairs: ``"preference"``

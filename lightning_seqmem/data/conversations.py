@@ -74,8 +74,11 @@ def check_conversation(messages, row, train_field: str | None = DEFAULT_TRAIN_FI
             raise ValueError(f"{where}: {train_field!r} is {short_repr(flag)}; it must be true, false or absent.")
 
 
-def check_conversation_columns(columns: Iterable[str], messages_column: str = MESSAGES_COLUMN,
-                               other_columns: Sequence[str] = ("text", "prompt", "completion")) -> bool:
+def check_conversation_columns(
+    columns: Iterable[str],
+    messages_column: str = MESSAGES_COLUMN,
+    other_columns: Sequence[str] = ("text", "prompt", "completion"),
+) -> bool:
     """Whether the data is conversations (it has ``messages_column``).
 
     Raises:
@@ -214,8 +217,9 @@ def merge_spans(spans: list[tuple[int, int]]) -> np.ndarray:
     return np.asarray(merged, dtype=np.int32).reshape(-1, 2)
 
 
-def encode_conversation(messages: Sequence[Mapping], renderer: ChatRenderer, row,
-                        settings: ConversationSettings = ConversationSettings()) -> EncodedConversation:
+def encode_conversation(
+    messages: Sequence[Mapping], renderer: ChatRenderer, row, settings: ConversationSettings = ConversationSettings()
+) -> EncodedConversation:
     """Render one conversation and find its turns and trained tokens (no truncation: see ``chat_truncation.truncate``).
 
     Args:
@@ -235,15 +239,23 @@ def encode_conversation(messages: Sequence[Mapping], renderer: ChatRenderer, row
     return _encode_rendered(messages, text, generation, *renderer.tokenize(text), renderer, row, settings)
 
 
-def _render_checked(messages: Sequence[Mapping], renderer: ChatRenderer, row,
-                    settings: ConversationSettings) -> tuple[str, list[tuple[int, int]]]:
+def _render_checked(
+    messages: Sequence[Mapping], renderer: ChatRenderer, row, settings: ConversationSettings
+) -> tuple[str, list[tuple[int, int]]]:
     check_conversation(messages, row, settings.train_field)
     return renderer.render(messages)
 
 
-def _encode_rendered(messages: Sequence[Mapping], text: str, generation: list[tuple[int, int]], ids: np.ndarray,
-                     ends: np.ndarray, renderer: ChatRenderer, row, settings: ConversationSettings
-                     ) -> EncodedConversation:
+def _encode_rendered(
+    messages: Sequence[Mapping],
+    text: str,
+    generation: list[tuple[int, int]],
+    ids: np.ndarray,
+    ends: np.ndarray,
+    renderer: ChatRenderer,
+    row,
+    settings: ConversationSettings,
+) -> EncodedConversation:
     """:func:`encode_conversation` once the conversation is rendered (``text``, its generation spans) and
     tokenized (``ids`` and the character end of each token), so that a batch is tokenized in one call."""
     n = len(messages)
@@ -259,9 +271,11 @@ def _encode_rendered(messages: Sequence[Mapping], text: str, generation: list[tu
     if renderer.method != MARKERS:
         for i, bound in enumerate(bounds):
             if bound is None:
-                what = ("cannot render the conversation up to it alone (it raised)"
-                        if renderer.try_render(messages[: i + 1]) is None
-                        else "renders it differently once later turns follow")
+                what = (
+                    "cannot render the conversation up to it alone (it raised)"
+                    if renderer.try_render(messages[: i + 1]) is None
+                    else "renders it differently once later turns follow"
+                )
                 raise _prefix_refused(row, i, messages[i]["role"], what)
 
     # Turns: the preamble, then one per message, merged where a boundary is missing (possible with markers only).
@@ -290,8 +304,9 @@ def _encode_rendered(messages: Sequence[Mapping], text: str, generation: list[tu
             opened = renderer.try_render(messages[:i], add_generation_prompt=True)
             previous = bounds[i - 1] if i else preamble_end
             if opened is None or not text.startswith(opened) or len(opened) < previous:
-                raise _prefix_refused(row, i, "assistant", "does not render the generation prompt as the start of "
-                                      "this turn")
+                raise _prefix_refused(
+                    row, i, "assistant", "does not render the generation prompt as the start of this turn"
+                )
             answers[i] = (char_to_token(ends, len(opened)), char_to_token(ends, bounds[i]))
 
     last_assistant = assistants[-1] if assistants else -1
@@ -306,8 +321,12 @@ def _encode_rendered(messages: Sequence[Mapping], text: str, generation: list[tu
     return EncodedConversation(ids, merge_spans(spans), np.asarray(turn_ends, dtype=np.int32), keep_turns)
 
 
-def encode_rows(conversations: Sequence, rows: Sequence, renderer: ChatRenderer,
-                settings: ConversationSettings = ConversationSettings()) -> dict[str, list]:
+def encode_rows(
+    conversations: Sequence,
+    rows: Sequence,
+    renderer: ChatRenderer,
+    settings: ConversationSettings = ConversationSettings(),
+) -> dict[str, list]:
     """Columns for a batch of conversations (a ``datasets.map(batched=True, with_indices=True)`` body): the
     :meth:`EncodedConversation.to_row` columns plus ``num_trained``. Untruncated and unfiltered, so the cached
     tokens do not depend on ``max_length`` or ``on_empty_labels``: apply ``chat_truncation.truncate`` and
@@ -323,8 +342,9 @@ def encode_rows(conversations: Sequence, rows: Sequence, renderer: ChatRenderer,
     return columns
 
 
-def select_trained(num_trained: Sequence[int] | np.ndarray, on_empty_labels: str = "drop",
-                   rows: Sequence | None = None) -> tuple[np.ndarray, int]:
+def select_trained(
+    num_trained: Sequence[int] | np.ndarray, on_empty_labels: str = "drop", rows: Sequence | None = None
+) -> tuple[np.ndarray, int]:
     """Which conversations to train on, given how many tokens of each carry loss.
 
     Returns:

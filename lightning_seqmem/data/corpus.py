@@ -28,8 +28,20 @@ if TYPE_CHECKING:
 CORPUS_VERSION = 1
 CORPUS_PREFIX = "corpus-"  # the cache entry's name: <cache dir>/corpus-py<major><minor>-v<CORPUS_VERSION>
 # Directories of the standard library that are not library text (tests, bundled wheels, demos, third party).
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "ensurepip",
-              "turtledemo", "lib2to3", "tkinter", "config-3", "pydoc_data"}
+_SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idlelib",
+    "__pycache__",
+    "ensurepip",
+    "turtledemo",
+    "lib2to3",
+    "tkinter",
+    "config-3",
+    "pydoc_data",
+}
 _FULL_SOURCE_EVERY = 8  # one module in eight also contributes its whole source as one long document
 _MAX_SOURCE_CHARS = 60_000  # keep the longest documents long, but bounded, so the corpus stays small
 _VALIDATION_EVERY = 20  # about 5% of documents, chosen by content hash (stable under reordering)
@@ -107,7 +119,7 @@ def corpus_path() -> Path:
     return default_cache_dir() / f"{CORPUS_PREFIX}{tag}"
 
 
-def load_builtin_corpus(verbose: bool = True) -> "datasets.DatasetDict":
+def load_builtin_corpus(verbose: bool = True) -> datasets.DatasetDict:
     """The built-in corpus as a ``DatasetDict`` with ``train``/``validation`` splits and a ``text`` column.
 
     Built on first use (a few seconds) and cached; later calls load it from disk.

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 from lightning_seqmem.data.columns import PREFERENCE_IDS, PREFERENCE_TEXT
 
+
 def _check_strings(batch: dict, columns: Sequence[str], indices: Sequence[int], split: str) -> None:
     for column in columns:
         for idx, value in zip(indices, batch[column]):
@@ -36,11 +37,22 @@ def token_features(kind: str):
     sequence = datasets.List if hasattr(datasets, "List") else datasets.Sequence
     ids = sequence(datasets.Value("int32"))
     if kind == "conversations":  # ``conversations.EncodedConversation.to_row`` and its trained-token count
-        return datasets.Features({"input_ids": ids, "label_spans": ids, "turn_ends": ids,
-                                  "keep_turns": datasets.Value("int32"), "num_truncated": datasets.Value("int32"),
-                                  "num_trained": datasets.Value("int64"), "length": datasets.Value("int64")})
-    names = {"text": ["input_ids"], "prompt_completion": ["prompt_ids", "completion_ids"],
-             "preference": list(PREFERENCE_IDS)}[kind]
+        return datasets.Features(
+            {
+                "input_ids": ids,
+                "label_spans": ids,
+                "turn_ends": ids,
+                "keep_turns": datasets.Value("int32"),
+                "num_truncated": datasets.Value("int32"),
+                "num_trained": datasets.Value("int64"),
+                "length": datasets.Value("int64"),
+            }
+        )
+    names = {
+        "text": ["input_ids"],
+        "prompt_completion": ["prompt_ids", "completion_ids"],
+        "preference": list(PREFERENCE_IDS),
+    }[kind]
     return datasets.Features({**{n: ids for n in names}, "length": datasets.Value("int64")})
 
 
@@ -66,15 +78,22 @@ class BatchEncoder:
         methods = [getattr(type(tokenizer), name, None) for name in ("__call__", "_encode_plus", "_batch_encode_plus")]
         stock = all(getattr(m, "__module__", "").startswith("transformers.") for m in methods if m is not None)
         self.fast = not (
-            backend is None or not hasattr(backend, "encode_batch_fast") or not getattr(tokenizer, "is_fast", False)
-            or not stock or backend.truncation is not None or backend.padding is not None
-            or getattr(backend, "encode_special_tokens", False) != bool(getattr(tokenizer, "split_special_tokens", False)))
+            backend is None
+            or not hasattr(backend, "encode_batch_fast")
+            or not getattr(tokenizer, "is_fast", False)
+            or not stock
+            or backend.truncation is not None
+            or backend.padding is not None
+            or getattr(backend, "encode_special_tokens", False)
+            != bool(getattr(tokenizer, "split_special_tokens", False))
+        )
         self.checked = not self.fast
 
     def call(self, texts: list[str]) -> list[list[int]]:
         # Only the ids: an attention mask would be one more Python int per token, thrown away.
-        return self.tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False,
-                              return_token_type_ids=False)["input_ids"]
+        return self.tokenizer(
+            list(texts), add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False
+        )["input_ids"]
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
         texts = list(texts)
@@ -89,9 +108,16 @@ class BatchEncoder:
         return ids
 
 
-def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
-                      completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
-                      conversation=None):
+def tokenize_function(
+    tokenizer,
+    kind: str = "text",
+    text_column: str = "text",
+    prompt_column: str = "prompt",
+    completion_column: str = "completion",
+    add_bos: bool | None = None,
+    add_eos: bool = True,
+    conversation=None,
+):
     """The batched ``datasets.map`` function of ``tokenize_dataset``: ``fn(batch, indices, split) -> columns``.
 
     ``kind="conversations"``: ``text_column`` holds the turns, rendered with the tokenizer's chat template (no
@@ -105,11 +131,13 @@ def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", 
     encode = batch_encoder(tokenizer)
 
     if kind == "text":
+
         def fn(batch, indices, split):
             _check_strings(batch, [text_column], indices, split)
             ids = [prefix + t + suffix if t else [] for t in encode(batch[text_column])]
             return {"input_ids": ids, "length": [len(x) for x in ids]}
     elif kind == "preference":
+
         def fn(batch, indices, split):
             # A pair's two sequences share the prompt (framed once, like a prompt/completion prompt) and each
             # completion ends with EOS, as TRL's DPO tokenization does.
@@ -117,30 +145,49 @@ def tokenize_function(tokenizer, kind: str = "text", text_column: str = "text", 
             prompt_column, *side_columns = PREFERENCE_TEXT
             prompts = [prefix + t for t in encode(batch[prompt_column])]
             sides = [[t + suffix if t else [] for t in encode(batch[name])] for name in side_columns]
-            return {**dict(zip(PREFERENCE_IDS, [prompts, *sides])),
-                    "length": [len(p) + len(c) + len(r) for p, c, r in zip(prompts, *sides)]}
+            return {
+                **dict(zip(PREFERENCE_IDS, [prompts, *sides])),
+                "length": [len(p) + len(c) + len(r) for p, c, r in zip(prompts, *sides)],
+            }
     else:
+
         def fn(batch, indices, split):
             _check_strings(batch, [prompt_column, completion_column], indices, split)
             prompts = [prefix + t for t in encode(batch[prompt_column])]
             completions = [t + suffix if t else [] for t in encode(batch[completion_column])]
-            return {"prompt_ids": prompts, "completion_ids": completions,
-                    "length": [len(p) + len(c) for p, c in zip(prompts, completions)]}
+            return {
+                "prompt_ids": prompts,
+                "completion_ids": completions,
+                "length": [len(p) + len(c) for p, c in zip(prompts, completions)],
+            }
+
     return fn
 
 
-def source_columns(kind: str, text_column: str = "text", prompt_column: str = "prompt",
-                   completion_column: str = "completion") -> list[str]:
+def source_columns(
+    kind: str, text_column: str = "text", prompt_column: str = "prompt", completion_column: str = "completion"
+) -> list[str]:
     """The columns a document of ``kind`` is read from (``"text"``, ``"conversations"``: ``text_column`` holds the
     turns, ``"prompt_completion"``, ``"preference"``)."""
-    return {"text": [text_column], "conversations": [text_column],
-            "prompt_completion": [prompt_column, completion_column],
-            "preference": list(PREFERENCE_TEXT)}[kind]
+    return {
+        "text": [text_column],
+        "conversations": [text_column],
+        "prompt_completion": [prompt_column, completion_column],
+        "preference": list(PREFERENCE_TEXT),
+    }[kind]
 
 
-def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
-                     completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
-                     num_proc: int | None = None):
+def tokenize_dataset(
+    dsd,
+    tokenizer,
+    kind: str = "text",
+    text_column: str = "text",
+    prompt_column: str = "prompt",
+    completion_column: str = "completion",
+    add_bos: bool | None = None,
+    add_eos: bool = True,
+    num_proc: int | None = None,
+):
     """Tokenize every split with ``datasets.map`` (batched, cached by fingerprint).
 
     Text rows become ``input_ids = [bos] + tokens + [eos]`` (bos only where the tokenizer has one and it differs
@@ -153,11 +200,21 @@ def tokenize_dataset(dsd, tokenizer, kind: str = "text", text_column: str = "tex
 
     import datasets
 
-    return datasets.DatasetDict({
-        split: ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names, num_proc=num_proc,
-                      fn_kwargs={"split": split}, features=token_features(kind), desc=f"Tokenizing {split}")
-        for split, ds in dsd.items()
-    })
+    return datasets.DatasetDict(
+        {
+            split: ds.map(
+                fn,
+                batched=True,
+                with_indices=True,
+                remove_columns=ds.column_names,
+                num_proc=num_proc,
+                fn_kwargs={"split": split},
+                features=token_features(kind),
+                desc=f"Tokenizing {split}",
+            )
+            for split, ds in dsd.items()
+        }
+    )
 
 
 def _conversation_function(tokenizer, column: str, settings):
@@ -171,6 +228,7 @@ def _conversation_function(tokenizer, column: str, settings):
         columns = encode_rows(batch[column], list(indices), renderer, settings)
         columns["length"] = [len(ids) for ids in columns["input_ids"]]
         return columns
+
     return fn
 
 
@@ -182,4 +240,5 @@ def _chat_pair_function(tokenizer, settings):
 
     def fn(batch, indices, split):
         return encode_chat_pairs(batch, list(indices), renderer, settings, encode)
+
     return fn

@@ -47,8 +47,13 @@ def file_locations(arrays: list[np.ndarray]) -> list[Location | None]:
     for a in arrays:
         address = a.__array_interface__["data"][0]
         k = bisect.bisect_right(starts, address) - 1
-        if a.size == 0 or not a.flags.c_contiguous or k < 0 or address + a.nbytes > maps[k][1] \
-                or not os.path.isfile(maps[k][3]):
+        if (
+            a.size == 0
+            or not a.flags.c_contiguous
+            or k < 0
+            or address + a.nbytes > maps[k][1]
+            or not os.path.isfile(maps[k][3])
+        ):
             out.append(None)
             continue
         start, _, offset, path = maps[k]

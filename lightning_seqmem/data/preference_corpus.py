@@ -63,8 +63,12 @@ def load_builtin_preference_corpus() -> datasets.DatasetDict:
     path = corpus_path().with_name(f"{corpus_path().name}-preference-v{PREFERENCE_CORPUS_VERSION}")
     if not (path / "dataset_dict.json").exists():
         corpus = load_builtin_corpus(verbose=False)
-        dsd = datasets.DatasetDict({split: datasets.Dataset.from_list(pairs_from_documents(corpus[split]["text"]))
-                                    for split in ("train", "validation")})
+        dsd = datasets.DatasetDict(
+            {
+                split: datasets.Dataset.from_list(pairs_from_documents(corpus[split]["text"]))
+                for split in ("train", "validation")
+            }
+        )
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         dsd.save_to_disk(str(tmp))
         try:

@@ -30,6 +30,7 @@ BUILTIN_CHAT = "builtin_chat"
 """``dataset="builtin_chat"``: the built-in corpus as multi-turn conversations (``data.chat_corpus``)."""
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
 
+
 def _matches(item: str) -> list[str]:
     """The files one path or glob names (a directory counts as itself); empty when it names nothing."""
     if any(c in item for c in "*?["):
@@ -56,8 +57,11 @@ def _looks_like_file_name(item: str) -> bool:
 
 def _is_conversation(item: Any) -> bool:
     """A list of dicts (turns): one conversation of a list of conversations."""
-    return (isinstance(item, Sequence) and not isinstance(item, (str, bytes, os.PathLike))
-            and all(isinstance(turn, Mapping) for turn in item))
+    return (
+        isinstance(item, Sequence)
+        and not isinstance(item, (str, bytes, os.PathLike))
+        and all(isinstance(turn, Mapping) for turn in item)
+    )
 
 
 def _dataset_from_items(items: Sequence[Any]):
@@ -79,12 +83,16 @@ def _dataset_from_items(items: Sequence[Any]):
         try:
             return datasets.DatasetDict(train=datasets.Dataset.from_list(rows))
         except Exception as err:  # ragged or mixed-type rows
-            raise ValueError(f"dataset is a list of {len(rows)} dicts that do not form a table: {type(err).__name__}: "
-                             f"{short_repr(str(err))}. Give every row the same keys with values of one type.") from err
+            raise ValueError(
+                f"dataset is a list of {len(rows)} dicts that do not form a table: {type(err).__name__}: "
+                f"{short_repr(str(err))}. Give every row the same keys with values of one type."
+            ) from err
     if not all(isinstance(x, (str, os.PathLike)) for x in items):
         kinds = sorted({type(x).__name__ for x in items})
-        raise TypeError(f"dataset is a list of {', '.join(kinds)}: pass strings (documents or file paths), "
-                        "dicts (rows) or conversations (lists of {'role', 'content'} dicts), not a mix.")
+        raise TypeError(
+            f"dataset is a list of {', '.join(kinds)}: pass strings (documents or file paths), "
+            "dicts (rows) or conversations (lists of {'role', 'content'} dicts), not a mix."
+        )
     items = [os.fspath(x) for x in items]
     missing = [x for x in items if not _matches(x)]
     if not missing:
@@ -123,8 +131,9 @@ def load_text_dataset(dataset: Any = "builtin"):
     elif isinstance(dataset, str) and dataset == BUILTIN_CHAT:
         from lightning_seqmem.data.chat_corpus import load_builtin_chat_corpus
 
-        dsd = datasets.DatasetDict({split: datasets.Dataset.from_list(rows)
-                                    for split, rows in load_builtin_chat_corpus().items()})
+        dsd = datasets.DatasetDict(
+            {split: datasets.Dataset.from_list(rows) for split, rows in load_builtin_chat_corpus().items()}
+        )
     elif isinstance(dataset, str) and dataset == BUILTIN_PREFERENCE:
         from lightning_seqmem.data.preference_corpus import load_builtin_preference_corpus
 
@@ -140,8 +149,10 @@ def load_text_dataset(dataset: Any = "builtin"):
             "(load_dataset(..., streaming=False))."
         )
     elif dataset is None:
-        raise ValueError("No dataset given (dataset=None): pass 'builtin', a path, a glob, a list of documents, "
-                         "a datasets.Dataset or a hub name (seqmem-train: data.dataset=<path or name>).")
+        raise ValueError(
+            "No dataset given (dataset=None): pass 'builtin', a path, a glob, a list of documents, "
+            "a datasets.Dataset or a hub name (seqmem-train: data.dataset=<path or name>)."
+        )
     elif isinstance(dataset, (str, os.PathLike)):
         dsd = _load_path_or_name(dataset)
     elif isinstance(dataset, Sequence):  # list, tuple, OmegaConf ListConfig
@@ -154,7 +165,9 @@ def load_text_dataset(dataset: Any = "builtin"):
             f"rows, or a hub name; got {type(dataset).__name__}."
         )
     if "train" not in dsd:
-        raise ValueError(f"The dataset has splits {short_repr(sorted(dsd))}, but no 'train' split; rename one to 'train'.")
+        raise ValueError(
+            f"The dataset has splits {short_repr(sorted(dsd))}, but no 'train' split; rename one to 'train'."
+        )
     if len(dsd["train"]) == 0:
         raise ValueError("The dataset's train split is empty: there is nothing to train on. Check the path or filter.")
     return dsd
@@ -182,12 +195,14 @@ def open_stream(dataset: Any, shards: int = 8):
     else:
         loaded = load_text_dataset(dataset)
     if "train" not in loaded:
-        raise ValueError(f"The dataset has splits {short_repr(sorted(loaded))}, but no 'train' split; rename one to "
-                         "'train'.")
+        raise ValueError(
+            f"The dataset has splits {short_repr(sorted(loaded))}, but no 'train' split; rename one to 'train'."
+        )
     if isinstance(loaded, datasets.IterableDatasetDict):
         return loaded
-    return datasets.IterableDatasetDict({split: ds.to_iterable_dataset(num_shards=max(1, min(shards, len(ds))))
-                                         for split, ds in loaded.items()})
+    return datasets.IterableDatasetDict(
+        {split: ds.to_iterable_dataset(num_shards=max(1, min(shards, len(ds)))) for split, ds in loaded.items()}
+    )
 
 
 def ensure_validation_split(dsd, validation_fraction: float = 0.05, seed: int = 42):
@@ -206,8 +221,10 @@ def ensure_validation_split(dsd, validation_fraction: float = 0.05, seed: int = 
     order = np.random.default_rng(seed).permutation(len(train))
     n_test = int(np.ceil(validation_fraction * len(train)))
     tag = f"validation-split-{validation_fraction}-{seed}"
-    return datasets.DatasetDict(train=select_rows(train, order[n_test:], f"{tag}-train"),
-                                validation=select_rows(train, order[:n_test], f"{tag}-validation"))
+    return datasets.DatasetDict(
+        train=select_rows(train, order[n_test:], f"{tag}-train"),
+        validation=select_rows(train, order[:n_test], f"{tag}-validation"),
+    )
 
 
 def select_rows(ds, rows: np.ndarray, tag: str):
@@ -231,13 +248,21 @@ def select_rows(ds, rows: np.ndarray, tag: str):
     digest = hashlib.blake2b(rows.data, digest_size=16)
     digest.update(f"{ds._fingerprint}-{tag}".encode())
     fingerprint = digest.hexdigest()
-    selected = datasets.Dataset(ds._data, info=ds.info.copy(), split=ds.split,
-                                indices_table=datasets.table.InMemoryTable(pa.table({"indices": indices})),
-                                fingerprint=fingerprint)
+    selected = datasets.Dataset(
+        ds._data,
+        info=ds.info.copy(),
+        split=ds.split,
+        indices_table=datasets.table.InMemoryTable(pa.table({"indices": indices})),
+        fingerprint=fingerprint,
+    )
     if ds._format_type is not None or ds._format_columns is not None or ds._format_kwargs:
         # the format travels with the rows, as ``select`` passes it on (and keeps the fingerprint)
-        selected.set_format(type=ds._format_type, columns=ds._format_columns,
-                            output_all_columns=ds._output_all_columns, **ds._format_kwargs)
+        selected.set_format(
+            type=ds._format_type,
+            columns=ds._format_columns,
+            output_all_columns=ds._output_all_columns,
+            **ds._format_kwargs,
+        )
         selected._fingerprint = fingerprint
     return selected
 
@@ -280,8 +305,11 @@ def _load_path_or_name(spec, streaming: bool = False):
 def _looks_like_path(name: str) -> bool:
     """A local path rather than a hub name (``org/name``): starts with ``.``, ``/`` or ``~``, has more than one
     ``/``, or ends in a file extension we read."""
-    return (name.startswith((".", "/", "~")) or os.sep in name.rstrip("/").split("/", 1)[-1]
-            or os.path.splitext(name)[1].lower() in _LOCAL_BUILDERS)
+    return (
+        name.startswith((".", "/", "~"))
+        or os.sep in name.rstrip("/").split("/", 1)[-1]
+        or os.path.splitext(name)[1].lower() in _LOCAL_BUILDERS
+    )
 
 
 def load_local_files(files: Sequence[str], streaming: bool = False):
@@ -329,8 +357,10 @@ def _read_error(files: Sequence[str], builder: str, err: Exception) -> str:
                 return problem
     cause = err.__cause__ or err.__context__ or err
     where = files[0] if len(files) == 1 else f"one of {len(files)} {builder} files (first: {files[0]})"
-    return (f"Could not read {where}: {type(cause).__name__}: {short_repr(str(cause))}. Check that every file is "
-            f"valid {builder}.")
+    return (
+        f"Could not read {where}: {type(cause).__name__}: {short_repr(str(cause))}. Check that every file is "
+        f"valid {builder}."
+    )
 
 
 def json_problem(path: str) -> str | None:
@@ -348,8 +378,10 @@ def json_problem(path: str) -> str | None:
                 return f"{path}, line {err.lineno}, column {err.colno}: invalid JSON ({err.msg})."
             bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
             if bad is not None:
-                return (f"{path}: item {bad} of the JSON array is a {type(rows[bad]).__name__}, not an object; "
-                        'every row must be an object such as {"text": "..."}.')
+                return (
+                    f"{path}: item {bad} of the JSON array is a {type(rows[bad]).__name__}, not an object; "
+                    'every row must be an object such as {"text": "..."}.'
+                )
             return None
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -357,9 +389,13 @@ def json_problem(path: str) -> str | None:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                return (f"{path}, line {number}, column {err.colno}: invalid JSON ({err.msg}): "
-                        f"{short_repr(line.rstrip())}. JSON Lines needs one complete object per line.")
+                return (
+                    f"{path}, line {number}, column {err.colno}: invalid JSON ({err.msg}): "
+                    f"{short_repr(line.rstrip())}. JSON Lines needs one complete object per line."
+                )
             if not isinstance(row, dict):
-                return (f"{path}, line {number}: a JSON {type(row).__name__}, not an object; every line must be "
-                        'an object such as {"text": "..."}.')
+                return (
+                    f"{path}, line {number}: a JSON {type(row).__name__}, not an object; every line must be "
+                    'an object such as {"text": "..."}.'
+                )
     return None

@@ -197,8 +197,16 @@ def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, 
 
     if ds is None:
         ds, job = _WORKER
-    fn = tokenize_function(job.tokenizer, job.kind, job.text_column, job.prompt_column, job.completion_column,
-                           job.add_bos, job.add_eos, job.conversation)
+    fn = tokenize_function(
+        job.tokenizer,
+        job.kind,
+        job.text_column,
+        job.prompt_column,
+        job.completion_column,
+        job.add_bos,
+        job.add_eos,
+        job.conversation,
+    )
     schema = token_features(job.kind).arrow_schema
     name = f"tokens-{index:05d}.arrow"
     rows, pending, pending_tokens = 0, [], 0
@@ -208,8 +216,12 @@ def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, 
         writer.write_table(pa.Table.from_batches(pending, schema=schema).combine_chunks())
         pending.clear()
 
-    with (_file_of_this_writer(job.directory, name) as tmp, system_memory_pool(), pa.OSFile(tmp, "wb") as sink,
-          pa.ipc.new_stream(sink, schema) as writer):
+    with (
+        _file_of_this_writer(job.directory, name) as tmp,
+        system_memory_pool(),
+        pa.OSFile(tmp, "wb") as sink,
+        pa.ipc.new_stream(sink, schema) as writer,
+    ):
         for first, batch in iter_shard(ds, shard, job.columns, batch_rows=256):
             columns = fn(batch.to_pydict(), range(first, first + batch.num_rows), job.split)
             pending.append(pa.RecordBatch.from_pydict(columns, schema=schema))
@@ -246,10 +258,20 @@ def _tokenize_split(ds, job: _Job, procs: int) -> list[str]:
             return names
 
 
-def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text", prompt_column: str = "prompt",
-                    completion_column: str = "completion", add_bos: bool | None = None, add_eos: bool = True,
-                    num_proc: int | None = None, cache_dir: str | os.PathLike | None = None, source: Any = None,
-                    conversation: Any = None):
+def tokenize_cached(
+    dsd,
+    tokenizer,
+    kind: str = "text",
+    text_column: str = "text",
+    prompt_column: str = "prompt",
+    completion_column: str = "completion",
+    add_bos: bool | None = None,
+    add_eos: bool = True,
+    num_proc: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    source: Any = None,
+    conversation: Any = None,
+):
     """``encode.tokenize_dataset``, cached under ``cache_dir``: tokenize a split only the first time.
 
     Args:
@@ -271,8 +293,9 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     remove_stale_temporaries(root)
     frame = document_frame(tokenizer, add_bos, add_eos)
-    columns = getattr(conversation, "source_columns", None) or source_columns(kind, text_column, prompt_column,
-                                                                              completion_column)
+    columns = getattr(conversation, "source_columns", None) or source_columns(
+        kind, text_column, prompt_column, completion_column
+    )
     chat = conversation.cache_key(tokenizer) if conversation is not None else []  # the template, train_on, ...
     common = json.dumps([_FORMAT, tokenizer_fingerprint(tokenizer), frame, kind, columns, *chat], default=str)
     out = {}
@@ -282,18 +305,35 @@ def tokenize_cached(dsd, tokenizer, kind: str = "text", text_column: str = "text
         cached, how = _load(directory), "read from"
         if cached is None:
             procs = num_proc if num_proc is not None else default_num_proc(len(ds))
-            job = _Job(tokenizer, kind, columns, text_column, prompt_column, completion_column, add_bos, add_eos,
-                       split, str(directory), conversation)
-            about = {"split": split, "rows": len(ds), "dataset": describe_source(source, ds),
-                     "tokenizer": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)}
+            job = _Job(
+                tokenizer,
+                kind,
+                columns,
+                text_column,
+                prompt_column,
+                completion_column,
+                add_bos,
+                add_eos,
+                split,
+                str(directory),
+                conversation,
+            )
+            about = {
+                "split": split,
+                "rows": len(ds),
+                "dataset": describe_source(source, ds),
+                "tokenizer": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
+            }
             blocked = _cannot_write(directory)
             if blocked is not None:  # tokenize for this process only, into a directory of its own
                 directory = _scratch_root() / key
                 job = replace(job, directory=str(directory))
-                _say(f"[lightning_seqmem] Cannot write the token cache under {root} ({type(blocked).__name__}: "
-                     f"{blocked.strerror or blocked}); tokenizing {split} into {directory} for this process only. "
-                     "Set data.cache_dir (SeqMemDataModule(cache_dir=...)) to a writable directory to tokenize once.",
-                     warn=True)
+                _say(
+                    f"[lightning_seqmem] Cannot write the token cache under {root} ({type(blocked).__name__}: "
+                    f"{blocked.strerror or blocked}); tokenizing {split} into {directory} for this process only. "
+                    "Set data.cache_dir (SeqMemDataModule(cache_dir=...)) to a writable directory to tokenize once.",
+                    warn=True,
+                )
             _write_entry(ds, job, max(1, min(procs, len(ds))), about)
             cached, how = _load(directory), "written to"
         _say(f"[lightning_seqmem] {split}: tokens {how} the cache entry {directory} (seqmem-cache lists them)")
@@ -341,4 +381,3 @@ def _scratch_root() -> Path:
     if not _SCRATCH:
         _SCRATCH.append(tempfile.TemporaryDirectory(prefix="lightning_seqmem-tokens-"))
     return Path(_SCRATCH[0].name)
-

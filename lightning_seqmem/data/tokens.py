@@ -150,9 +150,13 @@ class TokenView(_SourceMixin):
     @property
     def is_contiguous(self) -> bool:
         """One chunk holding the documents back to back in order (then ``flat`` is the whole token stream)."""
-        return (len(self.chunks) == 1 and len(self.starts) > 0 and int(self.starts[0]) == 0
-                and int(self.lengths.sum()) == len(self.chunks[0])
-                and bool(np.all(self.starts[1:] == np.cumsum(self.lengths)[:-1])))
+        return (
+            len(self.chunks) == 1
+            and len(self.starts) > 0
+            and int(self.starts[0]) == 0
+            and int(self.lengths.sum()) == len(self.chunks[0])
+            and bool(np.all(self.starts[1:] == np.cumsum(self.lengths)[:-1]))
+        )
 
 
 class ConcatView(_SourceMixin):
@@ -219,8 +223,9 @@ ARROW_GATHER_MIN_SEGMENTS = 256  # below this, numpy views + concatenate cost le
 _WINDOW = 1 << 30  # bytes: Arrow binary views address their buffers with int32 offsets
 
 
-def gather_arrow(chunks: Sequence[np.ndarray], chunk: np.ndarray | None, local: np.ndarray,
-                 length: np.ndarray) -> np.ndarray | None:
+def gather_arrow(
+    chunks: Sequence[np.ndarray], chunk: np.ndarray | None, local: np.ndarray, length: np.ndarray
+) -> np.ndarray | None:
     """Segments ``chunks[chunk[i]][local[i] : local[i] + length[i]]`` back to back, copied by Arrow in C++.
 
     Why: one numpy view per segment plus ``np.concatenate`` costs about a microsecond of Python per segment
@@ -263,8 +268,11 @@ def binary_view_of(chunks: Sequence[np.ndarray], chunk: np.ndarray | None, local
     dtype = chunks[0].dtype
     itemsize = dtype.itemsize
     nbytes = length * itemsize
-    if (sys.byteorder != "little" or (nbytes.size and int(nbytes.max()) > _WINDOW)
-            or any(c.dtype != dtype for c in chunks)):
+    if (
+        sys.byteorder != "little"
+        or (nbytes.size and int(nbytes.max()) > _WINDOW)
+        or any(c.dtype != dtype for c in chunks)
+    ):
         return None
     byte_pos = local * itemsize
     # Buffer k of a chunk is its bytes from k GiB to k + 2 GiB: a segment of at most 1 GiB that starts in
@@ -273,8 +281,11 @@ def binary_view_of(chunks: Sequence[np.ndarray], chunk: np.ndarray | None, local
     buffers = []
     for c, n in zip(chunks, windows):
         whole = pa.py_buffer(c.view(np.uint8))
-        buffers += [whole] if n == 1 else [whole.slice(k * _WINDOW, min(c.nbytes - k * _WINDOW, 2 * _WINDOW))
-                                           for k in range(n)]
+        buffers += (
+            [whole]
+            if n == 1
+            else [whole.slice(k * _WINDOW, min(c.nbytes - k * _WINDOW, 2 * _WINDOW)) for k in range(n)]
+        )
     views = np.empty((len(length), 4), dtype=np.int32)  # Arrow's BinaryView layout, little-endian
     views[:, 0] = nbytes
     if len(buffers) == len(chunks):  # one window per chunk: buffer = chunk, offset = byte position
@@ -288,8 +299,9 @@ def binary_view_of(chunks: Sequence[np.ndarray], chunk: np.ndarray | None, local
     return pa.Array.from_buffers(pa.binary_view(), len(length), [None, pa.py_buffer(views)] + buffers)
 
 
-def _fill_view_bytes(views: np.ndarray, chunks: Sequence[np.ndarray], chunk: np.ndarray | None,
-                     byte_pos: np.ndarray, nbytes: np.ndarray) -> None:
+def _fill_view_bytes(
+    views: np.ndarray, chunks: Sequence[np.ndarray], chunk: np.ndarray | None, byte_pos: np.ndarray, nbytes: np.ndarray
+) -> None:
     """Bytes 4..16 of each view: a segment's first 4 bytes (its prefix), or all of it, zero-padded, when it has
     at most 12 bytes (Arrow keeps such values inline)."""
     if chunk is None:
@@ -297,8 +309,9 @@ def _fill_view_bytes(views: np.ndarray, chunks: Sequence[np.ndarray], chunk: np.
     else:  # segments grouped by chunk: one sort, then one slice per chunk that has segments
         order = np.argsort(chunk.astype(np.uint32), kind="stable")
         bounds = np.concatenate([[0], np.cumsum(np.bincount(chunk, minlength=len(chunks)))]).tolist()
-        groups = [(order[bounds[c] : bounds[c + 1]], chunks[c])
-                  for c in range(len(chunks)) if bounds[c + 1] > bounds[c]]
+        groups = [
+            (order[bounds[c] : bounds[c + 1]], chunks[c]) for c in range(len(chunks)) if bounds[c + 1] > bounds[c]
+        ]
     small = nbytes <= 12
     for sel, data in groups:
         data_bytes = data.view(np.uint8)
@@ -338,8 +351,10 @@ def _list_chunk(chunk) -> tuple[np.ndarray, np.ndarray]:
     if values.null_count:
         raise ValueError("the token column holds null tokens; drop or fill them first.")
     if not (pa.types.is_integer(values.type)):
-        raise ValueError(f"token values must be integers, got Arrow type {values.type}; cast the column "
-                         "(dataset.cast_column(...)) or tokenize the text again.")
+        raise ValueError(
+            f"token values must be integers, got Arrow type {values.type}; cast the column "
+            "(dataset.cast_column(...)) or tokenize the text again."
+        )
     return values.to_numpy(zero_copy_only=False), chunk.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
 
 

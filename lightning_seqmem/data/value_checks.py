@@ -30,7 +30,9 @@ def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, 
     if fingerprint is None or not getattr(ds, "cache_files", None):  # in memory: no stable version to remember
         check_token_values(ds, kind, split, vocab_size)
         return True
-    key = hashlib.sha256(json.dumps(["tokens-v1", "values-checked", fingerprint, kind, vocab_size]).encode()).hexdigest()
+    key = hashlib.sha256(
+        json.dumps(["tokens-v1", "values-checked", fingerprint, kind, vocab_size]).encode()
+    ).hexdigest()
     marker = Path(cache_dir or default_cache_dir()) / CHECKED / key
     if marker.exists():
         return False
@@ -67,7 +69,9 @@ def _streamed_values_ok(files: list[str], columns: tuple[str, ...], vocab_size: 
                         if column == "labels":
                             values = pc.filter(values, pc.not_equal(values, IGNORE_INDEX))
                         low, high = pc.min_max(values).values()
-                        if low.is_valid and (low.as_py() < 0 or (vocab_size is not None and high.as_py() >= vocab_size)):
+                        if low.is_valid and (
+                            low.as_py() < 0 or (vocab_size is not None and high.as_py() >= vocab_size)
+                        ):
                             return False
     except (OSError, pa.ArrowInvalid):
         return False

@@ -17,8 +17,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_seqmem.batching.sampling import BatchFetcher
 from lightning_seqmem.batching.pair_strategies import make_split_strategy
+from lightning_seqmem.batching.sampling import BatchFetcher
 from lightning_seqmem.batching.strategies import Strategy, largest_shape
 from lightning_seqmem.data.chat_template import chat_template_of, mask_method
 from lightning_seqmem.data.columns import PRETOKENIZED_KINDS
@@ -163,8 +163,14 @@ class SeqMemDataModule(LightningDataModule):
         arguments = {k: v for k, v in locals().items() if k not in ("self", "dataset", "tokenizer", "__class__")}
         self.settings = SeqMemSettings.from_arguments(**arguments)  # every argument checked here, once
         b = self.settings.batching
-        self.save_hyperparameters(dict(vars(b), **vars(self.settings.data), **vars(self.settings.conversation),
-                                       eval_strategy=b.strategy_for("validation")))
+        self.save_hyperparameters(
+            dict(
+                vars(b),
+                **vars(self.settings.data),
+                **vars(self.settings.conversation),
+                eval_strategy=b.strategy_for("validation"),
+            )
+        )
         self.dataset = dataset
         self.streaming, self._streams = False, None
         self._tokenizer_arg = tokenizer
@@ -250,8 +256,12 @@ class SeqMemDataModule(LightningDataModule):
         ``setup`` on local rank 0 share it."""
         if self._documents is None:
             tokenized, kind, self._pretokenized = load_documents(
-                self.dataset, self.settings.data, lambda: self.tokenizer, self._tokenizer_arg is not None,
-                self.settings.conversation)
+                self.dataset,
+                self.settings.data,
+                lambda: self.tokenizer,
+                self._tokenizer_arg is not None,
+                self.settings.conversation,
+            )
             self._documents = tokenized, kind
         return self._documents
 
@@ -259,9 +269,10 @@ class SeqMemDataModule(LightningDataModule):
         """The strategy objects of both splits, built once the data kind is known (it decides the overflow rule)."""
         self.settings.batching.check_kind(kind)
         self._kind = kind
-        self._strategies = {split: make_split_strategy(self.settings.batching, split, kind,
-                                                      self.settings.data.plan_cache)
-                            for split in SPLITS}
+        self._strategies = {
+            split: make_split_strategy(self.settings.batching, split, kind, self.settings.data.plan_cache)
+            for split in SPLITS
+        }
 
     @override
     def setup(self, stage: str | None = None) -> None:
@@ -282,8 +293,14 @@ class SeqMemDataModule(LightningDataModule):
         documents = split_documents(tokenized, kind, b.seed)
         self.datasets = {}
         for split, docs in documents.items():
-            prepared = prepare_split(split, docs, self._strategies[split], b.max_length, b.completion_only_loss,
-                                     self.settings.conversation.on_empty_labels)
+            prepared = prepare_split(
+                split,
+                docs,
+                self._strategies[split],
+                b.max_length,
+                b.completion_only_loss,
+                self.settings.conversation.on_empty_labels,
+            )
             if kind == "conversations":
                 prepared.stats["mask_method"] = mask_method(chat_template_of(self.tokenizer))
             for message in prepared.warnings:
@@ -291,8 +308,11 @@ class SeqMemDataModule(LightningDataModule):
             for message in prepared.infos:
                 rank_zero_info(message)
             self.datasets[split], self._rows[split] = prepared.dataset, prepared.rows
-            self._lengths[split], self._labels[split], self._stats[split] = prepared.lengths, prepared.labels, \
-                prepared.stats
+            self._lengths[split], self._labels[split], self._stats[split] = (
+                prepared.lengths,
+                prepared.labels,
+                prepared.stats,
+            )
 
     # ------------------------------------------------------------------------------------------------ loaders
     def _loader(self, split: str) -> DataLoader:
@@ -300,11 +320,15 @@ class SeqMemDataModule(LightningDataModule):
             self.setup("fit")
         strategy, data = self._strategies[split], self.settings.data
         if self.streaming:
-            return self._streams.loader(split, strategy, self.tokenizer, self.settings, self.pad_token_id,
-                                        rank_zero_warn)
+            return self._streams.loader(
+                split, strategy, self.tokenizer, self.settings, self.pad_token_id, rank_zero_warn
+            )
         loader = ResumableLoader(
-            BatchFetcher(self._rows[split]), sampler=strategy.split_sampler(self._lengths[split], split),
-            batch_size=None, collate_fn=strategy.collator(self.pad_token_id), num_workers=data.num_workers,
+            BatchFetcher(self._rows[split]),
+            sampler=strategy.split_sampler(self._lengths[split], split),
+            batch_size=None,
+            collate_fn=strategy.collator(self.pad_token_id),
+            num_workers=data.num_workers,
             persistent_workers=data.num_workers > 0,
         )
         loader.skip_resume_state = self._skip_resume_state
@@ -352,8 +376,11 @@ class SeqMemDataModule(LightningDataModule):
         strategies = self._ready()
         if self.streaming:
             return max(s.rows_per_batch(split) for split, s in strategies.items()), self.max_length
-        largest = [epoch_stats(strategies[split], self._lengths[split], split).largest
-                   for split in self._rows if len(self._rows[split])]
+        largest = [
+            epoch_stats(strategies[split], self._lengths[split], split).largest
+            for split in self._rows
+            if len(self._rows[split])
+        ]
         return largest_shape(list(strategies.values()), [s for s in largest if s is not None])
 
     def stats(self) -> dict[str, Any]:

@@ -26,14 +26,21 @@ from lightning_seqmem.data.sources import ensure_validation_split, load_text_dat
 from lightning_seqmem.data.tokens import ConcatView, ConstantView, view_of_dataset
 
 SPLITS = ("train", "validation")
-PARTS = {"text": {"documents": "input_ids"},
-         "prompt_completion": {"prompt": "prompt_ids", "completion": "completion_ids"},
-         "conversations": {"documents": "input_ids"},
-         PREFERENCE: {"prompt": "prompt_ids", "chosen": "chosen_ids", "rejected": "rejected_ids"}}
+PARTS = {
+    "text": {"documents": "input_ids"},
+    "prompt_completion": {"prompt": "prompt_ids", "completion": "completion_ids"},
+    "conversations": {"documents": "input_ids"},
+    PREFERENCE: {"prompt": "prompt_ids", "chosen": "chosen_ids", "rejected": "rejected_ids"},
+}
 
 
-def load_documents(dataset: Any, data: Any, tokenizer: Callable[[], Any], explicit_tokenizer: bool,
-                   conversation: ConversationSettings | None = None):
+def load_documents(
+    dataset: Any,
+    data: Any,
+    tokenizer: Callable[[], Any],
+    explicit_tokenizer: bool,
+    conversation: ConversationSettings | None = None,
+):
     """``(DatasetDict of token columns, kind, pretokenized)``: ``dataset`` tokenized through the tokenize-once cache,
     or pre-tokenized data as they are (their values checked once); ``kind`` is ``"text"``, ``"prompt_completion"``,
     ``"conversations"`` or ``"preference"`` (pairs; precomputed reference log-probability columns are carried along).
@@ -56,10 +63,23 @@ def load_documents(dataset: Any, data: Any, tokenizer: Callable[[], Any], explic
             check_values_once(ds, kind, split, vocab, cache_dir=data.cache_dir)
         return raw, PRETOKENIZED_KINDS[kind], True
     chat = kind == "conversations"
-    how = (conversation or ConversationSettings()) if chat else chat_pairs_of(raw["train"]) if kind == PREFERENCE \
+    how = (
+        (conversation or ConversationSettings())
+        if chat
+        else chat_pairs_of(raw["train"])
+        if kind == PREFERENCE
         else None
-    tokenized = tokenize_cached(raw, tokenizer(), kind, MESSAGES_COLUMN if chat else data.text_column,
-                                num_proc=data.num_proc, cache_dir=data.cache_dir, source=dataset, conversation=how)
+    )
+    tokenized = tokenize_cached(
+        raw,
+        tokenizer(),
+        kind,
+        MESSAGES_COLUMN if chat else data.text_column,
+        num_proc=data.num_proc,
+        cache_dir=data.cache_dir,
+        source=dataset,
+        conversation=how,
+    )
     if kind == PREFERENCE:  # the token cache keeps token columns only: the reference values come from the rows
         for split, ds in raw.items():
             for key in REF_LOGPS_KEYS:
@@ -126,8 +146,14 @@ class PreparedSplit:
     infos: list[str] = field(default_factory=list)  # for ``rank_zero_info``
 
 
-def prepare_split(split: str, docs: Documents, strategy: Strategy, max_length: int,
-                  completion_only_loss: bool = True, on_empty_labels: str = "drop") -> PreparedSplit:
+def prepare_split(
+    split: str,
+    docs: Documents,
+    strategy: Strategy,
+    max_length: int,
+    completion_only_loss: bool = True,
+    on_empty_labels: str = "drop",
+) -> PreparedSplit:
     """Truncate or pack ``docs`` with ``strategy`` and count every token that will not reach the model.
 
     Conversations are first cut to ``max_length`` by whole turns and those left with no trained token handled by
@@ -140,8 +166,12 @@ def prepare_split(split: str, docs: Documents, strategy: Strategy, max_length: i
     if split == "train" and len(lengths) == 0:
         raise ValueError("Every training document is empty after tokenization: there is nothing to train on.")
     stats = {
-        "documents": len(lengths), "empty_documents_skipped": docs.empty, "tokens": int(lengths.sum()),
-        "tokens_truncated": 0, "tokens_dropped": 0, "documents_split": 0,
+        "documents": len(lengths),
+        "empty_documents_skipped": docs.empty,
+        "tokens": int(lengths.sum()),
+        "tokens_truncated": 0,
+        "tokens_dropped": 0,
+        "documents_split": 0,
         "documents_over_max_length": int((lengths > max_length).sum()),
         "longest_document": int(lengths.max(initial=0)),
     }
@@ -185,18 +215,27 @@ def _preference_split(split: str, docs: Documents, strategy: Strategy) -> Prepar
     prompt, chosen, rejected = (docs.parts[name] for name in ("prompt", "chosen", "rejected"))
     if split == "train" and len(prompt) == 0:
         raise ValueError("The training split holds no preference pairs: there is nothing to train on.")
-    ref = {key: np.asarray(docs.dataset[key], dtype=np.float64) for key in REF_LOGPS_KEYS
-           if key in docs.dataset.column_names}
+    ref = {
+        key: np.asarray(docs.dataset[key], dtype=np.float64)
+        for key in REF_LOGPS_KEYS
+        if key in docs.dataset.column_names
+    }
     try:
         source, spans, warnings = plan_pairs(prompt, chosen, rejected, ref, strategy.pair_limits)
     except ValueError as error:
         raise ValueError(f"Preference data, split {split!r}: {error}") from None
     sequences = prompt.lengths + np.stack([chosen.lengths, rejected.lengths])  # [2, pairs] before truncation
     counts = spans.dropped()
-    stats = {"documents": len(prompt), "empty_documents_skipped": 0, "tokens": int(sequences.sum()),
-             **counts, "tokens_dropped": int(spans.sequence_lengths[:, spans.lost].sum()), "documents_split": 0,
-             "documents_over_max_length": int((sequences > strategy.settings.max_length).any(axis=0).sum()),
-             "longest_document": int(sequences.max(initial=0))}
+    stats = {
+        "documents": len(prompt),
+        "empty_documents_skipped": 0,
+        "tokens": int(sequences.sum()),
+        **counts,
+        "tokens_dropped": int(spans.sequence_lengths[:, spans.lost].sum()),
+        "documents_split": 0,
+        "documents_over_max_length": int((sequences > strategy.settings.max_length).any(axis=0).sum()),
+        "longest_document": int(sequences.max(initial=0)),
+    }
     planned = strategy.rows(source)
     stats.update(epoch_stats(strategy, planned.lengths, split).counts())
     warnings = [f"{split}: {message}" for message in warnings]
@@ -214,8 +253,9 @@ def _prompt_completion_rows(docs: Documents, strategy: Strategy, stats: dict, co
     exactly; rows are views (the kept part of the prompt, then of the completion), gathered when served.
     Returns ``(source, labels, rows left without a completion)``."""
     prompt, completion = docs.parts["prompt"], docs.parts["completion"]
-    p_off, p_keep, c_keep = prompt_completion_spans(prompt.lengths, completion.lengths,
-                                                    strategy.prompt_completion_limits)
+    p_off, p_keep, c_keep = prompt_completion_spans(
+        prompt.lengths, completion.lengths, strategy.prompt_completion_limits
+    )
     truncated = int((prompt.lengths + completion.lengths - p_keep - c_keep).sum())
     kept = np.flatnonzero(c_keep > 0)
     emptied = len(c_keep) - len(kept)  # nothing to learn from: reported, never trained on silently
@@ -233,8 +273,11 @@ def _lost_tokens(split: str, stats: dict, strategy: Strategy, max_length: int, k
     truncated, dropped = stats["tokens_truncated"], stats["tokens_dropped"]
     if not truncated + dropped:
         return []
-    fix = ("Conversations lose whole oldest turns first (the system message stays); raise max_length to keep them."
-           if kind == "conversations" else strategy.lost_tokens_fix("rows_without_completion" in stats))
+    fix = (
+        "Conversations lose whole oldest turns first (the system message stays); raise max_length to keep them."
+        if kind == "conversations"
+        else strategy.lost_tokens_fix("rows_without_completion" in stats)
+    )
     return [
         f"{split}: {stats['documents_over_max_length']} documents are longer than max_length={max_length}; "
         f"with strategy={strategy.name!r}, {truncated + dropped:,} of {stats['tokens']:,} tokens "

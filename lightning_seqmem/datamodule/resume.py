@@ -40,8 +40,7 @@ def data_signature(settings: dict[str, Any], train_lengths: np.ndarray | None) -
     return dict(settings, train_rows=int(lengths.size), train_lengths_crc32=zlib.crc32(lengths))
 
 
-def check_signature(saved: dict[str, Any], now: dict[str, Any], on_mismatch: str,
-                    warn: Callable[[str], None]) -> bool:
+def check_signature(saved: dict[str, Any], now: dict[str, Any], on_mismatch: str, warn: Callable[[str], None]) -> bool:
     """Whether the loader must skip the checkpoint's position: ``False`` for the same data; for other data raise
     (``on_mismatch="error"``) or warn and return ``True`` (``"restart_epoch"``)."""
     changed = {k: (saved.get(k), now.get(k)) for k in now if saved.get(k) != now.get(k)}
@@ -58,6 +57,8 @@ def check_signature(saved: dict[str, Any], now: dict[str, Any], on_mismatch: str
             "on_resume_mismatch='restart_epoch' to keep the checkpoint's model and optimizer and start the "
             "current epoch from its first batch (or start a new run without ckpt_path)."
         )
-    warn(f"The checkpoint's data differ from this run's ({what}): the current epoch restarts from its "
-         "first batch (on_resume_mismatch='restart_epoch'); model and optimizer state are resumed.")
+    warn(
+        f"The checkpoint's data differ from this run's ({what}): the current epoch restarts from its "
+        "first batch (on_resume_mismatch='restart_epoch'); model and optimizer state are resumed."
+    )
     return True

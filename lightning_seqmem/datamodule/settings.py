@@ -75,8 +75,10 @@ class SeqMemSettings:
     def from_arguments(cls, **arguments: Any) -> SeqMemSettings:
         """The settings of ``SeqMemDataModule(**arguments)`` (its arguments other than ``dataset`` and
         ``tokenizer``); each goes to the class that declares it (batching first, as the arguments are listed)."""
-        parts, concerns = {}, (("batching", BatchingSettings), ("data", DataSettings),
-                               ("conversation", ConversationSettings))
+        parts, concerns = (
+            {},
+            (("batching", BatchingSettings), ("data", DataSettings), ("conversation", ConversationSettings)),
+        )
         for name, part in concerns:
             mine = {f.name for f in fields(part)}
             parts[name] = part(**{k: v for k, v in arguments.items() if k in mine})

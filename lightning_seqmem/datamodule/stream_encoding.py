@@ -51,17 +51,27 @@ def stream_encoder(kind: str, tokenizer: Any, settings: Any, strategy: Strategy)
     if kind == "conversations":
         from lightning_seqmem.data.chat_template import ChatRenderer
 
-        return partial(encode_streamed_conversation, ChatRenderer(tokenizer), settings.conversation,
-                       strategy.settings.max_length)
+        return partial(
+            encode_streamed_conversation, ChatRenderer(tokenizer), settings.conversation, strategy.settings.max_length
+        )
     if kind == "prompt_completion":
-        return partial(encode_streamed_prompt_completion, tokenizer, strategy.prompt_completion_limits,
-                       settings.batching.completion_only_loss, encode=batch_encoder(tokenizer))
+        return partial(
+            encode_streamed_prompt_completion,
+            tokenizer,
+            strategy.prompt_completion_limits,
+            settings.batching.completion_only_loss,
+            encode=batch_encoder(tokenizer),
+        )
     vocab = len(tokenizer) if tokenizer is not None else None
     if kind == "tokens":
         return partial(encode_streamed_ids, vocab)
     if kind == "prompt_completion_tokens":
-        return partial(encode_streamed_prompt_completion_ids, vocab, strategy.prompt_completion_limits,
-                       settings.batching.completion_only_loss)
+        return partial(
+            encode_streamed_prompt_completion_ids,
+            vocab,
+            strategy.prompt_completion_limits,
+            settings.batching.completion_only_loss,
+        )
     return partial(encode_document, tokenizer, settings.data.text_column, encode=batch_encoder(tokenizer))
 
 
@@ -71,9 +81,15 @@ def _encoded(tokenizer: Any, text: str, encode: Callable[[list[str]], list[list[
     return encode([text])[0] if encode is not None else tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def encode_streamed_prompt_completion(tokenizer: Any, limits: Any, completion_only_loss: bool, index: int,
-                                      example: dict, counts: Counter | None = None,
-                                      encode: Callable | None = None) -> dict[str, list[int]] | list:
+def encode_streamed_prompt_completion(
+    tokenizer: Any,
+    limits: Any,
+    completion_only_loss: bool,
+    index: int,
+    example: dict,
+    counts: Counter | None = None,
+    encode: Callable | None = None,
+) -> dict[str, list[int]] | list:
     """One streamed prompt/completion row to ``{"input_ids", "labels"}``, framed and truncated as the map-style
     pipeline does (``max_prompt_length`` keeps the prompt's end, ``max_completion_length`` the completion's
     start); a row left without a completion is skipped and counted (``rows_without_completion``)."""
@@ -81,29 +97,38 @@ def encode_streamed_prompt_completion(tokenizer: Any, limits: Any, completion_on
     prompt, completion = example.get("prompt"), example.get("completion")
     for name, value in (("prompt", prompt), ("completion", completion)):
         if not isinstance(value, str):
-            raise TypeError(f"Row {index} of the stream: column {name!r} is {type(value).__name__}, not a string. "
-                            "Filter the stream (stream.filter(...)).")
+            raise TypeError(
+                f"Row {index} of the stream: column {name!r} is {type(value).__name__}, not a string. "
+                "Filter the stream (stream.filter(...))."
+            )
     prefix, suffix = document_frame(tokenizer)
     p = prefix + _encoded(tokenizer, prompt, encode)
     c = _encoded(tokenizer, completion, encode) + suffix if completion else []
     return _prompt_completion_row(p, c, limits, completion_only_loss, counts)
 
 
-def encode_streamed_prompt_completion_ids(vocab_size: int | None, limits: Any, completion_only_loss: bool,
-                                          index: int, example: dict,
-                                          counts: Counter | None = None) -> dict[str, list[int]] | list:
+def encode_streamed_prompt_completion_ids(
+    vocab_size: int | None,
+    limits: Any,
+    completion_only_loss: bool,
+    index: int,
+    example: dict,
+    counts: Counter | None = None,
+) -> dict[str, list[int]] | list:
     """One streamed pre-tokenized prompt/completion row (``prompt_ids``, ``completion_ids``, used as they are, as
     the map-style pipeline uses them), its ids checked against the vocabulary, then truncated as text rows are."""
     counts = Counter() if counts is None else counts
     parts = {name: example.get(name) for name in ("prompt_ids", "completion_ids")}
     for name, values in parts.items():
         _check_ids(index, name, values, vocab_size)
-    return _prompt_completion_row(list(parts["prompt_ids"]), list(parts["completion_ids"]), limits,
-                                  completion_only_loss, counts)
+    return _prompt_completion_row(
+        list(parts["prompt_ids"]), list(parts["completion_ids"]), limits, completion_only_loss, counts
+    )
 
 
-def _prompt_completion_row(p: list[int], c: list[int], limits: Any, completion_only_loss: bool,
-                           counts: Counter) -> dict[str, list[int]] | list:
+def _prompt_completion_row(
+    p: list[int], c: list[int], limits: Any, completion_only_loss: bool, counts: Counter
+) -> dict[str, list[int]] | list:
     from lightning_seqmem.batching.truncation import prompt_completion_example
 
     _count_document(counts, len(p) + len(c))
@@ -117,8 +142,9 @@ def _prompt_completion_row(p: list[int], c: list[int], limits: Any, completion_o
     return {"input_ids": row["input_ids"], "labels": row["labels"]}
 
 
-def encode_streamed_ids(vocab_size: int | None, index: int, example: dict,
-                        counts: Counter | None = None) -> dict[str, list[int]] | list[int]:
+def encode_streamed_ids(
+    vocab_size: int | None, index: int, example: dict, counts: Counter | None = None
+) -> dict[str, list[int]] | list[int]:
     """One streamed pre-tokenized row (``input_ids`` [+ ``labels``]) as it is, its ids checked against the
     vocabulary (labels may be -100)."""
     from lightning_seqmem.batch import IGNORE_INDEX
@@ -129,8 +155,10 @@ def encode_streamed_ids(vocab_size: int | None, index: int, example: dict,
     if labels is not None:
         _check_ids(index, "labels", labels, vocab_size, extra=(IGNORE_INDEX,))
     if labels is not None and len(labels) != len(ids):
-        raise ValueError(f"Row {index} of the stream: {len(ids)} input_ids but {len(labels)} labels; they must "
-                         "have one label per token.")
+        raise ValueError(
+            f"Row {index} of the stream: {len(ids)} input_ids but {len(labels)} labels; they must "
+            "have one label per token."
+        )
     if not len(ids):
         counts["empty_documents_skipped"] += 1
         return []
@@ -149,12 +177,15 @@ def _check_ids(index: int, name: str, values: Any, vocab_size: int | None, extra
         if wrong is not None:
             bad = f"holds {wrong}, outside [0, {vocab_size if vocab_size is not None else 'inf'})"
     if bad is not None:
-        raise ValueError(f"Row {index} of the stream: {name} {bad}. Filter the stream or re-tokenize it with the "
-                         "tokenizer the model uses.")
+        raise ValueError(
+            f"Row {index} of the stream: {name} {bad}. Filter the stream or re-tokenize it with the "
+            "tokenizer the model uses."
+        )
 
 
-def encode_streamed_conversation(renderer: Any, settings: Any, max_length: int, index: int, example: dict,
-                                 counts: Counter | None = None) -> dict[str, list[int]] | list[int]:
+def encode_streamed_conversation(
+    renderer: Any, settings: Any, max_length: int, index: int, example: dict, counts: Counter | None = None
+) -> dict[str, list[int]] | list[int]:
     """One streamed conversation to ``{"input_ids", "labels"}``, cut by whole turns to ``max_length`` as the
     split pipeline cuts them, what was cut added to ``counts``; one with no trained token is skipped (``[]``,
     counted in ``conversations_dropped_empty`` and ``tokens_dropped``) or refused, by ``on_empty_labels``."""
@@ -183,8 +214,14 @@ def _count_document(counts: Counter, length: int) -> None:
     counts["longest_document"] = max(counts["longest_document"], length)
 
 
-def encode_document(tokenizer: Any, text_column: str, index: int, example: dict,
-                    counts: Counter | None = None, encode: Callable | None = None) -> list[int]:
+def encode_document(
+    tokenizer: Any,
+    text_column: str,
+    index: int,
+    example: dict,
+    counts: Counter | None = None,
+    encode: Callable | None = None,
+) -> list[int]:
     """One streamed document to ``[bos] + tokens + [eos]``, as ``data.encode`` does for map-style data (an empty one
     to ``[]``, counted in ``empty_documents_skipped``)."""
     counts = Counter() if counts is None else counts

@@ -35,9 +35,22 @@ from lightning_seqmem.datamodule.stream_encoding import (
     stream_kind,
 )
 
-__all__ = ["STREAM_KINDS", "DealtBatches", "StreamCounts", "StreamingLoader", "StreamingRows", "Streams",
-           "check_streaming", "encode_document", "encode_streamed_conversation", "is_stream", "stream_encoder",
-           "stream_kind", "streaming_loader", "streaming_splits"]
+__all__ = [
+    "STREAM_KINDS",
+    "DealtBatches",
+    "StreamCounts",
+    "StreamingLoader",
+    "StreamingRows",
+    "Streams",
+    "check_streaming",
+    "encode_document",
+    "encode_streamed_conversation",
+    "is_stream",
+    "stream_encoder",
+    "stream_kind",
+    "streaming_loader",
+    "streaming_splits",
+]
 
 
 def is_stream(dataset: Any) -> bool:
@@ -55,9 +68,19 @@ class StreamCounts:
     workers' counts while they run, and they outlive the workers.
     """
 
-    SUMMED = ("documents", "empty_documents_skipped", "tokens", "tokens_truncated", "tokens_dropped",
-              "documents_split", "documents_over_max_length", "conversations_dropped_empty", "trained_tokens",
-              "rows_without_completion", "rows")
+    SUMMED = (
+        "documents",
+        "empty_documents_skipped",
+        "tokens",
+        "tokens_truncated",
+        "tokens_dropped",
+        "documents_split",
+        "documents_over_max_length",
+        "conversations_dropped_empty",
+        "trained_tokens",
+        "rows_without_completion",
+        "rows",
+    )
     FIELDS = SUMMED + ("longest_document",)
 
     def __init__(self, workers: int = 0) -> None:
@@ -89,9 +112,17 @@ class StreamingRows(IterableDataset):
     loader worker (one with no file of its own) instead of repeating nothing forever.
     """
 
-    def __init__(self, stream, encode, packer: StreamingPacker, cycle: bool = False,
-                 counts: StreamCounts | None = None, on_loss: Callable[[], None] | None = None,
-                 reshuffle: bool = True, required: bool = False) -> None:
+    def __init__(
+        self,
+        stream,
+        encode,
+        packer: StreamingPacker,
+        cycle: bool = False,
+        counts: StreamCounts | None = None,
+        on_loss: Callable[[], None] | None = None,
+        reshuffle: bool = True,
+        required: bool = False,
+    ) -> None:
         self.stream, self.encode, self.packer, self.cycle = stream, encode, packer, cycle
         self.counts = counts if counts is not None else StreamCounts()
         self.on_loss, self.reshuffle, self.required = on_loss, reshuffle, required
@@ -101,8 +132,10 @@ class StreamingRows(IterableDataset):
         info = get_worker_info()
         slot = info.id if info is not None else 0
         if slot >= len(self.counts.table):
-            raise ValueError(f"StreamCounts has a row for {len(self.counts.table)} loader worker(s), and this is "
-                             f"worker {slot}: build it with StreamCounts(num_workers).")
+            raise ValueError(
+                f"StreamCounts has a row for {len(self.counts.table)} loader worker(s), and this is "
+                f"worker {slot}: build it with StreamCounts(num_workers)."
+            )
         passes = 0
         while True:
             if self.reshuffle and hasattr(self.stream, "set_epoch"):
@@ -124,7 +157,8 @@ class StreamingRows(IterableDataset):
                 raise ValueError(
                     f"This process's share of the training stream holds no document to train on "
                     f"({counts['documents']} read, all empty or dropped): a training loop would run empty epochs. "
-                    "Give the stream more documents, or files (shards) that every rank can have one of.")
+                    "Give the stream more documents, or files (shards) that every rank can have one of."
+                )
             if not self.cycle:
                 return
 
@@ -145,7 +179,7 @@ class DealtBatches(IterableDataset):
         self.sizes = balanced_batch_sizes(total_rows, rows_per_batch, world)
 
     def __len__(self) -> int:
-        return len(self.sizes[self.rank::self.world])
+        return len(self.sizes[self.rank :: self.world])
 
     def __iter__(self):
         rows = iter(self.rows)
@@ -198,7 +232,8 @@ def streaming_splits(dataset: Any, validation_documents: int) -> dict[str, Any]:
             raise ValueError(
                 f"The stream holds {len(head)} documents, and the first streaming_validation_documents="
                 f"{validation_documents} go to validation: nothing would be left to train on. Lower "
-                "streaming_validation_documents, or give the stream its own 'validation' split.")
+                "streaming_validation_documents, or give the stream its own 'validation' split."
+            )
         val = head[:validation_documents]
         if val:
             train = train.filter(NotIn(val))
@@ -230,9 +265,17 @@ def rank_share(stream: Any) -> Any:
     return split_dataset_by_node(stream, rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
-def streaming_loader(stream: Any, split: str, strategy: Strategy, encode: Callable[..., Any], buffer_size: int,
-                     pad_token_id: int, num_workers: int, warn: Callable[[str], None],
-                     counts: StreamCounts | None = None) -> DataLoader:
+def streaming_loader(
+    stream: Any,
+    split: str,
+    strategy: Strategy,
+    encode: Callable[..., Any],
+    buffer_size: int,
+    pad_token_id: int,
+    num_workers: int,
+    warn: Callable[[str], None],
+    counts: StreamCounts | None = None,
+) -> DataLoader:
     """The loader of one stream: this rank's share of documents, packed by ``strategy``'s settings; what it reads
     counted in ``counts``, and the first token lost to ``max_length`` on each pass warned about.
 
@@ -245,10 +288,15 @@ def streaming_loader(stream: Any, split: str, strategy: Strategy, encode: Callab
         warn("Streaming under DDP: the train stream repeats so no rank runs out first; set max_steps.")
     max_length = strategy.settings.max_length
     packer = StreamingPacker(max_length, buffer_size, strategy.overflow)
-    fix = ("raise max_length" if strategy.overflow == "split" else
-           f"raise max_length or use overflow='split' (overflow={strategy.overflow!r})")
-    lost = (f"{split} stream: documents longer than max_length={max_length} lose tokens as they are read "
-            f"(conversations lose whole oldest turns); stats()[{split!r}] counts them so far. To keep them, {fix}.")
+    fix = (
+        "raise max_length"
+        if strategy.overflow == "split"
+        else f"raise max_length or use overflow='split' (overflow={strategy.overflow!r})"
+    )
+    lost = (
+        f"{split} stream: documents longer than max_length={max_length} lose tokens as they are read "
+        f"(conversations lose whole oldest turns); stats()[{split!r}] counts them so far. To keep them, {fix}."
+    )
     per_batch, collate = strategy.rows_per_batch(split), strategy.collator(pad_token_id)
     if distributed and not train:
         rows = StreamingRows(stream, encode, packer, counts=counts, on_loss=partial(warn, lost), reshuffle=False)
@@ -256,8 +304,16 @@ def streaming_loader(stream: Any, split: str, strategy: Strategy, encode: Callab
         dealt = DealtBatches(rows, total, per_batch, dist.get_rank(), dist.get_world_size())
         return DataLoader(dealt, batch_size=None, collate_fn=collate)
     share = rank_share(stream) if distributed else stream
-    rows = StreamingRows(share, encode, packer, cycle=distributed and train, counts=counts,
-                         on_loss=partial(warn, lost), reshuffle=train, required=train)
+    rows = StreamingRows(
+        share,
+        encode,
+        packer,
+        cycle=distributed and train,
+        counts=counts,
+        on_loss=partial(warn, lost),
+        reshuffle=train,
+        required=train,
+    )
     held = isinstance(stream, list)  # validation documents held in memory: one reader, or each would read all
     num_workers = 0 if held else num_workers
     world = dist.get_world_size() if distributed else 1
@@ -274,14 +330,18 @@ def layout_warnings(split: str, shards: int | None, world: int, num_workers: int
         return []
     out = []
     if world > 1 and shards % world:
-        out.append(f"{split} stream: {shards} files (shards) cannot be dealt evenly to {world} ranks, so every rank "
-                   f"reads every document and keeps every {world}-th ({world}x the reading). Give it a multiple of "
-                   f"{world} files (more files, or stream.reshard() where the format allows).")
+        out.append(
+            f"{split} stream: {shards} files (shards) cannot be dealt evenly to {world} ranks, so every rank "
+            f"reads every document and keeps every {world}-th ({world}x the reading). Give it a multiple of "
+            f"{world} files (more files, or stream.reshard() where the format allows)."
+        )
     mine = shards // world if world > 1 and not shards % world else shards
     if num_workers > mine:
-        out.append(f"{split} stream: {num_workers} loader workers but {mine} file(s) (shards) per rank: datasets "
-                   f"gives each worker whole files, so {num_workers - mine} worker(s) read nothing. Use "
-                   f"num_workers <= {mine}, or more files.")
+        out.append(
+            f"{split} stream: {num_workers} loader workers but {mine} file(s) (shards) per rank: datasets "
+            f"gives each worker whole files, so {num_workers - mine} worker(s) read nothing. Use "
+            f"num_workers <= {mine}, or more files."
+        )
     return out
 
 
@@ -294,20 +354,38 @@ class Streams:
         data: the DataModule's ``DataSettings`` (validation documents, window, workers).
     """
 
-    ONLY = {"conversations": ("conversations_dropped_empty", "trained_tokens"),
-            "prompt_completion": ("rows_without_completion",)}  # by the kind of rows (pre-tokenized or not)
+    ONLY = {
+        "conversations": ("conversations_dropped_empty", "trained_tokens"),
+        "prompt_completion": ("rows_without_completion",),
+    }  # by the kind of rows (pre-tokenized or not)
 
     def __init__(self, dataset: Any, kind: str, data: Any) -> None:
         self.splits = streaming_splits(dataset, data.streaming_validation_documents)
         self.kind, self.buffer_size, self.num_workers = kind, data.streaming_buffer_size, data.num_workers
         self.counts = {split: StreamCounts(self.num_workers) for split in self.splits}
 
-    def loader(self, split: str, strategy: Strategy, tokenizer: Any, settings: Any, pad_token_id: int,
-               warn: Callable[[str], None]) -> DataLoader:
+    def loader(
+        self,
+        split: str,
+        strategy: Strategy,
+        tokenizer: Any,
+        settings: Any,
+        pad_token_id: int,
+        warn: Callable[[str], None],
+    ) -> DataLoader:
         """``split``'s loader (``settings``: the DataModule's ``SeqMemSettings``)."""
         encode = stream_encoder(self.kind, tokenizer, settings, strategy)
-        return streaming_loader(self.splits[split], split, strategy, encode, self.buffer_size, pad_token_id,
-                                self.num_workers, warn, self.counts[split])
+        return streaming_loader(
+            self.splits[split],
+            split,
+            strategy,
+            encode,
+            self.buffer_size,
+            pad_token_id,
+            self.num_workers,
+            warn,
+            self.counts[split],
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of a stream: how many training documents this process had read."""
@@ -317,15 +395,22 @@ class Streams:
         """A stream has no position to return to: say that a resumed run reads it again from the start."""
         read = state_dict.get("stream_documents_read")
         if read:
-            warn(f"Resuming from a checkpoint with a stream: a stream has no position to return to, so training "
-                 f"reads it again from its first document (the checkpointed run had read {read:,} training "
-                 "documents on rank 0). To go on with unseen data, pass the stream from where it stopped (its later "
-                 "files), or train on a map-style dataset, whose loader position is restored exactly.")
+            warn(
+                f"Resuming from a checkpoint with a stream: a stream has no position to return to, so training "
+                f"reads it again from its first document (the checkpointed run had read {read:,} training "
+                "documents on rank 0). To go on with unseen data, pass the stream from where it stopped (its later "
+                "files), or train on a map-style dataset, whose loader position is restored exactly."
+            )
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split, the counts so far on this process (a stream's totals are known only once it is read)."""
         rows = PRETOKENIZED_KINDS.get(self.kind, self.kind)
         drop = {key for kind, keys in self.ONLY.items() if kind != rows for key in keys}
-        return {split: {"streaming": True, "buffer_size": self.buffer_size,
-                        **{k: v for k, v in counts.totals().items() if k not in drop}}
-                for split, counts in self.counts.items()}
+        return {
+            split: {
+                "streaming": True,
+                "buffer_size": self.buffer_size,
+                **{k: v for k, v in counts.totals().items() if k not in drop},
+            }
+            for split, counts in self.counts.items()
+        }

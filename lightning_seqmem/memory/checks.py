@@ -19,8 +19,16 @@ from lightning_seqmem.memory.preallocate import CachePreallocator
 from lightning_seqmem.protocols import DescribesBatching, GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape
 from lightning_seqmem.training.varlen import PassesFlashVarlen, is_flash_attention
 
-CHECKS = ("eval_batch_size", "batch_size", "fp16_packing", "fp8_compile", "packing_attention", "flash_varlen",
-          "dynamic_shapes", "stream_validation")
+CHECKS = (
+    "eval_batch_size",
+    "batch_size",
+    "fp16_packing",
+    "fp8_compile",
+    "packing_attention",
+    "flash_varlen",
+    "dynamic_shapes",
+    "stream_validation",
+)
 ALL_CHECKS = CHECKS + ("memory",)  # find_problems' checks on RunFacts, and ConfigChecks' traced memory estimate
 
 
@@ -283,8 +291,9 @@ class ConfigChecks(Callback):
                 return {}
             shape = tuple(int(x) for x in dm.max_batch_shape())
             keys = tuple(dm.batch_keys()) if isinstance(dm, GivesBatchKeys) else ("input_ids", "labels")
-            message = shortfall_message(shape=shape, keys=keys, available=free,
-                                        precision=str(trainer.precision), **facts)
+            message = shortfall_message(
+                shape=shape, keys=keys, available=free, precision=str(trainer.precision), **facts
+            )
         except Exception:  # an estimate we cannot make is no problem of the config
             return {}
         return {"memory": message} if message else {}

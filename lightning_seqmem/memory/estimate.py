@@ -102,9 +102,17 @@ def estimate_training_memory(
     params = [p for p in module.parameters()]
     module.zero_grad(set_to_none=True)  # the model can be traced again
     return MemoryEstimate(
-        rows=rows, length=length, device=device, precision=precision, attn_implementation=attn_implementation,
-        gradient_checkpointing=gradient_checkpointing, peak=tracker.peak, peak_phase=tracker.peak_phase,
-        num_parameters=sum(p.numel() for p in params), state=state, **split,
+        rows=rows,
+        length=length,
+        device=device,
+        precision=precision,
+        attn_implementation=attn_implementation,
+        gradient_checkpointing=gradient_checkpointing,
+        peak=tracker.peak,
+        peak_phase=tracker.peak_phase,
+        num_parameters=sum(p.numel() for p in params),
+        state=state,
+        **split,
     )
 
 
@@ -126,16 +134,32 @@ def largest_fitting(estimate: Callable[[int], MemoryEstimate], budget: int, cand
 _ESTIMATES: dict[tuple, MemoryEstimate] = {}
 
 
-def cached_estimate(model_config, rows: int, length: int, keys: Sequence[str], precision: str = "32-true",
-                    device: str = "cuda", attn_implementation: str = "sdpa",
-                    gradient_checkpointing: bool = False) -> MemoryEstimate:
+def cached_estimate(
+    model_config,
+    rows: int,
+    length: int,
+    keys: Sequence[str],
+    precision: str = "32-true",
+    device: str = "cuda",
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+) -> MemoryEstimate:
     """:func:`estimate_training_memory`, remembered per (config, shape, settings) for this process, so the
     callbacks that ask the same question (``ConfigChecks``, ``CachePreallocator``) trace once."""
-    key = (model_config.to_json_string(), rows, length, tuple(keys), normalize_precision(precision), device,
-           attn_implementation, gradient_checkpointing)
+    key = (
+        model_config.to_json_string(),
+        rows,
+        length,
+        tuple(keys),
+        normalize_precision(precision),
+        device,
+        attn_implementation,
+        gradient_checkpointing,
+    )
     if key not in _ESTIMATES:
-        _ESTIMATES[key] = estimate_training_memory(model_config, rows, length, keys, precision, device,
-                                                   attn_implementation, gradient_checkpointing)
+        _ESTIMATES[key] = estimate_training_memory(
+            model_config, rows, length, keys, precision, device, attn_implementation, gradient_checkpointing
+        )
     return _ESTIMATES[key]
 
 
@@ -146,8 +170,11 @@ def module_facts(pl_module: torch.nn.Module) -> dict[str, Any] | None:
     facts = model_facts(pl_module)
     if facts.config is None:
         return None
-    return {"model_config": facts.config, "attn_implementation": facts.attn_implementation or "sdpa",
-            "gradient_checkpointing": facts.gradient_checkpointing}
+    return {
+        "model_config": facts.config,
+        "attn_implementation": facts.attn_implementation or "sdpa",
+        "gradient_checkpointing": facts.gradient_checkpointing,
+    }
 
 
 def with_reference(est: MemoryEstimate) -> MemoryEstimate:
@@ -155,8 +182,12 @@ def with_reference(est: MemoryEstimate) -> MemoryEstimate:
     resident through the step (counted under ``parameters`` and ``state["reference"]``); its forward runs under
     ``no_grad`` before the policy's and frees its activations long before the policy's backward peak."""
     reference = est.state.get("parameters", est.parameters)
-    return replace(est, parameters=est.parameters + reference, peak=est.peak + reference,
-                   state={**est.state, "reference": reference})
+    return replace(
+        est,
+        parameters=est.parameters + reference,
+        peak=est.peak + reference,
+        state={**est.state, "reference": reference},
+    )
 
 
 def sharded(est: MemoryEstimate, shards: int) -> MemoryEstimate:
@@ -195,6 +226,7 @@ def shortfall_message(
 
     rows, length = shape
     settings = (keys, precision, device, attn_implementation, gradient_checkpointing)
+
     def estimate(r: int) -> MemoryEstimate:
         return sharded(cached_estimate(model_config, r, length, *settings), shards)
 
@@ -203,10 +235,15 @@ def shortfall_message(
         return None
     smaller = [2**i for i in range(rows.bit_length()) if 2**i < rows]
     best, _ = largest_fitting(estimate, available, smaller)
-    fix = (f"micro_batch_size={best} fits" if best is not None else
-           "not even micro_batch_size=1 fits: use gradient checkpointing, a shorter max_length or bf16")
-    return (f"Predicted peak training memory for the worst-case batch {rows} x {length} is {format_bytes(est.peak)} "
-            f"(parameters {format_bytes(est.parameters)}, gradients {format_bytes(est.gradients)}, optimizer state "
-            f"{format_bytes(est.optimizer_state)}, activations {format_bytes(est.activations)}; traced, "
-            f"{precision}, {attn_implementation}), more than the {format_bytes(available)} available: {fix}. "
-            "seqmem-plan prints the whole table.")
+    fix = (
+        f"micro_batch_size={best} fits"
+        if best is not None
+        else "not even micro_batch_size=1 fits: use gradient checkpointing, a shorter max_length or bf16"
+    )
+    return (
+        f"Predicted peak training memory for the worst-case batch {rows} x {length} is {format_bytes(est.peak)} "
+        f"(parameters {format_bytes(est.parameters)}, gradients {format_bytes(est.gradients)}, optimizer state "
+        f"{format_bytes(est.optimizer_state)}, activations {format_bytes(est.activations)}; traced, "
+        f"{precision}, {attn_implementation}), more than the {format_bytes(available)} available: {fix}. "
+        "seqmem-plan prints the whole table."
+    )

@@ -55,8 +55,11 @@ def profiled_allocations(prof) -> list[tuple[int, int]]:
     their running sum is the live tensor bytes since profiling started."""
     from torch._C._profiler import _EventType
 
-    return sorted((event.start_time_ns, event.typed[1].alloc_size) for event in profiled_events(prof)
-                  if event.typed[0] == _EventType.Allocation)
+    return sorted(
+        (event.start_time_ns, event.typed[1].alloc_size)
+        for event in profiled_events(prof)
+        if event.typed[0] == _EventType.Allocation
+    )
 
 
 def measured_training_peak(
@@ -80,7 +83,8 @@ def measured_training_peak(
         torch.manual_seed(seed)
         with torch.device(device):
             model = build_model(model_config, attn_implementation, precision, gradient_checkpointing)
-        lightning_steps(model, adamw(model, torch.device(device).type), {k: v.to(device) for k, v in batch.items()},
-                        precision)
+        lightning_steps(
+            model, adamw(model, torch.device(device).type), {k: v.to(device) for k, v in batch.items()}, precision
+        )
 
     return measured_peak_bytes(run, device)

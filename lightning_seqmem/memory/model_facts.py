@@ -53,8 +53,10 @@ def model_facts(pl_module: torch.nn.Module) -> ModelFacts:
     return ModelFacts(
         config=config if hasattr(config, "to_json_string") and hasattr(config, "vocab_size") else None,
         vocab_size=_first("vocab_size", (config, hparams, pl_module), _positive_int),
-        attn_implementation=(_first("_attn_implementation", (config,), _string)
-                             or _first("attn_implementation", (pl_module, hparams), _string)),
+        attn_implementation=(
+            _first("_attn_implementation", (config,), _string)
+            or _first("attn_implementation", (pl_module, hparams), _string)
+        ),
         gradient_checkpointing=_checkpointing(model),
         compiled=_compiled(pl_module, hparams),
     )
@@ -87,5 +89,7 @@ def _checkpointing(model: object) -> bool:
 def _compiled(pl_module: torch.nn.Module, hparams: object) -> bool:
     if getattr(pl_module, "_compiler_ctx", None) or (isinstance(hparams, Mapping) and hparams.get("compile")):
         return True  # Lightning's from_compiled, or CausalLM(compile=True)
-    return any(getattr(module, "_compiled_call_impl", None) is not None or type(module).__name__ == "OptimizedModule"
-               for module in pl_module.modules())
+    return any(
+        getattr(module, "_compiled_call_impl", None) is not None or type(module).__name__ == "OptimizedModule"
+        for module in pl_module.modules()
+    )

@@ -118,8 +118,14 @@ class MemoryMonitor(Callback):
             self.history.append({"step": trainer.global_step, **self.collect(_training_device(trainer))})
         first, last = self.history[0], self.history[-1]
         summary = {"steps": float(last["step"])}
-        for name in ("peak_allocated_gib", "peak_reserved_gib", "peak_rss_gib", "num_alloc_retries", "num_ooms",
-                     "num_device_alloc"):
+        for name in (
+            "peak_allocated_gib",
+            "peak_reserved_gib",
+            "peak_rss_gib",
+            "num_alloc_retries",
+            "num_ooms",
+            "num_device_alloc",
+        ):
             if name in last:
                 summary[name] = last[name]
         if "reserved_gib" in first:
@@ -132,7 +138,9 @@ class MemoryMonitor(Callback):
         from lightning_seqmem.memory.preallocate import CachePreallocator
 
         advice = stats.memory_advice(
-            summary.get("num_alloc_retries", 0.0), summary.get("max_fragmentation", 0.0), self.fragmentation_threshold,
+            summary.get("num_alloc_retries", 0.0),
+            summary.get("max_fragmentation", 0.0),
+            self.fragmentation_threshold,
             preallocating=any(isinstance(cb, CachePreallocator) for cb in trainer.callbacks),
             expandable=expandable_segments_on(),
         )

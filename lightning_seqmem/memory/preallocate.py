@@ -21,13 +21,22 @@ from typing_extensions import override
 from lightning_seqmem.batch import PAD_KEYS, Layout, default_layout
 from lightning_seqmem.memory import stats
 from lightning_seqmem.memory.model_facts import model_facts
-from lightning_seqmem.memory.optimizer_state import (gradient_standins, state_standins, step_temporaries,
-                                                      trained_parameters)
+from lightning_seqmem.memory.optimizer_state import (
+    gradient_standins,
+    state_standins,
+    step_temporaries,
+    trained_parameters,
+)
 from lightning_seqmem.memory.untouched import untouched
 from lightning_seqmem.memory.worst_batch import check_layout, make_dummy_batch
 from lightning_seqmem.messages import short_repr
-from lightning_seqmem.protocols import (GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape, GivesWorstBatchLayout,
-                                        find_pad_token_id)
+from lightning_seqmem.protocols import (
+    GivesBatchKeys,
+    GivesMaxBatchShape,
+    GivesWarmupShape,
+    GivesWorstBatchLayout,
+    find_pad_token_id,
+)
 
 __all__ = ["CachePreallocator", "PreallocationOOMError", "PreallocationReport"]
 
@@ -56,16 +65,24 @@ class PreallocationReport:
 
     def summary(self) -> str:
         shapes = ", ".join(f"{r}x{l}" for r, l in self.shapes)
-        state = ("optimizer state not reserved (unknown optimizer)" if self.optimizer_state is None
-                 else f"optimizer state {stats.format_bytes(self.optimizer_state)}")
+        state = (
+            "optimizer state not reserved (unknown optimizer)"
+            if self.optimizer_state is None
+            else f"optimizer state {stats.format_bytes(self.optimizer_state)}"
+        )
         if self.device.startswith("cuda"):
-            sizes = (f"peak allocated {stats.format_bytes(self.peak_allocated)}, "
-                     f"reserved {stats.format_bytes(self.reserved)}")
+            sizes = (
+                f"peak allocated {stats.format_bytes(self.peak_allocated)}, "
+                f"reserved {stats.format_bytes(self.reserved)}"
+            )
         else:
-            sizes = (f"RSS {stats.format_bytes(self.rss_before)} before, "
-                     f"process peak {stats.format_bytes(self.peak_rss)}")
-        return (f"CachePreallocator: worst-case batch {shapes} (rows x length; {', '.join(self.keys)}) fits on "
-                f"{self.device} with {state}: {sizes} ({self.seconds:.1f}s).")
+            sizes = (
+                f"RSS {stats.format_bytes(self.rss_before)} before, process peak {stats.format_bytes(self.peak_rss)}"
+            )
+        return (
+            f"CachePreallocator: worst-case batch {shapes} (rows x length; {', '.join(self.keys)}) fits on "
+            f"{self.device} with {state}: {sizes} ({self.seconds:.1f}s)."
+        )
 
 
 # CUDA queries live in small functions so tests can simulate a GPU on CPU.
@@ -207,12 +224,15 @@ class CachePreallocator(Callback):
         else:
             base = tuple(int(x) for x in trainer.datamodule.max_batch_shape())
         # A callback that reshapes batches (SeqLengthWarmup) knows the run's worst case, full length included.
-        shapes = [tuple(int(x) for x in cb.max_warmup_shape(*base)) for cb in trainer.callbacks
-                  if cb is not self and isinstance(cb, GivesWarmupShape)] or [base]
+        shapes = [
+            tuple(int(x) for x in cb.max_warmup_shape(*base))
+            for cb in trainer.callbacks
+            if cb is not self and isinstance(cb, GivesWarmupShape)
+        ] or [base]
         # A shape no larger in both rows and length than another needs no pass of its own.
-        shapes = list(dict.fromkeys(
-            s for s in shapes if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in shapes)
-        ))
+        shapes = list(
+            dict.fromkeys(s for s in shapes if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in shapes))
+        )
         return sorted(shapes, key=lambda s: (s[0] * s[1], s[1]), reverse=True)
 
     def _batch_keys(self, trainer: Trainer) -> tuple[str, ...]:
@@ -233,8 +253,12 @@ class CachePreallocator(Callback):
         if self._skip_reason:
             return
         shapes = self.worst_case_shapes(trainer)
-        self.report = PreallocationReport(shapes=shapes, keys=self._batch_keys(trainer), device=str(pl_module.device),
-                                          layouts=[self.worst_case_layout(trainer, s) for s in shapes])
+        self.report = PreallocationReport(
+            shapes=shapes,
+            keys=self._batch_keys(trainer),
+            device=str(pl_module.device),
+            layouts=[self.worst_case_layout(trainer, s) for s in shapes],
+        )
         self._predicted = self._predicted_shortfall(trainer, pl_module)
         if self._predicted:
             rank_zero_warn(f"CachePreallocator: {self._predicted}")
@@ -254,8 +278,14 @@ class CachePreallocator(Callback):
         try:
             free, _ = _cuda_mem_get_info(pl_module.device)
             available = free + _cuda_allocated(pl_module.device)  # weights already there are part of the estimate
-            return shortfall_message(shape=self.report.shapes[0], keys=self.report.keys, available=available,
-                                     precision=str(trainer.precision), shards=_shards(trainer), **facts)
+            return shortfall_message(
+                shape=self.report.shapes[0],
+                keys=self.report.keys,
+                available=available,
+                precision=str(trainer.precision),
+                shards=_shards(trainer),
+                **facts,
+            )
         except Exception as error:  # an estimate we cannot make must never stop the run
             rank_zero_info(f"CachePreallocator: no memory estimate ({type(error).__name__}: {str(error)[:200]}).")
             return None
@@ -286,8 +316,9 @@ class CachePreallocator(Callback):
         failure: tuple[tuple[int, int], str] | None = None
         with untouched(pl_module, wrapper), torch.profiler.record_function("CachePreallocator"):
             state = [state_standins(optimizer) for optimizer in optimizers]  # held for the whole pass
-            report.optimizer_state = (None if any(s is None for s in state) else
-                                      sum(t.numel() * t.element_size() for s in state for t in s))
+            report.optimizer_state = (
+                None if any(s is None for s in state) else sum(t.numel() * t.element_size() for s in state for t in s)
+            )
             for shape, layout in zip(report.shapes, report.layouts):
                 batch = make_dummy_batch(*shape, report.keys, vocab_size, device, layout=layout, pad_token_id=pad)
                 try:
@@ -307,9 +338,14 @@ class CachePreallocator(Callback):
             report.peak_rss = stats.peak_rss_bytes()
 
     @staticmethod
-    def _step(trainer: Trainer, pl_module: LightningModule, batch: dict[str, torch.Tensor],
-              params: list[torch.Tensor], optimizers: list[torch.optim.Optimizer],
-              wrapper: torch.nn.Module | None) -> None:
+    def _step(
+        trainer: Trainer,
+        pl_module: LightningModule,
+        batch: dict[str, torch.Tensor],
+        params: list[torch.Tensor],
+        optimizers: list[torch.optim.Optimizer],
+        wrapper: torch.nn.Module | None,
+    ) -> None:
         """One step in the order of Lightning's automatic optimization: forward with the previous step's gradients
         alive, zero_grad (not under gradient accumulation), backward, the optimizer step's temporaries."""
         grads = gradient_standins(params)

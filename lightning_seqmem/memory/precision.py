@@ -8,8 +8,15 @@ from typing import Any
 import torch
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-_ALIASES = {"32": "32-true", 32: "32-true", "64": "64-true", 64: "64-true", "bf16": "bf16-mixed",
-            "16": "16-mixed", 16: "16-mixed"}
+_ALIASES = {
+    "32": "32-true",
+    32: "32-true",
+    "64": "64-true",
+    64: "64-true",
+    "bf16": "bf16-mixed",
+    "16": "16-mixed",
+    16: "16-mixed",
+}
 
 
 def normalize_precision(precision: Any) -> str:
@@ -26,7 +33,8 @@ def normalize_precision(precision: Any) -> str:
 def parameter_dtype(precision: str) -> torch.dtype:
     """The dtype the weights (and so gradients and AdamW state) are kept in under ``precision``."""
     return {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}.get(
-        normalize_precision(precision), torch.float32)
+        normalize_precision(precision), torch.float32
+    )
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
@@ -39,5 +47,8 @@ def closed_form_state_bytes(num_parameters: int, num_tensors: int, precision: st
     (4 + 4 + 8 in fp32 and in the mixed precisions, whose weights stay fp32; 2 + 2 + 4 in bf16/16-true), plus
     AdamW's fp32 step counter, one per parameter tensor."""
     size = torch.empty((), dtype=parameter_dtype(precision)).element_size()
-    return {"parameters": size * num_parameters, "gradients": size * num_parameters,
-            "optimizer_state": 2 * size * num_parameters + 4 * num_tensors}
+    return {
+        "parameters": size * num_parameters,
+        "gradients": size * num_parameters,
+        "optimizer_state": 2 * size * num_parameters + 4 * num_tensors,
+    }

@@ -142,8 +142,13 @@ def oom_message(
     return "\n".join(lines)
 
 
-def memory_advice(num_alloc_retries: float, peak_fragmentation: float, threshold: float,
-                  preallocating: bool = False, expandable: bool = False) -> str | None:
+def memory_advice(
+    num_alloc_retries: float,
+    peak_fragmentation: float,
+    threshold: float,
+    preallocating: bool = False,
+    expandable: bool = False,
+) -> str | None:
     """A warning with the fixes not yet in place when allocator retries or fragmentation are high; ``None`` when all
     is well. ``preallocating``/``expandable``: the run already has ``CachePreallocator`` / expandable segments."""
     problems = []
@@ -153,13 +158,19 @@ def memory_advice(num_alloc_retries: float, peak_fragmentation: float, threshold
             "satisfy a request: slow, and one step from OOM)"
         )
     if peak_fragmentation > threshold:
-        problems.append(f"fragmentation {peak_fragmentation:.0%} (> {threshold:.0%}) of reserved memory stranded in "
-                        "split blocks")
+        problems.append(
+            f"fragmentation {peak_fragmentation:.0%} (> {threshold:.0%}) of reserved memory stranded in split blocks"
+        )
     if not problems:
         return None
-    fixes = [] if expandable else [
-        "enable expandable segments (lightning_seqmem.memory.allocator.configure_allocator() before importing "
-        "torch, or PYTORCH_ALLOC_CONF=expandable_segments:True)"]
+    fixes = (
+        []
+        if expandable
+        else [
+            "enable expandable segments (lightning_seqmem.memory.allocator.configure_allocator() before importing "
+            "torch, or PYTORCH_ALLOC_CONF=expandable_segments:True)"
+        ]
+    )
     if not preallocating:
         fixes.append("add CachePreallocator so the largest batch is reserved first")
     fixes.append("keep shapes steady (strategy='truncate', or pack with a fixed max_length)")

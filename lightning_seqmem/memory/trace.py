@@ -262,8 +262,9 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def build_model(model_config, attn_implementation: str = "sdpa", precision: str = "32-true",
-                gradient_checkpointing: bool = False):
+def build_model(
+    model_config, attn_implementation: str = "sdpa", precision: str = "32-true", gradient_checkpointing: bool = False
+):
     """A Hugging Face causal LM from a ``transformers`` config in train mode, the way the tracer and the measured
     step (:mod:`~lightning_seqmem.memory.measured`) build it: weights in ``precision``'s dtype, attention as
     :func:`traced_attention` runs it. Built on the current device (or in the current ``FakeTensorMode``)."""
@@ -279,8 +280,9 @@ def build_model(model_config, attn_implementation: str = "sdpa", precision: str 
     return model
 
 
-def build_fake_model(model_config, attn_implementation: str = "sdpa", precision: str = "32-true",
-                     gradient_checkpointing: bool = False):
+def build_fake_model(
+    model_config, attn_implementation: str = "sdpa", precision: str = "32-true", gradient_checkpointing: bool = False
+):
     """:func:`build_model` in a fresh ``FakeTensorMode``. Returns ``(mode, model)``; nothing is allocated for real."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -298,8 +300,11 @@ def build_fake_model(model_config, attn_implementation: str = "sdpa", precision:
 @contextlib.contextmanager
 def trace_errors(model_config):
     """Turn fake-tensor failures into a :class:`TraceError` that names the op (never a silent wrong number)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-    from torch._subclasses.fake_tensor import UnsupportedOperatorException
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
 
     name = getattr(model_config, "model_type", type(model_config).__name__)
     try:

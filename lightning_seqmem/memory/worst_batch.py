@@ -79,13 +79,13 @@ def make_dummy_batch(
     for i, row in enumerate(layout):
         start = 0
         for n in row:
-            sequence[i, start:start + n] = count
+            sequence[i, start : start + n] = count
             start, count = start + n, count + 1
         start = 0
         for n in (*row, length - sum(row)):  # the documents, then the padding segment (maybe empty)
             if n == 0:
                 continue
-            positions[i, start:start + n] = torch.arange(n)
+            positions[i, start : start + n] = torch.arange(n)
             start += n
         ends = torch.tensor(row).cumsum(0)
         real[i, : int(ends[-1])] = True

@@ -113,9 +113,16 @@ def call_varlen_kernel(query, key, value, cu_seqlens, max_length, scale=None):
     return kernel(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length, **kwargs)
 
 
-def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, scaling: float | None = None,
-                             dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: ``[batch, heads, seq, dim]`` in, ``[batch, seq, heads, dim]`` out.
 
     Segments: ``cu_seq_lens_q``/``max_length_q`` when given (over the flattened ``[batch * seq]`` rows), else from
@@ -125,8 +132,10 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if reason:
         raise RuntimeError(f"attn_implementation={TORCH_VARLEN!r}: {reason}. Use 'sdpa' or 'auto'.")
     if attention_mask is not None:
-        raise ValueError(f"attn_implementation={TORCH_VARLEN!r} takes no attention mask: pass the varlen "
-                         "arguments (lightning_seqmem.training.varlen.flash_varlen_kwargs) to keep sequences apart.")
+        raise ValueError(
+            f"attn_implementation={TORCH_VARLEN!r} takes no attention mask: pass the varlen "
+            "arguments (lightning_seqmem.training.varlen.flash_varlen_kwargs) to keep sequences apart."
+        )
     if dropout and module.training:
         raise ValueError(f"attn_implementation={TORCH_VARLEN!r} has no attention dropout; set it to 0.")
     if getattr(module, "sliding_window", None):

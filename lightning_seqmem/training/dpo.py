@@ -44,8 +44,7 @@ class DPO(CausalLM):
         Trainer(max_steps=20).fit(DPO(beta=0.1), datamodule=dm)
     """
 
-    def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0, reference: str = "copy",
-                 **kwargs: Any) -> None:
+    def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0, reference: str = "copy", **kwargs: Any) -> None:
         check_choice("reference", reference, REFERENCES)
         dpo_loss(*torch.zeros(4, 1), beta=beta, label_smoothing=label_smoothing)  # the loss checks its arguments
         kwargs["loss_normalization"] = "micro_batch"
@@ -72,8 +71,10 @@ class DPO(CausalLM):
         if all(key in batch for key in REF_LOGPS_KEYS):
             return tuple(batch[key].to(torch.float64) for key in REF_LOGPS_KEYS)
         if self.reference_model is None:
-            raise ValueError(f"reference='precomputed' but the batch has no {list(REF_LOGPS_KEYS)}: add those "
-                             "columns to the dataset, or use reference='copy'.")
+            raise ValueError(
+                f"reference='precomputed' but the batch has no {list(REF_LOGPS_KEYS)}: add those "
+                "columns to the dataset, or use reference='copy'."
+            )
         # Eval mode for its forward only (no dropout): left in the module's mode otherwise, so Lightning does not
         # report modules in eval mode at the start of every fit.
         reference, mode = self.reference_model, self.reference_model.training
@@ -86,11 +87,18 @@ class DPO(CausalLM):
     def pair_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The mean DPO loss over the batch's pairs and the values to log (reward margin and accuracy)."""
         chosen, rejected = sequence_logps(self._logits(self.model, batch), batch)
-        out = dpo_loss(chosen, rejected, *self.reference_logps(batch), beta=self.hparams.beta,
-                       label_smoothing=self.hparams.label_smoothing)
+        out = dpo_loss(
+            chosen,
+            rejected,
+            *self.reference_logps(batch),
+            beta=self.hparams.beta,
+            label_smoothing=self.hparams.label_smoothing,
+        )
         margin = out.chosen_rewards - out.rejected_rewards
-        return out.losses.mean().float(), {"reward_margin": margin.mean().float(),
-                                           "reward_accuracy": (margin > 0).float().mean()}
+        return out.losses.mean().float(), {
+            "reward_margin": margin.mean().float(),
+            "reward_accuracy": (margin > 0).float().mean(),
+        }
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -159,8 +159,10 @@ class TokenLossNormalizer:
             counts = torch.cat([counts, self.loss_sum.to(torch.float64).reshape(1)])
         counts = reduce_sum(counts.clone())
         tokens = counts[0]
-        scale_gradients_([p.grad for p in parameters if p.grad is not None],
-                         rescale_factor(self.scale, accumulate_grad_batches, world_size, tokens))
+        scale_gradients_(
+            [p.grad for p in parameters if p.grad is not None],
+            rescale_factor(self.scale, accumulate_grad_batches, world_size, tokens),
+        )
         loss = (counts[1] / tokens.clamp(min=1)).float() if self.loss_sum is not None else None
         self.reset()
         return loss
@@ -170,7 +172,9 @@ class TokenLossNormalizer:
         and strategy."""
         trainer = pl_module.trainer
         return self.rescale_gradients_(
-            pl_module.parameters(), int(trainer.accumulate_grad_batches), int(trainer.world_size),
+            pl_module.parameters(),
+            int(trainer.accumulate_grad_batches),
+            int(trainer.world_size),
             lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
         )
 

@@ -18,12 +18,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_seqmem.training.attention import AUTO, register_varlen_attention, resolve_attn_implementation
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
-from lightning_seqmem.training.loss import TokenLossNormalizer
 from lightning_seqmem.messages import short_repr
-from lightning_seqmem.training.metrics import TokenEfficiency
 from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
+from lightning_seqmem.training.attention import AUTO, register_varlen_attention, resolve_attn_implementation
+from lightning_seqmem.training.loss import TokenLossNormalizer
+from lightning_seqmem.training.metrics import TokenEfficiency
 from lightning_seqmem.training.varlen import TORCH_VARLEN, batch_varlen_kwargs, is_flash_attention
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
@@ -31,11 +31,27 @@ LOSS_NORMALIZATIONS = ("token", "micro_batch")
 
 # Named model configs built with random weights (no download). A few million parameters each.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny_llama": dict(model_type="llama", hidden_size=192, intermediate_size=512, num_hidden_layers=4,
-                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
-                       tie_word_embeddings=True, rms_norm_eps=1e-5),
-    "tiny_gpt2": dict(model_type="gpt2", n_embd=192, n_layer=4, n_head=6, n_positions=4096,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "tiny_llama": dict(
+        model_type="llama",
+        hidden_size=192,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    ),
+    "tiny_gpt2": dict(
+        model_type="gpt2",
+        n_embd=192,
+        n_layer=4,
+        n_head=6,
+        n_positions=4096,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
 }
 
 
@@ -208,8 +224,10 @@ class CausalLM(LightningModule):
             return
         own = self.hparams.pad_token_id
         if own is not None and own != data_pad:
-            rank_zero_warn(f"CausalLM was given pad_token_id={own} but the DataModule pads with {data_pad}; using "
-                           f"{data_pad}. The pad id belongs to the data: give it there (data.pad_token_id) only.")
+            rank_zero_warn(
+                f"CausalLM was given pad_token_id={own} but the DataModule pads with {data_pad}; using "
+                f"{data_pad}. The pad id belongs to the data: give it there (data.pad_token_id) only."
+            )
         self.hparams.pad_token_id = data_pad
 
     def _check_positions(self, dm: Any) -> None:
@@ -337,24 +355,33 @@ class CausalLM(LightningModule):
                 (no_decay if name in names else decay).append(p)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate, betas=tuple(hp.betas),
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
         )
         total = self.trainer.estimated_stepping_batches
         total = int(total) if math.isfinite(total) else 10_000
         warmup = int(hp.warmup_ratio * total)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda s: lr_factor(s, warmup, total,
-                                                                                            hp.min_lr_ratio))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda=lambda s: lr_factor(s, warmup, total, hp.min_lr_ratio)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     @override
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
         """Clip as the Trainer asks. Under FSDP, norm clipping goes through FSDP's own ``clip_grad_norm_`` (the norm
         of the whole gradient, over every rank's shards), which Lightning's FSDP precision plugin does not do."""
         from lightning.pytorch.strategies import FSDPStrategy
 
-        if (gradient_clip_val and isinstance(self.trainer.strategy, FSDPStrategy)
-                and gradient_clip_algorithm in (None, "norm")):
+        if (
+            gradient_clip_val
+            and isinstance(self.trainer.strategy, FSDPStrategy)
+            and gradient_clip_algorithm in (None, "norm")
+        ):
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
@@ -380,8 +407,9 @@ def has_learned_positions(model: torch.nn.Module, limit: int) -> bool:
     """Whether the model looks positions up in a table of ``limit`` rows (GPT-2's ``wpe``): a longer row is an
     IndexError, not just an untrained position."""
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return any(isinstance(m, torch.nn.Embedding) and m is not inputs and m.num_embeddings == limit
-               for m in model.modules())
+    return any(
+        isinstance(m, torch.nn.Embedding) and m is not inputs and m.num_embeddings == limit for m in model.modules()
+    )
 
 
 def datamodule_max_length(dm: Any) -> int | None:

@@ -50,8 +50,9 @@ def sequence_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tupl
         index = batch[SEQUENCE_INDEX]
         sequences = int(index.max()) + 1
         # Padding (-1) lands on sequence 0 with a zero weight: its slots are masked above.
-        sums = per_token.new_zeros(sequences).index_add_(0, index[:, 1:].clamp(min=0).reshape(-1),
-                                                         per_token.reshape(-1))
+        sums = per_token.new_zeros(sequences).index_add_(
+            0, index[:, 1:].clamp(min=0).reshape(-1), per_token.reshape(-1)
+        )
     if sums.numel() % 2:
         raise ValueError(f"{sums.numel()} sequences in a pair batch: expected chosen and rejected for every pair.")
     chosen, rejected = sums.chunk(2)
@@ -66,8 +67,14 @@ class DPOLoss(NamedTuple):
     rejected_rewards: torch.Tensor
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float = 0.1, label_smoothing: float = 0.0) -> DPOLoss:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> DPOLoss:
     """The sigmoid DPO loss: ``-log σ(β ((π_c - ref_c) - (π_r - ref_r)))`` per pair (TRL's ``loss_type="sigmoid"``).
 
     Args:

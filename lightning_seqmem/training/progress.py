@@ -50,8 +50,9 @@ class StepProgressBar(TQDMProgressBar):
         self.train_progress_bar.set_description(f"Training (epoch {trainer.current_epoch})")
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         bar = self.train_progress_bar
         step = trainer.global_step
         if bar is not None and step != bar.n and self._should_update(step, bar.total):

@@ -43,7 +43,8 @@ def is_flash_attention(attn_implementation: str | None) -> bool:
     (``flash_attention_2``/``_3``/``_4``, a hub kernel such as ``"kernels-community/flash-attn2"``, or
     ``torch_varlen``, torch's own)."""
     return isinstance(attn_implementation, str) and (
-        "flash" in attn_implementation.lower() or attn_implementation == TORCH_VARLEN)
+        "flash" in attn_implementation.lower() or attn_implementation == TORCH_VARLEN
+    )
 
 
 def segment_starts(position_ids: torch.Tensor) -> torch.Tensor:

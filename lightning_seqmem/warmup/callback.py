@@ -90,8 +90,9 @@ class SeqLengthWarmup(Callback):
                 "preserve_end_of_sequence=True only applies to truncate=True (reshape keeps every token); "
                 "set truncate=True or preserve_end_of_sequence=False."
             )
-        if total_tokens is not None and (isinstance(total_tokens, bool) or not isinstance(total_tokens, int)
-                                         or total_tokens < 1):
+        if total_tokens is not None and (
+            isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 1
+        ):
             raise ValueError(f"total_tokens must be a positive int (a token budget) or None, got {total_tokens!r}.")
         if step_size % 8:
             rank_zero_warn(
@@ -121,8 +122,16 @@ class SeqLengthWarmup(Callback):
 
     def seq_length(self, progress: int, total: int) -> int:
         """The schedule of this callback: sequence length after ``progress`` of ``total`` steps (or tokens)."""
-        return seq_length_at(progress, total, self.duration, self.min_seq_length, self.max_seq_length,
-                             self.step_size, self.curve, self.root_degree)
+        return seq_length_at(
+            progress,
+            total,
+            self.duration,
+            self.min_seq_length,
+            self.max_seq_length,
+            self.step_size,
+            self.curve,
+            self.root_degree,
+        )
 
     def batch_shapes(self, rows: int, length: int) -> list[tuple[int, int]]:
         """Every ``(rows, seq)`` shape a ``[rows, length]`` training batch can take under this warmup, shortest first.
@@ -132,8 +141,11 @@ class SeqLengthWarmup(Callback):
             SeqLengthWarmup(min_seq_length=8, max_seq_length=32, truncate=False).batch_shapes(4, 32)
             # [(16, 8), (8, 16), (5, 24), (4, 32)]
         """
-        lengths = [self.max_seq_length] if self.duration == 0 else warmup_lengths(
-            self.min_seq_length, self.max_seq_length, self.step_size)
+        lengths = (
+            [self.max_seq_length]
+            if self.duration == 0
+            else warmup_lengths(self.min_seq_length, self.max_seq_length, self.step_size)
+        )
         shapes = [reshaped_batch_shape(rows, length, curr, self.truncate) for curr in lengths]
         return list(dict.fromkeys(shapes))
 
@@ -194,8 +206,11 @@ class SeqLengthWarmup(Callback):
         self._warn_long_batch(batch)
         # The same dict object goes on to training_step, so the in-place change is what the model sees.
         set_batch_sequence_length(batch, seq_len, self.truncate, self.preserve_end_of_sequence, self._pad_token_id)
-        first = batch["input_ids"] if "input_ids" in batch else next(
-            v for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim == 2)
+        first = (
+            batch["input_ids"]
+            if "input_ids" in batch
+            else next(v for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim == 2)
+        )
         self._rows = first.shape[0]
         tokens = count_real_tokens(batch, self._pad_token_id)
         self._pending = tokens if self._pending is None else self._pending + tokens
@@ -215,8 +230,13 @@ class SeqLengthWarmup(Callback):
         # One small all-reduce per optimizer step keeps the count (and a token-budget schedule) equal on all ranks.
         total = trainer.strategy.reduce(pending.to(torch.long), reduce_op="sum")
         self._tokens_seen += int(total.item())
-        pl_module.log(f"{_PREFIX}/tokens_seen", float(self._tokens_seen), on_step=True, on_epoch=False,
-                      batch_size=max(self._rows, 1))
+        pl_module.log(
+            f"{_PREFIX}/tokens_seen",
+            float(self._tokens_seen),
+            on_step=True,
+            on_epoch=False,
+            batch_size=max(self._rows, 1),
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -24,13 +24,15 @@ import torch
 from lightning_seqmem.batch import COMPLETION_MASK, CU_SEQLENS, IGNORE_INDEX, SEQUENCE_INDEX
 from lightning_seqmem.training.varlen import cu_seqlens
 
+
 def is_pair_batch(batch: MutableMapping[str, torch.Tensor]) -> bool:
     """Whether ``batch`` is a preference pair batch (padded or packed)."""
     return COMPLETION_MASK in batch
 
 
-def truncate_pairs(batch: MutableMapping[str, torch.Tensor], curr_seq_len: int, truncate: bool = True,
-                   pad_token_id: int | None = None) -> MutableMapping[str, torch.Tensor]:
+def truncate_pairs(
+    batch: MutableMapping[str, torch.Tensor], curr_seq_len: int, truncate: bool = True, pad_token_id: int | None = None
+) -> MutableMapping[str, torch.Tensor]:
     """Cut every sequence of a pair batch to ``curr_seq_len`` tokens, in place (see the module docstring).
 
     Args:
@@ -47,8 +49,10 @@ def truncate_pairs(batch: MutableMapping[str, torch.Tensor], curr_seq_len: int, 
         set_batch_sequence_length(packed_pairs, 16)  # every sequence keeps its first 16 tokens, pairs intact
     """
     if not truncate:
-        raise ValueError("Sequence-length warmup with truncate=False reshapes rows into more rows, which would "
-                         "separate the chosen and rejected sequences of preference pairs; use truncate=True.")
+        raise ValueError(
+            "Sequence-length warmup with truncate=False reshapes rows into more rows, which would "
+            "separate the chosen and rejected sequences of preference pairs; use truncate=True."
+        )
     if SEQUENCE_INDEX not in batch:
         if batch["input_ids"].shape[1] > curr_seq_len:
             for key, value in list(batch.items()):

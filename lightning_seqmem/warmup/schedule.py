@@ -37,8 +37,12 @@ def check_schedule_args(
 
         check_schedule_args(0.3, 8, 1024, 8)  # fine
     """
-    for name, value in (("min_seq_length", min_seq_length), ("max_seq_length", max_seq_length),
-                        ("step_size", step_size), ("root_degree", root_degree)):
+    for name, value in (
+        ("min_seq_length", min_seq_length),
+        ("max_seq_length", max_seq_length),
+        ("step_size", step_size),
+        ("root_degree", root_degree),
+    ):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r}.")
     if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not 0.0 <= duration <= 1.0:

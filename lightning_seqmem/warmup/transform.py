@@ -243,4 +243,3 @@ def _fix_cu_seqlens(batch: MutableMapping[str, torch.Tensor]) -> None:
 
 def _first_2d(batch: MutableMapping[str, torch.Tensor]) -> torch.Tensor:
     return next(v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != CU_SEQLENS)
-
