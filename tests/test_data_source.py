@@ -125,3 +125,24 @@ def test_select_rows_is_select_without_python_lists(form):
     assert select_rows(ds, rows[:5], "test")._fingerprint != got._fingerprint
     with pytest.raises(IndexError, match=r"\[0, 60\)"):
         select_rows(ds, np.array([3, 60]), "test")
+
+
+def test_pandas_data_frame_is_a_dataset():
+    """A DataFrame reaches neither Lightning's save_hyperparameters (its elementwise ``==`` raised "Unable to coerce
+    to Series") nor a TypeError: its columns are the dataset's, as from a list of rows."""
+    import pandas as pd
+
+    from lightning_seqmem import SeqMemDataModule
+
+    texts = [f"document number {i} with some words" for i in range(40)]
+    frame = pd.DataFrame({"text": texts}, index=range(100, 140))
+    dm = SeqMemDataModule(dataset=frame, max_length=32, micro_batch_size=4)
+    assert "dataset" not in dm.hparams and "tokenizer" not in dm.hparams
+    assert load_text_dataset(frame)["train"].column_names == ["text"]  # the index is not a column
+    dm.setup("fit")
+    same = SeqMemDataModule(dataset=texts, max_length=32, micro_batch_size=4)
+    same.setup("fit")
+    assert dm.stats() == same.stats()
+    assert next(iter(dm.train_dataloader()))["input_ids"].tolist() == (
+        next(iter(same.train_dataloader()))["input_ids"].tolist()
+    )

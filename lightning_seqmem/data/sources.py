@@ -2,7 +2,7 @@
 
 Accepted datasets: ``"builtin"`` (the standard-library corpus), ``"builtin_chat"`` (the same as conversations),
 ``"builtin_preference"`` (its documents as preference pairs, ``data.preference_corpus``), a
-``datasets.Dataset``/``DatasetDict``, a directory saved with ``save_to_disk``, local
+``datasets.Dataset``/``DatasetDict``, a ``pandas.DataFrame`` (its columns), a directory saved with ``save_to_disk``, local
 ``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
 a glob or a list), a hub name (loaded with ``datasets.load_dataset``; only when the user asks for it), or the
 data itself: a list of strings (documents), of dicts (rows) or of conversations (lists of ``{"role", "content"}``
@@ -111,6 +111,11 @@ def _dataset_from_items(items: Sequence[Any]):
     return datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": items}))
 
 
+def _is_data_frame(dataset: Any) -> bool:
+    """Whether ``dataset`` is a ``pandas.DataFrame`` (pandas imported only when the user passed one)."""
+    return type(dataset).__name__ == "DataFrame" and type(dataset).__module__.startswith("pandas")
+
+
 def load_text_dataset(dataset: Any = "builtin"):
     """Resolve ``dataset`` to a ``DatasetDict`` with (at least) a non-empty ``train`` split.
 
@@ -153,6 +158,8 @@ def load_text_dataset(dataset: Any = "builtin"):
             "No dataset given (dataset=None): pass 'builtin', a path, a glob, a list of documents, "
             "a datasets.Dataset or a hub name (seqmem-train: data.dataset=<path or name>)."
         )
+    elif _is_data_frame(dataset):
+        dsd = datasets.DatasetDict(train=datasets.Dataset.from_pandas(dataset, preserve_index=False))
     elif isinstance(dataset, (str, os.PathLike)):
         dsd = _load_path_or_name(dataset)
     elif isinstance(dataset, Sequence):  # list, tuple, OmegaConf ListConfig
@@ -161,7 +168,7 @@ def load_text_dataset(dataset: Any = "builtin"):
             dsd = _load_path_or_name([os.fspath(x) for x in dataset])
     else:
         raise TypeError(
-            f"dataset must be 'builtin', a datasets.Dataset/DatasetDict, a path, a list of files, documents or "
+            f"dataset must be 'builtin', a datasets.Dataset/DatasetDict, a pandas.DataFrame, a path, a list of files, documents or "
             f"rows, or a hub name; got {type(dataset).__name__}."
         )
     if "train" not in dsd:

@@ -44,7 +44,8 @@ class SeqMemDataModule(LightningDataModule):
 
     Args:
         dataset: ``"builtin"`` (the standard-library corpus), ``"builtin_chat"`` (it as conversations),
-            ``"builtin_preference"`` (it as preference pairs), a ``datasets.Dataset``/``DatasetDict``, local
+            ``"builtin_preference"`` (it as preference pairs), a ``datasets.Dataset``/``DatasetDict``, a
+            ``pandas.DataFrame``, local
             json/jsonl/parquet/txt/csv files (path, glob or list), a ``save_to_disk`` directory, a hub name, or a
             Python list of documents, rows or conversations. A ``text`` column, ``prompt`` and ``completion``
             columns, a ``messages`` column of conversations, or preference pairs (``prompt``, ``chosen``,
@@ -169,7 +170,10 @@ class SeqMemDataModule(LightningDataModule):
                 **vars(self.settings.data),
                 **vars(self.settings.conversation),
                 eval_strategy=b.strategy_for("validation"),
-            )
+            ),
+            # Lightning compares the saved dict with every __init__ argument (``==``) to name it; a DataFrame's
+            # ``==`` is elementwise and raises. The data and the tokenizer are never hyperparameters.
+            ignore=["dataset", "tokenizer"],
         )
         self.dataset = dataset
         self.streaming, self._streams = False, None
