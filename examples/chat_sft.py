@@ -24,7 +24,8 @@ configure_allocator()  # before torch is imported
 
 import lightning.pytorch as L  # noqa: E402
 
-from lightning_seqmem import CausalLM, RunSummary, SeqMemDataModule  # noqa: E402
+from lightning_seqmem import CausalLM, SeqMemDataModule  # noqa: E402
+from lightning_seqmem.apps.summary import RunSummary  # noqa: E402
 from lightning_seqmem.data.tokenizer import load_tokenizer  # noqa: E402
 
 COLOURS = ["red", "green", "blue", "yellow", "black", "white"]

@@ -24,7 +24,8 @@ configure_allocator()  # before torch is imported
 
 import lightning.pytorch as L  # noqa: E402
 
-from lightning_seqmem import DPO, RunSummary, SeqMemDataModule  # noqa: E402
+from lightning_seqmem import DPO, SeqMemDataModule  # noqa: E402
+from lightning_seqmem.apps.summary import RunSummary  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

@@ -13,7 +13,8 @@ import lightning.pytorch as L  # noqa: E402
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from lightning_seqmem import RunSummary, SeqLengthWarmup, SeqMemDataModule  # noqa: E402
+from lightning_seqmem import SeqLengthWarmup, SeqMemDataModule  # noqa: E402
+from lightning_seqmem.apps.summary import RunSummary  # noqa: E402
 from lightning_seqmem.memory import CachePreallocator, MemoryMonitor  # noqa: E402
 
 

@@ -18,7 +18,8 @@ configure_allocator()  # before torch is imported
 
 import lightning.pytorch as L  # noqa: E402
 
-from lightning_seqmem import CausalLM, RunSummary, SeqMemDataModule  # noqa: E402
+from lightning_seqmem import CausalLM, SeqMemDataModule  # noqa: E402
+from lightning_seqmem.apps.summary import RunSummary  # noqa: E402
 
 
 def write_dataset(path: str, rows: int = 600, seed: int = 0) -> str:

@@ -20,7 +20,8 @@ configure_allocator()  # before torch is imported
 
 import lightning.pytorch as L  # noqa: E402
 
-from lightning_seqmem import CausalLM, RunSummary, SeqMemDataModule  # noqa: E402
+from lightning_seqmem import CausalLM, SeqMemDataModule  # noqa: E402
+from lightning_seqmem.apps.summary import RunSummary  # noqa: E402
 
 
 def write_files(directory: str, files: int = 4, documents: int = 2000, seed: int = 0) -> list[str]:

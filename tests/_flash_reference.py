@@ -156,7 +156,7 @@ def use_reference_torch_varlen(monkeypatch, form: str = "2.12") -> None:
     ``lightning_seqmem.training.attention`` run it on the CPU."""
     import torch.nn.attention.varlen as torch_varlen
 
-    from lightning_seqmem import attention
+    from lightning_seqmem.training import attention
 
     monkeypatch.setattr(torch_varlen, "varlen_attn", TORCH_VARLEN_FORMS[form])
     monkeypatch.setattr(attention, "_device_reason", lambda device: None)

@@ -3,7 +3,6 @@
 import torch
 import torch.nn.functional as F
 
-from lightning_seqmem import batch as contract
 from lightning_seqmem.batch import (
     IGNORE_INDEX,
     PACK_KEYS,
@@ -92,13 +91,3 @@ def test_token_efficiency_uses_the_same_counter():
         metric.update(batch)
     assert int(metric.real_tokens) == int(count_real_tokens(_pad_batch(), PAD) + count_real_tokens(_pack_batch(), PAD))
     assert torch.isclose(metric.compute(), torch.tensor((5 + 9) / (10 + 12)))
-
-
-def test_old_import_paths_are_the_same_objects():
-    import lightning_seqmem
-    from lightning_seqmem import collate
-    from lightning_seqmem.warmup import real_token_count
-
-    assert collate.IGNORE_INDEX is contract.IGNORE_INDEX == -100
-    assert collate.real_token_mask is lightning_seqmem.real_token_mask is contract.real_token_mask
-    assert real_token_count is lightning_seqmem.count_real_tokens is contract.count_real_tokens

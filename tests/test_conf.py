@@ -126,7 +126,7 @@ def test_user_class_from_the_command_line():
 
 
 def test_conf_ships_as_package():
-    from lightning_seqmem import train
+    from lightning_seqmem.apps import train
 
     assert os.path.exists(os.path.join(CONF_DIR, "__init__.py"))
     assert train.CONFIG_PATH == "pkg://lightning_seqmem.conf"

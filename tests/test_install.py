@@ -49,4 +49,4 @@ def test_package_import_is_torch_free_and_every_export_resolves():
         "print(len(ls.__all__))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
-    assert int(out) >= 20
+    assert int(out) >= 13  # which names: tests/test_structure.py

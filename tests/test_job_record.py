@@ -7,7 +7,8 @@ import pytest
 import torch
 from _recorder import Recorder
 
-from lightning_seqmem import JobRecord, SeqMemDataModule
+from lightning_seqmem import SeqMemDataModule
+from lightning_seqmem.apps.job_record import JobRecord
 
 
 class _LoggingRecorder(Recorder):

@@ -99,7 +99,7 @@ def test_seqmem_plan_chooses_the_trainer_seqmem_train_would(monkeypatch, capsys)
 
     import lightning.fabric.accelerators.cuda as cuda
 
-    from lightning_seqmem import plan_app
+    from lightning_seqmem.apps import plan_app
 
     monkeypatch.setattr(cuda, "num_cuda_devices", lambda: 1)
     monkeypatch.setattr(sys, "argv", ["seqmem-plan", "data=pad"])

@@ -7,7 +7,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from lightning_seqmem import SeqMemDataModule, plan_cache
+from lightning_seqmem import SeqMemDataModule
+from lightning_seqmem.batching import plan_cache
 from lightning_seqmem.batching.packed_rows import pack_lengths
 from lightning_seqmem.batching.plan_cache import PLAN_CACHE_MIN_DOCUMENTS, cached_pack_lengths
 

@@ -3,7 +3,8 @@
 import lightning.pytorch as L
 import pytest
 
-from lightning_seqmem import CachePreallocator, CausalLM, JobRecord, SeqLengthWarmup, SeqMemDataModule
+from lightning_seqmem import CachePreallocator, CausalLM, SeqLengthWarmup, SeqMemDataModule
+from lightning_seqmem.apps.job_record import JobRecord
 from lightning_seqmem.memory.checks import gather_facts
 from lightning_seqmem.protocols import (
     GivesBatchKeys,

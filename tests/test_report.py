@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from lightning_seqmem import report
+from lightning_seqmem.apps import report
 
 
 def make_job(root, name, overrides, rows, status="finished", error=None):

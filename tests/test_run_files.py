@@ -7,8 +7,10 @@ import lightning.pytorch as L
 import pytest
 import torch
 
-from lightning_seqmem import CausalLM, JobRecord, RunSummary
+from lightning_seqmem import CausalLM
 from lightning_seqmem.apps import run_files
+from lightning_seqmem.apps.job_record import JobRecord
+from lightning_seqmem.apps.summary import RunSummary
 from lightning_seqmem.apps.sweep_jobs import load_jobs
 from lightning_seqmem.apps.train import _write_status
 from lightning_seqmem.protocols import CountsTrainingTokens, DescribesBatching

@@ -22,6 +22,7 @@ LAYERS = {
     "data": 1,
     "batching": 2,
     "training": 2,
+    "kinds": 2.5,  # the data kinds: over data/ and batching/, under the DataModule and the apps
     "datamodule": 3,
     "memory": 3,
     "warmup": 3,
@@ -118,24 +119,135 @@ def test_no_module_hides_its_structure_in_length():
     assert not long, f"modules over 400 lines (split them by concern): {long}"
 
 
-@pytest.mark.parametrize(
-    "old, new",
-    [
-        ("lightning_seqmem.varlen", "lightning_seqmem.training.varlen"),
-        ("lightning_seqmem.plan", "lightning_seqmem.apps.planner"),
-        ("lightning_seqmem.packing", "lightning_seqmem.batching"),
-        ("lightning_seqmem.model", "lightning_seqmem.training.model"),
-    ],
-)
-def test_old_flat_paths_import_the_moved_module(old, new):
-    """Users' code written against the flat layout keeps working: the old path is the same module object."""
-    assert importlib.import_module(old) is importlib.import_module(new)
+# The flat layout's module paths (before the folders). They are gone, not forwarded: a 0.x package has no users'
+# code to keep working, and a forwarding import finder ran on every import.
+OLD_FLAT_MODULES = [
+    "arrow_stream",
+    "attention",
+    "bin_packing",
+    "cache",
+    "cli",
+    "collate",
+    "console",
+    "corpus",
+    "data_source",
+    "file_reads",
+    "final_validation",
+    "job_record",
+    "loss",
+    "metrics",
+    "model",
+    "packed_rows",
+    "packing",
+    "plan",
+    "plan_app",
+    "plan_cache",
+    "plots",
+    "progress",
+    "report",
+    "sampling",
+    "streaming_packer",
+    "strategies",
+    "summary",
+    "token_cache",
+    "tokenizer",
+    "tokens",
+    "train",
+    "truncation",
+    "varlen",
+]
+
+# What a user's own training script imports from the top; everything else is imported from its folder.
+TOP_LEVEL_EXPORTS = [
+    "CachePreallocator",
+    "CausalLM",
+    "ConfigChecks",
+    "DPO",
+    "FinalValidation",
+    "MemoryMonitor",
+    "SeqLengthWarmup",
+    "SeqMemDataModule",
+    "StepProgressBar",
+    "TokenLossNormalizer",
+    "configure_allocator",
+    "flash_varlen_kwargs",
+    "load_tokenizer",
+]
 
 
-def test_readme_examples_import():
-    from lightning_seqmem.model import build_model_config  # noqa: F401
-    from lightning_seqmem.packing import pack_sequences
-    from lightning_seqmem.plan import format_plan, plan  # noqa: F401
-    from lightning_seqmem.varlen import flash_varlen_kwargs  # noqa: F401
+@pytest.mark.parametrize("old", OLD_FLAT_MODULES)
+def test_old_flat_module_paths_do_not_import(old):
+    assert not (PACKAGE / f"{old}.py").exists() and not (PACKAGE / old).is_dir()
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"lightning_seqmem.{old}")
 
-    assert pack_sequences is lightning_seqmem.pack_sequences
+
+def test_no_import_finder_is_installed():
+    import sys
+
+    ours = [f for f in sys.meta_path if type(f).__module__.startswith("lightning_seqmem")]
+    assert not ours, f"import finders from the package: {ours}"
+
+
+def test_top_level_exports_are_what_users_import():
+    assert lightning_seqmem.__all__ == sorted(TOP_LEVEL_EXPORTS)
+    assert set(TOP_LEVEL_EXPORTS) <= set(dir(lightning_seqmem))
+    with pytest.raises(AttributeError, match="RunSummary"):
+        lightning_seqmem.RunSummary  # noqa: B018  (app internals are imported from lightning_seqmem.apps)
+
+
+def _packages() -> list[str]:
+    return sorted(_module_name(p) for p in PACKAGE.rglob("__init__.py") if "conf" not in p.relative_to(PACKAGE).parts)
+
+
+@pytest.mark.parametrize("package", _packages())
+def test_every_package_export_resolves_to_its_home(package):
+    """Each lazily exported name is the object defined in the module its line names (no stale line, no second
+    name for one object)."""
+    module = importlib.import_module(package)
+    exports = getattr(module, "_EXPORTS", {name: package for name in getattr(module, "__all__", [])})
+    folder = PACKAGE.parent.joinpath(*package.split("."))
+    for name, home in exports.items():
+        # importing the submodule would set the package attribute of that name to the module, hiding the export
+        assert not (folder / f"{name}.py").exists(), f"{package}.{name} is an export and a submodule"
+        value = getattr(module, name)
+        assert value is getattr(importlib.import_module(home), name)
+        if hasattr(value, "__module__") and hasattr(value, "__qualname__"):
+            assert value.__qualname__ == name, f"{package}.{name} is {value.__qualname__} (an alias)"
+
+
+def _readme_imports() -> list[str]:
+    """Every ``from lightning_seqmem... import ...`` statement in the Python blocks of the READMEs and docs."""
+    statements = []
+    docs = sorted((PACKAGE.parent / "docs").glob("*.md"))
+    for readme in [PACKAGE.parent / "README.md", *PACKAGE.rglob("README.md"), *docs]:
+        if not readme.exists():
+            continue
+        for block in readme.read_text().split("```python")[1:]:
+            statements += [
+                ast.unparse(node)
+                for node in ast.walk(_parse_lenient(block.split("```")[0]))
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_seqmem")
+            ]
+    return statements
+
+
+def _parse_lenient(code: str) -> ast.Module:
+    """Parse a README block; blocks with placeholder lines are parsed statement by statement."""
+    try:
+        return ast.parse(code)
+    except SyntaxError:
+        body = []
+        for chunk in code.split("\n\n"):
+            try:
+                body += ast.parse(chunk).body
+            except SyntaxError:
+                continue
+        return ast.Module(body=body, type_ignores=[])
+
+
+def test_readme_imports_resolve():
+    statements = _readme_imports()
+    assert statements, "the README shows no import of the package"
+    for statement in statements:
+        exec(statement, {})

@@ -204,7 +204,7 @@ def test_the_fast_encoder_gives_the_tokenizers_ids_and_steps_aside_when_it_might
 def test_two_writers_of_one_split_each_rename_their_own_file(tmp_path, tokenizer, monkeypatch):
     """Ranks that call setup without prepare_data tokenize the same split into the same directory at once: a writer
     that finishes second must still rename its (identical) file into place, and no temporary file is left."""
-    from lightning_seqmem import token_cache
+    from lightning_seqmem.data import token_cache
     from lightning_seqmem.data.arrow_stream import Shard
 
     ds = _file_dataset(tmp_path, [f"row {i} " + "alpha " * (i % 5) for i in range(40)])
@@ -237,7 +237,7 @@ def test_a_writer_killed_mid_file_leaves_nothing_after_the_next_run(tmp_path, to
     import multiprocessing as mp
     import signal
 
-    from lightning_seqmem import token_cache
+    from lightning_seqmem.data import token_cache
 
     dsd = datasets.DatasetDict({"train": _file_dataset(tmp_path, [f"row {i} " + "beta " * (i % 7) for i in range(60)])})
     cache = tmp_path / "cache"
@@ -362,7 +362,7 @@ def test_seqmem_cache_lists_entries_and_removes_the_old_ones(tmp_path, tokenizer
     import sys
     import time
 
-    from lightning_seqmem import cache as cache_app
+    from lightning_seqmem.apps import cache as cache_app
 
     data = tmp_path / "pages.jsonl"
     data.write_text("".join(f'{{"text": "page {i} of the book"}}\n' for i in range(30)))

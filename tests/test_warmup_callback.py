@@ -301,7 +301,6 @@ def test_max_warmup_shape():
     reshape = SeqLengthWarmup(min_seq_length=8, max_seq_length=64, truncate=False)
     assert reshape.max_warmup_shape(4, 64) == (4, 64)
     assert reshape.max_warmup_shape(4, 100) == (10, 40)  # 400 tokens; (6, 64) holds only 384
-    assert reshape.max_batch_shape(4, 100) == (10, 40)  # the old name still answers
     assert (32, 8) in reshape.batch_shapes(4, 64)
     assert SeqLengthWarmup(duration=0, max_seq_length=64, truncate=False).batch_shapes(4, 64) == [(4, 64)]
 

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_seqmem.warmup import apply_seq_length_warmup, real_token_count, set_batch_sequence_length
+from lightning_seqmem.batch import count_real_tokens
+from lightning_seqmem.warmup import set_batch_sequence_length
 
 VOCAB, PAD = 128, 0
 
@@ -141,8 +142,7 @@ def test_reshape_matches_composer(model, curr):
     forward_backward(model, batch)
 
 
-def test_alias_and_noop_when_short():
-    assert apply_seq_length_warmup is set_batch_sequence_length
+def test_noop_when_short():
     before = padded_batch(4, 16)
     batch = clone(before)
     for truncate in (True, False):
@@ -292,7 +292,7 @@ def test_reshape_packed_invariants(docs, curr, wrapped):
     for row, start, _ in segments(batch):
         assert batch["position_ids"][row, start] == 0
         assert batch["labels"][row, start] == -100
-    assert real_token_count(batch, PAD) == int(((batch["input_ids"] != PAD) | (batch["labels"] != -100)).sum())
+    assert count_real_tokens(batch, PAD) == int(((batch["input_ids"] != PAD) | (batch["labels"] != -100)).sum())
 
 
 # --------------------------------------------------------------------------------------------- bad input

@@ -1,8 +1,8 @@
 """From documents to batches: truncation, bin packing and packed rows (whole-split and streaming), the packing-plan
 cache, samplers, collators, and the strategies (pad, truncate, pack) that choose among them.
 
-The packing names are gathered here: ``from lightning_seqmem.batching import pack_sequences`` (the old
-``lightning_seqmem.packing`` path is this package).
+The pieces usable without Lightning are gathered here (``from lightning_seqmem.batching import pack_sequences,
+PadCollator``); the rest is imported from its module.
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ _EXPORTS: dict[str, str] = {
     "pack_lengths": "lightning_seqmem.batching.packed_rows",
     "pack_sequences": "lightning_seqmem.batching.packed_rows",
     "StreamingPacker": "lightning_seqmem.batching.streaming_packer",
+    "PadCollator": "lightning_seqmem.batching.collate",
+    "TruncateCollator": "lightning_seqmem.batching.collate",
+    "PackCollator": "lightning_seqmem.batching.collate",
+    "ShuffledBatchSampler": "lightning_seqmem.batching.sampling",
+    "LengthGroupedSampler": "lightning_seqmem.batching.sampling",
+    "TokenBudgetBatchSampler": "lightning_seqmem.batching.sampling",
     "BatchingSettings": "lightning_seqmem.batching.settings",
 }
 

@@ -7,7 +7,6 @@ from lightning_seqmem._lazy import lazy_exports
 _EXPORTS: dict[str, str] = {
     "SeqMemDataModule": "lightning_seqmem.datamodule.module",
     "SeqMemSettings": "lightning_seqmem.datamodule.settings",
-    "STRATEGIES": "lightning_seqmem.batching.strategies",
 }
 
 __all__ = sorted(_EXPORTS)

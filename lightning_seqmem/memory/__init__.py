@@ -25,7 +25,6 @@ _EXPORTS: dict[str, str] = {
     "MemoryEstimate": "lightning_seqmem.memory.estimate",
     "TraceError": "lightning_seqmem.memory.trace",
     "ModelFacts": "lightning_seqmem.memory.model_facts",
-    "model_facts": "lightning_seqmem.memory.model_facts",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -5,17 +5,10 @@ See ``README.md`` in this folder for the method card.
 
 from lightning_seqmem.warmup.callback import SeqLengthWarmup
 from lightning_seqmem.warmup.schedule import seq_length_at, warmup_lengths
-from lightning_seqmem.warmup.transform import (
-    apply_seq_length_warmup,
-    real_token_count,
-    reshaped_batch_shape,
-    set_batch_sequence_length,
-)
+from lightning_seqmem.warmup.transform import reshaped_batch_shape, set_batch_sequence_length
 
 __all__ = [
     "SeqLengthWarmup",
-    "apply_seq_length_warmup",
-    "real_token_count",
     "reshaped_batch_shape",
     "seq_length_at",
     "set_batch_sequence_length",

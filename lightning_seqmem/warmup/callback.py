@@ -162,10 +162,6 @@ class SeqLengthWarmup(Callback):
         """
         return max(self.batch_shapes(rows, length), key=lambda shape: (shape[0] * shape[1], shape[1]))
 
-    def max_batch_shape(self, rows: int, length: int) -> tuple[int, int]:
-        """Old name of :meth:`max_warmup_shape`, kept for callers; the pre-allocator asks ``max_warmup_shape``."""
-        return self.max_warmup_shape(rows, length)
-
     @property
     def tokens_seen(self) -> int:
         """Real tokens trained on (after the cut) over all ranks, as of the last optimizer step."""

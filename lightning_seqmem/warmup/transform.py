@@ -15,16 +15,11 @@ from collections.abc import MutableMapping
 
 import torch
 
-from lightning_seqmem.batch import CU_SEQLENS, IGNORE_INDEX, REF_LOGPS_KEYS, count_real_tokens, real_token_mask
+from lightning_seqmem.batch import CU_SEQLENS, IGNORE_INDEX, REF_LOGPS_KEYS, real_token_mask
 from lightning_seqmem.training.varlen import cu_seqlens
 from lightning_seqmem.warmup.pairs import is_pair_batch, truncate_pairs
 
-__all__ = [
-    "apply_seq_length_warmup",
-    "real_token_count",
-    "reshaped_batch_shape",
-    "set_batch_sequence_length",
-]
+__all__ = ["reshaped_batch_shape", "set_batch_sequence_length"]
 
 
 def set_batch_sequence_length(
@@ -97,12 +92,6 @@ def set_batch_sequence_length(
         _reshape(batch, curr_seq_len, pad_token_id)
     _fix_cu_seqlens(batch)
     return batch
-
-
-apply_seq_length_warmup = set_batch_sequence_length
-
-
-real_token_count = count_real_tokens  # the public name of the warmup package; one counter for the whole project
 
 
 def reshaped_batch_shape(rows: int, length: int, curr_seq_len: int, truncate: bool) -> tuple[int, int]:
