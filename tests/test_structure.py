@@ -165,12 +165,16 @@ TOP_LEVEL_EXPORTS = [
     "DPO",
     "FinalValidation",
     "MemoryMonitor",
+    "Pack",
+    "Pad",
     "SeqLengthWarmup",
     "SeqMemDataModule",
     "StepProgressBar",
     "TokenLossNormalizer",
+    "Truncate",
     "configure_allocator",
     "flash_varlen_kwargs",
+    "linear_cross_entropy",
     "load_tokenizer",
 ]
 
