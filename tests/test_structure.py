@@ -206,8 +206,8 @@ def _packages() -> list[str]:
 
 @pytest.mark.parametrize("package", _packages())
 def test_every_package_export_resolves_to_its_home(package):
-    """Each lazily exported name is the object defined in the module its line names (no stale line, no second
-    name for one object)."""
+    """Each exported name is the object defined in the module its line names (no stale line, no chain of
+    re-exports), under its own name (no alias); a package that imports its names eagerly defines them inside it."""
     module = importlib.import_module(package)
     exports = getattr(module, "_EXPORTS", {name: package for name in getattr(module, "__all__", [])})
     folder = PACKAGE.parent.joinpath(*package.split("."))
@@ -216,8 +216,12 @@ def test_every_package_export_resolves_to_its_home(package):
         assert not (folder / f"{name}.py").exists(), f"{package}.{name} is an export and a submodule"
         value = getattr(module, name)
         assert value is getattr(importlib.import_module(home), name)
-        if hasattr(value, "__module__") and hasattr(value, "__qualname__"):
+        if callable(value) and hasattr(value, "__qualname__"):
             assert value.__qualname__ == name, f"{package}.{name} is {value.__qualname__} (an alias)"
+            defined = value.__module__
+            assert defined == home or (home == package and defined.startswith(f"{package}.")), (
+                f"{package}.{name}: its line names {home}, it is defined in {defined}"
+            )
 
 
 def _readme_imports() -> list[str]:
