@@ -230,7 +230,7 @@ def child_planner(size: dict) -> list[dict]:
     from lightning_seqmem.memory.estimate import estimate_training_memory
     from lightning_seqmem.memory.measured import measured_training_peak
     from lightning_seqmem.memory.worst_batch import make_dummy_batch
-    from lightning_seqmem.training.model import build_model_config
+    from lightning_seqmem.training.building import build_model_config
 
     device, out = "cuda" if on_cuda() else "cpu", []
     rows, length = size["planner_shape"]

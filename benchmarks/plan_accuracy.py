@@ -15,7 +15,7 @@ from lightning_seqmem.memory.estimate import estimate_training_memory
 from lightning_seqmem.memory.measured import measured_training_peak
 from lightning_seqmem.memory.stats import format_bytes
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
-from lightning_seqmem.training.model import build_model_config
+from lightning_seqmem.training.building import build_model_config
 
 VOCAB = 4096
 PAD_KEYS = ("input_ids", "attention_mask", "labels")

@@ -11,7 +11,7 @@ from lightning_seqmem.memory.measured import measured_training_peak
 from lightning_seqmem.memory.precision import closed_form_state_bytes, normalize_precision
 from lightning_seqmem.memory.trace import TraceError
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
-from lightning_seqmem.training.model import build_model_config
+from lightning_seqmem.training.building import build_model_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from plan_accuracy import PACK_KEYS, PAD_KEYS  # noqa: E402

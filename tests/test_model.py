@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from lightning_seqmem import CausalLM, SeqMemDataModule
-from lightning_seqmem.training.model import build_model_config, lr_factor
+from lightning_seqmem.training.building import build_model_config
+from lightning_seqmem.training.optimization import lr_factor
 
 
 def _batch(vocab=64, rows=4, length=24, seed=0):

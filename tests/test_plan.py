@@ -18,7 +18,7 @@ from lightning_seqmem.apps.planner import (
 )
 from lightning_seqmem.batching.settings import BatchingSettings
 from lightning_seqmem.memory.estimate import estimate_training_memory
-from lightning_seqmem.training.model import build_model_config
+from lightning_seqmem.training.building import build_model_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*")
 

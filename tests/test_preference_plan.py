@@ -7,7 +7,7 @@ import pytest
 
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.apps.planner import format_plan, plan
-from lightning_seqmem.training.model import build_model_config
+from lightning_seqmem.training.building import build_model_config
 
 
 def pairs(n=80, seed=0):

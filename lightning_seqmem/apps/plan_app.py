@@ -51,7 +51,7 @@ def _devices(cfg) -> tuple[int, str]:
 
 
 def _model_config(cfg, vocab_size: int, pad_token_id: int | None):
-    from lightning_seqmem.training.model import build_model_config
+    from lightning_seqmem.training.building import build_model_config
 
     model = cfg.model
     if model.get("pretrained_path"):

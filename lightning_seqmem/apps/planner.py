@@ -339,7 +339,7 @@ def plan(
     Args:
         datamodule: its tokenizer, strategy, max_length and batch settings are what is planned (a stream: on its
             first 20,000 documents, ``plan_lengths.stream_sample``).
-        model_config: a ``transformers`` config (``model.build_model_config``); ``None`` plans the data only.
+        model_config: a ``transformers`` config (``training.building.build_model_config``); ``None`` plans the data only.
         strategies: keys of :data:`STRATEGIES` to compare.
         max_lengths: candidates; ``None`` = :func:`default_max_lengths` of the DataModule's.
         micro_batch_sizes: candidates for the memory table.
@@ -351,7 +351,7 @@ def plan(
 
     Example::
 
-        from lightning_seqmem.training.model import build_model_config
+        from lightning_seqmem.training.building import build_model_config
         dm = SeqMemDataModule(max_length=2048, strategy="pack")
         print(format_plan(plan(dm, build_model_config("tiny_llama", len(dm.tokenizer), 0), gpu_memory="24GiB")))
     """

@@ -62,7 +62,7 @@ def estimate_training_memory(
     """Peak live tensor bytes of training ``model_config`` on ``[rows, length]`` batches, traced on fake tensors.
 
     Args:
-        model_config: a ``transformers`` config (``lightning_seqmem.training.model.build_model_config`` builds one from
+        model_config: a ``transformers`` config (``lightning_seqmem.training.building.build_model_config`` builds one from
             the presets).
         rows, length: the batch shape (the run's worst case: ``SeqMemDataModule.max_batch_shape()``).
         keys: the batch keys (``batch_keys()``): padded batches carry an ``attention_mask``, packed ones
@@ -80,7 +80,7 @@ def estimate_training_memory(
 
     Example::
 
-        from lightning_seqmem.training.model import build_model_config
+        from lightning_seqmem.training.building import build_model_config
         est = estimate_training_memory(build_model_config("tiny_llama", 32000, 0), rows=8, length=2048)
         est.peak, est.activations
     """

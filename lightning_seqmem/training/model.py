@@ -7,8 +7,6 @@ the fraction of the slots fed to the model that hold real tokens.
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from typing import Any
 
@@ -19,62 +17,16 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
-from lightning_seqmem.messages import short_repr
-from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
-from lightning_seqmem.training.attention import AUTO, register_varlen_attention, resolve_attn_implementation
+from lightning_seqmem.protocols import find_pad_token_id
+from lightning_seqmem.training.attention import AUTO, resolve_attn_implementation
+from lightning_seqmem.training.building import build_causal_lm, datamodule_max_length, positions_problem
 from lightning_seqmem.training.loss import TokenLossNormalizer
 from lightning_seqmem.training.metrics import TokenEfficiency
+from lightning_seqmem.training.optimization import adamw, no_decay_names, warmup_cosine
 from lightning_seqmem.training.varlen import TORCH_VARLEN, batch_varlen_kwargs, is_flash_attention
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 LOSS_NORMALIZATIONS = ("token", "micro_batch")
-
-# Named model configs built with random weights (no download). A few million parameters each.
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny_llama": dict(
-        model_type="llama",
-        hidden_size=192,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
-    ),
-    "tiny_gpt2": dict(
-        model_type="gpt2",
-        n_embd=192,
-        n_layer=4,
-        n_head=6,
-        n_positions=4096,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    ),
-}
-
-
-def build_model_config(model_config: str | dict[str, Any], vocab_size: int, pad_token_id: int | None):
-    """A ``transformers`` config from a preset name or a dict with ``model_type`` and config fields."""
-    from transformers import AutoConfig
-
-    if isinstance(model_config, str):
-        if model_config not in MODEL_PRESETS:
-            raise ValueError(
-                f"Unknown model_config {short_repr(model_config)}; choose one of {sorted(MODEL_PRESETS)}, pass a dict with "
-                "'model_type' and config fields, or pass pretrained_path=<local directory>."
-            )
-        fields = dict(MODEL_PRESETS[model_config])
-    else:
-        fields = dict(model_config)
-    if "model_type" not in fields:
-        raise ValueError(f"model_config needs a 'model_type' key (e.g. 'llama', 'gpt2'); got keys {sorted(fields)}.")
-    model_type = fields.pop("model_type")
-    fields.setdefault("vocab_size", vocab_size)
-    if pad_token_id is not None:
-        fields.setdefault("pad_token_id", pad_token_id)
-    return AutoConfig.for_model(model_type, **fields)
 
 
 class CausalLM(LightningModule):
@@ -160,27 +112,16 @@ class CausalLM(LightningModule):
 
     # ----------------------------------------------------------------------------------------------- building
     def _build(self) -> None:
-        from transformers import AutoModelForCausalLM
-
         hp = self.hparams
-        # "auto" starts as SDPA and is decided at setup, once the device and precision are known.
-        attn = "sdpa" if hp.attn_implementation == AUTO else hp.attn_implementation
-        if attn == TORCH_VARLEN:
-            register_varlen_attention()  # the device is checked at setup (and by the kernel call without a Trainer)
-        if hp.pretrained_path is not None:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                hp.pretrained_path, local_files_only=True, attn_implementation=attn
-            )
-            if hp.vocab_size is not None and self.model.get_input_embeddings().num_embeddings < hp.vocab_size:
-                self.model.resize_token_embeddings(hp.vocab_size)
-        else:
-            config = build_model_config(hp.model_config, hp.vocab_size, hp.pad_token_id)
-            config._attn_implementation = attn
-            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-        if hp.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        if hp.get("compile"):
-            self.model.compile()
+        self.model = build_causal_lm(
+            hp.model_config,
+            hp.pretrained_path,
+            hp.vocab_size,
+            hp.pad_token_id,
+            hp.attn_implementation,
+            hp.gradient_checkpointing,
+            bool(hp.get("compile")),
+        )
         n = sum(p.numel() for p in self.model.parameters())
         rank_zero_info(f"[lightning_seqmem] {type(self.model).__name__}: {n / 1e6:.2f} M parameters")
 
@@ -233,19 +174,13 @@ class CausalLM(LightningModule):
     def _check_positions(self, dm: Any) -> None:
         """Refuse, before the first step, rows longer than a learned position table (a torch IndexError otherwise);
         warn when they only exceed the positions the model was configured (or trained) for."""
-        field = max_positions(self.model.config)
-        length = datamodule_max_length(dm)
-        if field is None or length is None or length <= field[1]:
+        problem = positions_problem(self.model, datamodule_max_length(dm))
+        if problem is None:
             return
-        name, limit = field
-        message = (
-            f"The DataModule yields rows of up to {length} tokens but the model has {limit} positions "
-            f"({type(self.model.config).__name__}.{name}={limit}). Fix one of: lower the DataModule's max_length to "
-            f"{limit} or less, or use a model config with {name} >= {length}."
-        )
-        if has_learned_positions(self.model, limit):
+        message, fatal = problem
+        if fatal:
             raise ValueError(message)
-        rank_zero_warn(message + " (The model runs past the limit, on positions it was not configured for.)")
+        rank_zero_warn(message)
 
     # ------------------------------------------------------------------------------------------------- steps
     def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any):
@@ -348,22 +283,9 @@ class CausalLM(LightningModule):
     # --------------------------------------------------------------------------------------------- optimizer
     def configure_optimizers(self):
         hp = self.hparams
-        decay, no_decay = [], []
         names = self._no_decay if self._no_decay is not None else no_decay_names(self)
-        for name, p in self.named_parameters():
-            if p.requires_grad:
-                (no_decay if name in names else decay).append(p)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate,
-            betas=tuple(hp.betas),
-        )
-        total = self.trainer.estimated_stepping_batches
-        total = int(total) if math.isfinite(total) else 10_000
-        warmup = int(hp.warmup_ratio * total)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda=lambda s: lr_factor(s, warmup, total, hp.min_lr_ratio)
-        )
+        optimizer = adamw(self.named_parameters(), names, hp.learning_rate, hp.weight_decay, hp.betas)
+        scheduler = warmup_cosine(optimizer, self.trainer.estimated_stepping_batches, hp.warmup_ratio, hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     @override
@@ -385,44 +307,3 @@ class CausalLM(LightningModule):
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-
-def no_decay_names(module: torch.nn.Module) -> set[str]:
-    """Parameters AdamW does not decay: biases and norm weights (fewer than 2 dimensions, or "norm" in the name).
-    Ask before FSDP wraps the module: with ``use_orig_params`` every parameter becomes a 1-D shard."""
-    return {name for name, p in module.named_parameters() if p.ndim < 2 or "norm" in name.lower()}
-
-
-def max_positions(config: Any) -> tuple[str, int] | None:
-    """``(field, value)``: the number of positions a transformers config declares (``max_position_embeddings`` or
-    ``n_positions``), or ``None``."""
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return getattr(config, "attribute_map", {}).get(name, name), value  # GPT-2 aliases it to n_positions
-    return None
-
-
-def has_learned_positions(model: torch.nn.Module, limit: int) -> bool:
-    """Whether the model looks positions up in a table of ``limit`` rows (GPT-2's ``wpe``): a longer row is an
-    IndexError, not just an untrained position."""
-    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return any(
-        isinstance(m, torch.nn.Embedding) and m is not inputs and m.num_embeddings == limit for m in model.modules()
-    )
-
-
-def datamodule_max_length(dm: Any) -> int | None:
-    """The longest row a DataModule yields: ``max_batch_shape()[1]`` when it has one, else its ``max_length``."""
-    if isinstance(dm, GivesMaxBatchShape):
-        return int(dm.max_batch_shape()[1])
-    length = getattr(dm, "max_length", None)
-    return int(length) if isinstance(length, numbers.Integral) and not isinstance(length, bool) else None
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """Linear warmup to 1, then cosine decay to ``min_ratio`` at ``total_steps``."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
