@@ -27,11 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from lightning_seqmem import Pack, Pad, Truncate
+
 STRATEGIES = {  # label -> DataModule arguments
-    "pad (TRL layout)": {"strategy": "pad"},
-    "pad, group_by_length": {"strategy": "pad", "group_by_length": True},
-    "truncate ([2B, max_length])": {"strategy": "truncate"},
-    "pack (padding-free pairs)": {"strategy": "pack"},
+    "pad (TRL layout)": {"batching": Pad()},
+    "pad, group_by_length": {"batching": Pad(group_by_length=True)},
+    "truncate ([2B, max_length])": {"batching": Truncate()},
+    "pack (padding-free pairs)": {"batching": Pack()},
 }
 LIMITS = {"max_length": 512, "max_prompt_length": 192}
 VOCAB = 4096

@@ -18,7 +18,7 @@ configure_allocator()  # before torch is imported
 
 import lightning.pytorch as L  # noqa: E402
 
-from lightning_seqmem import CausalLM, SeqMemDataModule  # noqa: E402
+from lightning_seqmem import CausalLM, Pack, SeqMemDataModule  # noqa: E402
 from lightning_seqmem.apps.summary import RunSummary  # noqa: E402
 
 
@@ -46,8 +46,7 @@ if __name__ == "__main__":
         dataset=write_dataset(os.path.join(args.out, "arithmetic.jsonl")),
         max_length=128,
         micro_batch_size=8,
-        strategy="pack",
-        packing="bfd",
+        batching=Pack(method="bfd"),  # best-fit decreasing: examples kept whole, fewest rows
         completion_only_loss=True,
     )
     dm.setup("fit")

@@ -1,15 +1,41 @@
-"""Every example runs, shortened (example 2, the warmup sweep, runs in tests/test_sweep.py)."""
+"""Every example runs, shortened (example 2, the warmup sweep, runs in tests/test_sweep.py).
+
+The Python examples run as ``__main__`` inside the test process (``runpy``), with their own command-line arguments:
+the same script, without paying a fresh interpreter and its imports each time. ``streaming.py`` runs as a real
+``python examples/streaming.py`` process, so one example is checked the way a user starts it (its loader workers
+fork from a small process, not from pytest)."""
 
 import pathlib
+import runpy
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+ALLOCATOR_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+pytestmark = pytest.mark.slow  # each example trains end to end
 
 
-def run_example(script, *args, cwd):
+@pytest.fixture()
+def run_example(tmp_path, monkeypatch, capfd):
+    """Run ``examples/<script>`` as ``__main__`` with ``args`` in ``tmp_path``; return what it printed."""
+
+    def run(script, *args):
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "argv", [str(EXAMPLES / script), *args])
+        for name in ALLOCATOR_VARS:  # the example's configure_allocator() sets one: undone after the test
+            monkeypatch.setenv(name, "")
+            monkeypatch.delenv(name)
+        runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+        return capfd.readouterr().out
+
+    return run
+
+
+def run_example_process(script, *args, cwd):
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args], cwd=cwd, capture_output=True, text=True, timeout=600
     )
@@ -17,16 +43,14 @@ def run_example(script, *args, cwd):
     return proc.stdout
 
 
-def test_own_trainer(tmp_path):
-    out = run_example(
-        "own_trainer.py", "--max-steps", "3", "--max-length", "64", "--out", str(tmp_path / "run"), cwd=tmp_path
-    )
+def test_own_trainer(tmp_path, run_example):
+    out = run_example("own_trainer.py", "--max-steps", "3", "--max-length", "64", "--out", str(tmp_path / "run"))
     assert "optimizer_steps" in out and "pack" in out  # RunSummary's table
     assert (tmp_path / "run" / "summary.json").exists()
 
 
-def test_sft_packing_completion_only_loss(tmp_path):
-    out = run_example("sft_packing.py", "--max-steps", "3", "--out", str(tmp_path / "run"), cwd=tmp_path)
+def test_sft_packing_completion_only_loss(tmp_path, run_example):
+    out = run_example("sft_packing.py", "--max-steps", "3", "--out", str(tmp_path / "run"))
     line = next(l for l in out.splitlines() if l.startswith("first batch"))
     segments = int(line.split(": ")[1].split(" segments")[0])
     trained, total = (int(x) for x in line.split("segments, ")[1].split(" tokens")[0].split(" of "))
@@ -35,8 +59,8 @@ def test_sft_packing_completion_only_loss(tmp_path):
     assert "final_val_loss" in out
 
 
-def test_chat_sft_trains_on_assistant_turns(tmp_path):
-    out = run_example("chat_sft.py", "--max-steps", "3", "--out", str(tmp_path / "run"), cwd=tmp_path)
+def test_chat_sft_trains_on_assistant_turns(tmp_path, run_example):
+    out = run_example("chat_sft.py", "--max-steps", "3", "--out", str(tmp_path / "run"))
     stats = next(l for l in out.splitlines() if l.startswith("conversations:"))
     assert "mask from generation_markers" in stats
     share = float(stats.split(", ")[2].split("%")[0])
@@ -77,14 +101,14 @@ def test_cli_yaml(tmp_path, monkeypatch):
     assert (tmp_path / "progress.csv").exists() and (tmp_path / "summary.json").exists()
 
 
-def test_dpo_pairs(tmp_path):
-    out = run_example("dpo.py", "--max-steps", "3", "--max-length", "64", "--out", str(tmp_path / "run"), cwd=tmp_path)
+def test_dpo_pairs(tmp_path, run_example):
+    out = run_example("dpo.py", "--max-steps", "3", "--max-length", "64", "--out", str(tmp_path / "run"))
     line = next(l for l in out.splitlines() if l.startswith("first batch"))
     assert "sequence_index" in line and "completion_mask" in line  # packed pairs
     assert "final_val_loss" in out and "val/reward_accuracy" in out
 
 
-def test_dpo_conversation_pairs(tmp_path):
+def test_dpo_conversation_pairs(tmp_path, run_example):
     out = run_example(
         "dpo.py",
         "--max-steps",
@@ -96,7 +120,6 @@ def test_dpo_conversation_pairs(tmp_path):
         "pad",
         "--out",
         str(tmp_path / "run"),
-        cwd=tmp_path,
     )
     line = next(l for l in out.splitlines() if l.startswith("first batch"))
     assert "completion_mask" in line and "pairs" in line
@@ -104,7 +127,7 @@ def test_dpo_conversation_pairs(tmp_path):
 
 
 def test_streaming_example_reads_its_files_as_a_stream(tmp_path):
-    out = run_example("streaming.py", "--max-steps", "4", "--out", str(tmp_path / "run"), cwd=tmp_path)
+    out = run_example_process("streaming.py", "--max-steps", "4", "--out", str(tmp_path / "run"), cwd=tmp_path)
     line = next(l for l in out.splitlines() if l.startswith("stream read so far"))
     documents = int(line.split(": ")[1].split(" documents")[0].replace(",", ""))
     assert 0 < documents <= 2000 - 64 and "final_val_loss" in out
