@@ -346,7 +346,7 @@ def test_streamed_conversations_are_packed_whole_with_their_masks(chat_tokenizer
         streaming_validation_documents=0,
     )
     refusing.setup("fit")
-    with pytest.raises(ValueError, match=rf"no trained token \(first: conversation {len(convs) - 1} of the stream\)"):
+    with pytest.raises(ValueError, match=rf"no trained token \(first: conversation {len(convs) - 1}\)"):
         list(refusing.train_dataloader())
 
 

@@ -10,7 +10,7 @@ from _recorder import fit_recording
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.batch import count_real_tokens
 from lightning_seqmem.batching.collate import real_token_mask
-from lightning_seqmem.datamodule.streaming import encode_document
+from lightning_seqmem.kinds.text import text_stream_encoder
 
 
 def _fed_tokens(dm, loader):
@@ -192,7 +192,7 @@ def test_streaming_dataset_is_packed_on_the_fly_without_losing_a_token(tokenizer
                 pieces += [
                     batch["input_ids"][row, a:b].tolist() for a, b in zip(starts[:-1], starts[1:]) if real[row, a]
                 ]
-    docs = [encode_document(dm.tokenizer, "text", i, {"text": t}) for i, t in enumerate(texts)]
+    docs = [text_stream_encoder(dm.tokenizer)(i, {"text": t}) for i, t in enumerate(texts)]
     expected = [d[j : j + 32] for d in docs for j in range(0, len(d), 32)]
     assert sorted(pieces) == sorted(expected)  # every token once, documents in order, none lost
 

@@ -100,7 +100,7 @@ def test_every_source_gives_the_same_pairs(tokenizer, tmp_path):
     dm_dataset = module(datasets.Dataset.from_list(rows), tmp_path)
     # Pre-tokenized pairs, with the ids the cache wrote: the same batches without a tokenizer call.
     tokenized, kind = dm_dataset.tokenized_documents()
-    assert kind == "preference"
+    assert kind.name == "preference" and not kind.pretokenized
     ids = datasets.DatasetDict({s: d.remove_columns("length") for s, d in tokenized.items()})
     dm_ids = module(ids, tmp_path, pad_token_id=tokenizer.pad_token_id)
     reference = dm_dataset.stats()

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import warnings
 from collections import Counter
-from functools import partial
 
 import datasets
 import pytest
@@ -135,9 +134,10 @@ def _texts(paths):
 
 
 def _encoded(dm, paths):
-    from lightning_seqmem.datamodule.streaming import encode_document
+    from lightning_seqmem.kinds.text import text_stream_encoder
 
-    return [d for i, t in enumerate(_texts(paths)) if (d := encode_document(dm.tokenizer, "text", i, {"text": t}))]
+    encode = text_stream_encoder(dm.tokenizer)
+    return [d for i, t in enumerate(_texts(paths)) if (d := encode(i, {"text": t}))]
 
 
 @pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
@@ -375,7 +375,7 @@ def test_token_id_stream_is_packed_with_its_labels_and_checked(tokenizer):
         dataset=bad.to_iterable_dataset(), strategy="pack", tokenizer=tokenizer, streaming_validation_documents=0
     )
     dm.setup("fit")
-    with pytest.raises(ValueError, match=rf"Row 1 of the stream: input_ids holds {len(tokenizer) + 7}, outside"):
+    with pytest.raises(ValueError, match=r"Row 1 of split 'train', column 'input_ids' holds a token id outside"):
         list(dm.train_dataloader())
 
 
@@ -577,12 +577,13 @@ def test_a_repeating_stream_with_an_idle_loader_worker_goes_on_with_the_others(t
 
     from torch.utils.data import DataLoader
 
-    from lightning_seqmem.datamodule.streaming import StreamCounts, StreamingRows, encode_document
+    from lightning_seqmem.datamodule.streaming import StreamCounts, StreamingRows
+    from lightning_seqmem.kinds.text import text_stream_encoder
 
     one_file = datasets.Dataset.from_dict({"text": [f"doc {i} word word" for i in range(20)]}).to_iterable_dataset()
     rows = StreamingRows(
         one_file,
-        partial(encode_document, tokenizer, "text"),
+        text_stream_encoder(tokenizer),
         StreamingPacker(16, buffer_size=4),
         cycle=True,
         required=True,

@@ -13,6 +13,9 @@ from transformers import PreTrainedTokenizerFast
 from lightning_seqmem.data.cache_dir import default_cache_dir
 from lightning_seqmem.data.token_cache import tokenizer_fingerprint
 from lightning_seqmem.datamodule.module import SeqMemDataModule
+from lightning_seqmem.kinds.text import Text
+
+TEXT = Text()
 
 
 class CountingTokenizer(PreTrainedTokenizerFast):
@@ -129,9 +132,11 @@ def test_streamed_tokenization_equals_datasets_map_for_files_shuffles_and_proces
     on_disk = _file_dataset(tmp_path, texts)
     for name, ds in {"file": on_disk, "shuffled": on_disk.shuffle(seed=1), "memory": _data()}.items():
         dsd = datasets.DatasetDict({"train": ds})
-        reference = tokenize_dataset(dsd, tokenizer)["train"]
+        reference = tokenize_dataset(dsd, tokenizer, TEXT)["train"]
         for procs in (1, 2):
-            cached = tokenize_cached(dsd, tokenizer, num_proc=procs, cache_dir=tmp_path / f"{name}-{procs}")["train"]
+            cached = tokenize_cached(dsd, tokenizer, TEXT, num_proc=procs, cache_dir=tmp_path / f"{name}-{procs}")[
+                "train"
+            ]
             assert cached["input_ids"] == reference["input_ids"], (name, procs)
             assert cached["length"] == [len(x) for x in reference["input_ids"]]
             assert cached.features == reference.features
@@ -146,7 +151,7 @@ def test_a_bad_row_is_named_from_a_worker_and_nothing_is_cached(tmp_path, tokeni
     texts[33] = None
     dsd = datasets.DatasetDict({"train": _file_dataset(tmp_path, texts)})
     with pytest.raises(TypeError, match=r"Row 33 of split 'train', column 'text' is NoneType"):
-        tokenize_cached(dsd, tokenizer, num_proc=2, cache_dir=tmp_path / "c")
+        tokenize_cached(dsd, tokenizer, TEXT, num_proc=2, cache_dir=tmp_path / "c")
     assert not list((tmp_path / "c").rglob("manifest.json"))
 
 
@@ -154,7 +159,7 @@ def test_an_empty_split_is_cached_with_its_columns(tmp_path, tokenizer):
     from lightning_seqmem.data.token_cache import tokenize_cached
 
     empty = datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")}))
-    cached = tokenize_cached(datasets.DatasetDict({"train": empty}), tokenizer, cache_dir=tmp_path)["train"]
+    cached = tokenize_cached(datasets.DatasetDict({"train": empty}), tokenizer, TEXT, cache_dir=tmp_path)["train"]
     assert len(cached) == 0 and cached.column_names == ["input_ids", "length"]
 
 
@@ -208,9 +213,7 @@ def test_two_writers_of_one_split_each_rename_their_own_file(tmp_path, tokenizer
     from lightning_seqmem.data.arrow_stream import Shard
 
     ds = _file_dataset(tmp_path, [f"row {i} " + "alpha " * (i % 5) for i in range(40)])
-    job = token_cache._Job(
-        tokenizer, "text", ["text"], "text", "prompt", "completion", None, True, "train", str(tmp_path / "out")
-    )
+    job = token_cache._Job(tokenizer, TEXT, ["text"], "text", "train", str(tmp_path / "out"))
     (tmp_path / "out").mkdir()
     real_replace, raced = os.replace, []
 
@@ -252,7 +255,7 @@ def test_a_writer_killed_mid_file_leaves_nothing_after_the_next_run(tmp_path, to
 
         token_cache.iter_shard = one_batch_then_die
         token_cache._TOKENS_PER_RECORD_BATCH = 1  # the first batch reaches the file before the kill
-        token_cache.tokenize_cached(dsd, tokenizer, num_proc=1, cache_dir=cache)
+        token_cache.tokenize_cached(dsd, tokenizer, TEXT, num_proc=1, cache_dir=cache)
 
     child = mp.get_context("fork").Process(target=killed_after_one_batch)
     child.start()
@@ -262,9 +265,9 @@ def test_a_writer_killed_mid_file_leaves_nothing_after_the_next_run(tmp_path, to
     assert partial.name.startswith(f"tokens-00000.arrow.{token_cache.socket.gethostname()}-{child.pid}.")
     assert partial.stat().st_size > 0 and not list(cache.rglob("manifest.json"))
 
-    again = token_cache.tokenize_cached(dsd, tokenizer, num_proc=1, cache_dir=cache)
+    again = token_cache.tokenize_cached(dsd, tokenizer, TEXT, num_proc=1, cache_dir=cache)
     assert not list(cache.rglob("*.tmp"))
-    assert _tokens(again) == _tokens(token_cache.tokenize_cached(dsd, tokenizer, cache_dir=tmp_path / "clean"))
+    assert _tokens(again) == _tokens(token_cache.tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path / "clean"))
 
 
 def test_only_temporary_files_of_writers_that_are_gone_are_stale(tmp_path):
@@ -318,7 +321,7 @@ def test_a_damaged_entry_is_reported_and_tokenized_again(tmp_path, tokenizer, ca
 
     dsd = datasets.DatasetDict({"train": _data()})
     with caplog.at_level(logging.INFO):
-        first = _tokens(tokenize_cached(dsd, tokenizer, cache_dir=tmp_path))
+        first = _tokens(tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path))
     [entry] = list((tmp_path / "tokenized").iterdir())
     assert f"train: tokens written to the cache entry {entry}" in caplog.text
 
@@ -327,16 +330,16 @@ def test_a_damaged_entry_is_reported_and_tokenized_again(tmp_path, tokenizer, ca
     with pytest.warns(
         UserWarning, match=rf"Token cache entry {entry} is damaged \(tokens-00000.arrow: .*tokenizing again"
     ):
-        assert _tokens(tokenize_cached(dsd, tokenizer, cache_dir=tmp_path)) == first
+        assert _tokens(tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path)) == first
 
     manifest = entry / "manifest.json"
     meta = json.loads(manifest.read_text())
     manifest.write_text(json.dumps({**meta, "files": ["tokens-00000.arrow", "tokens-00001.arrow"]}))
     with pytest.warns(UserWarning, match=r"is damaged \(tokens-00001.arrow: FileNotFoundError"):
-        assert _tokens(tokenize_cached(dsd, tokenizer, cache_dir=tmp_path)) == first
+        assert _tokens(tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path)) == first
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        assert _tokens(tokenize_cached(dsd, tokenizer, cache_dir=tmp_path)) == first
+        assert _tokens(tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path)) == first
     assert f"train: tokens read from the cache entry {entry}" in caplog.text
 
 
@@ -353,8 +356,8 @@ def test_a_cache_dir_that_cannot_be_written_tokenizes_for_this_run(tmp_path, tok
         match=rf"Cannot write the token cache under {blocked} \(.*\); tokenizing train into "
         r".* for this process only\. Set data\.cache_dir",
     ):
-        tokens = _tokens(tokenize_cached(dsd, tokenizer, cache_dir=blocked))
-    assert tokens == _tokens(tokenize_cached(dsd, tokenizer, cache_dir=tmp_path / "ok"))
+        tokens = _tokens(tokenize_cached(dsd, tokenizer, TEXT, cache_dir=blocked))
+    assert tokens == _tokens(tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path / "ok"))
 
 
 def test_seqmem_cache_lists_entries_and_removes_the_old_ones(tmp_path, tokenizer):

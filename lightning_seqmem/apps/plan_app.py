@@ -78,7 +78,7 @@ def plan_from_config(cfg, output_dir: str | None = None):
     dm.prepare_data()  # tokenize once (cached: the planner and the training run after it read the same tokens)
     max_length = dm.settings.batching.max_length
     max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else default_max_lengths(max_length)
-    kind = dm.tokenized_documents()[1]
+    kind = dm.tokenized_documents()[1].name
     if kind not in PLANNED_KINDS:  # draw what can be drawn, then refuse
         where = _pictures(None, dm, max_lengths, output_dir, p) if output_dir is not None else []
         check_text(kind, f" (its prompt and completion lengths are drawn in {where[0]})" if where else "")

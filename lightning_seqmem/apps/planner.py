@@ -359,7 +359,7 @@ def plan(
 
     dm = stream_sample(datamodule)[0]  # a stream: planned on its first documents
     settings = dm.settings.batching
-    kind = dm.tokenized_documents()[1]
+    kind = dm.tokenized_documents()[1].name
     configured = (planner_name(settings), settings.max_length)
     max_lengths = default_max_lengths(settings.max_length) if max_lengths is None else list(max_lengths)
     if kind in ("conversations", PREFERENCE):  # packed whole only (``BatchingSettings.check_kind``, pair strategies)
@@ -403,10 +403,11 @@ def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
     its tokenize-once cache (which the training run then reuses) or pre-tokenized, from Arrow offsets only;
     conversations as :class:`Conversations` (cut per candidate ``max_length``), preference pairs as ``[pairs, 3]``
     prompt/chosen/rejected counts."""
-    tokenized, kind = dm.tokenized_documents()
+    tokenized, data_kind = dm.tokenized_documents()
+    kind = data_kind.name
     check_text(kind)
     if kind in ("conversations", PREFERENCE):
-        documents = split_documents(tokenized, kind, dm.settings.batching.seed)
+        documents = split_documents(tokenized, data_kind, dm.settings.batching.seed)
         if kind == "conversations":
             return {
                 split: Conversations(docs.dataset, dm.settings.conversation.on_empty_labels)

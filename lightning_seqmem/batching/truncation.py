@@ -125,18 +125,9 @@ def truncate_prompt_completion(
         >>> truncate_prompt_completion([1, 2, 3, 4], [5, 6, 7], lim)
         ([2, 3, 4], [5, 6])
     """
-    p = truncate_ids(prompt, limits.max_prompt_length, side="left")
-    c = truncate_ids(completion, limits.max_completion_length, side="right")
-    excess = len(p) + len(c) - (limits.max_length or len(p) + len(c))
-    if excess > 0:
-        # "right" cuts the completion's end first, "left" the prompt's start first; the completion always keeps
-        # its start (the tokens right after the prompt are the ones worth learning).
-        cut_first = min(excess, len(c) if limits.truncation_side == "right" else len(p))
-        if limits.truncation_side == "right":
-            c, p = c[: len(c) - cut_first], p[: len(p) - (excess - cut_first)]
-        else:
-            p, c = p[cut_first:], c[: len(c) - (excess - cut_first)]
-    return p, c
+    # One rule: the vectorised one, on this row's lengths.
+    (p_off, p_keep, c_keep), p = prompt_completion_spans([len(prompt)], [len(completion)], limits), list(prompt)
+    return p[int(p_off[0]) : int(p_off[0] + p_keep[0])], list(completion)[: int(c_keep[0])]
 
 
 def prompt_completion_example(

@@ -1,16 +1,9 @@
-"""What kind of data a dataset holds (its columns), and checks of pre-tokenized ids against a vocabulary."""
+"""The column names of preference pairs, and the one check of pre-tokenized ids against a vocabulary (which kind
+of data a dataset holds is ``lightning_seqmem.kinds.detect``)."""
 
 from __future__ import annotations
 
 import numpy as np
-
-PRETOKENIZED_KINDS = {
-    "tokens": "text",
-    "prompt_completion_tokens": "prompt_completion",
-    "preference_tokens": "preference",
-}
-"""Pre-tokenized kinds and the rows they give: ``input_ids`` [+ ``labels``]; ``prompt_ids`` + ``completion_ids``;
-``prompt_ids`` + ``chosen_ids`` + ``rejected_ids``."""
 
 PREFERENCE_TEXT = ("prompt", "chosen", "rejected")
 """Text columns of preference pairs (TRL's names); the prompt is shared by both sequences of a pair."""
@@ -18,94 +11,42 @@ PREFERENCE_TEXT = ("prompt", "chosen", "rejected")
 PREFERENCE_IDS = ("prompt_ids", "chosen_ids", "rejected_ids")
 """Token columns of preference pairs (TRL's names)."""
 
-ID_COLUMNS = {
-    "tokens": ("input_ids", "labels"),
-    "prompt_completion_tokens": ("prompt_ids", "completion_ids"),
-    "preference_tokens": PREFERENCE_IDS,
-}
+
+def check_token_values(ds, columns: tuple[str, ...], split: str, vocab_size: int | None = None) -> None:
+    """Pre-tokenized data: every token id of ``columns`` an integer in ``[0, vocab_size)`` (labels may also be
+    -100, and are one per token); :func:`check_token_table` on ``ds``'s table, rows named as ``ds`` numbers them."""
+    from lightning_seqmem.data.tokens import dataset_indices
+
+    check_token_table(ds.data, columns, split, vocab_size, dataset_indices(ds))
 
 
-def check_columns(
-    dsd, text_column: str = "text", prompt_column: str = "prompt", completion_column: str = "completion"
-) -> str:
-    """Which kind of data this is: ``"text"``, ``"prompt_completion"``, ``"conversations"`` (a ``messages``
-    column of turns), or pre-tokenized ``"tokens"`` (``input_ids``, optionally ``labels``) or
-    ``"prompt_completion_tokens"`` (``prompt_ids``, ``completion_ids``); preference pairs: ``"preference"``
-    (``prompt``, ``chosen``, ``rejected`` text) or ``"preference_tokens"`` (``prompt_ids``, ``chosen_ids``,
-    ``rejected_ids``). Token columns win over text columns: a dataset that carries its tokens is used as it is.
-
-    Raises:
-        ValueError: none of these columns exist (the message lists what does), or ``messages`` next to a text or
-            prompt/completion column.
-    """
-    from lightning_seqmem.data.conversations import check_conversation_columns
-
-    columns = set(dsd["train"].column_names)
-    if "input_ids" in columns:
-        return "tokens"
-    if {"chosen_ids", "rejected_ids"} & columns or {"chosen", "rejected"} & columns:
-        return _preference_kind(columns, dsd["train"].features)
-    if {"prompt_ids", "completion_ids"} <= columns:
-        return "prompt_completion_tokens"
-    if check_conversation_columns(columns, other_columns=(text_column, prompt_column, completion_column)):
-        return "conversations"
-    if text_column in columns:
-        return "text"
-    if {prompt_column, completion_column} <= columns:
-        return "prompt_completion"
-    raise ValueError(
-        f"The dataset has no usable column: expected {text_column!r} (plain text), {prompt_column!r} and "
-        f"{completion_column!r} (prompt/completion), 'messages' (conversations), or token ids ('input_ids', or 'prompt_ids' and "
-        f"'completion_ids'); it has {sorted(columns)}. Pass text_column=<name> to SeqMemDataModule, or rename a "
-        "column with dataset.rename_column()."
-    )
-
-
-def _preference_kind(columns: set[str], features=None) -> str:
-    """``"preference_tokens"`` or ``"preference"``: a dataset with ``chosen``/``rejected`` columns (text or ids) must
-    have all three of TRL's columns of one form. A missing ``prompt`` is refused for text (say ``prompt=""``
-    explicitly) and allowed for conversations, whose shared leading turns are then the prompt."""
-    from lightning_seqmem.data.chat_pairs import pair_form
-
-    for kind, names in (("preference_tokens", PREFERENCE_IDS), ("preference", PREFERENCE_TEXT)):
-        if set(names) <= columns:
-            return kind
-    chat = features is not None and {"chosen", "rejected"} <= columns and pair_form(features) == "conversations"
-    if chat and "prompt_ids" not in columns:
-        return "preference"
-    have = sorted(columns & set(PREFERENCE_TEXT + PREFERENCE_IDS))
-    raise ValueError(
-        f"Preference data need the columns {list(PREFERENCE_TEXT)} (text or conversations; conversations may leave "
-        f"out 'prompt': their shared leading turns are the prompt) or {list(PREFERENCE_IDS)} (token ids); "
-        f"the dataset has {have} of them (all columns: {sorted(columns)}). Add the missing column (a pair without a "
-        "prompt: an empty string), or rename one with dataset.rename_column()."
-    )
-
-
-def id_columns(kind: str) -> tuple[str, ...]:
-    """The token-id columns of a pre-tokenized kind (``"tokens"``, ``"prompt_completion_tokens"`` or
-    ``"preference_tokens"``) whose values ``check_token_values`` checks; ``labels`` may be missing from a dataset."""
-    return ID_COLUMNS[kind]
-
-
-def check_token_values(ds, kind: str, split: str, vocab_size: int | None = None) -> None:
-    """Pre-tokenized data: every token id an integer in ``[0, vocab_size)`` (labels may also be -100).
+def check_token_table(
+    table, columns: tuple[str, ...], split: str, vocab_size: int | None = None, indices=None, first_row: int = 0
+) -> None:
+    """Token ids of ``columns`` (those ``table`` has) checked: lists of integers in ``[0, vocab_size)`` (labels
+    may also be -100), ``labels`` one per ``input_ids`` token. The one check of pre-tokenized values, for a whole
+    split (map-style) and for a stream's rows as they are read.
 
     Vectorised: a min/max per Arrow chunk, and only where that fails, the offending row (``searchsorted``).
 
+    Args:
+        indices: the rows of ``table`` a dataset selects (``tokens.dataset_indices``); ``None``: all, in order.
+        first_row: the number of the table's first row in messages (a stream's rows are checked a few at a time).
+
     Raises:
-        ValueError: a non-integer column, or an out-of-range id; the message names the split, column and row.
+        ValueError: a non-integer column, an out-of-range id, or labels and ids of different lengths; the
+            message names the split, column and row.
     """
     import pyarrow as pa
 
     from lightning_seqmem.batch import IGNORE_INDEX
-    from lightning_seqmem.data.tokens import dataset_indices, view_of_arrow
+    from lightning_seqmem.data.tokens import view_of_arrow
 
-    indices = dataset_indices(ds)
-    for column in id_columns(kind):
-        if column not in ds.column_names:
+    names = table.column_names
+    for column in columns:
+        if column not in names:
             continue
-        arrow = ds.data.column(column)
+        arrow = table.column(column)
         value_type = getattr(arrow.type, "value_type", None)
         if value_type is None or not pa.types.is_integer(value_type):
             raise ValueError(
@@ -131,7 +72,61 @@ def check_token_values(ds, kind: str, split: str, vocab_size: int | None = None)
             if rows.size:
                 limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
                 raise ValueError(
-                    f"Row {int(rows[0])} of split {split!r}, column {column!r} holds a token id outside {limit}"
+                    f"Row {first_row + int(rows[0])} of split {split!r}, column {column!r} holds a token id outside {limit}"
                     f"{' (or -100)' if column == 'labels' else ''} ({rows.size} such rows). Token ids must index the "
                     "tokenizer's vocabulary: re-tokenize with the tokenizer you pass, or pass the one used."
                 )
+    if "labels" in names and "input_ids" in names:
+        _check_one_label_per_token(table, split, indices, first_row)
+
+
+def _check_one_label_per_token(table, split: str, indices, first_row: int) -> None:
+    import pyarrow.compute as pc
+
+    ids, labels = (
+        pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False) for c in ("input_ids", "labels")
+    )
+    ids, labels = (ids, labels) if indices is None else (ids[indices], labels[indices])
+    wrong = np.flatnonzero((ids != labels) & ~np.isnan(labels.astype(np.float64)))
+    if wrong.size:
+        row = int(wrong[0])
+        raise ValueError(
+            f"Row {first_row + row} of split {split!r}: {int(ids[row])} input_ids but {int(labels[row])} labels; "
+            "they must have one label per token."
+        )
+
+
+def id_function(columns: tuple[str, ...], vocab_size: int | None = None):
+    """The batched map function of pre-tokenized rows (a stream's): their ``columns`` checked by
+    :func:`check_token_table` (the map-style check, its messages), passed on as lists, with their ``length``
+    (``input_ids`` and ``labels`` count once)."""
+
+    def fn(batch, indices, split):
+        import pyarrow as pa
+
+        have = [c for c in columns if any(v is not None for v in batch.get(c) or ())]
+        try:
+            table = pa.table({c: _id_array(batch[c]) for c in have})
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+            raise ValueError(
+                f"Rows {list(indices)} of split {split!r}: token ids must be lists of integers ({error}). "
+                "Filter the data, or tokenize again."
+            ) from None
+        check_token_table(table, tuple(have), split, vocab_size, first_row=int(indices[0]) if len(indices) else 0)
+        out = {c: [list(v) for v in batch[c]] for c in have}
+        counted = [c for c in have if c != "labels"]
+        out["length"] = [sum(len(out[c][i]) for c in counted) for i in range(len(indices))]
+        return out
+
+    return fn
+
+
+def _id_array(values: list):
+    """Rows of ids as an Arrow list array: int64 where they are integers (an empty row too), else as inferred,
+    so the check names what they hold."""
+    import pyarrow as pa
+
+    try:
+        return pa.array(values, type=pa.list_(pa.int64()))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
+        return pa.array(values)

@@ -1,5 +1,6 @@
-"""Documents to token ids: the special tokens around a document, the fast batch encoder, the ``datasets.map``
-function that tokenizes a split (``token_cache`` runs it once per node)."""
+"""Documents to token ids: the special tokens around a document, the fast batch encoder, and the batched map
+function of each data kind (``fn(batch, indices, split) -> token columns``). The kinds (``lightning_seqmem.kinds``)
+choose among them; the token cache, ``datasets.map`` and streams all run the one a kind gives."""
 
 from __future__ import annotations
 
@@ -30,30 +31,38 @@ def document_frame(tokenizer, add_bos: bool | None = None, add_eos: bool = True)
     return ([bos] if add_bos and bos is not None else []), ([eos] if add_eos and eos is not None else [])
 
 
-def token_features(kind: str):
-    """The ``datasets.Features`` of tokenized rows: int32 ids (half the disk and page cache of int64)."""
+def int_ids_feature():
+    """The ``datasets`` feature of a token-id list: int32 ids (half the disk and page cache of int64)."""
     import datasets
 
     sequence = datasets.List if hasattr(datasets, "List") else datasets.Sequence
-    ids = sequence(datasets.Value("int32"))
-    if kind == "conversations":  # ``conversations.EncodedConversation.to_row`` and its trained-token count
-        return datasets.Features(
-            {
-                "input_ids": ids,
-                "label_spans": ids,
-                "turn_ends": ids,
-                "keep_turns": datasets.Value("int32"),
-                "num_truncated": datasets.Value("int32"),
-                "num_trained": datasets.Value("int64"),
-                "length": datasets.Value("int64"),
-            }
-        )
-    names = {
-        "text": ["input_ids"],
-        "prompt_completion": ["prompt_ids", "completion_ids"],
-        "preference": list(PREFERENCE_IDS),
-    }[kind]
-    return datasets.Features({**{n: ids for n in names}, "length": datasets.Value("int64")})
+    return sequence(datasets.Value("int32"))
+
+
+def token_features(names: Sequence[str]):
+    """The ``datasets.Features`` of tokenized rows: int32 id columns ``names``, then their summed ``length``."""
+    import datasets
+
+    return datasets.Features({**{n: int_ids_feature() for n in names}, "length": datasets.Value("int64")})
+
+
+def conversation_features():
+    """The ``datasets.Features`` of tokenized conversations (``conversations.EncodedConversation.to_row``, its
+    trained-token count and length)."""
+    import datasets
+
+    ids = int_ids_feature()
+    return datasets.Features(
+        {
+            "input_ids": ids,
+            "label_spans": ids,
+            "turn_ends": ids,
+            "keep_turns": datasets.Value("int32"),
+            "num_truncated": datasets.Value("int32"),
+            "num_trained": datasets.Value("int64"),
+            "length": datasets.Value("int64"),
+        }
+    )
 
 
 def batch_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
@@ -108,98 +117,73 @@ class BatchEncoder:
         return ids
 
 
-def tokenize_function(
-    tokenizer,
-    kind: str = "text",
-    text_column: str = "text",
-    prompt_column: str = "prompt",
-    completion_column: str = "completion",
-    add_bos: bool | None = None,
-    add_eos: bool = True,
-    conversation=None,
-):
-    """The batched ``datasets.map`` function of ``tokenize_dataset``: ``fn(batch, indices, split) -> columns``.
-
-    ``kind="conversations"``: ``text_column`` holds the turns, rendered with the tokenizer's chat template (no
-    BOS/EOS added: the template writes its own) under ``conversation`` (``ConversationSettings``);
-    ``kind="preference"`` with ``conversation`` (``chat_pairs.ChatPairs``): pairs of turn lists, rendered alike."""
-    if kind == "conversations":
-        return _conversation_function(tokenizer, text_column, conversation)
-    if kind == "preference" and conversation is not None:  # ``chat_pairs.ChatPairs``: pairs of turn lists
-        return _chat_pair_function(tokenizer, conversation)
+def text_function(tokenizer, text_column: str = "text", add_bos: bool | None = None, add_eos: bool = True):
+    """The batched map function of text: ``fn(batch, indices, split) -> {"input_ids", "length"}``, each document
+    framed (``document_frame``); a document with no token is ``[]`` (kept, so it is counted as empty)."""
     prefix, suffix = document_frame(tokenizer, add_bos, add_eos)
     encode = batch_encoder(tokenizer)
 
-    if kind == "text":
-
-        def fn(batch, indices, split):
-            _check_strings(batch, [text_column], indices, split)
-            ids = [prefix + t + suffix if t else [] for t in encode(batch[text_column])]
-            return {"input_ids": ids, "length": [len(x) for x in ids]}
-    elif kind == "preference":
-
-        def fn(batch, indices, split):
-            # A pair's two sequences share the prompt (framed once, like a prompt/completion prompt) and each
-            # completion ends with EOS, as TRL's DPO tokenization does.
-            _check_strings(batch, PREFERENCE_TEXT, indices, split)
-            prompt_column, *side_columns = PREFERENCE_TEXT
-            prompts = [prefix + t for t in encode(batch[prompt_column])]
-            sides = [[t + suffix if t else [] for t in encode(batch[name])] for name in side_columns]
-            return {
-                **dict(zip(PREFERENCE_IDS, [prompts, *sides])),
-                "length": [len(p) + len(c) + len(r) for p, c, r in zip(prompts, *sides)],
-            }
-    else:
-
-        def fn(batch, indices, split):
-            _check_strings(batch, [prompt_column, completion_column], indices, split)
-            prompts = [prefix + t for t in encode(batch[prompt_column])]
-            completions = [t + suffix if t else [] for t in encode(batch[completion_column])]
-            return {
-                "prompt_ids": prompts,
-                "completion_ids": completions,
-                "length": [len(p) + len(c) for p, c in zip(prompts, completions)],
-            }
+    def fn(batch, indices, split):
+        _check_strings(batch, [text_column], indices, split)
+        ids = [prefix + t + suffix if t else [] for t in encode(batch[text_column])]
+        return {"input_ids": ids, "length": [len(x) for x in ids]}
 
     return fn
 
 
-def source_columns(
-    kind: str, text_column: str = "text", prompt_column: str = "prompt", completion_column: str = "completion"
-) -> list[str]:
-    """The columns a document of ``kind`` is read from (``"text"``, ``"conversations"``: ``text_column`` holds the
-    turns, ``"prompt_completion"``, ``"preference"``)."""
-    return {
-        "text": [text_column],
-        "conversations": [text_column],
-        "prompt_completion": [prompt_column, completion_column],
-        "preference": list(PREFERENCE_TEXT),
-    }[kind]
-
-
-def tokenize_dataset(
-    dsd,
+def prompt_completion_function(
     tokenizer,
-    kind: str = "text",
-    text_column: str = "text",
     prompt_column: str = "prompt",
     completion_column: str = "completion",
     add_bos: bool | None = None,
     add_eos: bool = True,
-    num_proc: int | None = None,
 ):
-    """Tokenize every split with ``datasets.map`` (batched, cached by fingerprint).
+    """The batched map function of prompt/completion text: ``{"prompt_ids", "completion_ids", "length"}``; the
+    prompt carries the BOS, the completion the EOS (an empty completion stays empty)."""
+    prefix, suffix = document_frame(tokenizer, add_bos, add_eos)
+    encode = batch_encoder(tokenizer)
 
-    Text rows become ``input_ids = [bos] + tokens + [eos]`` (bos only where the tokenizer has one and it differs
-    from eos, unless ``add_bos`` says otherwise), plus a ``length`` column. Prompt/completion rows become
-    ``prompt_ids`` and ``completion_ids`` (the EOS goes at the end of the completion), plus ``length``.
-    Empty documents are kept (length 0 after special tokens are stripped) so that the DataModule can count them.
-    ``token_cache.tokenize_cached`` does the same once per node, cached under a directory of ours.
-    """
-    fn = tokenize_function(tokenizer, kind, text_column, prompt_column, completion_column, add_bos, add_eos)
+    def fn(batch, indices, split):
+        _check_strings(batch, [prompt_column, completion_column], indices, split)
+        prompts = [prefix + t for t in encode(batch[prompt_column])]
+        completions = [t + suffix if t else [] for t in encode(batch[completion_column])]
+        return {
+            "prompt_ids": prompts,
+            "completion_ids": completions,
+            "length": [len(p) + len(c) for p, c in zip(prompts, completions)],
+        }
 
+    return fn
+
+
+def pair_function(tokenizer, add_bos: bool | None = None, add_eos: bool = True):
+    """The batched map function of text preference pairs: ``{"prompt_ids", "chosen_ids", "rejected_ids",
+    "length"}``. A pair's two sequences share the prompt (framed once, like a prompt/completion prompt) and each
+    completion ends with EOS, as TRL's DPO tokenization does."""
+    prefix, suffix = document_frame(tokenizer, add_bos, add_eos)
+    encode = batch_encoder(tokenizer)
+
+    def fn(batch, indices, split):
+        _check_strings(batch, PREFERENCE_TEXT, indices, split)
+        prompt_column, *side_columns = PREFERENCE_TEXT
+        prompts = [prefix + t for t in encode(batch[prompt_column])]
+        sides = [[t + suffix if t else [] for t in encode(batch[name])] for name in side_columns]
+        return {
+            **dict(zip(PREFERENCE_IDS, [prompts, *sides])),
+            "length": [len(p) + len(c) + len(r) for p, c, r in zip(prompts, *sides)],
+        }
+
+    return fn
+
+
+def tokenize_dataset(dsd, tokenizer, kind, text_column: str = "text", num_proc: int | None = None):
+    """Tokenize every split of ``dsd`` with ``datasets.map`` (batched, cached by fingerprint) with the map function
+    of ``kind`` (a ``kinds`` object: ``encoder``, ``features``). Empty documents are kept (length 0) so that the
+    DataModule can count them. ``token_cache.tokenize_cached`` does the same once per node, cached under a
+    directory of ours."""
     import datasets
 
+    fn = kind.encoder(tokenizer, text_column)
     return datasets.DatasetDict(
         {
             split: ds.map(
@@ -209,7 +193,7 @@ def tokenize_dataset(
                 remove_columns=ds.column_names,
                 num_proc=num_proc,
                 fn_kwargs={"split": split},
-                features=token_features(kind),
+                features=kind.features(),
                 desc=f"Tokenizing {split}",
             )
             for split, ds in dsd.items()
@@ -217,7 +201,8 @@ def tokenize_dataset(
     )
 
 
-def _conversation_function(tokenizer, column: str, settings):
+def conversation_function(tokenizer, column: str, settings):
+    """The batched map function of conversations (``conversations.encode_rows``, plus ``length``)."""
     from lightning_seqmem.data.chat_template import ChatRenderer
     from lightning_seqmem.data.conversations import ConversationSettings, encode_rows
 
@@ -232,7 +217,8 @@ def _conversation_function(tokenizer, column: str, settings):
     return fn
 
 
-def _chat_pair_function(tokenizer, settings):
+def chat_pair_function(tokenizer, settings):
+    """The batched map function of conversation-form pairs (``chat_pairs.encode_chat_pairs``)."""
     from lightning_seqmem.data.chat_pairs import encode_chat_pairs
     from lightning_seqmem.data.chat_template import ChatRenderer
 

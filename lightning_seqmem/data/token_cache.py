@@ -32,7 +32,7 @@ from typing import Any
 
 from lightning_seqmem.data.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
 from lightning_seqmem.data.cache_dir import default_cache_dir
-from lightning_seqmem.data.encode import document_frame, source_columns, token_features, tokenize_function
+from lightning_seqmem.data.encode import document_frame
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
 SMALL_DATASET_ROWS = 20_000  # below this, extra processes cost more than they save
@@ -166,16 +166,12 @@ class _Job:
     """What a tokenization worker needs besides its rows (inherited by forked workers, pickled once otherwise)."""
 
     tokenizer: Any
-    kind: str
+    kind: Any  # the data kind (``lightning_seqmem.kinds``): its map function and features
     columns: list[str]
     text_column: str
-    prompt_column: str
-    completion_column: str
-    add_bos: bool | None
-    add_eos: bool
     split: str
     directory: str
-    conversation: Any = None  # ``ConversationSettings`` of ``kind="conversations"``
+    conversation: Any = None  # ``ConversationSettings`` of conversations
 
 
 _WORKER: tuple[Any, _Job] | None = None  # (dataset, job) of this worker process
@@ -197,17 +193,8 @@ def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, 
 
     if ds is None:
         ds, job = _WORKER
-    fn = tokenize_function(
-        job.tokenizer,
-        job.kind,
-        job.text_column,
-        job.prompt_column,
-        job.completion_column,
-        job.add_bos,
-        job.add_eos,
-        job.conversation,
-    )
-    schema = token_features(job.kind).arrow_schema
+    fn = job.kind.encoder(job.tokenizer, job.text_column, job.conversation)
+    schema = job.kind.features().arrow_schema
     name = f"tokens-{index:05d}.arrow"
     rows, pending, pending_tokens = 0, [], 0
 
@@ -261,12 +248,8 @@ def _tokenize_split(ds, job: _Job, procs: int) -> list[str]:
 def tokenize_cached(
     dsd,
     tokenizer,
-    kind: str = "text",
+    kind: Any,
     text_column: str = "text",
-    prompt_column: str = "prompt",
-    completion_column: str = "completion",
-    add_bos: bool | None = None,
-    add_eos: bool = True,
     num_proc: int | None = None,
     cache_dir: str | os.PathLike | None = None,
     source: Any = None,
@@ -275,29 +258,27 @@ def tokenize_cached(
     """``encode.tokenize_dataset``, cached under ``cache_dir``: tokenize a split only the first time.
 
     Args:
-        dsd, tokenizer, kind, text_column, prompt_column, completion_column, add_bos, add_eos: as in
-            ``tokenize_dataset``.
+        dsd, tokenizer, kind, text_column: as in ``encode.tokenize_dataset`` (``kind``: a ``kinds`` object, whose
+            ``encoder`` tokenizes, ``features`` types the columns, ``source_columns`` and ``cache_key`` key the
+            entry).
         num_proc: tokenization processes; ``None``: ``default_num_proc``.
         cache_dir: root of the cache; ``None``: ``default_cache_dir()``. When it cannot be written, the split is
             tokenized into a temporary directory for this process, with a warning.
         source: what the data is called (the DataModule's ``dataset`` argument), recorded in the entry's manifest
             for ``seqmem-cache``.
-        conversation: the ``ConversationSettings`` of ``kind="conversations"`` (``text_column``: the turns), or the
-            ``chat_pairs.ChatPairs`` of conversation-form pairs (which also names their source columns).
+        conversation: the ``ConversationSettings`` of conversations (``text_column``: the turns).
 
     Returns:
-        ``DatasetDict`` of memory-mapped token columns (``encode.token_features(kind)``).
+        ``DatasetDict`` of memory-mapped token columns (``kind.features()``).
     """
     import datasets
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     remove_stale_temporaries(root)
-    frame = document_frame(tokenizer, add_bos, add_eos)
-    columns = getattr(conversation, "source_columns", None) or source_columns(
-        kind, text_column, prompt_column, completion_column
-    )
-    chat = conversation.cache_key(tokenizer) if conversation is not None else []  # the template, train_on, ...
-    common = json.dumps([_FORMAT, tokenizer_fingerprint(tokenizer), frame, kind, columns, *chat], default=str)
+    frame = document_frame(tokenizer)
+    columns = kind.source_columns(text_column)
+    chat = kind.cache_key(tokenizer, conversation)  # the template, train_on, ...
+    common = json.dumps([_FORMAT, tokenizer_fingerprint(tokenizer), frame, kind.name, columns, *chat], default=str)
     out = {}
     for split, ds in dsd.items():
         key = hashlib.sha256((common + ds._fingerprint).encode()).hexdigest()[:32]
@@ -310,10 +291,6 @@ def tokenize_cached(
                 kind,
                 columns,
                 text_column,
-                prompt_column,
-                completion_column,
-                add_bos,
-                add_eos,
                 split,
                 str(directory),
                 conversation,

@@ -16,19 +16,22 @@ CHECKED = "checked"
 """Folder of the markers under the cache root (``<root>/checked/<key>``; ``seqmem-cache`` lists it)."""
 
 
-def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, cache_dir: Any = None) -> bool:
-    """Check pre-tokenized token values (``columns.check_token_values``) once per dataset version, then
-    remember it by the data's fingerprint, so later runs and every rank skip it: the check reads every token, and
-    on a memory-mapped billion-token file that touches every page (4 GB of resident memory) on each run.
+def check_values_once(
+    ds, kind: str, columns: tuple[str, ...], split: str, vocab_size: int | None = None, cache_dir: Any = None
+) -> bool:
+    """Check pre-tokenized token values (``columns.check_token_values`` on ``columns``) once per dataset version,
+    then remember it by the data's fingerprint and ``kind`` (the pre-tokenized kind's name), so later runs and every
+    rank skip it: the check reads every token, and on a memory-mapped billion-token file that touches every page
+    (4 GB of resident memory) on each run.
 
     Returns:
         Whether the check ran (``False``: an earlier run checked this data against the same vocabulary).
     """
-    from lightning_seqmem.data.columns import check_token_values, id_columns
+    from lightning_seqmem.data.columns import check_token_values
 
     fingerprint = getattr(ds, "_fingerprint", None)
     if fingerprint is None or not getattr(ds, "cache_files", None):  # in memory: no stable version to remember
-        check_token_values(ds, kind, split, vocab_size)
+        check_token_values(ds, columns, split, vocab_size)
         return True
     key = hashlib.sha256(
         json.dumps(["tokens-v1", "values-checked", fingerprint, kind, vocab_size]).encode()
@@ -36,8 +39,8 @@ def check_values_once(ds, kind: str, split: str, vocab_size: int | None = None, 
     marker = Path(cache_dir or default_cache_dir()) / CHECKED / key
     if marker.exists():
         return False
-    if not _streamed_values_ok([f["filename"] for f in ds.cache_files], id_columns(kind), vocab_size):
-        check_token_values(ds, kind, split, vocab_size)  # the exact check names the bad row; raises: no marker
+    if not _streamed_values_ok([f["filename"] for f in ds.cache_files], columns, vocab_size):
+        check_token_values(ds, columns, split, vocab_size)  # the exact check names the bad row; raises: no marker
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
@@ -60,6 +63,10 @@ def _streamed_values_ok(files: list[str], columns: tuple[str, ...], vocab_size: 
         for path in files:
             with system_memory_pool(), pa.OSFile(path) as source:
                 for batch in pa.ipc.open_stream(source):
+                    if {"input_ids", "labels"} <= set(batch.schema.names) and pc.all(
+                        pc.equal(*(pc.list_value_length(batch.column(c)) for c in ("input_ids", "labels")))
+                    ).as_py() not in (True, None):
+                        return False  # a row whose labels are not one per token: the exact check names it
                     for column in columns:
                         if column not in batch.schema.names:
                             continue

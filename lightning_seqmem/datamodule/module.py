@@ -17,22 +17,16 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_seqmem.batching.pair_strategies import make_split_strategy
 from lightning_seqmem.batching.sampling import BatchFetcher
 from lightning_seqmem.batching.strategies import Strategy, largest_shape
-from lightning_seqmem.data.chat_template import chat_template_of, mask_method
-from lightning_seqmem.data.columns import PRETOKENIZED_KINDS
 from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
 from lightning_seqmem.data.tokenizer import load_tokenizer
-from lightning_seqmem.datamodule.pipeline import SPLITS, epoch_stats, load_documents, prepare_split, split_documents
+from lightning_seqmem.datamodule.pipeline import SPLITS, load_documents, prepare_split, split_documents
 from lightning_seqmem.datamodule.resume import ResumableLoader, check_signature, data_signature
 from lightning_seqmem.datamodule.settings import SeqMemSettings
-from lightning_seqmem.datamodule.streaming import (
-    Streams,
-    check_streaming,
-    is_stream,
-    stream_kind,
-)
+from lightning_seqmem.datamodule.streaming import Streams, check_streaming, is_stream
+from lightning_seqmem.kinds.base import Kind, epoch_stats
+from lightning_seqmem.kinds.detect import detect_stream
 
 
 class SeqMemDataModule(LightningDataModule):
@@ -179,7 +173,7 @@ class SeqMemDataModule(LightningDataModule):
         self.streaming, self._streams = False, None
         self._tokenizer_arg = tokenizer
         self._tokenizer = None
-        self._kind: str | None = None  # "text", "prompt_completion", "conversations", "preference", once read
+        self._kind: Kind | None = None  # the data kind (``lightning_seqmem.kinds``), once read
         # Chosen once the data kind is known (setup), then never changed: every question about a split's batches
         # goes to its strategy object.
         self._strategies: dict[str, Strategy] = {}
@@ -254,28 +248,27 @@ class SeqMemDataModule(LightningDataModule):
 
     def tokenized_documents(self):
         """``(DatasetDict of token columns, kind)``: the documents tokenized through the tokenize-once cache, or
-        pre-tokenized data as is; ``kind`` is ``"text"``, ``"prompt_completion"``, ``"conversations"`` or
-        ``"preference"``. What ``setup`` and
-        ``seqmem-plan`` read (the planner only the lengths). Computed once per process: ``prepare_data`` and
-        ``setup`` on local rank 0 share it."""
+        pre-tokenized data as is; ``kind`` the data kind (``lightning_seqmem.kinds``: ``kind.name`` is ``"text"``,
+        ``"prompt_completion"``, ``"conversations"`` or ``"preference"``). What ``setup`` and ``seqmem-plan`` read
+        (the planner only the lengths). Computed once per process: ``prepare_data`` and ``setup`` on local rank 0
+        share it."""
         if self._documents is None:
-            tokenized, kind, self._pretokenized = load_documents(
+            tokenized, kind = load_documents(
                 self.dataset,
                 self.settings.data,
                 lambda: self.tokenizer,
                 self._tokenizer_arg is not None,
                 self.settings.conversation,
             )
-            self._documents = tokenized, kind
+            self._documents, self._pretokenized = (tokenized, kind), kind.pretokenized
         return self._documents
 
-    def _choose_strategies(self, kind: str) -> None:
+    def _choose_strategies(self, kind: Kind) -> None:
         """The strategy objects of both splits, built once the data kind is known (it decides the overflow rule)."""
-        self.settings.batching.check_kind(kind)
+        kind.check(self.settings.batching)
         self._kind = kind
         self._strategies = {
-            split: make_split_strategy(self.settings.batching, split, kind, self.settings.data.plan_cache)
-            for split in SPLITS
+            split: kind.strategy(self.settings.batching, split, self.settings.data.plan_cache) for split in SPLITS
         }
 
     @override
@@ -283,30 +276,21 @@ class SeqMemDataModule(LightningDataModule):
         if self.datasets is not None:
             return
         if self._open_stream():
-            kind = stream_kind(self.dataset, self.settings.data.text_column)
-            self._choose_strategies(row_kind := PRETOKENIZED_KINDS.get(kind, kind))
+            kind = detect_stream(self.dataset, self.settings.data.text_column)
+            self._choose_strategies(kind)
             check_streaming(self._strategies)
-            self._streams, self._pretokenized = Streams(self.dataset, kind, self.settings.data), kind != row_kind
+            self._streams, self._pretokenized = Streams(self.dataset, kind, self.settings.data), kind.pretokenized
             self.streaming, self.datasets = True, self._streams.splits
             return
         # Tokenize (or load the cache prepare_data wrote) before carving out a validation split, so errors name
         # rows of the dataset the user passed.
         tokenized, kind = self.tokenized_documents()
         self._choose_strategies(kind)
-        b = self.settings.batching
-        documents = split_documents(tokenized, kind, b.seed)
+        documents = split_documents(tokenized, kind, self.settings.batching.seed)
         self.datasets = {}
         for split, docs in documents.items():
-            prepared = prepare_split(
-                split,
-                docs,
-                self._strategies[split],
-                b.max_length,
-                b.completion_only_loss,
-                self.settings.conversation.on_empty_labels,
-            )
-            if kind == "conversations":
-                prepared.stats["mask_method"] = mask_method(chat_template_of(self.tokenizer))
+            prepared = prepare_split(split, docs, self._strategies[split], self.settings)
+            prepared.stats.update(kind.tokenizer_stats(lambda: self.tokenizer))
             for message in prepared.warnings:
                 rank_zero_warn(message)
             for message in prepared.infos:
@@ -404,10 +388,7 @@ class SeqMemDataModule(LightningDataModule):
         (``BatchingSettings.signature``; for conversations also which tokens carry loss), and a checksum of the
         train row lengths."""
         self._ready()
-        decides = self.settings.batching.signature(self._kind)
-        if self._kind == "conversations":
-            decides = dict(decides, **vars(self.settings.conversation))
-        return data_signature(decides, self._lengths.get("train"))
+        return data_signature(self._kind.signature(self.settings), self._lengths.get("train"))
 
     @override
     def state_dict(self) -> dict[str, Any]:

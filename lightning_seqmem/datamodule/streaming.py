@@ -2,8 +2,8 @@
 
 ``SeqMemDataModule`` hands a stream here instead of to the split pipeline: the whole split is never held, so only
 strategies that pack can serve it. Streams of text, conversations (a ``messages`` column: rendered, cut by whole
-turns to ``max_length``, their labels packed with them), prompt/completion text and token ids are served
-(``stream_encoding.py`` encodes them one document at a time).
+turns to ``max_length``, their labels packed with them), prompt/completion text and token ids are served, each
+example encoded and cut by its kind's own map function and rule (``Kind.stream_encoder``), as map-style splits are.
 
 Each rank reads its own share (``datasets.distributed.split_dataset_by_node``: whole shards where they divide
 evenly) and ``datasets`` deals those shards out to the loader's workers, so no document is read twice or skipped.
@@ -26,28 +26,17 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
-from lightning_seqmem.data.columns import PRETOKENIZED_KINDS
-from lightning_seqmem.datamodule.stream_encoding import (
-    STREAM_KINDS,
-    encode_document,
-    encode_streamed_conversation,
-    stream_encoder,
-    stream_kind,
-)
+from lightning_seqmem.kinds.base import DOCUMENT_STATS, Kind
+from lightning_seqmem.kinds.detect import STREAM_KINDS
 
 __all__ = [
-    "STREAM_KINDS",
     "DealtBatches",
     "StreamCounts",
     "StreamingLoader",
     "StreamingRows",
     "Streams",
     "check_streaming",
-    "encode_document",
-    "encode_streamed_conversation",
     "is_stream",
-    "stream_encoder",
-    "stream_kind",
     "streaming_loader",
     "streaming_splits",
 ]
@@ -69,16 +58,8 @@ class StreamCounts:
     """
 
     SUMMED = (
-        "documents",
-        "empty_documents_skipped",
-        "tokens",
-        "tokens_truncated",
-        "tokens_dropped",
-        "documents_split",
-        "documents_over_max_length",
-        "conversations_dropped_empty",
-        "trained_tokens",
-        "rows_without_completion",
+        *(key for key in DOCUMENT_STATS if key != "longest_document"),
+        *dict.fromkeys(key for kind in STREAM_KINDS for key in kind.stats_keys),  # each kind's own, once
         "rows",
     )
     FIELDS = SUMMED + ("longest_document",)
@@ -350,16 +331,11 @@ class Streams:
 
     Args:
         dataset: the stream (``IterableDataset``/``IterableDatasetDict``).
-        kind: one of ``STREAM_KINDS`` (:func:`stream_kind`).
+        kind: the stream's data kind (``kinds.detect_stream``).
         data: the DataModule's ``DataSettings`` (validation documents, window, workers).
     """
 
-    ONLY = {
-        "conversations": ("conversations_dropped_empty", "trained_tokens"),
-        "prompt_completion": ("rows_without_completion",),
-    }  # by the kind of rows (pre-tokenized or not)
-
-    def __init__(self, dataset: Any, kind: str, data: Any) -> None:
+    def __init__(self, dataset: Any, kind: Kind, data: Any) -> None:
         self.splits = streaming_splits(dataset, data.streaming_validation_documents)
         self.kind, self.buffer_size, self.num_workers = kind, data.streaming_buffer_size, data.num_workers
         self.counts = {split: StreamCounts(self.num_workers) for split in self.splits}
@@ -374,7 +350,7 @@ class Streams:
         warn: Callable[[str], None],
     ) -> DataLoader:
         """``split``'s loader (``settings``: the DataModule's ``SeqMemSettings``)."""
-        encode = stream_encoder(self.kind, tokenizer, settings, strategy)
+        encode = self.kind.stream_encoder(tokenizer, settings, strategy, split)
         return streaming_loader(
             self.splits[split],
             split,
@@ -404,8 +380,7 @@ class Streams:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split, the counts so far on this process (a stream's totals are known only once it is read)."""
-        rows = PRETOKENIZED_KINDS.get(self.kind, self.kind)
-        drop = {key for kind, keys in self.ONLY.items() if kind != rows for key in keys}
+        drop = set(StreamCounts.FIELDS) - {*DOCUMENT_STATS, *self.kind.stats_keys, "rows"}  # other kinds' keys
         return {
             split: {
                 "streaming": True,
