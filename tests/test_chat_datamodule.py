@@ -205,8 +205,10 @@ def test_a_real_trainer_fits_on_packed_conversations(tmp_path, chat_tokenizer, c
 
 
 def test_wrapped_packing_is_refused_for_conversations(tmp_path, chat_tokenizer, conversations):
-    with pytest.raises(ValueError, match="packing='wrapped' cuts rows .* Use packing='bfd'"):
-        _dm(conversations, chat_tokenizer, tmp_path, strategy="pack", packing="wrapped")
+    from lightning_seqmem.batching.options import Pack
+
+    with pytest.raises(ValueError, match=r"Pack\(method='wrapped'\) cuts rows .* Use Pack\(method='bfd'\)"):
+        _dm(conversations, chat_tokenizer, tmp_path, batching=Pack(method="wrapped"))
 
 
 def _compose(name, overrides):
@@ -257,11 +259,11 @@ def test_seqmem_plan_data_chat_reports_the_trained_share_the_datamodule_measures
     dm = instantiate(_compose("config", overrides).data)
     train = dm.stats()["train"]
     configured = plan.configured
-    assert (configured.strategy, configured.max_length) == ("pack_bfd", 256)
+    assert (configured.strategy, configured.max_length) == ("Pack(method='bfd')", 256)
     assert configured.token_efficiency == train["token_efficiency"]
     assert configured.trained_share == pytest.approx(train["trained_share"])
     assert configured.tokens_lost == train["tokens_truncated"] + train["tokens_dropped"]
-    assert "pack_wrapped" not in {s.strategy for s in plan.strategies}  # conversations are packed whole
+    assert "Pack(method='wrapped')" not in {s.strategy for s in plan.strategies}  # conversations: packed whole
     assert any("efficiency" in line and "trained" in line for line in format_plan(plan).splitlines())
 
 

@@ -200,7 +200,7 @@ def test_seqmem_plan_plans_conversation_pairs_as_the_datamodule_serves_them(chat
         strategy="pack",
         cache_dir=tmp_path / "cache",
     )
-    result = plan(SeqMemDataModule(chat_rows(), **arguments), None, strategies=["pack_bfd"], max_lengths=[48])
+    result = plan(SeqMemDataModule(chat_rows(), **arguments), None, strategies=["pack"], max_lengths=[48])
     dm = SeqMemDataModule(chat_rows(), **arguments)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

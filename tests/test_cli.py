@@ -27,6 +27,7 @@ def _no_pytest_argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["seqmem-cli"])  # LightningCLI(args=...) warns when sys.argv has arguments
 
 
+@pytest.mark.slow
 def test_defaults_callbacks_plus_equals_and_print_config_round_trip(tmp_path, capsys):
     args = [
         "fit",
@@ -55,6 +56,7 @@ def test_defaults_callbacks_plus_equals_and_print_config_round_trip(tmp_path, ca
         assert [row["step"] for row in csv.DictReader(f)] == ["3"]
 
 
+@pytest.mark.slow
 def test_subclasses_replace_model_and_data(tmp_path, monkeypatch):
     (tmp_path / "my_classes.py").write_text(
         textwrap.dedent("""
@@ -102,6 +104,7 @@ def test_bad_class_path_names_it(args, capsys):
     assert args[0].split("=", 1)[1] in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bad_class_path_in_yaml_via_console_script(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("model:\n  class_path: my_missing_pkg.MyLM\n")
@@ -125,3 +128,29 @@ def test_progress_bar_counts_steps_unless_turned_off(enabled):
     bars = [cb for cb in cli.trainer.callbacks if isinstance(cb, StepProgressBar)]
     assert len(bars) == (1 if enabled else 0)
     assert cli.trainer.progress_bar_callback is (bars[0] if enabled else None)
+
+
+def test_the_batching_is_built_by_class_path_with_its_own_options(tmp_path, capsys):
+    """``--data.batching`` takes a Pad, Truncate or Pack by class_path (or its short name), each with only its own
+    options; the printed config feeds back; an option of another strategy is refused by name."""
+    import os
+
+    from lightning_seqmem.batching.options import Pack, Pad, Truncate
+
+    args = ["--trainer.accelerator=cpu", "--data.batching=Pack", "--data.batching.method=wrapped"]
+    cli = cli_main([*args, "--data.eval_batching=Truncate"], run=False)
+    batching = cli.datamodule.settings.batching
+    assert (batching.batching, batching.eval_batching) == (Pack(method="wrapped"), Truncate())
+    with pytest.raises(SystemExit):
+        cli_main([*args, "--print_config"], run=False)
+    printed = capsys.readouterr().out
+    assert "method: wrapped" in printed
+    (tmp_path / "printed.yaml").write_text(printed)
+    again = cli_main(["--config", str(tmp_path / "printed.yaml")], run=False).datamodule.settings.batching
+    assert again.batching == Pack(method="wrapped")
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "cli.yaml")
+    cli = cli_main(["--config", example, "--data.batching=Pad", "--data.batching.group_by_length=true"], run=False)
+    assert cli.datamodule.settings.batching.batching == Pad(group_by_length=True)
+    with pytest.raises(SystemExit):
+        cli_main(["--data.batching=Pad", "--data.batching.method=wrapped"], run=False)
+    assert "Option 'method' is not accepted" in capsys.readouterr().err

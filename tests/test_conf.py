@@ -9,10 +9,13 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_module
 from hydra.errors import MissingConfigException
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from lightning_seqmem.batching.options import Pack, Pad, Truncate
+
 CONF_DIR = os.path.dirname(lightning_seqmem.conf.__file__)
-GROUPS = ("data", "model", "callbacks", "trainer", "logger", "experiment")
+GROUPS = ("data", "batching", "model", "callbacks", "trainer", "logger", "experiment")
 
 
 def options(group):
@@ -32,7 +35,8 @@ def compose_cfg(overrides=()):
 
 
 def test_groups_mirror_the_concerns():
-    assert set(options("data")) >= {"builtin", "hf", "local", "pad", "truncate", "pack_bfd", "pack_wrapped"}
+    assert set(options("data")) == {"builtin", "hf", "local", "chat", "preference"}  # where the data come from
+    assert set(options("batching")) == {"pad", "truncate", "pack_bfd", "pack_wrapped"}  # how they are batched
     assert set(options("model")) >= {"tiny_llama", "tiny_gpt2", "local_path"}
     assert set(options("callbacks")) >= {"default", "seq_warmup", "preallocate", "memory_monitor", "checks", "summary"}
     assert set(options("trainer")) >= {"cpu", "gpu", "ddp", "ddp_spawn"}
@@ -59,7 +63,8 @@ def test_every_option_composes_and_its_targets_take_the_arguments(group, option)
     breaks this test, not a user's run)."""
     cfg = compose_cfg([f"{group}={option}"])
     assert cfg.data._target_ and cfg.model._target_ and cfg.trainer._target_
-    node = OmegaConf.to_container(cfg if group == "experiment" else cfg[group], resolve=False)
+    node = cfg if group == "experiment" else cfg.data.batching if group == "batching" else cfg[group]
+    node = OmegaConf.to_container(node, resolve=False)
     for path, entry in _target_nodes(node):
         params = inspect.signature(_resolve(entry["_target_"])).parameters
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
@@ -102,7 +107,7 @@ def test_callbacks_switch_off_and_none():
 def test_both_loggers_and_experiment_preset():
     assert set(compose_cfg(["logger=[csv,tensorboard]"]).logger) == {"csv", "tensorboard"}
     cfg = compose_cfg(["experiment=warmup_sweep"])
-    assert cfg.data.strategy == "pack" and cfg.trainer.max_steps > 0
+    assert instantiate(cfg.data.batching) == Pack(method="bfd") and cfg.trainer.max_steps > 0
     with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
         hcfg = compose("config", overrides=["experiment=warmup_sweep"], return_hydra_config=True)
     assert "0.0" in str(hcfg.hydra.sweeper.params["callbacks.seq_warmup.duration"])
@@ -117,7 +122,40 @@ def test_unknown_option_lists_the_valid_ones():
     with pytest.raises(MissingConfigException) as err:
         compose_cfg(["data=nope"])
     message = str(err.value)
-    assert "nope" in message and all(o in message for o in ("pack_bfd", "truncate", "builtin"))
+    assert "nope" in message and all(o in message for o in ("builtin", "local", "chat"))
+    with pytest.raises(MissingConfigException) as err:
+        compose_cfg(["batching=nope"])
+    assert all(o in str(err.value) for o in ("pack_bfd", "pack_wrapped", "truncate", "pad"))
+
+
+BATCHINGS = {
+    "pad": Pad(),
+    "truncate": Truncate(),
+    "pack_bfd": Pack(method="bfd"),
+    "pack_wrapped": Pack(method="wrapped"),
+}
+
+
+@pytest.mark.parametrize("source", ["builtin", "chat", "preference", "local"])
+def test_a_source_and_a_batching_are_picked_independently(source):
+    """``data`` says where the documents come from, ``batching`` how they are batched (it fills data.batching):
+    every pair composes, the source keeps its own values and the batching its own options."""
+    alone = compose_cfg([f"data={source}"]).data
+    for name, expected in BATCHINGS.items():
+        data = compose_cfg([f"data={source}", f"batching={name}", "data.dataset=x"]).data
+        assert instantiate(data.batching) == expected
+        assert {k: v for k, v in data.items() if k not in ("batching", "dataset")} == {
+            k: v for k, v in alone.items() if k not in ("batching", "dataset")
+        }
+    assert instantiate(compose_cfg().data.batching) == Pack(method="bfd")  # the main job packs by default
+
+
+def test_the_validation_batching_is_the_same_group_at_another_package():
+    cfg = compose_cfg(["batching=pack_wrapped", "+batching@data.eval_batching=pad"])
+    dm = instantiate(cfg.data)
+    assert dm.settings.batching.batching == Pack(method="wrapped")
+    assert dm.settings.batching.eval_batching == Pad()
+    assert compose_cfg(["data.batching.group_by_length=true", "batching=pad"]).data.batching.group_by_length
 
 
 def test_user_class_from_the_command_line():

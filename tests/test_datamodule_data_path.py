@@ -11,6 +11,7 @@ import torch
 
 from lightning_seqmem import CausalLM, SeqMemDataModule
 from lightning_seqmem.batching.collate import real_token_mask
+from lightning_seqmem.batching.options import Pack, Pad, as_batching
 
 
 def _fed(dm, loader):
@@ -34,12 +35,11 @@ def test_setup_memory_follows_documents_not_tokens():
     for strategy in ("pack", "pad"):
         dm = SeqMemDataModule(
             dataset=ds,
-            strategy=strategy,
+            batching=Pack(overflow="split") if strategy == "pack" else as_batching(strategy),
             max_length=512,
             micro_batch_size=4,
             pad_token_id=0,
             eos_token_id=2,
-            overflow="split" if strategy == "pack" else None,
         )
         tracemalloc.start()
         with pytest.warns(UserWarning) if strategy == "pad" else _nothing():
@@ -92,10 +92,9 @@ def test_pretokenized_labels_and_prompt_completion_ids_are_used_as_given():
             train=datasets.Dataset.from_dict({"input_ids": ids, "labels": labels}),
             validation=datasets.Dataset.from_dict({"input_ids": ids[:1], "labels": labels[:1]}),
         ),
-        strategy="pad",
+        batching=Pad(to_multiple_of=None),
         max_length=8,
         micro_batch_size=2,
-        pad_to_multiple_of=None,
         pad_token_id=0,
         seed=1,
     )
@@ -177,9 +176,9 @@ def test_packed_sft_rows_are_truncated_not_split_by_default(tokenizer):
 
 def test_splitting_sft_rows_needs_an_explicit_opt_in(tokenizer):
     with pytest.raises(ValueError, match="allow_split_prompt_completion=True"):
-        SeqMemDataModule(dataset=_sft(), strategy="pack", max_length=32, overflow="split").setup("fit")
+        SeqMemDataModule(dataset=_sft(), batching=Pack(overflow="split"), max_length=32).setup("fit")
     dm = SeqMemDataModule(
-        dataset=_sft(), strategy="pack", max_length=32, overflow="split", allow_split_prompt_completion=True
+        dataset=_sft(), batching=Pack(overflow="split", allow_split_prompt_completion=True), max_length=32
     )
     dm.setup("fit")
     assert dm.stats()["train"]["documents_split"] >= 1 and dm.stats()["train"]["tokens_truncated"] == 0

@@ -10,6 +10,7 @@ from _recorder import fit_recording
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.batch import count_real_tokens
 from lightning_seqmem.batching.collate import real_token_mask
+from lightning_seqmem.batching.options import Pack, Pad, Truncate
 from lightning_seqmem.kinds.text import text_stream_encoder
 
 
@@ -21,21 +22,23 @@ def _fed_tokens(dm, loader):
     "kwargs",
     [
         dict(strategy="pad"),
-        dict(strategy="pad", group_by_length=True),
-        dict(strategy="pad", pad_to_max_length=True),
+        dict(batching=Pad(group_by_length=True)),
+        dict(batching=Pad(to_max_length=True)),
         dict(strategy="pad", max_tokens_per_batch=160),
-        dict(strategy="truncate"),
+        dict(batching=Truncate()),
         dict(strategy="truncate", truncation_side="left"),
         dict(strategy="pack"),
-        dict(strategy="pack", packing="wrapped"),
-        dict(strategy="pack", overflow="truncate"),
-        dict(strategy="pack", overflow="drop", return_cu_seqlens=True),
+        dict(batching=Pack(method="wrapped")),
+        dict(batching=Pack(overflow="truncate")),
+        dict(batching=Pack(overflow="drop", cu_seqlens=True)),
     ],
     ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()),
 )
 def test_every_strategy_keeps_the_contract_and_counts_every_token(small_text_dataset, kwargs):
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=40, micro_batch_size=4, **kwargs)
-    loses_tokens = kwargs["strategy"] != "pack" or kwargs.get("overflow", "split") != "split"
+    batching = dm.settings.batching.batching
+    splits_long = isinstance(batching, Pack) and batching.overflow in (None, "split")
+    loses_tokens = not splits_long
     with pytest.warns(UserWarning, match="longer than max_length") if loses_tokens else contextlib.nullcontext():
         dm.setup("fit")
     rows, length = dm.max_batch_shape()
@@ -47,7 +50,7 @@ def test_every_strategy_keeps_the_contract_and_counts_every_token(small_text_dat
             shape = batch["input_ids"].shape
             assert all(batch[k].shape == shape for k in keys if k != "cu_seqlens")
             assert shape[0] <= rows and shape[1] <= length
-            if kwargs["strategy"] != "pad" or kwargs.get("pad_to_max_length"):
+            if not isinstance(batching, Pad) or batching.to_max_length:
                 assert shape[1] == 40  # constant shape
             if "max_tokens_per_batch" in kwargs:
                 assert shape[0] * shape[1] <= 160
@@ -56,7 +59,7 @@ def test_every_strategy_keeps_the_contract_and_counts_every_token(small_text_dat
         s = dm.stats()[split]
         fed = _fed_tokens(dm, loader)
         assert fed + s["tokens_truncated"] + s["tokens_dropped"] == s["tokens"]  # nothing lost silently
-        if kwargs["strategy"] == "pack" and kwargs.get("overflow", "split") == "split":
+        if splits_long:
             assert s["tokens_truncated"] == s["tokens_dropped"] == 0 and s["documents_split"] >= 1
         slots = sum(b["input_ids"].numel() for b in loader)
         assert s["token_efficiency"] == pytest.approx(fed / slots)
@@ -124,8 +127,7 @@ def test_prompt_completion_truncation_and_completion_only_labels(tokenizer):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(strategy="pack", packing="ffd"), r"packing='ffd' is not valid; use one of \('bfd', 'wrapped'\)"),
-        (dict(strategy="pack", overflow="wrap"), "overflow='wrap' is not valid"),
+        (dict(batching=Pack(method="wrapped"), strategy="pack"), "Give batching=Pack.* or strategy='pack', not both"),
         (dict(strategy="truncate", max_length=64, max_tokens_per_batch=32), "at least 64"),
         (dict(truncation_side="middle"), "truncation_side='middle' is not valid"),
     ],
@@ -150,7 +152,7 @@ def test_part_limits_must_fit_max_length_for_prompt_completion_rows_only(tmp_pat
 
 def test_bad_data(small_text_dataset):
     with pytest.raises(ValueError, match=r"document at row \d+ has \d+ tokens > max_length=40"):
-        SeqMemDataModule(dataset=small_text_dataset, max_length=40, strategy="pack", overflow="error").setup("fit")
+        SeqMemDataModule(dataset=small_text_dataset, max_length=40, batching=Pack(overflow="error")).setup("fit")
     with pytest.raises(ValueError, match="max_tokens_per_batch=16 is smaller than one row.*>= 40"):
         SeqMemDataModule(dataset=small_text_dataset, max_length=40, max_tokens_per_batch=16).setup("fit")
     texts = ["", "some text here", "", "more text"]

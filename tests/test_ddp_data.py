@@ -11,9 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_seqmem.batching.options import Pad
+
 STRATEGIES = {
     "pad": dict(strategy="pad"),
-    "pad_grouped": dict(strategy="pad", group_by_length=True),
+    "pad_grouped": dict(batching=Pad(group_by_length=True)),
     "pad_budget": dict(strategy="pad", max_tokens_per_batch=96),
     "truncate": dict(strategy="truncate"),
     "pack": dict(strategy="pack"),

@@ -6,6 +6,7 @@ import pytest
 import torch
 from _memory_helpers import TinyData, TinyLM, trainer
 
+from lightning_seqmem.batching.options import Pad
 from lightning_seqmem.memory import checks
 from lightning_seqmem.memory.checks import CHECKS, ConfigChecks, RunFacts, find_problems, resolve_precision
 
@@ -168,7 +169,7 @@ TINY = {
     "settings, dynamic, packing",
     [
         (dict(strategy="pad"), True, False),
-        (dict(strategy="pad", pad_to_max_length=True), False, False),  # one shape: no dynamic-shapes warning
+        (dict(batching=Pad(to_max_length=True)), False, False),  # one shape: no dynamic-shapes warning
         (dict(strategy="pack"), False, True),
         (dict(strategy="pack", eval_strategy="pad"), True, True),  # validation batches change shape
     ],

@@ -43,7 +43,7 @@ def test_padded_rows_and_defaults_by_keys():
 
 def test_strategies_say_when_rows_are_never_padded():
     pad, truncate, pack = (
-        make_strategy(BatchingSettings(max_length=16, strategy=name)) for name in ("pad", "truncate", "pack")
+        make_strategy(BatchingSettings(max_length=16, batching=name)) for name in ("pad", "truncate", "pack")
     )
     assert pad.worst_layout(2, 16, np.array([3, 16])) == ((16,), (15,))
     assert pad.worst_layout(2, 16, np.array([16, 16])) == full_rows(2, 16)  # every row 16 tokens: no padding

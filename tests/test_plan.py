@@ -16,6 +16,7 @@ from lightning_seqmem.apps.planner import (
     plan_memory,
     plan_strategy,
 )
+from lightning_seqmem.batching.options import Pack, Pad, Truncate
 from lightning_seqmem.batching.settings import BatchingSettings
 from lightning_seqmem.memory.estimate import estimate_training_memory
 from lightning_seqmem.training.building import build_model_config
@@ -33,32 +34,28 @@ def _check_equal(dm, lengths, strategy, max_length):
     assert got.max_batch_shape == tuple(shape)
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=repr)
 @pytest.mark.parametrize("max_length", [64, 256])
 def test_every_strategy_matches_the_datamodule_on_the_builtin_corpus(strategy, max_length):
     lengths = datamodule_lengths(SeqMemDataModule(micro_batch_size=4, seed=3))
-    dm = SeqMemDataModule(max_length=max_length, micro_batch_size=4, seed=3, **STRATEGIES[strategy])
+    dm = SeqMemDataModule(max_length=max_length, micro_batch_size=4, seed=3, batching=strategy)
     _check_equal(dm, lengths, strategy, max_length)
 
 
-SETTINGS = [
-    dict(drop_last=True, micro_batch_size=3),
-    dict(max_tokens_per_batch=256),
-    dict(pad_to_multiple_of=None, eval_batch_size=5),
-    dict(overflow="truncate"),
-    dict(overflow="drop"),
-]
-CASES = [(s, e) for s in ("pad", "truncate", "pack_bfd") for e in SETTINGS] + [("pad", dict(group_by_length=True))]
+SETTINGS = [dict(drop_last=True, micro_batch_size=3), dict(max_tokens_per_batch=256), dict(eval_batch_size=5)]
+CASES = [(s, e) for s in (Pad(), Truncate(), Pack()) for e in SETTINGS]
+CASES += [(s, {}) for s in (Pad(to_multiple_of=None), Pad(group_by_length=True))]
+CASES += [(Pack(overflow=o), e) for o in ("truncate", "drop") for e in ({}, dict(max_tokens_per_batch=256))]
 
 
-@pytest.mark.parametrize("strategy,extra", CASES)
+@pytest.mark.parametrize("strategy,extra", CASES, ids=repr)
 def test_settings_are_honoured_on_a_small_dataset(small_text_dataset, strategy, extra):
     base = dict(dataset=small_text_dataset, max_length=64, seed=1, **{"micro_batch_size": 4, **extra})
     lengths = datamodule_lengths(SeqMemDataModule(**base))
-    _check_equal(SeqMemDataModule(**base, **STRATEGIES[strategy]), lengths, strategy, 64)
+    _check_equal(SeqMemDataModule(**base, batching=strategy), lengths, strategy, 64)
 
 
-@pytest.mark.parametrize("strategy", ["pad", "pack_bfd"])
+@pytest.mark.parametrize("strategy", [Pad(), Pack()], ids=repr)
 def test_pretokenized_data_without_a_tokenizer_is_planned_from_its_offsets(tmp_path, strategy):
     """Pre-tokenized ids given with their own pad id: no tokenizer is loaded, the plan equals the DataModule."""
     import datasets
@@ -74,7 +71,7 @@ def test_pretokenized_data_without_a_tokenizer_is_planned_from_its_offsets(tmp_p
     probe = SeqMemDataModule(**base)
     lengths = datamodule_lengths(probe)
     assert probe.tokenizer is None and sum(map(sum, (lengths["train"], lengths["validation"]))) == sum(map(len, rows))
-    _check_equal(SeqMemDataModule(**base, **STRATEGIES[strategy]), lengths, strategy, 32)
+    _check_equal(SeqMemDataModule(**base, batching=strategy), lengths, strategy, 32)
 
 
 def test_optimizer_steps_follow_devices_and_accumulation(small_text_dataset):
@@ -88,12 +85,14 @@ def test_optimizer_steps_follow_devices_and_accumulation(small_text_dataset):
 def test_bad_input_says_what_is_wrong():
     lengths = {"train": np.array([3, 5, 9]), "validation": np.array([4])}
     settings = BatchingSettings()
-    with pytest.raises(ValueError, match="choose from"):
-        build_plan(lengths, ["pad", "paddington"], [64], settings, ("pad", 64))
+    with pytest.raises(ValueError, match=r"Unknown strategy 'paddington'; choose one of \['pad', 'truncate', 'pack'\]"):
+        build_plan(lengths, [Pad(), "paddington"], [64], settings, (Pad(), 64))
+    with pytest.raises(ValueError, match=r"No strategies to plan; give batching objects, e.g. \[Pad\(\), "):
+        build_plan(lengths, [], [64], settings, (Pad(), 64))
     with pytest.raises(ValueError, match="non-empty list of ints >= 2"):
-        build_plan(lengths, ["pad"], [], settings, ("pad", 64))
+        build_plan(lengths, [Pad()], [], settings, (Pad(), 64))
     with pytest.raises(ValueError, match="non-empty list of ints >= 2"):
-        build_plan(lengths, ["pad"], [64, 0], settings, ("pad", 64))
+        build_plan(lengths, [Pad()], [64, 0], settings, (Pad(), 64))
     with pytest.raises(ValueError, match="80GiB"):
         parse_bytes("eighty gigs")
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5 GB") == 1_500_000_000
@@ -134,14 +133,14 @@ def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset):
         list(STRATEGIES),
         [32, 128],
         BatchingSettings(micro_batch_size=4),
-        ("pad", 128),
+        (Pad(), 128),
         estimate=_tiny_estimate(),
         micro_batch_sizes=[1, 2, 4],
         budget=2**30,
     )
     text = format_plan(plan)
     assert len(plan.strategies) == 10 and "<- config" in text and "Recommended:" in text
-    assert plan.recommended["strategy"].startswith("pack")  # packing loses nothing and wastes the least
+    assert plan.recommended["strategy"].startswith("Pack(")  # packing loses nothing and wastes the least
     assert plan.recommended["micro_batch_size"] == 4  # everything fits 1 GiB
     assert plan.distribution["percentiles"][100] == int(lengths["train"].max())
     # The memory table says where each peak falls and why a column is short there, never a bare "0 B".
@@ -164,29 +163,31 @@ def test_plan_api_from_a_datamodule_and_a_model_config(small_text_dataset):
         device="cpu",
         precision="32-true",
     )
-    assert (result.configured.strategy, result.configured.max_length) == ("pack_bfd", 64)
+    assert (result.configured.batching, result.configured.max_length) == (Pack(method="bfd"), 64)
+    assert result.configured.strategy == "Pack(method='bfd')"
     assert result.configured.max_batch_shape == dm.max_batch_shape()
     assert result.memory.fits == {False: 2, True: 2}
     assert result.recommended["micro_batch_size"] == 2
 
 
 @pytest.mark.parametrize(
-    "name,packing,overflow",
+    "batching",
     [
-        ("pad", "bfd", "split"),
-        ("truncate", "bfd", "split"),
-        ("pack", "bfd", "split"),
-        ("pack", "bfd", "drop"),
-        ("pack", "bfd", "truncate"),
-        ("pack", "wrapped", "split"),
+        Pad(),
+        Truncate(),
+        Pack(overflow="split"),
+        Pack(overflow="drop"),
+        Pack(overflow="truncate"),
+        Pack(method="wrapped", overflow="split"),
     ],
+    ids=repr,
 )
-def test_lengths_only_plan_equals_the_token_plan(name, packing, overflow):
+def test_lengths_only_plan_equals_the_token_plan(batching):
     from lightning_seqmem.batching.strategies import make_strategy
     from lightning_seqmem.data.tokens import as_token_source
 
     docs = [list(range(n)) for n in np.random.default_rng(0).integers(1, 40, 50)]
-    strategy = make_strategy(BatchingSettings(max_length=16, strategy=name, packing=packing, overflow=overflow))
+    strategy = make_strategy(BatchingSettings(max_length=16, batching=batching))
     source = as_token_source(docs)
     full = strategy.rows(source)
     lengths, cut = strategy.row_lengths(source.lengths)

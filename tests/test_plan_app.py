@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
 from lightning_seqmem.apps.plan_app import plan_from_config
+from lightning_seqmem.batching.options import Pack
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*")
 
@@ -21,7 +22,7 @@ def _compose(name, overrides):
 
 def test_plan_composes_the_run_seqmem_train_would_launch_and_matches_its_datamodule():
     overrides = [
-        "data=pack_wrapped",
+        "batching=pack_wrapped",
         "data.max_length=128",
         "data.micro_batch_size=4",
         "model=tiny_gpt2",
@@ -29,12 +30,13 @@ def test_plan_composes_the_run_seqmem_train_would_launch_and_matches_its_datamod
     ]
     plan_cfg = _compose("plan", overrides + ["plan.memory=false", "plan.max_lengths=[64,128]"])
     train_cfg = _compose("config", overrides)
-    for group in ("data", "model", "trainer", "callbacks"):
+    for group in ("data", "model", "trainer", "callbacks"):  # data.batching included
         assert plan_cfg[group] == train_cfg[group]
     plan, _ = plan_from_config(plan_cfg)
     dm = instantiate(train_cfg.data)
     configured = plan.configured
-    assert (configured.strategy, configured.max_length) == ("pack_wrapped", 128)
+    assert (configured.batching, configured.max_length) == (Pack(method="wrapped"), 128)
+    assert configured in plan.strategies  # one of the candidates of plan.strategies, compared as objects
     assert configured.token_efficiency == dm.stats()["train"]["token_efficiency"]
     assert configured.max_batch_shape == dm.max_batch_shape()
     assert configured.optimizer_steps == -(-dm.stats()["train"]["batches"] // 2)
@@ -45,7 +47,7 @@ def test_seqmem_plan_command_prints_the_tables_and_writes_plan_json_and_histogra
         sys.executable,
         "-m",
         "lightning_seqmem.apps.plan_app",
-        "data=pad",
+        "batching=pad",
         "model=tiny_llama",
         "data.max_length=128",
         "plan.max_lengths=[64,128]",
@@ -55,7 +57,7 @@ def test_seqmem_plan_command_prints_the_tables_and_writes_plan_json_and_histogra
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ})
     assert out.returncode == 0, out.stderr[-2000:]
-    for text in ("pack_bfd", "token", "Peak training memory", "Recommended: strategy=", "Why: "):
+    for text in ("Pack(method='bfd')", "token", "Peak training memory", "Recommended: strategy=", "Why: "):
         assert text in out.stdout
     record = json.loads((tmp_path / "plan.json").read_text())
     assert record["recommended"]["micro_batch_size"] == 2 and len(record["strategies"]) == 10
@@ -83,7 +85,7 @@ def test_prompt_completion_data_gets_its_two_panel_histogram_and_a_clear_error(t
 
 def test_bad_plan_settings_fail_with_a_clear_message():
     cfg = _compose("plan", ["plan.strategies=[pad,zip]", "plan.memory=false"])
-    with pytest.raises(ValueError, match="choose from"):
+    with pytest.raises(ValueError, match=r"Unknown strategy 'zip'; choose one of \['pad', 'truncate', 'pack'\]"):
         plan_from_config(cfg)
     cfg = _compose("plan", ["plan.max_lengths=[]", "plan.memory=false"])
     with pytest.raises(ValueError, match="non-empty list"):
@@ -102,11 +104,11 @@ def test_seqmem_plan_chooses_the_trainer_seqmem_train_would(monkeypatch, capsys)
     from lightning_seqmem.apps import plan_app
 
     monkeypatch.setattr(cuda, "num_cuda_devices", lambda: 1)
-    monkeypatch.setattr(sys, "argv", ["seqmem-plan", "data=pad"])
+    monkeypatch.setattr(sys, "argv", ["seqmem-plan", "batching=pad"])
     seen = []
     monkeypatch.setattr(plan_app, "_hydra_entry", lambda: seen.append(list(sys.argv[1:])))
     plan_app.main()
-    assert seen == [["data=pad", "trainer=gpu"]]
+    assert seen == [["batching=pad", "trainer=gpu"]]
     assert "1 CUDA GPU visible: planning for trainer=gpu" in capsys.readouterr().err
 
 
@@ -122,7 +124,7 @@ def test_seqmem_plan_on_a_stream_plans_its_first_documents_and_says_so():
     cfg = _compose(
         "plan",
         [
-            "data=pack_bfd",
+            "batching=pack_bfd",
             "data.streaming=true",
             "plan.stream_sample=500",
             "plan.memory=false",

@@ -14,6 +14,7 @@ import torch
 
 from lightning_seqmem import DPO, SeqMemDataModule
 from lightning_seqmem.batch import SEQUENCE_INDEX, count_real_tokens
+from lightning_seqmem.batching.options import Pad
 
 TINY = dict(
     model_type="llama",
@@ -70,7 +71,7 @@ def quiet_trainer(**kwargs):
 def test_padded_pairs_equal_trls_collator_on_the_same_rows(tokenizer, tmp_path, mode):
     trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
     rows = text_rows()
-    dm = module(splits(rows), tmp_path, truncation_mode=mode, pad_to_multiple_of=None)
+    dm = module(splits(rows), tmp_path, truncation_mode=mode, batching=Pad(to_multiple_of=None))
     ours = next(iter(dm.val_dataloader()))  # validation keeps the dataset's order
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id

@@ -23,7 +23,7 @@ def pairs(n=80, seed=0):
     ]
 
 
-@pytest.mark.parametrize("strategy,name", [("pad", "pad"), ("truncate", "truncate"), ("pack", "pack_bfd")])
+@pytest.mark.parametrize("strategy,name", [("pad", "pad"), ("truncate", "truncate"), ("pack", "pack")])
 def test_the_plan_of_pairs_is_what_the_datamodule_reports(tmp_path, strategy, name):
     rows = pairs()
     data = datasets.DatasetDict(train=datasets.Dataset.from_list(rows), validation=datasets.Dataset.from_list(rows[:8]))
@@ -61,7 +61,7 @@ def test_the_plan_of_pairs_is_what_the_datamodule_reports(tmp_path, strategy, na
     assert mine.max_batch_shape == dm.max_batch_shape()
     estimate = result.memory.estimates[False][4]  # micro_batch_size 4 is 8 rows of padded pairs, 4 packed rows
     assert (estimate.rows, estimate.length) == dm.max_batch_shape()
-    assert "pack_wrapped" not in format_plan(result)
+    assert "wrapped" not in format_plan(result)
 
 
 def test_dpo_reference_copy_adds_its_weights_to_the_plan(tmp_path):

@@ -5,12 +5,14 @@ import dataclasses
 import re
 
 import datasets
+import numpy as np
 import pytest
 
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.apps import planner
+from lightning_seqmem.batching.options import Batching, Pack, Pad, Truncate
 from lightning_seqmem.batching.settings import BatchingSettings
-from lightning_seqmem.batching.strategies import make_strategy, planner_name
+from lightning_seqmem.batching.strategies import make_strategy
 from lightning_seqmem.datamodule.settings import SeqMemSettings
 from lightning_seqmem.protocols import DescribesBatching
 
@@ -24,24 +26,40 @@ def test_the_settings_are_frozen_and_built_once_from_the_arguments():
         dm.settings.batching.max_length = 32
     with pytest.raises(dataclasses.FrozenInstanceError):
         dm.settings.data.num_workers = 4
-    assert dm.hparams["max_length"] == 64 and dm.hparams["eval_strategy"] == "pack"  # saved as before
+    assert dm.hparams["max_length"] == 64 and dm.settings.batching.batching == Pack()
+    # Each loader's options saved as plain values (loggers flatten them; checkpoints load them without classes).
+    pack = {"strategy": "pack", "method": "bfd", "overflow": None, "allow_split_prompt_completion": False}
+    assert dm.hparams["batching"] == dm.hparams["eval_batching"] == dict(pack, cu_seqlens=False)
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         (dict(max_length=1), "max_length must be an int >= 2 (a row needs an input and a target), got 1."),
-        (dict(strategy="bogus"), "Unknown strategy 'bogus'; choose one of ['pad', 'truncate', 'pack']."),
-        (dict(eval_strategy="bogus"), "Unknown eval_strategy 'bogus'; choose one of ['pad', 'truncate', 'pack']."),
         (
-            dict(overflow="x"),
-            "overflow='x' is not valid; use one of ('split', 'truncate', 'drop', 'error') (or None: "
-            "split text, truncate prompt/completion rows).",
+            dict(strategy="bogus"),
+            "Unknown strategy 'bogus'; choose one of ['pad', 'truncate', 'pack'], or pass an object: Pad(...), "
+            "Truncate() or Pack(...).",
+        ),
+        (
+            dict(eval_strategy="bogus"),
+            "Unknown eval_strategy 'bogus'; choose one of ['pad', 'truncate', 'pack'], or pass an object: Pad(...), "
+            "Truncate() or Pack(...).",
         ),
         (
             dict(strategy="pack", max_length=32, max_tokens_per_batch=16),
-            "max_tokens_per_batch=16 is smaller than one row of max_length=32 tokens (strategy='pack' rows are always "
+            "max_tokens_per_batch=16 is smaller than one row of max_length=32 tokens (pack rows are always "
             "max_length long); set it to at least 32.",
+        ),
+        (
+            dict(strategy="pad", eval_batching=Truncate(), max_length=32, max_tokens_per_batch=16),
+            "max_tokens_per_batch=16 is smaller than one row of max_length=32 tokens (truncate rows are always "
+            "max_length long); set it to at least 32.",
+        ),
+        (
+            dict(batching=Pad(), strategy="pad"),
+            "Give batching=Pad() or strategy='pad', not both: strategy is the shorthand for batching with its "
+            "defaults (strategy='pad' is batching=Pad()).",
         ),
         (dict(eval_batch_size=0), "eval_batch_size must be an int >= 1 or None (= micro_batch_size), got 0."),
         (dict(num_workers=-1), "num_workers must be an int >= 0, got -1."),
@@ -95,11 +113,11 @@ def test_setup_does_not_change_the_strategies_or_the_settings(tokenizer):
     "kwargs, label, constant, packs",
     [
         (dict(strategy="pad"), "pad", False, False),
-        (dict(strategy="pad", pad_to_max_length=True), "pad", True, False),
-        (dict(strategy="pad", pad_to_max_length=True, max_tokens_per_batch=256), "pad", False, False),
+        (dict(batching=Pad(to_max_length=True)), "pad", True, False),
+        (dict(batching=Pad(to_max_length=True), max_tokens_per_batch=256), "pad", False, False),
         (dict(strategy="truncate"), "truncate", True, False),
-        (dict(strategy="pack", packing="wrapped"), "pack (wrapped)", True, True),
-        (dict(strategy="pack", eval_strategy="pad"), "pack (bfd)", False, True),
+        (dict(batching=Pack(method="wrapped")), "pack (wrapped)", True, True),
+        (dict(batching=Pack(), eval_batching=Pad()), "pack (bfd)", False, True),
         (dict(strategy="truncate", eval_strategy="pack"), "truncate", True, True),
     ],
 )
@@ -116,21 +134,29 @@ def test_the_planner_reads_the_datamodules_settings(small_text_dataset, monkeypa
     seen = {}
 
     def build_plan(lengths, strategies, max_lengths, settings, configured, *args):
-        seen.update(settings=settings, configured=configured)
+        seen.update(settings=settings, configured=configured, strategies=strategies)
 
     monkeypatch.setattr(planner, "build_plan", build_plan)
     planner.plan(dm)
-    assert seen["settings"] is dm.settings.batching and seen["configured"] == ("pack_bfd", 64)
-    assert (
-        planner_name(dataclasses.replace(dm.settings.batching, strategy="pad", pad_to_max_length=True))
-        == "pad_to_max_length"
-    )
+    assert seen["settings"] is dm.settings.batching and seen["configured"] == (Pack(method="bfd"), 64)
+    assert all(isinstance(s, Batching) for s in seen["strategies"])
 
 
-def test_the_planners_names_select_valid_settings():
-    for name, values in planner.STRATEGIES.items():
-        settings = dataclasses.replace(BatchingSettings(), **values)
-        assert planner_name(settings) == name
+def test_the_planner_compares_batching_objects_and_adds_the_configured_one():
+    """No names of its own: the candidates are options objects (a shorthand is the strategy's defaults), equal
+    objects are one candidate, and a configuration that is none of them gets its own row."""
+    assert planner.check_strategies(["pack", Pack(method="bfd"), Pad()]) == (Pack(), Pad())
+    with pytest.raises(ValueError, match="Unknown strategy 'pack_bfd'; choose one of"):
+        planner.check_strategies(["pack_bfd"])
+    lengths = {"train": np.arange(1, 60), "validation": np.arange(1, 9)}
+    settings = BatchingSettings(micro_batch_size=4)
+    own = Pad(to_multiple_of=32)
+    result = planner.build_plan(lengths, [Pad(), Pack()], [16], settings, (own, 16))
+    assert [p.strategy for p in result.strategies] == ["Pad()", "Pack(method='bfd')", "Pad(to_multiple_of=32)"]
+    assert result.configured.batching == own and result.configured.max_batch_shape == (4, 16)
+    assert "Pad(to_multiple_of=32)         16" in planner.format_plan(result)
+    listed = planner.build_plan(lengths, [Pad(), Pack()], [16], settings, (Pack(method="bfd"), 16))
+    assert len(listed.strategies) == 2 and listed.configured is listed.strategies[1]
 
 
 def test_data_signature_keeps_its_key_names(small_text_dataset):
@@ -142,9 +168,8 @@ def test_data_signature_keeps_its_key_names(small_text_dataset):
         "max_length",
         "micro_batch_size",
         "seed",
-        "packing",
+        "method",
         "overflow",
-        "group_by_length",
         "max_tokens_per_batch",
         "drop_last",
         "train_rows",

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.collate import real_token_mask
+from lightning_seqmem.batching.options import Pack
 from lightning_seqmem.data.chat_corpus import load_builtin_chat_corpus
 
 HERE = os.path.dirname(__file__)
@@ -146,7 +147,7 @@ def test_stream_counts_every_lost_token_as_the_map_style_pipeline_does(tmp_path,
     the map-style ``stats()``, and the tokens fed plus those counted lost are the tokens read."""
     paths = _write_shards(tmp_path, shards=2)
     rows = [{"text": t} for t in _texts(paths)]
-    kwargs = dict(max_length=24, micro_batch_size=4, strategy="pack", overflow=overflow, streaming_buffer_size=8)
+    kwargs = dict(max_length=24, micro_batch_size=4, batching=Pack(overflow=overflow), streaming_buffer_size=8)
     whole = SeqMemDataModule(
         dataset=datasets.DatasetDict(
             {"train": datasets.Dataset.from_list(rows[:40]), "validation": datasets.Dataset.from_list(rows[40:])}

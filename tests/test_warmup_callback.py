@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_seqmem import SeqLengthWarmup
+from lightning_seqmem.batching.options import Pack, as_batching
 from lightning_seqmem.warmup import seq_length_at
 
 VOCAB, PAD, LENGTH, ROWS = 128, 0, 64, 4
@@ -368,8 +369,8 @@ def test_with_causal_lm_and_datamodule(tmp_path, strategy, truncate):
             return super().training_step(batch, batch_idx)
 
     seed_everything(0)
-    extra = {"return_cu_seqlens": True} if strategy == "pack" else {}
-    dm = SeqMemDataModule(max_length=64, micro_batch_size=4, strategy=strategy, **extra)
+    batching = Pack(cu_seqlens=True) if strategy == "pack" else as_batching(strategy)
+    dm = SeqMemDataModule(max_length=64, micro_batch_size=4, batching=batching)
     warmup = SeqLengthWarmup(duration=0.5, min_seq_length=8, max_seq_length=64, step_size=8, truncate=truncate)
     model = RecordingLM(model_config=TINY)
     t = trainer(tmp_path, [warmup], max_steps=8, limit_val_batches=2, val_check_interval=8)

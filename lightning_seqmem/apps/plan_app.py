@@ -107,7 +107,7 @@ def plan_from_config(cfg, output_dir: str | None = None):
     result = plan(
         dm,
         model_config,
-        list(p.strategies),
+        instantiate(p.strategies, _convert_="all"),  # batching objects (Pad, Truncate, Pack), as data.batching
         max_lengths,
         list(p.micro_batch_sizes),
         p.get("gpu_memory"),

@@ -2,17 +2,18 @@
 
 The data half (here) reads document lengths only, through the DataModule's own split pipeline
 (``datamodule.pipeline.split_documents``), and asks the strategy objects the DataModule itself holds, built from the
-same ``BatchingSettings`` with only the strategy and ``max_length`` varied: ``row_lengths``, ``split_sampler``,
-``epoch_stats`` and ``largest_shape``. So token efficiency, tokens lost, rows, batches and the largest batch shape
-are what ``SeqMemDataModule.stats()`` and ``max_batch_shape()`` report on the same data, by construction.
-The memory half (``plan_memory.py``) traces training steps on fake tensors. No Lightning import.
+same ``BatchingSettings`` with only the batching options (``Pad(...)``, ``Truncate()``, ``Pack(...)``, compared as
+objects) and ``max_length`` varied: ``row_lengths``, ``split_sampler``, ``epoch_stats`` and ``largest_shape``. So
+token efficiency, tokens lost, rows, batches and the largest batch shape are what ``SeqMemDataModule.stats()`` and
+``max_batch_shape()`` report on the same data, by construction. The memory half (``plan_memory.py``) traces
+training steps on fake tensors; the report and the recommendation are ``plan_report.py``. No Lightning import.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -26,15 +27,29 @@ from lightning_seqmem.apps.plan_memory import (
     parse_bytes,
     plan_memory,
 )
+from lightning_seqmem.apps.plan_report import (
+    RunPlan,
+    StrategyPlan,
+    format_plan,
+    recommend,
+    recommend_data,
+)
+from lightning_seqmem.batching.options import Batching, Pack, Pad, Truncate, as_batching
 from lightning_seqmem.batching.pair_strategies import PREFERENCE, make_split_strategy
 from lightning_seqmem.batching.settings import BatchingSettings
-from lightning_seqmem.batching.strategies import PLANNER_STRATEGIES as STRATEGIES
-from lightning_seqmem.batching.strategies import Strategy, largest_shape, planner_name
+from lightning_seqmem.batching.strategies import Strategy, largest_shape
 from lightning_seqmem.batching.truncation import MIN_MAX_LENGTH, count_truncated, valid_max_length
 from lightning_seqmem.datamodule.pipeline import split_documents
 
 PERCENTILES = (50, 90, 95, 99, 100)
-PAIR_UNPLANNED = ("pack_wrapped",)  # pairs and conversations are packed whole (best fit): wrapped would split them
+STRATEGIES: tuple[Batching, ...] = (
+    Pad(),
+    Pad(to_max_length=True),
+    Truncate(),
+    Pack(method="bfd"),
+    Pack(method="wrapped"),
+)
+"""The batchings compared by default (``conf/plan.yaml``'s ``plan.strategies``); the configured one joins them at its max_length."""
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")  # what a memory trace hands the model
 PLANNED_KINDS = ("text", "conversations", PREFERENCE)
 
@@ -48,13 +63,17 @@ def check_text(kind: str, detail: str = "") -> None:
         )
 
 
-def check_strategies(strategies: Sequence[str]) -> tuple[str, ...]:
-    """Raise a ``ValueError`` naming the choices for an empty list or an unknown strategy."""
-    strategies = tuple(strategies)
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if not strategies or unknown:
-        raise ValueError(f"Unknown or no strategies {unknown[:5] or '[]'}; choose from {list(STRATEGIES)}.")
-    return strategies
+def check_strategies(strategies: Sequence[Batching | str]) -> tuple[Batching, ...]:
+    """The batchings to compare, as objects (a shorthand name, ``"pack"``, is ``Pack()``); a ``ValueError`` for an
+    empty list or an unknown name."""
+    if not strategies:
+        raise ValueError(f"No strategies to plan; give batching objects, e.g. {list(STRATEGIES)}.")
+    return tuple(dict.fromkeys(as_batching(s, "strategy") for s in strategies))
+
+
+def wraps_documents(batching: Batching) -> bool:
+    """Pairs and conversations are packed whole (best fit): ``Pack(method="wrapped")`` would split them."""
+    return isinstance(batching, Pack) and batching.method == "wrapped"
 
 
 def check_max_lengths(max_lengths: Sequence[int]) -> tuple[int, ...]:
@@ -87,57 +106,37 @@ def length_distribution(lengths: np.ndarray, max_lengths: Sequence[int]) -> dict
     }
 
 
-def _strategy(strategy: str, max_length: int, settings: BatchingSettings, kind: str = "text") -> Strategy:
-    """The train strategy a ``SeqMemDataModule`` with ``settings``, this strategy and ``max_length`` would hold
-    for data of ``kind`` (one strategy for both splits, as the planner's rows compare strategies)."""
-    varied = replace(settings, max_length=max_length, eval_strategy=None, **STRATEGIES[strategy])
+def _strategy(batching: Batching, max_length: int, settings: BatchingSettings, kind: str = "text") -> Strategy:
+    """The train strategy a ``SeqMemDataModule`` with ``settings``, this ``batching`` and ``max_length`` would hold
+    for data of ``kind`` (one batching for both splits, as the planner's rows compare batchings)."""
+    varied = replace(settings, max_length=max_length, batching=batching, eval_batching=None)
     return make_split_strategy(varied, "train", kind)
-
-
-@dataclass(frozen=True)
-class StrategyPlan:
-    """One strategy at one max_length, on the train split (``max_batch_shape`` over train and validation)."""
-
-    strategy: str
-    max_length: int
-    token_efficiency: float  # real tokens / slots fed to the model in one epoch
-    tokens: int  # tokens of the train documents
-    tokens_lost: int  # truncated or dropped: never reach the model
-    rows: int  # rows per epoch (documents, or packed rows)
-    batches: int  # micro-batches per epoch, one process
-    optimizer_steps: int  # per epoch, per the devices and accumulate_grad_batches given
-    max_batch_shape: tuple[int, int]  # (rows, length), the largest batch of any split
-    rows_dropped_per_epoch: int = 0
-    trained_share: float | None = None  # conversations: tokens that carry loss / tokens fed to the model
-
-    @property
-    def lost_share(self) -> float:
-        return self.tokens_lost / max(self.tokens, 1)
 
 
 def plan_strategy(
     lengths: Mapping[str, np.ndarray],
-    strategy: str,
+    strategy: Batching | str,
     max_length: int,
     settings: BatchingSettings = BatchingSettings(),
     devices: int = 1,
     accumulate_grad_batches: int = 1,
     kind: str = "text",
 ) -> StrategyPlan:
-    """What ``SeqMemDataModule`` would measure with ``strategy`` and ``max_length`` on documents of ``lengths``.
+    """What ``SeqMemDataModule`` would measure with batching ``strategy`` and ``max_length`` on documents of
+    ``lengths``.
 
     Args:
         lengths: split name -> ``[documents]`` token counts (empty documents already left out), with ``"train"``;
             or :class:`Conversations`.
-        strategy: a key of :data:`STRATEGIES`.
+        strategy: the batching options (``Pad(...)``, ``Truncate()``, ``Pack(...)``; ``"pack"`` is ``Pack()``).
         max_length: row capacity.
-        settings: the DataModule's batching settings (``dm.settings.batching``): all but strategy and max_length.
+        settings: the DataModule's batching settings (``dm.settings.batching``): all but batching and max_length.
         devices: data-parallel processes (optimizer steps count each rank's batches).
         accumulate_grad_batches: micro-batches per optimizer step.
         kind: ``"text"``, or ``"preference"``: then ``lengths`` are ``[pairs, 3]`` prompt/chosen/rejected counts
             (conversations: given as :class:`Conversations`, the kind follows).
     """
-    check_strategies([strategy])
+    (strategy,) = check_strategies([strategy])
     check_max_lengths([max_length])
     if "train" not in lengths:
         raise ValueError(f"lengths needs a 'train' split, got {sorted(lengths)}.")
@@ -159,14 +158,18 @@ def plan_strategy(
                 trained_share=None if trained is None else trained / max(int(rows.sum()), 1),
             )
     return StrategyPlan(
-        strategy=strategy, max_length=max_length, max_batch_shape=largest_shape([batcher], largest), **counts
+        strategy=repr(strategy),
+        max_length=max_length,
+        max_batch_shape=largest_shape([batcher], largest),
+        batching=strategy,
+        **counts,
     )
 
 
 def plan_strategies(
     lengths, strategies, max_lengths, settings=BatchingSettings(), devices=1, accumulate_grad_batches=1, kind="text"
 ) -> list[StrategyPlan]:
-    """:func:`plan_strategy` for every strategy x max_length."""
+    """:func:`plan_strategy` for every batching x max_length."""
     return [
         plan_strategy(lengths, s, m, settings, devices, accumulate_grad_batches, kind)
         for s in check_strategies(strategies)
@@ -174,107 +177,12 @@ def plan_strategies(
     ]
 
 
-def recommend_data(plans: Sequence[StrategyPlan], max_length: int | None = None) -> tuple[StrategyPlan, str]:
-    """The plan that loses the fewest tokens, then wastes the fewest slots (to 1%), then has the max_length
-    closest to ``max_length`` (the configured one: packing is ~100% efficient at any length, and shorter rows cut
-    more documents); ties go to the earlier strategy (``pack_bfd`` keeps documents whole, ``pack_wrapped`` not)."""
-    target = max_length or max(p.max_length for p in plans)
-    best = min(
-        plans, key=lambda p: (p.tokens_lost, -round(p.token_efficiency, 2), abs(math.log2(p.max_length / target)))
-    )
-    lost = "no token lost" if best.tokens_lost == 0 else f"{best.lost_share:.2%} of tokens lost (the least of all)"
-    return best, (
-        f"strategy={best.strategy} max_length={best.max_length}: {lost}, "
-        f"{best.token_efficiency:.1%} of the slots hold real tokens"
-    )
-
-
-# ------------------------------------------------------------------------------------------------------ report
-@dataclass
-class RunPlan:
-    """Everything ``seqmem-plan`` prints."""
-
-    distribution: dict[str, Any]
-    strategies: list[StrategyPlan]
-    configured: StrategyPlan | None
-    memory: MemoryPlan | None
-    recommendation: str
-    recommended: dict[str, Any]
-    train_lengths: np.ndarray = field(default=None, repr=False)  # [documents], for the histogram
-
-
-def recommend(
-    plans: Sequence[StrategyPlan], memory: MemoryPlan | None, micro_batch_size: int, max_length: int | None = None
-) -> tuple[dict, str]:
-    """``({strategy, max_length, micro_batch_size, gradient_checkpointing}, one-line reason)``."""
-    best, reason = recommend_data(plans, max_length)
-    choice = {
-        "strategy": best.strategy,
-        "max_length": best.max_length,
-        "micro_batch_size": micro_batch_size,
-        "gradient_checkpointing": False,
-    }
-    if memory is not None and memory.usable is not None:
-        if memory.fits[False] is not None:
-            choice["micro_batch_size"] = memory.fits[False]
-            reason += f"; micro_batch_size={memory.fits[False]} is the largest that fits"
-        elif memory.fits[True] is not None:
-            choice.update(micro_batch_size=memory.fits[True], gradient_checkpointing=True)
-            reason += f"; only gradient checkpointing fits, with micro_batch_size={memory.fits[True]}"
-        else:
-            choice["micro_batch_size"] = None
-            reason += "; but nothing fits the memory budget (see above)"
-    return choice, reason
-
-
-def format_plan(plan: RunPlan) -> str:
-    """The report as text tables."""
-    d = plan.distribution
-    pct = "  ".join(f"p{p}={v}" for p, v in d["percentiles"].items())
-    lines = [
-        f"Train documents: {d['documents']:,}, {d['tokens']:,} tokens, mean {d['mean']:.1f} tokens; {pct}",
-        "max_length | documents longer | tokens beyond it",
-    ]
-    lines += [f"{m:>10} | {o['documents']:>16.2%} | {o['tokens']:>16.2%}" for m, o in d["over"].items()]
-    chat = any(s.trained_share is not None for s in plan.strategies)  # conversations: the trained share too
-    lines += [
-        "",
-        "strategy           max_length  efficiency"
-        + ("     trained" if chat else "")
-        + "        tokens lost     rows  batches   steps  largest batch",
-    ]
-    for s in plan.strategies:
-        mark = (
-            " <- config"
-            if plan.configured is not None
-            and (s.strategy, s.max_length) == (plan.configured.strategy, plan.configured.max_length)
-            else ""
-        )
-        trained = f"  {s.trained_share:>10.1%}" if chat else ""
-        lines.append(
-            f"{s.strategy:<18} {s.max_length:>10}  {s.token_efficiency:>10.1%}{trained}  {s.tokens_lost:>9,} "
-            f"({s.lost_share:>5.1%}) {s.rows:>8,} {s.batches:>8,} {s.optimizer_steps:>7,}  "
-            f"{s.max_batch_shape[0]} x {s.max_batch_shape[1]}{mark}"
-        )
-    lines += ["", *memory_table(plan.memory)] if plan.memory is not None else []
-    lines += [
-        "",
-        "Recommended: " + " ".join(f"{k}={v}" for k, v in plan.recommended.items()),
-        "Why: " + plan.recommendation,
-    ]
-    return "\n".join(lines)
-
-
-def _with_config(plans: Sequence[StrategyPlan], strategy: str, max_length: int) -> StrategyPlan | None:
-    return next((p for p in plans if (p.strategy, p.max_length) == (strategy, max_length)), None)
-
-
 def build_plan(
     lengths: Mapping[str, np.ndarray],
-    strategies: Sequence[str],
+    strategies: Sequence[Batching | str],
     max_lengths: Sequence[int],
     settings: BatchingSettings,
-    configured: tuple[str, int],
+    configured: tuple[Batching, int],
     estimate: Callable[[int, int, bool], Any] | None = None,
     micro_batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
     budget: int | None = None,
@@ -284,19 +192,22 @@ def build_plan(
     kind: str = "text",
 ) -> RunPlan:
     """The whole plan from document lengths (``estimate`` ``None``: data half only); preference pairs
-    (``kind="preference"``): ``[pairs, 3]`` lengths, and ``estimate`` takes a micro_batch_size in pairs."""
+    (``kind="preference"``): ``[pairs, 3]`` lengths, and ``estimate`` takes a micro_batch_size in pairs.
+    ``configured``: the DataModule's ``(batching, max_length)``, added to the rows when no candidate equals it and
+    its max_length is planned."""
     strategies, max_lengths = check_strategies(strategies), check_max_lengths(max_lengths)
-    config_strategy, config_length = configured
+    config_length = configured[1]
     plans = plan_strategies(lengths, strategies, max_lengths, settings, devices, accumulate_grad_batches, kind)
-    current = _with_config(plans, config_strategy, config_length) or plan_strategy(
-        lengths, config_strategy, config_length, settings, devices, accumulate_grad_batches, kind
-    )
+    listed = next((p for p in plans if (p.batching, p.max_length) == tuple(configured)), None)
+    current = listed or plan_strategy(lengths, *configured, settings, devices, accumulate_grad_batches, kind)
+    if listed is None and config_length in max_lengths:  # the configured options beside the candidates
+        plans.append(current)
     memory = None
     if estimate is not None:
         memory = plan_memory(estimate, current.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
     recommended, reason = recommend(plans, memory, settings.micro_batch_size, config_length)
-    best = _with_config(plans, recommended["strategy"], recommended["max_length"])
-    if memory is not None and best is not None and best.max_batch_shape[1] != memory.length and budget is not None:
+    best = next(p for p in plans if (p.strategy, p.max_length) == (recommended["strategy"], recommended["max_length"]))
+    if memory is not None and best.max_batch_shape[1] != memory.length and budget is not None:
         # The recommended rows are longer or shorter than the configured run's: size its micro-batch on its own.
         other = plan_memory(estimate, best.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
         recommended, reason = recommend(plans, other, settings.micro_batch_size, config_length)
@@ -322,7 +233,7 @@ def default_max_lengths(max_length: int) -> list[int]:
 def plan(
     datamodule: Any,
     model_config: Any = None,
-    strategies: Sequence[str] = tuple(STRATEGIES),
+    strategies: Sequence[Batching | str] = STRATEGIES,
     max_lengths: Sequence[int] | None = None,
     micro_batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
     gpu_memory: str | int | None = None,
@@ -333,14 +244,15 @@ def plan(
     devices: int = 1,
     accumulate_grad_batches: int = 1,
     reference_copy: bool = False,
+    cross_entropy: str = "auto",
 ) -> RunPlan:
     """Plan the run of ``datamodule`` (a ``SeqMemDataModule``, not set up) with a model of ``model_config``.
 
     Args:
-        datamodule: its tokenizer, strategy, max_length and batch settings are what is planned (a stream: on its
+        datamodule: its tokenizer, batching, max_length and batch settings are what is planned (a stream: on its
             first 20,000 documents, ``plan_lengths.stream_sample``).
         model_config: a ``transformers`` config (``training.building.build_model_config``); ``None`` plans the data only.
-        strategies: keys of :data:`STRATEGIES` to compare.
+        strategies: the batching options to compare (default :data:`STRATEGIES`); the DataModule's joins them.
         max_lengths: candidates; ``None`` = :func:`default_max_lengths` of the DataModule's.
         micro_batch_sizes: candidates for the memory table.
         gpu_memory: device memory to fit (``"80GiB"`` or bytes); ``None`` = no fitting.
@@ -348,6 +260,8 @@ def plan(
         precision, device, attn_implementation: as in ``memory.estimate.estimate_training_memory``.
         devices, accumulate_grad_batches: for optimizer steps per epoch.
         reference_copy: the model keeps a frozen copy of its weights (``DPO(reference="copy")``): added to memory.
+        cross_entropy: the model's loss layer (``CausalLM(cross_entropy=...)``); with the full one, the memory half
+            also says when ``"chunked"`` would make a micro_batch_size fit.
 
     Example::
 
@@ -360,24 +274,29 @@ def plan(
     dm = stream_sample(datamodule)[0]  # a stream: planned on its first documents
     settings = dm.settings.batching
     kind = dm.tokenized_documents()[1].name
-    configured = (planner_name(settings), settings.max_length)
+    configured = (settings.batching, settings.max_length)
     max_lengths = default_max_lengths(settings.max_length) if max_lengths is None else list(max_lengths)
     if kind in ("conversations", PREFERENCE):  # packed whole only (``BatchingSettings.check_kind``, pair strategies)
-        strategies = [s for s in strategies if s not in PAIR_UNPLANNED]
+        strategies = [s for s in check_strategies(strategies) if not wraps_documents(s)]
     if kind == PREFERENCE:  # a max_length must leave room after the prompt
         max_lengths = [m for m in max_lengths if m > (settings.max_prompt_length or 0)] or [settings.max_length]
     estimate = None
     if model_config is not None:  # (micro_batch_size, length, checkpointing) -> MemoryEstimate
         keys = [k for k in dm.batch_keys() if k in MODEL_KEYS]  # pair bookkeeping keys cost next to nothing
         # Rows per micro_batch_size: 2 for padded pairs (chosen and rejected rows), else 1 (documents, packed rows).
-        per = (
-            _strategy(configured[0], settings.max_length, settings, kind).rows_per_batch("train")
-            // settings.micro_batch_size
-        )
+        per = _strategy(*configured, settings, kind).rows_per_batch("train") // settings.micro_batch_size
 
-        def estimate(rows: int, length: int, checkpointing: bool):
+        def estimate(rows: int, length: int, checkpointing: bool, cross_entropy: str = cross_entropy):
             est = estimate_training_memory(
-                model_config, per * rows, length, keys, precision, device, attn_implementation, checkpointing
+                model_config,
+                per * rows,
+                length,
+                keys,
+                precision,
+                device,
+                attn_implementation,
+                checkpointing,
+                cross_entropy=cross_entropy,
             )
             return with_reference(est) if reference_copy else est
 

@@ -26,7 +26,7 @@ def choose_trainer(overrides: list[str], doing: str = "training with") -> list[s
 
     Example::
 
-        choose_trainer(["data=pad"])  # ['data=pad', 'trainer=gpu'] on a GPU machine, ['data=pad'] on a CPU
+        choose_trainer(["batching=pad"])  # ["batching=pad", "trainer=gpu"] on a GPU machine, as given on a CPU
     """
     given = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") == "trainer"]
     if given and given[-1] != "trainer=auto":

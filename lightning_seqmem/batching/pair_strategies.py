@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from lightning_seqmem.batch import CU_SEQLENS, PREFERENCE_PACK_KEYS, PREFERENCE_PAD_KEYS, packed_rows
+from lightning_seqmem.batching.options import Pad
 from lightning_seqmem.batching.pair_packing import PackedPairCollator, plan_pair_rows
 from lightning_seqmem.batching.pair_rows import PackedPairRows, PairRows, PairSource
 from lightning_seqmem.batching.preference import PairSpans, PreferenceCollator, preference_spans
@@ -30,7 +31,6 @@ from lightning_seqmem.batching.strategies import (
     _as_batch_list,
     largest_shape,
     make_strategy,
-    strategy_class,
 )
 
 PREFERENCE = "preference"
@@ -92,7 +92,7 @@ class PairPadStrategy(_PairLimits):
 
     Args:
         settings: the frozen ``BatchingSettings``.
-        split: ``"train"`` or ``"validation"`` (its strategy and batch size).
+        split: ``"train"`` or ``"validation"`` (its strategy options, ``Pad`` or ``Truncate``, and batch size).
         plan_cache: unused (pairs are planned on lengths in memory); kept for ``make_strategy``'s signature.
     """
 
@@ -105,7 +105,8 @@ class PairPadStrategy(_PairLimits):
         # half the budget (its rows x padded length <= budget / 2).
         inner = replace(settings, max_tokens_per_batch=budget // 2) if budget is not None else settings
         self._documents = make_strategy(inner, split, PREFERENCE, plan_cache)
-        self.name, self.full_length_rows = self._documents.name, self._documents.full_length_rows
+        self.options, self.name = self._documents.options, self._documents.name
+        self.full_length_rows = self._documents.full_length_rows
 
     @property
     def label(self) -> str:
@@ -138,7 +139,7 @@ class PairPadStrategy(_PairLimits):
         return PreferenceCollator(
             pad_token_id,
             s.preference_limits,
-            pad_to_multiple_of=s.pad_to_multiple_of,
+            pad_to_multiple_of=self.options.to_multiple_of if isinstance(self.options, Pad) else None,
             pad_to_max_length=self.constant_shapes and not self.budget_shapes,
         )
 
@@ -171,7 +172,7 @@ class PairPackStrategy(_PairLimits):
 
     Args:
         settings: the frozen ``BatchingSettings`` (a token budget gives ``budget // (2 * max_length)`` rows).
-        split: ``"train"`` or ``"validation"``.
+        split: ``"train"`` or ``"validation"`` (its ``Pack`` options: ``cu_seqlens``; pairs are always best fit).
         plan_cache: unused (the plan is best fit on ``[pairs]`` lengths, in memory).
     """
 
@@ -182,7 +183,7 @@ class PairPackStrategy(_PairLimits):
     budget_shapes = False
 
     def __init__(self, settings: Any, split: str = "train", plan_cache: str | None = None) -> None:
-        self.settings = settings
+        self.settings, self.options = settings, settings.batching_for(split)
         self.row_length = 2 * settings.max_length
 
     @property
@@ -191,7 +192,7 @@ class PairPackStrategy(_PairLimits):
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return PREFERENCE_PACK_KEYS + ((CU_SEQLENS,) if self.settings.return_cu_seqlens else ())
+        return PREFERENCE_PACK_KEYS + ((CU_SEQLENS,) if self.options.cu_seqlens else ())
 
     def rows(self, source: PairSource, labels: Any = None) -> SplitRows:
         """Rows of whole pairs (best fit on the pair lengths); lengths ``[rows]`` real tokens per packed row."""
@@ -211,9 +212,8 @@ class PairPackStrategy(_PairLimits):
         return pairs, offsets, lengths.astype(np.int64)
 
     def collator(self, pad_token_id: int) -> PackedPairCollator:
-        s = self.settings
         return PackedPairCollator(
-            pad_token_id, s.preference_limits, self.row_length, return_cu_seqlens=s.return_cu_seqlens
+            pad_token_id, self.settings.preference_limits, self.row_length, return_cu_seqlens=self.options.cu_seqlens
         )
 
     def rows_per_batch(self, split: str) -> int:
@@ -254,7 +254,7 @@ def _longer_side(lengths: np.ndarray) -> np.ndarray:
 def make_pair_strategy(settings: Any, split: str = "train", plan_cache: str | None = None):
     """The strategy object of ``split``'s loader for preference pairs: packed pairs where the document strategy
     packs, padded pairs otherwise."""
-    packs = strategy_class(settings.strategy_for(split)).packs
+    packs = settings.batching_for(split).packs
     return (PairPackStrategy if packs else PairPadStrategy)(settings, split, plan_cache)
 
 

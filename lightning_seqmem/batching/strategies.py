@@ -4,10 +4,10 @@ A strategy turns a split's documents (a ``tokens.TokenSource`` plus optional per
 model sees, and says how to batch them: ``rows`` (rows, real tokens per row, what was cut; ``row_lengths`` the
 same from document lengths alone), ``collator``, ``sampler``/``split_sampler``, ``keys``, ``shapes`` (``(rows,
 length)`` of every batch, from lengths alone), ``epoch_stats``, and for checks and reports ``label``,
-``constant_shapes`` and ``packs``. Built from frozen ``BatchingSettings`` (``make_strategy``) once the data kind is
-known, and never changed. No Lightning import; ``SeqMemDataModule`` holds one strategy per split (``eval_strategy``
-may differ from training) and ``seqmem-plan`` asks the same objects, so the planner's numbers are the DataModule's
-by construction. This module is the only place that knows the strategies by name.
+``constant_shapes`` and ``packs``. Built from frozen ``BatchingSettings`` and the split's options object
+(``options.Pad``, ``Truncate``, ``Pack``: ``make_strategy``) once the data kind is known, and never changed. No
+Lightning import; ``SeqMemDataModule`` holds one strategy per split (``eval_batching`` may differ from training) and
+``seqmem-plan`` asks the same objects, so the planner's numbers are the DataModule's by construction.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 
 from lightning_seqmem.batch import CU_SEQLENS, PACK_KEYS, PAD_KEYS, full_rows, packed_rows, padded_rows
 from lightning_seqmem.batching.collate import PackCollator, PadCollator, TruncateCollator
+from lightning_seqmem.batching.options import Batching, Pack, Pad, Truncate
 from lightning_seqmem.batching.packed_rows import PackResult, pack_lengths
 from lightning_seqmem.batching.plan_cache import cached_pack_lengths
 from lightning_seqmem.batching.sampling import (
@@ -31,31 +32,12 @@ from lightning_seqmem.batching.sampling import (
 from lightning_seqmem.batching.truncation import PromptCompletionLimits, count_truncated
 from lightning_seqmem.data.tokens import as_token_source
 
-STRATEGIES = ("pad", "truncate", "pack")
-
-# ``seqmem-plan``'s strategy names (user-facing) -> the settings that select them.
-PLANNER_STRATEGIES: dict[str, dict[str, Any]] = {
-    "pad": {"strategy": "pad", "pad_to_max_length": False},
-    "pad_to_max_length": {"strategy": "pad", "pad_to_max_length": True},
-    "truncate": {"strategy": "truncate"},
-    "pack_bfd": {"strategy": "pack", "packing": "bfd"},
-    "pack_wrapped": {"strategy": "pack", "packing": "wrapped"},
-}
-
-
-def planner_name(settings: Any) -> str:
-    """The planner's name for the train loader of ``settings``: ``strategy="pack", packing="bfd"`` -> ``"pack_bfd"``."""
-    return next(
-        name
-        for name, values in PLANNER_STRATEGIES.items()
-        if all(getattr(settings, key) == value for key, value in values.items())
-    )
-
 
 class Strategy(Protocol):
     """What ``SeqMemDataModule``, the planner and the checks ask a split's strategy (pad, truncate and pack answer)."""
 
-    name: str  # the ``strategy`` argument that selects it (for messages)
+    options: Batching  # what it was built from: ``Pad(...)``, ``Truncate()``, ``Pack(...)``
+    name: str  # the shorthand that selects it (for messages)
     packs: bool  # several documents per row
     full_length_rows: bool  # every row is ``max_length`` long (a token budget then fixes the rows per batch)
 
@@ -152,25 +134,23 @@ class EpochStats:
 
 
 class PadStrategy:
-    """Each batch padded to its longest row (rounded up to ``pad_to_multiple_of``), rows cut at ``max_length``.
+    """Each batch padded to its longest row (rounded up to ``Pad.to_multiple_of``), rows cut at ``max_length``.
 
     Args:
-        settings: the frozen ``BatchingSettings`` (read, never changed).
+        settings: the frozen ``BatchingSettings`` (read, never changed): what every strategy shares.
+        options: this split's strategy options (``Pad``; ``Truncate``/``Pack`` for the subclasses).
         kind: the data kind (``"text"`` or ``"prompt_completion"``): it decides the overflow rule.
         plan_cache: where packing plans of large datasets are kept (``plan_cache``); ``None``: not cached.
     """
 
-    name = "pad"
-    packs = False
-    full_length_rows = False
-
-    def __init__(self, settings: Any, kind: str = "text", plan_cache: str | None = None) -> None:
-        self.settings, self.overflow, self.plan_cache = settings, settings.overflow_for(kind), plan_cache
+    def __init__(self, settings: Any, options: Batching, kind: str = "text", plan_cache: str | None = None) -> None:
+        self.settings, self.options, self.plan_cache = settings, options, plan_cache
+        self.name, self.packs, self.full_length_rows = options.name, options.packs, options.full_length_rows
         self._shape_collator = None
 
     @property
     def label(self) -> str:
-        return self.name
+        return self.options.label
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -178,9 +158,8 @@ class PadStrategy:
 
     @property
     def constant_shapes(self) -> bool:
-        """Rows of ``max_length`` always, or padded to it (``pad_to_max_length``) with no token budget."""
-        s = self.settings
-        return self.full_length_rows or (s.pad_to_max_length and s.max_tokens_per_batch is None)
+        """Rows of ``max_length`` always, or padded to it (``Pad.to_max_length``) with no token budget."""
+        return self.full_length_rows or (self.options.to_max_length and self.settings.max_tokens_per_batch is None)
 
     @property
     def budget_shapes(self) -> bool:
@@ -203,15 +182,15 @@ class PadStrategy:
 
     def lost_tokens_fix(self, prompt_completion: bool) -> str:
         """How to keep the tokens this strategy cut (the end of the DataModule's warning)."""
-        return "Raise max_length, or use strategy='pack' (overflow='split') to keep them."
+        return "Raise max_length, or use batching=Pack(overflow='split') to keep them."
 
     def collator(self, pad_token_id: int):
-        s = self.settings
+        s, o = self.settings, self.options
         return PadCollator(
             pad_token_id,
             max_length=s.max_length,
-            pad_to_multiple_of=s.pad_to_multiple_of,
-            pad_to_max_length=s.pad_to_max_length,
+            pad_to_multiple_of=o.to_multiple_of,
+            pad_to_max_length=o.to_max_length,
             truncation_side=s.truncation_side,
         )
 
@@ -232,7 +211,7 @@ class PadStrategy:
         s = self.settings
         if s.max_tokens_per_batch is not None:
             return TokenBudgetBatchSampler(lengths, s.max_tokens_per_batch, padded_length=self.padded_length, **common)
-        if s.group_by_length:
+        if self.options.group_by_length:
             return LengthGroupedSampler(lengths, batch_size, **common)
         return ShuffledBatchSampler(len(lengths), batch_size, **common)
 
@@ -286,10 +265,8 @@ class PadStrategy:
 
 
 class TruncateStrategy(PadStrategy):
-    """Every row cut and padded to ``max_length``: one constant shape ``[rows, max_length]``."""
-
-    name = "truncate"
-    full_length_rows = True  # a budget fixes the rows: every batch is [rows, max_length]
+    """Every row cut and padded to ``max_length``: one constant shape ``[rows, max_length]`` (a budget fixes the
+    rows)."""
 
     def collator(self, pad_token_id: int):
         s = self.settings
@@ -310,18 +287,16 @@ class TruncateStrategy(PadStrategy):
 
 
 class PackStrategy(TruncateStrategy):
-    """Documents packed into ``max_length`` rows once per split (epochs reshuffle rows, never re-pack)."""
+    """Documents packed into ``max_length`` rows once per split (epochs reshuffle rows, never re-pack); the
+    ``Pack`` options' ``overflow`` resolved for the data kind (``overflow``)."""
 
-    name = "pack"
-    packs = True
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} ({self.settings.packing})"
+    def __init__(self, settings: Any, options: Pack, kind: str = "text", plan_cache: str | None = None) -> None:
+        super().__init__(settings, options, kind, plan_cache)
+        self.overflow = options.overflow_for(kind)
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return PACK_KEYS + ((CU_SEQLENS,) if self.settings.return_cu_seqlens else ())
+        return PACK_KEYS + ((CU_SEQLENS,) if self.options.cu_seqlens else ())
 
     @property
     def prompt_completion_limits(self) -> PromptCompletionLimits:
@@ -336,19 +311,18 @@ class PackStrategy(TruncateStrategy):
         s = self.settings
         # ``pack_sequences`` without a separator token, its plan planned once per node and mapped from disk
         source = as_token_source(source)
-        packed = cached_pack_lengths(source.lengths, s.max_length, s.packing, self.overflow, self.plan_cache)
+        packed = cached_pack_lengths(source.lengths, s.max_length, self.options.method, self.overflow, self.plan_cache)
         packed.source = source
         return SplitRows(PackedRows(packed, labels), *self._rows_and_cuts(packed))
 
     def row_lengths(self, lengths: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
-        s = self.settings
-        return self._rows_and_cuts(pack_lengths(lengths, s.max_length, s.packing, self.overflow))
+        return self._rows_and_cuts(pack_lengths(lengths, self.settings.max_length, self.options.method, self.overflow))
 
     def lost_tokens_fix(self, prompt_completion: bool) -> str:
         if prompt_completion:
             return "Raise max_length, or max_prompt_length / max_completion_length, to keep them."
         if self.overflow != "split":
-            return "Use overflow='split' to keep them (a long document becomes max_length pieces)."
+            return "Use Pack(overflow='split') to keep them (a long document becomes max_length pieces)."
         return "Raise max_prompt_length / max_completion_length to keep them."
 
     @staticmethod
@@ -362,7 +336,7 @@ class PackStrategy(TruncateStrategy):
         return packed_rows(rows, length)
 
     def collator(self, pad_token_id: int):
-        return PackCollator(pad_token_id, self.settings.max_length, return_cu_seqlens=self.settings.return_cu_seqlens)
+        return PackCollator(pad_token_id, self.settings.max_length, return_cu_seqlens=self.options.cu_seqlens)
 
 
 def _as_batch_list(batches) -> BatchList:
@@ -374,20 +348,14 @@ def _as_batch_list(batches) -> BatchList:
     return BatchList.cut(order, sizes)
 
 
-_BY_NAME = {cls.name: cls for cls in (PadStrategy, TruncateStrategy, PackStrategy)}
-
-
-def strategy_class(name: str) -> type[PadStrategy]:
-    """The class of strategy ``name`` (``"pad"``, ``"truncate"`` or ``"pack"``); its ``packs`` and
-    ``full_length_rows`` answer before any data are read."""
-    if name not in _BY_NAME:
-        raise ValueError(f"Unknown strategy {name!r}; choose one of {list(STRATEGIES)}.")
-    return _BY_NAME[name]
+_RUNTIME: dict[type[Batching], type[PadStrategy]] = {Pad: PadStrategy, Truncate: TruncateStrategy, Pack: PackStrategy}
 
 
 def make_strategy(settings: Any, split: str = "train", kind: str = "text", plan_cache: str | None = None) -> Strategy:
-    """The strategy object of ``split``'s loader under ``settings`` (``BatchingSettings``), for data of ``kind``."""
-    return strategy_class(settings.strategy_for(split))(settings, kind, plan_cache)
+    """The strategy object of ``split``'s loader under ``settings`` (``BatchingSettings``: its options are
+    ``settings.batching_for(split)``), for data of ``kind``."""
+    options = settings.batching_for(split)
+    return _RUNTIME[type(options)](settings, options, kind, plan_cache)
 
 
 def largest_shape(strategies: list[Strategy], largest: list[tuple[int, int]]) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_seqmem.batching.options import Batching
 from lightning_seqmem.batching.sampling import BatchFetcher
 from lightning_seqmem.batching.strategies import Strategy, largest_shape
 from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
@@ -54,23 +55,21 @@ class SeqMemDataModule(LightningDataModule):
         max_length: longest row fed to the model, in tokens.
         micro_batch_size: rows per training batch on each device (before gradient accumulation).
         eval_batch_size: rows per validation batch; defaults to ``micro_batch_size`` (same memory profile).
-        strategy: ``"pad"`` (pad each batch to its longest row), ``"truncate"`` (every row cut and padded to
-            ``max_length``) or ``"pack"`` (documents packed into ``max_length`` rows, no padding between them).
-        eval_strategy: the strategy of the validation loader; ``None`` (default) is the training strategy. E.g.
-            ``strategy="pack", eval_strategy="pad"`` trains packed and validates one document per row.
-        pad_to_multiple_of: padded length rounded up to this (8 suits tensor cores); ``None`` to disable.
+        batching: how the training loader batches, with the strategy's own options
+            (``lightning_seqmem.batching.options``): ``Pad(to_multiple_of=8, to_max_length=False,
+            group_by_length=False)`` pads each batch to its longest row; ``Truncate()`` cuts and pads every row to
+            ``max_length``; ``Pack(method="bfd" | "wrapped", overflow=None | "split" | "truncate" | "drop" |
+            "error", allow_split_prompt_completion=False, cu_seqlens=False)`` packs documents into ``max_length``
+            rows, no padding between them (``overflow=None``: ``"split"`` for text, ``"truncate"`` for
+            prompt/completion rows and conversations). ``None`` (default): ``strategy``, else ``Pad()``.
+        eval_batching: the validation loader's; ``None`` (default): the training loader's. E.g.
+            ``batching=Pack(), eval_batching=Pad()`` trains packed and validates one document per row.
+        strategy: shorthand for ``batching`` with its defaults: ``"pad"``, ``"truncate"`` or ``"pack"``
+            (``strategy="pack"`` is ``batching=Pack()``); give one of the two.
+        eval_strategy: shorthand for ``eval_batching`` with its defaults.
         text_column: the column holding the text.
         num_workers: DataLoader worker processes.
         seed: seeds shuffling and the validation split; epoch ``e`` uses ``seed + e`` on every rank.
-        packing: ``"bfd"`` (best-fit decreasing over the whole split) or ``"wrapped"`` (concatenate, cut).
-        overflow: ``pack`` with a row longer than ``max_length``: ``"split"`` (pieces, nothing lost),
-            ``"truncate"``, ``"drop"`` or ``"error"``. ``None`` (default): ``"split"`` for plain text,
-            ``"truncate"`` for prompt/completion rows (the prompt/completion limits below, with ``max_length``:
-            a piece of an SFT example without its prompt would train on an answer to nothing).
-        allow_split_prompt_completion: with ``overflow="split"``, also split prompt/completion rows (later
-            pieces then lose their prompt); refused without this explicit opt-in.
-        group_by_length: ``pad`` only: batches of similar lengths (mega-batches), the longest batch first.
-        pad_to_max_length: ``pad`` only: always ``[rows, max_length]`` so the CUDA allocator reuses its blocks.
         max_tokens_per_batch: token budget (rows x padded length) per batch; ``pad`` gets a variable number of
             rows, ``truncate``/``pack`` get ``max_tokens_per_batch // max_length`` rows.
         truncation_side: ``"right"`` keeps the start of a long document, ``"left"`` its end. Prompt/completion
@@ -82,9 +81,8 @@ class SeqMemDataModule(LightningDataModule):
             ``"keep_start"`` or ``"keep_end"``; ``None``: ``"keep_start"`` for ``truncation_side="right"``,
             ``"keep_end"`` for ``"left"``.
         completion_only_loss: prompt/completion data: labels -100 on the prompt.
-        return_cu_seqlens: ``pack`` only: also yield ``cu_seqlens`` for custom varlen attention.
         drop_last: drop the incomplete tail of an epoch (counted in ``stats()``) instead of smaller last batches.
-        streaming: serve ``dataset`` as a stream (``strategy="pack"``), files and hub names read as trained on.
+        streaming: serve ``dataset`` as a stream (packed: ``batching=Pack()``), files and hub names read as trained on.
         streaming_buffer_size: streams (``datasets.IterableDataset``): documents held in the best-fit window.
         streaming_validation_documents: a stream without a ``validation`` split gives its first this many
             documents to validation (held in memory; training leaves them out).
@@ -107,7 +105,7 @@ class SeqMemDataModule(LightningDataModule):
 
     Example::
 
-        dm = SeqMemDataModule(max_length=512, micro_batch_size=8, strategy="pack")
+        dm = SeqMemDataModule(max_length=512, micro_batch_size=8, batching=Pack(method="bfd"))
         trainer.fit(CausalLM(), datamodule=dm)
         print(dm.stats())
     """
@@ -123,24 +121,19 @@ class SeqMemDataModule(LightningDataModule):
         max_length: int = 512,
         micro_batch_size: int = 8,
         eval_batch_size: int | None = None,
-        strategy: str = "pad",
+        batching: Batching | None = None,
+        eval_batching: Batching | None = None,
+        strategy: str | None = None,
         eval_strategy: str | None = None,
-        pad_to_multiple_of: int | None = 8,
         text_column: str = "text",
         num_workers: int = 0,
         seed: int = 42,
-        packing: str = "bfd",
-        overflow: str | None = None,
-        allow_split_prompt_completion: bool = False,
-        group_by_length: bool = False,
-        pad_to_max_length: bool = False,
         max_tokens_per_batch: int | None = None,
         truncation_side: str = "right",
         max_prompt_length: int | None = None,
         max_completion_length: int | None = None,
         truncation_mode: str | None = None,
         completion_only_loss: bool = True,
-        return_cu_seqlens: bool = False,
         drop_last: bool = False,
         streaming: bool = False,
         streaming_buffer_size: int = 1000,
@@ -157,13 +150,14 @@ class SeqMemDataModule(LightningDataModule):
         super().__init__()
         arguments = {k: v for k, v in locals().items() if k not in ("self", "dataset", "tokenizer", "__class__")}
         self.settings = SeqMemSettings.from_arguments(**arguments)  # every argument checked here, once
-        b = self.settings.batching
+        b = self.settings.batching  # each loader's strategy options saved as plain values (loggers, checkpoints)
         self.save_hyperparameters(
             dict(
                 vars(b),
                 **vars(self.settings.data),
                 **vars(self.settings.conversation),
-                eval_strategy=b.strategy_for("validation"),
+                batching=b.batching.as_dict(),
+                eval_batching=b.batching_for("validation").as_dict(),
             ),
             # Lightning compares the saved dict with every __init__ argument (``==``) to name it; a DataFrame's
             # ``==`` is elementwise and raises. The data and the tokenizer are never hyperparameters.

@@ -12,7 +12,9 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lightning_seqmem.batching.settings import BatchingSettings, check_flags, check_integers, integer
+from lightning_seqmem.batching.fields import check_flags, check_integers, integer
+from lightning_seqmem.batching.options import Batching, as_batching
+from lightning_seqmem.batching.settings import BatchingSettings
 from lightning_seqmem.data.conversations import ConversationSettings
 from lightning_seqmem.data.token_cache import default_cache_dir
 from lightning_seqmem.messages import check_choice
@@ -64,7 +66,7 @@ class SeqMemSettings:
     Example::
 
         settings = SeqMemSettings.from_arguments(max_length=512, strategy="pack", num_workers=2)
-        settings.batching.overflow_for("text")  # 'split'
+        settings.batching.batching  # Pack(method='bfd')
     """
 
     batching: BatchingSettings
@@ -74,7 +76,13 @@ class SeqMemSettings:
     @classmethod
     def from_arguments(cls, **arguments: Any) -> SeqMemSettings:
         """The settings of ``SeqMemDataModule(**arguments)`` (its arguments other than ``dataset`` and
-        ``tokenizer``); each goes to the class that declares it (batching first, as the arguments are listed)."""
+        ``tokenizer``); each goes to the class that declares it (batching first, as the arguments are listed).
+        The shorthands ``strategy``/``eval_strategy`` (``"pad"``, ``"truncate"``, ``"pack"``) become
+        ``batching``/``eval_batching`` objects with their defaults."""
+        for option, shorthand in (("batching", "strategy"), ("eval_batching", "eval_strategy")):
+            arguments[option] = _batching(arguments.get(option), arguments.pop(shorthand, None), option, shorthand)
+        if arguments["batching"] is None:
+            arguments.pop("batching")
         parts, concerns = (
             {},
             (("batching", BatchingSettings), ("data", DataSettings), ("conversation", ConversationSettings)),
@@ -86,3 +94,15 @@ class SeqMemSettings:
         if unknown:
             raise TypeError(f"Unknown settings {sorted(unknown)}.")
         return cls(**parts)
+
+
+def _batching(given: Any, name: str | None, option: str, shorthand: str) -> Batching | None:
+    """``option`` (an object) or its ``shorthand`` (a name), not both."""
+    if name is None:
+        return given
+    if given is not None:
+        raise ValueError(
+            f"Give {option}={given!r} or {shorthand}={name!r}, not both: {shorthand} is the shorthand for "
+            f"{option} with its defaults ({shorthand}={name!r} is {option}={as_batching(name, shorthand)!r})."
+        )
+    return as_batching(name, shorthand)

@@ -1,0 +1,131 @@
+"""What ``seqmem-plan`` reports: one :class:`StrategyPlan` per batching x max_length, the recommendation, and the
+text tables (``format_plan``). Pure functions of the planner's numbers (``planner.py`` computes them); no Lightning
+import.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lightning_seqmem.apps.plan_memory import MemoryPlan, memory_table
+from lightning_seqmem.batching.options import Batching
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    """One batching at one max_length, on the train split (``max_batch_shape`` over train and validation)."""
+
+    strategy: str  # the batching in short (``repr``): "Pad()", "Pack(method='bfd')"; tables and charts show it
+    max_length: int
+    token_efficiency: float  # real tokens / slots fed to the model in one epoch
+    tokens: int  # tokens of the train documents
+    tokens_lost: int  # truncated or dropped: never reach the model
+    rows: int  # rows per epoch (documents, or packed rows)
+    batches: int  # micro-batches per epoch, one process
+    optimizer_steps: int  # per epoch, per the devices and accumulate_grad_batches given
+    max_batch_shape: tuple[int, int]  # (rows, length), the largest batch of any split
+    rows_dropped_per_epoch: int = 0
+    trained_share: float | None = None  # conversations: tokens that carry loss / tokens fed to the model
+    batching: Batching | None = None  # the options planned (``Pad(...)``, ``Truncate()``, ``Pack(...)``)
+
+    @property
+    def lost_share(self) -> float:
+        return self.tokens_lost / max(self.tokens, 1)
+
+
+@dataclass
+class RunPlan:
+    """Everything ``seqmem-plan`` prints."""
+
+    distribution: dict[str, Any]
+    strategies: list[StrategyPlan]
+    configured: StrategyPlan | None
+    memory: MemoryPlan | None
+    recommendation: str
+    recommended: dict[str, Any]
+    train_lengths: np.ndarray = field(default=None, repr=False)  # [documents], for the histogram
+
+
+def recommend_data(plans: Sequence[StrategyPlan], max_length: int | None = None) -> tuple[StrategyPlan, str]:
+    """The plan that loses the fewest tokens, then wastes the fewest slots (to 1%), then has the max_length
+    closest to ``max_length`` (the configured one: packing is ~100% efficient at any length, and shorter rows cut
+    more documents); ties go to the earlier batching (``Pack(method='bfd')`` keeps documents whole,
+    ``Pack(method='wrapped')`` not)."""
+    target = max_length or max(p.max_length for p in plans)
+    best = min(
+        plans, key=lambda p: (p.tokens_lost, -round(p.token_efficiency, 2), abs(math.log2(p.max_length / target)))
+    )
+    lost = "no token lost" if best.tokens_lost == 0 else f"{best.lost_share:.2%} of tokens lost (the least of all)"
+    return best, (
+        f"strategy={best.strategy} max_length={best.max_length}: {lost}, "
+        f"{best.token_efficiency:.1%} of the slots hold real tokens"
+    )
+
+
+def recommend(
+    plans: Sequence[StrategyPlan], memory: MemoryPlan | None, micro_batch_size: int, max_length: int | None = None
+) -> tuple[dict, str]:
+    """``({strategy, max_length, micro_batch_size, gradient_checkpointing}, one-line reason)``."""
+    best, reason = recommend_data(plans, max_length)
+    choice = {
+        "strategy": best.strategy,
+        "max_length": best.max_length,
+        "micro_batch_size": micro_batch_size,
+        "gradient_checkpointing": False,
+    }
+    if memory is not None and memory.usable is not None:
+        if memory.fits[False] is not None:
+            choice["micro_batch_size"] = memory.fits[False]
+            reason += f"; micro_batch_size={memory.fits[False]} is the largest that fits"
+        elif memory.fits[True] is not None:
+            choice.update(micro_batch_size=memory.fits[True], gradient_checkpointing=True)
+            reason += f"; only gradient checkpointing fits, with micro_batch_size={memory.fits[True]}"
+        else:
+            choice["micro_batch_size"] = None
+            reason += "; but nothing fits the memory budget (see above)"
+    return choice, reason
+
+
+def format_plan(plan: RunPlan) -> str:
+    """The report as text tables."""
+    d = plan.distribution
+    pct = "  ".join(f"p{p}={v}" for p, v in d["percentiles"].items())
+    lines = [
+        f"Train documents: {d['documents']:,}, {d['tokens']:,} tokens, mean {d['mean']:.1f} tokens; {pct}",
+        "max_length | documents longer | tokens beyond it",
+    ]
+    lines += [f"{m:>10} | {o['documents']:>16.2%} | {o['tokens']:>16.2%}" for m, o in d["over"].items()]
+    chat = any(s.trained_share is not None for s in plan.strategies)  # conversations: the trained share too
+    width = max([18, *(len(s.strategy) for s in plan.strategies)])
+    lines += [
+        "",
+        f"{'strategy':<{width}} max_length  efficiency"
+        + ("     trained" if chat else "")
+        + "        tokens lost     rows  batches   steps  largest batch",
+    ]
+    for s in plan.strategies:
+        mark = " <- config" if plan.configured is not None and same_candidate(s, plan.configured) else ""
+        trained = f"  {s.trained_share:>10.1%}" if chat else ""
+        lines.append(
+            f"{s.strategy:<{width}} {s.max_length:>10}  {s.token_efficiency:>10.1%}{trained}  {s.tokens_lost:>9,} "
+            f"({s.lost_share:>5.1%}) {s.rows:>8,} {s.batches:>8,} {s.optimizer_steps:>7,}  "
+            f"{s.max_batch_shape[0]} x {s.max_batch_shape[1]}{mark}"
+        )
+    lines += ["", *memory_table(plan.memory)] if plan.memory is not None else []
+    lines += [
+        "",
+        "Recommended: " + " ".join(f"{k}={v}" for k, v in plan.recommended.items()),
+        "Why: " + plan.recommendation,
+    ]
+    return "\n".join(lines)
+
+
+def same_candidate(a: StrategyPlan, b: StrategyPlan) -> bool:
+    """Whether two plans are of the same batching options at the same max_length (the options compared as
+    objects: ``Pack(method='bfd') == Pack()``)."""
+    return (a.batching, a.max_length) == (b.batching, b.max_length)
