@@ -2,9 +2,11 @@
 
 Both classes are in subclass mode, so a config (or the command line) can name a subclass of either, or any
 LightningModule/LightningDataModule; without one, ``lightning_seqmem.CausalLM`` and
-``lightning_seqmem.SeqMemDataModule`` are used. Callbacks are added the Lightning way::
+``lightning_seqmem.SeqMemDataModule`` are used. The DataModule's batching is an object too (``Pad``, ``Truncate``,
+``Pack``, by class_path or short name, with only its own options). Callbacks are added the Lightning way::
 
     seqmem-cli fit --config examples/cli.yaml
+    seqmem-cli fit --data.batching=Pack --data.batching.method=wrapped --data.eval_batching=Pad
     seqmem-cli fit --trainer.max_steps=100 \\
         --trainer.callbacks+=lightning_seqmem.warmup.SeqLengthWarmup --trainer.callbacks.duration=0.3
     seqmem-cli fit --config examples/cli.yaml --print_config > full.yaml && seqmem-cli fit --config full.yaml
