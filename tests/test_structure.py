@@ -23,7 +23,6 @@ LAYERS = {
     "batching": 2,
     "training": 2,
     "kinds": 2.5,  # the data kinds: over data/ and batching/, under the DataModule and the apps
-    "kinds": 2.5,  # the data kinds: over data/ and batching/, under the DataModule and the apps
     "datamodule": 3,
     "memory": 3,
     "warmup": 3,
