@@ -5,7 +5,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_seqmem.data.sources import json_problem, load_text_dataset
+from lightning_seqmem.data.local_files import json_problem
+from lightning_seqmem.data.sources import load_text_dataset
 from lightning_seqmem.messages import short_repr
 
 

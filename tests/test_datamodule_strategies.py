@@ -70,13 +70,13 @@ def test_packing_beats_padding_and_rows_reshuffle_without_repacking(small_text_d
     pack = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=4, strategy="pack")
     assert pack.stats()["train"]["token_efficiency"] > 0.9 > pad.stats()["train"]["token_efficiency"]
     loader = pack.train_dataloader()
-    packed = pack._rows["train"].packed
+    packed = pack.read_mode.rows["train"].packed
     epochs = []
     for epoch in range(2):
         loader.sampler.set_epoch(epoch)
         epochs.append([b["input_ids"].tolist() for b in loader])
     assert epochs[0] != epochs[1] and sorted(sum(epochs[0], [])) == sorted(sum(epochs[1], []))
-    assert pack._rows["train"].packed is packed
+    assert pack.read_mode.rows["train"].packed is packed
 
 
 def test_prompt_completion_truncation_and_completion_only_labels(tokenizer):
@@ -118,7 +118,7 @@ def test_prompt_completion_truncation_and_completion_only_labels(tokenizer):
     with pytest.warns(UserWarning, match="no completion left"):
         packed.setup("fit")
     learned = sorted(t for b in packed.train_dataloader() for t in b["labels"][b["labels"] != -100].tolist())
-    labels = packed._labels["train"]  # per row: -100 on the kept prompt, then the kept completion
+    labels = packed.read_mode.labels["train"]  # per row: -100 on the kept prompt, then the kept completion
     rows = [labels.row(i).tolist() for i in range(len(labels))]
     expected = sorted(t for lab in rows for t in lab[1:] if t != -100)  # a segment's first never learns
     assert learned == expected and len(learned) > 0

@@ -53,10 +53,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             "batches": batches,
             "len": len(loader),
             "rows": rows,
-            "num_rows": len(dm._rows["train"]),
+            "num_rows": len(dm.read_mode.rows["train"]),
             "efficiency": metric.compute().item(),
             "local": local,
-            "packed": dm._rows["train"].packed.input_ids.tolist() if name == "pack" else None,
+            "packed": dm.read_mode.rows["train"].packed.input_ids.tolist() if name == "pack" else None,
         }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -137,7 +137,7 @@ def test_lightning_ddp_spawn_keeps_our_sampler_and_equal_steps(tmp_path, tokeniz
     )
     trainer.fit(_CountingModule(str(tmp_path)), datamodule=dm)
     dm.setup("fit")
-    rows_per_epoch = len(dm._rows["train"])
+    rows_per_epoch = len(dm.read_mode.rows["train"])
     for epoch in (0, 1):  # Lightning calls set_epoch: the second epoch is reshuffled, not replayed
         ranks = [json.loads((tmp_path / f"lightning_rank{r}_epoch{epoch}.json").read_text()) for r in range(2)]
         assert all(r["sampler"] == "ShuffledBatchSampler" and r["num_replicas"] == 2 for r in ranks)  # not replaced

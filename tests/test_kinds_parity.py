@@ -95,9 +95,9 @@ def test_map_style_and_stream_give_the_same_rows_stats_and_errors(kind, chat_tok
     for dm in dms.values():
         dm.setup("fit")
     map_style, streamed = (dms[s] for s in (False, True))
-    assert map_style._kind == streamed._kind
+    assert map_style.read_mode.kind == streamed.read_mode.kind
     assert _documents(map_style) == _documents(streamed)
-    keys = DOCUMENT_STATS + map_style._kind.stats_keys
+    keys = DOCUMENT_STATS + map_style.read_mode.kind.stats_keys
     want = {k: map_style.stats()["train"][k] for k in keys}
     assert {k: streamed.stats()["train"][k] for k in keys} == want
     assert want["tokens_truncated"] or kind.startswith("text") or kind == "tokens"  # truncation is compared too

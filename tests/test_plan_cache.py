@@ -140,7 +140,7 @@ class _PlanSource(L.LightningModule):
         self.out_dir = out_dir
 
     def on_train_start(self):
-        packed = self.trainer.datamodule._rows["train"].packed
+        packed = self.trainer.datamodule.read_mode.rows["train"].packed
         with open(f"{self.out_dir}/rank{self.global_rank}.txt", "w") as f:
             f.write(type(packed.segment_doc).__name__)
 

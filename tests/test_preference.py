@@ -6,14 +6,12 @@ import pytest
 import torch
 
 from lightning_seqmem.batch import IGNORE_INDEX
+from lightning_seqmem.batching.pair_collate import PreferenceCollator, check_pairs, pair_sequences
 from lightning_seqmem.batching.preference import (
     CHOSEN,
     REJECTED,
-    PreferenceCollator,
     PreferenceLimits,
-    check_pairs,
     identical_completions,
-    pair_sequences,
     preference_spans,
     sequence_spans,
 )

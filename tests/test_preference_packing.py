@@ -17,8 +17,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_seqmem.batch import PREFERENCE_PACK_KEYS
 from lightning_seqmem.batching.bin_packing import best_fit_decreasing
+from lightning_seqmem.batching.pair_collate import PreferenceCollator, check_pairs
 from lightning_seqmem.batching.pair_packing import PackedPairCollator, plan_pair_rows
-from lightning_seqmem.batching.preference import PreferenceCollator, PreferenceLimits, check_pairs
+from lightning_seqmem.batching.preference import PreferenceLimits
 from lightning_seqmem.training.attention import register_varlen_attention
 from lightning_seqmem.training.preference_loss import dpo_loss, sequence_logps, token_logps
 from lightning_seqmem.training.varlen import batch_varlen_kwargs, flash_varlen_kwargs

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_seqmem.batch import COMPLETION_MASK, SEQUENCE_INDEX
-from lightning_seqmem.batching.preference import PreferenceCollator
+from lightning_seqmem.batching.pair_collate import PreferenceCollator
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
 from lightning_seqmem.training.preference_loss import sequence_logps
 from lightning_seqmem.warmup import set_batch_sequence_length

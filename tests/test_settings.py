@@ -103,10 +103,10 @@ def test_setup_does_not_change_the_strategies_or_the_settings(tokenizer):
     assert expected == before.batching.limits  # overflow=None on prompt/completion data: truncate, all limits
     assert make_strategy(before.batching, "train", "text").prompt_completion_limits.max_length is None  # split
     dm.setup("fit")
-    train = dm._strategies["train"]
+    train = dm.read_mode.strategies["train"]
     assert dm.settings is before and train.prompt_completion_limits == expected and train.overflow == "truncate"
     next(iter(dm.train_dataloader()))
-    assert dm._strategies["train"] is train and train.prompt_completion_limits == expected
+    assert dm.read_mode.strategies["train"] is train and train.prompt_completion_limits == expected
 
 
 @pytest.mark.parametrize(

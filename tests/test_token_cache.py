@@ -101,7 +101,7 @@ def test_setup_alone_tokenizes_and_num_proc_gives_the_same_tokens(tmp_path, toke
             dataset=_data(), tokenizer=tokenizer, cache_dir=tmp_path / f"c{procs}", num_proc=procs, max_length=512
         )
         dm.setup("fit")  # plain Python use: no prepare_data
-        ids[procs] = [r.tolist() for r in (dm._rows["train"][i]["input_ids"] for i in range(len(dm._rows["train"])))]
+        ids[procs] = [r.tolist() for r in (dm.read_mode.rows["train"][i]["input_ids"] for i in range(len(dm.read_mode.rows["train"])))]
     assert ids[1] == ids[2] and len(ids[1]) > 0
 
 

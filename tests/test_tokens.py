@@ -10,16 +10,8 @@ from hypothesis import strategies as st
 
 from lightning_seqmem.batching import pack_lengths, pack_sequences
 from lightning_seqmem.batching.collate import PackCollator, PadCollator
-from lightning_seqmem.data.tokens import (
-    ARROW_GATHER_MIN_SEGMENTS,
-    ConcatView,
-    ConstantView,
-    TokenView,
-    as_token_source,
-    binary_view_of,
-    gather_arrow,
-    view_of_dataset,
-)
+from lightning_seqmem.data.arrow_gather import ARROW_GATHER_MIN_SEGMENTS, binary_view_of, gather_arrow
+from lightning_seqmem.data.tokens import ConcatView, ConstantView, TokenView, as_token_source, view_of_dataset
 
 DOCS = [[5, 6, 7], [], [8], [9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19]]
 

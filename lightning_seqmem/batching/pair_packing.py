@@ -27,7 +27,8 @@ import torch
 from lightning_seqmem.batch import COMPLETION_MASK, IGNORE_INDEX, SEQUENCE_INDEX
 from lightning_seqmem.batching.bin_packing import pack_bins
 from lightning_seqmem.batching.collate import PackCollator, _fill
-from lightning_seqmem.batching.preference import PreferenceLimits, name_rows, pair_sequences, ref_logps
+from lightning_seqmem.batching.pair_collate import pair_sequences, ref_logps
+from lightning_seqmem.batching.preference import PreferenceLimits, name_rows
 from lightning_seqmem.batching.truncation import check_max_length
 
 

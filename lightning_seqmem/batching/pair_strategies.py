@@ -21,9 +21,10 @@ import numpy as np
 
 from lightning_seqmem.batch import CU_SEQLENS, PREFERENCE_PACK_KEYS, PREFERENCE_PAD_KEYS, packed_rows
 from lightning_seqmem.batching.options import Pad
+from lightning_seqmem.batching.pair_collate import PreferenceCollator
 from lightning_seqmem.batching.pair_packing import PackedPairCollator, plan_pair_rows
 from lightning_seqmem.batching.pair_rows import PackedPairRows, PairRows, PairSource
-from lightning_seqmem.batching.preference import PairSpans, PreferenceCollator, preference_spans
+from lightning_seqmem.batching.preference import PairSpans, preference_spans
 from lightning_seqmem.batching.sampling import ShuffledBatchSampler
 from lightning_seqmem.batching.strategies import (
     EpochStats,

@@ -15,44 +15,18 @@ all look like file names (no whitespace, a known extension) that do not exist, i
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from lightning_seqmem.data.local_files import load_path_or_name, looks_like_file_name, matches
 from lightning_seqmem.data.preference_corpus import BUILTIN_PREFERENCE
 from lightning_seqmem.messages import short_repr
 
 BUILTIN_CHAT = "builtin_chat"
 """``dataset="builtin_chat"``: the built-in corpus as multi-turn conversations (``data.chat_corpus``)."""
-_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
-
-
-def _matches(item: str) -> list[str]:
-    """The files one path or glob names (a directory counts as itself); empty when it names nothing."""
-    if any(c in item for c in "*?["):
-        return sorted(glob.glob(item))
-    return [item] if os.path.exists(item) else []
-
-
-def _local_files(spec: str | Sequence[str]) -> list[str] | None:
-    """Local files named by a path, a glob or a list of them; None when ``spec`` does not look local."""
-    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
-    files: list[str] = []
-    for item in items:
-        for match in _matches(os.fspath(item)):
-            if os.path.isdir(match):  # a folder in a list: its files of the known kinds
-                files.extend(sorted(f for ext in _LOCAL_BUILDERS for f in glob.glob(os.path.join(match, f"*{ext}"))))
-            elif os.path.isfile(match):
-                files.append(match)
-    return files or None
-
-
-def _looks_like_file_name(item: str) -> bool:
-    return not any(c.isspace() for c in item) and os.path.splitext(item)[1].lower() in _LOCAL_BUILDERS
 
 
 def _is_conversation(item: Any) -> bool:
@@ -94,7 +68,7 @@ def _dataset_from_items(items: Sequence[Any]):
             "dicts (rows) or conversations (lists of {'role', 'content'} dicts), not a mix."
         )
     items = [os.fspath(x) for x in items]
-    missing = [x for x in items if not _matches(x)]
+    missing = [x for x in items if not matches(x)]
     if not missing:
         return None  # every item names files: the caller loads them
     if len(missing) < len(items):
@@ -102,7 +76,7 @@ def _dataset_from_items(items: Sequence[Any]):
             f"dataset is a list of {len(items)} strings: {len(items) - len(missing)} of them name existing files, "
             f"{len(missing)} do not (first: {short_repr(missing[0])}). Fix the paths, or pass documents only."
         )
-    if all(_looks_like_file_name(x) for x in items):
+    if all(looks_like_file_name(x) for x in items):
         raise FileNotFoundError(
             f"dataset is a list of file names, none of which exists (first: {short_repr(items[0])}). Check the "
             "paths (relative to the directory you run from); documents are taken as documents only when they are "
@@ -161,11 +135,11 @@ def load_text_dataset(dataset: Any = "builtin"):
     elif _is_data_frame(dataset):
         dsd = datasets.DatasetDict(train=datasets.Dataset.from_pandas(dataset, preserve_index=False))
     elif isinstance(dataset, (str, os.PathLike)):
-        dsd = _load_path_or_name(dataset)
+        dsd = load_path_or_name(dataset)
     elif isinstance(dataset, Sequence):  # list, tuple, OmegaConf ListConfig
         dsd = _dataset_from_items(dataset)
         if dsd is None:
-            dsd = _load_path_or_name([os.fspath(x) for x in dataset])
+            dsd = load_path_or_name([os.fspath(x) for x in dataset])
     else:
         raise TypeError(
             f"dataset must be 'builtin', a datasets.Dataset/DatasetDict, a pandas.DataFrame, a path, a list of files, documents or "
@@ -194,11 +168,11 @@ def open_stream(dataset: Any, shards: int = 8):
         return dataset
     builtin = isinstance(dataset, str) and dataset in ("builtin", BUILTIN_CHAT, BUILTIN_PREFERENCE)
     if isinstance(dataset, (str, os.PathLike)) and not builtin:
-        loaded = _load_path_or_name(dataset, streaming=True)
+        loaded = load_path_or_name(dataset, streaming=True)
     elif isinstance(dataset, Sequence) and not isinstance(dataset, str):
         loaded = _dataset_from_items(dataset)  # documents or rows; None: files
         if loaded is None:
-            loaded = _load_path_or_name([os.fspath(x) for x in dataset], streaming=True)
+            loaded = load_path_or_name([os.fspath(x) for x in dataset], streaming=True)
     else:
         loaded = load_text_dataset(dataset)
     if "train" not in loaded:
@@ -272,137 +246,3 @@ def select_rows(ds, rows: np.ndarray, tag: str):
         )
         selected._fingerprint = fingerprint
     return selected
-
-
-def _load_path_or_name(spec, streaming: bool = False):
-    """A ``save_to_disk`` folder, local files (a path, glob, directory or list) or a hub name, as a ``DatasetDict``;
-    with ``streaming``, files and hub names as an ``IterableDatasetDict`` (a saved folder stays map-style)."""
-    import datasets
-
-    if isinstance(spec, (str, os.PathLike)) and os.path.isdir(spec):
-        if os.path.exists(os.path.join(spec, "dataset_dict.json")) or os.path.exists(
-            os.path.join(spec, "dataset_info.json")
-        ):
-            loaded = datasets.load_from_disk(os.fspath(spec))
-            return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
-        files = _local_files([os.path.join(spec, f"*{ext}") for ext in _LOCAL_BUILDERS])
-        if not files:
-            raise ValueError(f"Directory {short_repr(os.fspath(spec))} holds no {'/'.join(_LOCAL_BUILDERS)} files.")
-    else:
-        files = _local_files(spec)
-    if files is not None:
-        return load_local_files(files, streaming)
-    name = os.fspath(spec) if not isinstance(spec, (list, tuple)) else None
-    if name is None or _looks_like_path(name):
-        what = "matches no file" if name is not None and any(c in name for c in "*?[") else "does not exist"
-        raise FileNotFoundError(
-            f"Dataset path {short_repr(spec)} {what} (relative paths start at {short_repr(os.getcwd())}). Pass an "
-            f"existing file, glob, directory or list of {'/'.join(_LOCAL_BUILDERS)} files, a datasets.Dataset, or "
-            "dataset='builtin'."
-        )
-    try:
-        return datasets.load_dataset(name, streaming=streaming)
-    except Exception as err:
-        raise FileNotFoundError(
-            f"Could not load dataset {short_repr(name)}: it is not a local path, and loading it by name failed "
-            f"({type(err).__name__}: {short_repr(str(err))}). Check the name, or download it and pass the local path."
-        ) from err
-
-
-def _looks_like_path(name: str) -> bool:
-    """A local path rather than a hub name (``org/name``): starts with ``.``, ``/`` or ``~``, has more than one
-    ``/``, or ends in a file extension we read."""
-    return (
-        name.startswith((".", "/", "~"))
-        or os.sep in name.rstrip("/").split("/", 1)[-1]
-        or os.path.splitext(name)[1].lower() in _LOCAL_BUILDERS
-    )
-
-
-def load_local_files(files: Sequence[str], streaming: bool = False):
-    """Local files of one kind as ``DatasetDict(train=...)`` (with ``streaming``, an ``IterableDatasetDict``, read
-    as it is iterated).
-
-    Raises:
-        ValueError: mixed or unknown extensions; an empty file; a file ``datasets`` cannot read (the message names
-            the file and, for JSON, the line and what is wrong with it).
-    """
-    import datasets
-
-    exts = {os.path.splitext(f)[1].lower() for f in files}
-    unknown = exts - set(_LOCAL_BUILDERS)
-    if unknown or len({_LOCAL_BUILDERS[e] for e in exts}) != 1:
-        raise ValueError(
-            f"Cannot read files with extensions {sorted(exts)} together; use one of "
-            f"{sorted(_LOCAL_BUILDERS)} (all files of one kind)."
-        )
-    for path in files:
-        if _is_blank(path):
-            raise ValueError(f"{path} is empty: there are no rows to read. Remove it from the dataset or fill it.")
-    builder = _LOCAL_BUILDERS[exts.pop()]
-    try:
-        return datasets.load_dataset(builder, data_files={"train": list(files)}, streaming=streaming)
-    except Exception as err:
-        raise ValueError(_read_error(files, builder, err)) from err
-
-
-def _is_blank(path: str, probe: int = 1 << 16) -> bool:
-    """True for an empty or whitespace-only file (reads at most the first 64 KiB unless they are all blank)."""
-    with open(path, "rb") as f:
-        while chunk := f.read(probe):
-            if chunk.strip():
-                return False
-    return True
-
-
-def _read_error(files: Sequence[str], builder: str, err: Exception) -> str:
-    """Say which file (and line) ``datasets`` could not read, and what is wrong; only called after a failure."""
-    if builder == "json":
-        for path in files:
-            problem = json_problem(path)
-            if problem:
-                return problem
-    cause = err.__cause__ or err.__context__ or err
-    where = files[0] if len(files) == 1 else f"one of {len(files)} {builder} files (first: {files[0]})"
-    return (
-        f"Could not read {where}: {type(cause).__name__}: {short_repr(str(cause))}. Check that every file is "
-        f"valid {builder}."
-    )
-
-
-def json_problem(path: str) -> str | None:
-    """The first problem in a JSON (array) or JSON Lines file: file, line and what is wrong; None when it parses.
-
-    Every row must be a JSON object (``{"text": ...}``).
-    """
-    with open(path, encoding="utf-8", errors="replace") as f:
-        head = f.read(1 << 16).lstrip()
-        f.seek(0)
-        if head.startswith("["):  # one JSON array of rows
-            try:
-                rows = json.load(f)
-            except json.JSONDecodeError as err:
-                return f"{path}, line {err.lineno}, column {err.colno}: invalid JSON ({err.msg})."
-            bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
-            if bad is not None:
-                return (
-                    f"{path}: item {bad} of the JSON array is a {type(rows[bad]).__name__}, not an object; "
-                    'every row must be an object such as {"text": "..."}.'
-                )
-            return None
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                return (
-                    f"{path}, line {number}, column {err.colno}: invalid JSON ({err.msg}): "
-                    f"{short_repr(line.rstrip())}. JSON Lines needs one complete object per line."
-                )
-            if not isinstance(row, dict):
-                return (
-                    f"{path}, line {number}: a JSON {type(row).__name__}, not an object; every line must be "
-                    'an object such as {"text": "..."}.'
-                )
-    return None

@@ -1,8 +1,10 @@
 """``SeqMemDataModule``: text in, padded / truncated / packed batches out, with every lost token counted.
 
-The work happens elsewhere: the arguments become one frozen ``SeqMemSettings`` (``settings.py``), each split goes
-through the pure split pipeline (``pipeline.py``), streams through ``streaming.py``, resume checks through
-``resume.py``, and every question about batches goes to the split's strategy object (``batching/strategies.py``).
+The work happens elsewhere: the arguments become one frozen ``SeqMemSettings`` (``settings.py``), the data are read
+by one read mode (``read_mode.py``: ``map_style.py``, each split through the pure split pipeline, ``pipeline.py``;
+or ``stream_mode.py``, packed on the fly by ``streaming.py``), what differs between kinds of data is asked of the
+kind (``lightning_seqmem.kinds``), and every question about batches goes to the split's strategy object
+(``batching/strategies.py``).
 This class only wires them to Lightning's ``prepare_data``/``setup``/``*_dataloader`` hooks.
 """
 
@@ -11,22 +13,20 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_seqmem.batching.options import Batching
-from lightning_seqmem.batching.sampling import BatchFetcher
-from lightning_seqmem.batching.strategies import Strategy, largest_shape
 from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
 from lightning_seqmem.data.tokenizer import load_tokenizer
-from lightning_seqmem.datamodule.pipeline import SPLITS, load_documents, prepare_split, split_documents
-from lightning_seqmem.datamodule.resume import ResumableLoader, check_signature, data_signature
+from lightning_seqmem.datamodule.map_style import MapStyle
+from lightning_seqmem.datamodule.pipeline import load_documents
+from lightning_seqmem.datamodule.read_mode import ReadMode
 from lightning_seqmem.datamodule.settings import SeqMemSettings
-from lightning_seqmem.datamodule.streaming import Streams, check_streaming, is_stream
-from lightning_seqmem.kinds.base import Kind, epoch_stats
+from lightning_seqmem.datamodule.stream_mode import StreamMode
+from lightning_seqmem.datamodule.streaming import is_stream
 from lightning_seqmem.kinds.detect import detect_stream
 
 
@@ -112,7 +112,6 @@ class SeqMemDataModule(LightningDataModule):
 
     _pretokenized = False  # set when the dataset already holds token ids
     _documents = None  # (tokenized DatasetDict, kind), once per process
-    _skip_resume_state = False  # set by load_state_dict when the checkpoint's data differ (restart_epoch)
 
     def __init__(
         self,
@@ -164,18 +163,12 @@ class SeqMemDataModule(LightningDataModule):
             ignore=["dataset", "tokenizer"],
         )
         self.dataset = dataset
-        self.streaming, self._streams = False, None
         self._tokenizer_arg = tokenizer
         self._tokenizer = None
-        self._kind: Kind | None = None  # the data kind (``lightning_seqmem.kinds``), once read
-        # Chosen once the data kind is known (setup), then never changed: every question about a split's batches
-        # goes to its strategy object.
-        self._strategies: dict[str, Strategy] = {}
+        # Set up once (``setup``), then never changed: every question about the data goes to the read mode, and
+        # every question about a split's batches to its strategy object (``read_mode.strategies``).
+        self.read_mode: ReadMode | None = None
         self.datasets: dict[str, Any] | None = None
-        self._rows: dict[str, Any] = {}
-        self._labels: dict[str, Any] = {}  # per split: the token source of labels, where rows carry their own
-        self._lengths: dict[str, np.ndarray] = {}  # per row fed to the model, after truncation
-        self._stats: dict[str, dict[str, float]] = {}
 
     # ----------------------------------------------------------------------------------------- read by others
     @property
@@ -257,113 +250,71 @@ class SeqMemDataModule(LightningDataModule):
             self._documents, self._pretokenized = (tokenized, kind), kind.pretokenized
         return self._documents
 
-    def _choose_strategies(self, kind: Kind) -> None:
-        """The strategy objects of both splits, built once the data kind is known (it decides the overflow rule)."""
-        kind.check(self.settings.batching)
-        self._kind = kind
-        self._strategies = {
-            split: kind.strategy(self.settings.batching, split, self.settings.data.plan_cache) for split in SPLITS
-        }
-
     @override
     def setup(self, stage: str | None = None) -> None:
-        if self.datasets is not None:
+        """Read the data once, by their read mode (``read_mode.ReadMode``): a stream packed on the fly
+        (``StreamMode``), else whole splits through the split pipeline (``MapStyle``)."""
+        if self.read_mode is not None:
             return
         if self._open_stream():
             kind = detect_stream(self.dataset, self.settings.data.text_column)
-            self._choose_strategies(kind)
-            check_streaming(self._strategies)
-            self._streams, self._pretokenized = Streams(self.dataset, kind, self.settings.data), kind.pretokenized
-            self.streaming, self.datasets = True, self._streams.splits
-            return
-        # Tokenize (or load the cache prepare_data wrote) before carving out a validation split, so errors name
-        # rows of the dataset the user passed.
-        tokenized, kind = self.tokenized_documents()
-        self._choose_strategies(kind)
-        documents = split_documents(tokenized, kind, self.settings.batching.seed)
-        self.datasets = {}
-        for split, docs in documents.items():
-            prepared = prepare_split(split, docs, self._strategies[split], self.settings)
-            prepared.stats.update(kind.tokenizer_stats(lambda: self.tokenizer))
-            for message in prepared.warnings:
-                rank_zero_warn(message)
-            for message in prepared.infos:
-                rank_zero_info(message)
-            self.datasets[split], self._rows[split] = prepared.dataset, prepared.rows
-            self._lengths[split], self._labels[split], self._stats[split] = (
-                prepared.lengths,
-                prepared.labels,
-                prepared.stats,
+            self._pretokenized = kind.pretokenized
+            self.read_mode = StreamMode(self.dataset, kind, self.settings, rank_zero_warn)
+        else:
+            # Tokenize (or load the cache prepare_data wrote) before carving out a validation split, so errors
+            # name rows of the dataset the user passed.
+            tokenized, kind = self.tokenized_documents()
+            self.read_mode = MapStyle(
+                tokenized, kind, self.settings, lambda: self.tokenizer, rank_zero_warn, rank_zero_info
             )
+        self.datasets = self.read_mode.datasets
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the data are served as a stream (known once set up)."""
+        return isinstance(self.read_mode, StreamMode)
 
     # ------------------------------------------------------------------------------------------------ loaders
-    def _loader(self, split: str) -> DataLoader:
-        if self.datasets is None:
+    def _ready(self) -> ReadMode:
+        """The read mode, setting up first if needed."""
+        if self.read_mode is None:
             self.setup("fit")
-        strategy, data = self._strategies[split], self.settings.data
-        if self.streaming:
-            return self._streams.loader(
-                split, strategy, self.tokenizer, self.settings, self.pad_token_id, rank_zero_warn
-            )
-        loader = ResumableLoader(
-            BatchFetcher(self._rows[split]),
-            sampler=strategy.split_sampler(self._lengths[split], split),
-            batch_size=None,
-            collate_fn=strategy.collator(self.pad_token_id),
-            num_workers=data.num_workers,
-            persistent_workers=data.num_workers > 0,
-        )
-        loader.skip_resume_state = self._skip_resume_state
-        return loader
+        return self.read_mode
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
+        return self._ready().loader("train", self.tokenizer, self.pad_token_id)
 
     @override
     def val_dataloader(self) -> DataLoader:
-        return self._loader("validation")
+        return self._ready().loader("validation", self.tokenizer, self.pad_token_id)
 
     # ---------------------------------------------------------------------------------------------- reporting
-    def _ready(self) -> dict[str, Strategy]:
-        """The strategies of both splits, setting up first if needed."""
-        if self.datasets is None:
-            self.setup("fit")
-        return self._strategies
-
     def batch_keys(self) -> tuple[str, ...]:
         """The keys of the batches the train loader yields (``eval_strategy`` may differ: see its loader)."""
-        return tuple(self._ready()["train"].keys)
+        return tuple(self._ready().strategies["train"].keys)
 
     def batching_label(self) -> str:
         """The train loader's batching in a few words (``protocols.DescribesBatching``): ``"pack (bfd)"``."""
-        return self._ready()["train"].label
+        return self._ready().strategies["train"].label
 
     def constant_shapes(self) -> bool:
         """Whether every batch of the train and validation loaders has one shape (``protocols.DescribesBatching``)."""
-        return all(strategy.constant_shapes for strategy in self._ready().values())
+        return all(strategy.constant_shapes for strategy in self._ready().strategies.values())
 
     def packs_documents(self) -> bool:
         """Whether some loader puts several documents in one row (``protocols.DescribesBatching``)."""
-        return any(strategy.packs for strategy in self._ready().values())
+        return any(strategy.packs for strategy in self._ready().strategies.values())
 
     def worst_batch_layout(self, rows: int, length: int) -> tuple[tuple[int, ...], ...]:
         """Document lengths per row of the costliest ``[rows, length]`` training batch
         (``protocols.GivesWorstBatchLayout``, asked by ``CachePreallocator``): the train strategy's answer."""
-        return self._ready()["train"].worst_layout(rows, length, self._lengths.get("train"))
+        return self._ready().worst_batch_layout(rows, length)
 
     def max_batch_shape(self) -> tuple[int, int]:
         """The largest ``(rows, length)`` any loader (train or validation, whatever its strategy) yields, for
         pre-allocation. With a token budget, rows and length vary together: the shape with the most slots."""
-        strategies = self._ready()
-        if self.streaming:
-            return max(s.rows_per_batch(split) for split, s in strategies.items()), self.max_length
-        largest = [
-            epoch_stats(strategies[split], self._lengths[split], split).largest
-            for split in self._rows
-            if len(self._rows[split])
-        ]
-        return largest_shape(list(strategies.values()), [s for s in largest if s is not None])
+        return self._ready().max_batch_shape()
 
     def stats(self) -> dict[str, Any]:
         """Per split: documents, tokens, tokens truncated/dropped, documents split, empty documents skipped,
@@ -372,35 +323,25 @@ class SeqMemDataModule(LightningDataModule):
         ``conversations_dropped_empty``, ``trained_tokens``, ``trained_share`` and ``mask_method``; for preference
         pairs (``documents`` = pairs) also the prompt / chosen / rejected tokens truncated, the pairs left without a
         completion and the pairs whose kept completions are identical. For a stream: what has been read so far on
-        this process (``streaming.StreamCounts``)."""
-        self._ready()
-        return self._streams.stats() if self.streaming else {split: dict(v) for split, v in self._stats.items()}
+        this process (``streaming.StreamCounts``). The keys each kind reports: ``kinds.base.DOCUMENT_STATS`` and
+        its ``Kind.stats_keys``."""
+        return self._ready().stats()
 
     # ------------------------------------------------------------------------------------------------ resume
     def data_signature(self) -> dict[str, Any]:
         """What a saved loader position refers to: the settings that decide the train rows and their batches
         (``BatchingSettings.signature``; for conversations also which tokens carry loss), and a checksum of the
         train row lengths."""
-        self._ready()
-        return data_signature(self._kind.signature(self.settings), self._lengths.get("train"))
+        return self._ready().data_signature()
 
     @override
     def state_dict(self) -> dict[str, Any]:
         """Saved in Lightning checkpoints: the data signature, checked when a run resumes from it (a stream: what
         it had read, ``Streams.state_dict``)."""
-        if self.streaming:
-            return self._streams.state_dict()
-        return {} if self.datasets is None else {"data_signature": self.data_signature()}
+        return {} if self.read_mode is None else self.read_mode.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Compare the checkpoint's data signature with this run's before the loader position is restored
         (Lightning restores the DataModule first): a changed dataset or batching makes that position meaningless."""
-        if self.streaming:
-            return self._streams.load_state_dict(state_dict, rank_zero_warn)
-        saved = state_dict.get("data_signature")
-        if not saved:
-            return
-        self._skip_resume_state = False
-        now = self.data_signature()
-        self._skip_resume_state = check_signature(saved, now, self.settings.data.on_resume_mismatch, rank_zero_warn)
+        self._ready().load_state_dict(state_dict, rank_zero_warn)

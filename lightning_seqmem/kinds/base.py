@@ -111,6 +111,10 @@ class Kind:
         sequences: sequences per item (1; 2 for a preference pair).
         streams: whether a stream of it can be served on the fly.
         stats_keys: the statistics it reports beside :data:`DOCUMENT_STATS`, map-style and streamed.
+        trains_whole: packing never splits an item (it is cut by its own rule first, or is a pair).
+        default_overflow: what packing does with a row over ``max_length`` unless ``Pack(overflow=...)`` says:
+            ``"split"`` (text), ``"truncate"`` (prompt/completion: a piece without its prompt would train on an
+            answer to nothing; conversations: already cut by whole turns).
         pretokenized: its rows carry token ids, used as they are (their values checked).
     """
 
@@ -120,6 +124,7 @@ class Kind:
     streams: ClassVar[bool] = True
     stats_keys: ClassVar[tuple[str, ...]] = ()
     trains_whole: ClassVar[bool] = False  # cut by its own rule before packing (conversations): never split
+    default_overflow: ClassVar[str] = "split"  # what packing does with a row over max_length, unless told
 
     def __init__(self, pretokenized: bool = False) -> None:
         self.pretokenized = pretokenized

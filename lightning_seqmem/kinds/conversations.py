@@ -25,6 +25,7 @@ class Conversations(Kind):
     parts = {"documents": "input_ids"}
     stats_keys = ("conversations_dropped_empty", "trained_tokens")
     trains_whole = True
+    default_overflow = "truncate"
 
     def source_columns(self, text_column: str = "text") -> list[str]:
         return [MESSAGES_COLUMN]

@@ -24,6 +24,7 @@ class PromptCompletion(Kind):
     name = "prompt_completion"
     parts = {"prompt": "prompt_ids", "completion": "completion_ids"}
     stats_keys = ("rows_without_completion",)
+    default_overflow = "truncate"
 
     def source_columns(self, text_column: str = "text") -> list[str]:
         return list(self.id_columns) if self.pretokenized else ["prompt", "completion"]

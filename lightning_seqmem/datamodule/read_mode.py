@@ -1,0 +1,57 @@
+"""How a DataModule reads its data: one object per read mode behind one protocol, so ``SeqMemDataModule`` asks the
+same questions of a map-style dataset (``map_style.MapStyle``: the whole split planned, rows gathered on demand) and
+of a stream (``stream_mode.StreamMode``: packed on the fly). No Lightning import."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from torch.utils.data import DataLoader
+
+from lightning_seqmem.batching.strategies import Strategy
+from lightning_seqmem.datamodule.pipeline import SPLITS
+from lightning_seqmem.kinds.base import Kind
+
+
+@runtime_checkable
+class ReadMode(Protocol):
+    """What ``SeqMemDataModule`` asks of the data once they are set up.
+
+    Attributes:
+        kind: the data kind (``lightning_seqmem.kinds``).
+        strategies: the strategy object of each split's loader, chosen once (``split_strategies``).
+        datasets: per split, the rows read (a ``Dataset``; a stream, or the documents held for validation).
+    """
+
+    kind: Kind
+    strategies: dict[str, Strategy]
+    datasets: dict[str, Any]
+
+    def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
+        """``split``'s loader."""
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per split, what ``SeqMemDataModule.stats()`` reports."""
+
+    def max_batch_shape(self) -> tuple[int, int]:
+        """The largest ``(rows, length)`` any loader yields."""
+
+    def worst_batch_layout(self, rows: int, length: int) -> tuple[tuple[int, ...], ...]:
+        """Document lengths per row of the costliest ``[rows, length]`` training batch."""
+
+    def data_signature(self) -> dict[str, Any]:
+        """What a saved loader position refers to."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the data."""
+
+    def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
+        """Check a checkpoint's data state before the loader position is restored."""
+
+
+def split_strategies(kind: Kind, settings: Any) -> dict[str, Strategy]:
+    """The strategy objects of both splits, built once the data kind is known (it decides the overflow rule;
+    ``settings``: the DataModule's ``SeqMemSettings``)."""
+    kind.check(settings.batching)
+    return {split: kind.strategy(settings.batching, split, settings.data.plan_cache) for split in SPLITS}

@@ -1,0 +1,56 @@
+"""The streamed read mode: a ``datasets`` stream packed on the fly (``streaming.py``), what it has read counted
+as it is read. Only strategies that pack can serve it. No Lightning import."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from lightning_seqmem.datamodule.read_mode import split_strategies
+from lightning_seqmem.datamodule.resume import data_signature
+from lightning_seqmem.datamodule.streaming import Streams, check_streaming
+from lightning_seqmem.kinds.base import Kind
+
+
+class StreamMode:
+    """A stream read as it is trained on (``read_mode.ReadMode``).
+
+    Args:
+        dataset: the stream (``IterableDataset``/``IterableDatasetDict``).
+        kind: its data kind (``kinds.detect_stream``).
+        settings: the DataModule's ``SeqMemSettings``.
+        warn: where the loaders' warnings go (``rank_zero_warn``).
+    """
+
+    def __init__(self, dataset: Any, kind: Kind, settings: Any, warn: Callable[[str], None]) -> None:
+        self.kind, self.settings, self.warn = kind, settings, warn
+        self.strategies = split_strategies(kind, settings)
+        check_streaming(self.strategies)
+        self.streams = Streams(dataset, kind, settings.data)
+        self.datasets = self.streams.splits
+
+    def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
+        return self.streams.loader(split, self.strategies[split], tokenizer, self.settings, pad_token_id, self.warn)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """What has been read so far on this process (a stream's totals are known only once it is read)."""
+        return self.streams.stats()
+
+    def max_batch_shape(self) -> tuple[int, int]:
+        """Packed rows: always ``max_length`` long, as many per batch as the split's batch size."""
+        rows = max(strategy.rows_per_batch(split) for split, strategy in self.strategies.items())
+        return rows, self.settings.batching.max_length
+
+    def worst_batch_layout(self, rows: int, length: int) -> tuple[tuple[int, ...], ...]:
+        return self.strategies["train"].worst_layout(rows, length, None)
+
+    def data_signature(self) -> dict[str, Any]:
+        return data_signature(self.kind.signature(self.settings), None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.streams.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
+        self.streams.load_state_dict(state_dict, warn)
