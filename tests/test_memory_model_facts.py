@@ -32,13 +32,17 @@ def test_causal_lm_answers_every_fact_from_its_hugging_face_model():
         "model_config": module.model.config,
         "attn_implementation": "eager",
         "gradient_checkpointing": True,
+        "cross_entropy": "full",  # "auto" decided: a 96-token vocabulary
+        "chunk_size": module.hparams.loss_chunk_size,
     }  # what the estimate traces
+    chunked = CausalLM(model_config=TINY, vocab_size=96, cross_entropy="chunked", loss_chunk_size=64)
+    assert (model_facts(chunked).cross_entropy, module_facts(chunked)["chunk_size"]) == ("chunked", 64)
     assert model_facts(CausalLM(model_config=TINY, vocab_size=96, compile=True)).compiled
 
 
 def test_causal_lm_before_its_model_exists_answers_from_its_hyperparameters():
     facts = model_facts(CausalLM(model_config=TINY, attn_implementation="eager"))
-    assert facts == ModelFacts(attn_implementation="eager")
+    assert facts == ModelFacts(attn_implementation="eager", cross_entropy="auto")  # decided once the model exists
     assert module_facts(CausalLM(model_config=TINY)) is None
 
 

@@ -219,7 +219,15 @@ def test_with_real_causallm_and_seqmem_datamodule(tmp_path, small_text_dataset):
         )
     )
     shapes = []
-    model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0]["input_ids"].shape)))
+    setup = model.setup
+
+    def hook_the_built_model(stage):  # the Hugging Face model exists after setup; the loss layer calls it
+        setup(stage)
+        model.model.register_forward_pre_hook(
+            lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+        )
+
+    model.setup = hook_the_built_model
     before, after, cb = Probe(), Probe(), CachePreallocator()
     trainer(tmp_path, [before, cb, after], max_steps=2).fit(model, datamodule=dm)
     assert_same(before.state, after.state)  # includes CausalLM.real_tokens_seen

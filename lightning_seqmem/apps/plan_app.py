@@ -118,6 +118,7 @@ def plan_from_config(cfg, output_dir: str | None = None):
         devices,
         int(cfg.trainer.get("accumulate_grad_batches", 1)),
         reference_copy=_reference_copy(cfg),
+        cross_entropy=cfg.model.get("cross_entropy", "auto"),
     )
     if output_dir is not None:
         _write(result, output_dir)

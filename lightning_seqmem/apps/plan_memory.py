@@ -1,11 +1,15 @@
 """The planner's memory half: peak training memory per micro_batch_size, what fits a budget, and its table.
 
 Estimates come from ``memory/estimate.py`` (training steps traced on fake tensors); this module only searches the
-candidates, says what would fit, and lays the numbers out. No Lightning import.
+candidates, says what would fit, and lays the numbers out. Each estimate says how much of its peak is the loss
+layer's (the logits, their fp32 upcast and their gradient on the full path); where the full loss layer leaves a
+candidate too big, the chunked one (``cross_entropy="chunked"``) is estimated too and recommended when it fits.
+No Lightning import.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -49,6 +53,8 @@ class MemoryPlan:
     estimates: dict[bool, dict[int, Any]] = field(default_factory=dict)  # checkpointing -> rows -> MemoryEstimate
     fits: dict[bool, int | None] = field(default_factory=dict)  # checkpointing -> largest rows within budget
     advice: str = ""
+    chunked: dict[int, Any] = field(default_factory=dict)  # rows -> MemoryEstimate with cross_entropy="chunked"
+    chunked_fits: int | None = None  # largest rows within budget with the chunked loss, no checkpointing
 
     @property
     def usable(self) -> int | None:
@@ -66,7 +72,9 @@ def plan_memory(
     """Peak memory for each micro_batch_size, with and without gradient checkpointing, and what fits ``budget``.
 
     Args:
-        estimate: ``(rows, length, gradient_checkpointing) -> MemoryEstimate``.
+        estimate: ``(rows, length, gradient_checkpointing) -> MemoryEstimate``. One that also takes a
+            ``cross_entropy`` keyword, and whose estimates trace the full loss layer, is asked again with
+            ``cross_entropy="chunked"`` for the candidates too big without checkpointing.
         length: the worst-case row length.
         micro_batch_sizes: candidates; with a budget the search stops at the first that does not fit.
         budget: device memory in bytes (``None``: no fitting, every candidate estimated).
@@ -85,14 +93,40 @@ def plan_memory(
             lambda rows: estimate(rows, length, checkpointing), limit, sizes
         )
         out.fits[checkpointing] = fits if out.usable is not None else None
+    if out.usable is not None:
+        _chunked_fits(estimate, out, sizes, limit)
     if out.usable is not None and out.fits[False] is None:
         out.advice = _no_fit_advice(estimate, out, shorter_lengths)
     return out
 
 
+def _chunked_fits(estimate, memory: MemoryPlan, sizes: Sequence[int], limit: float) -> None:
+    """With the full loss layer traced: estimate the chunked one for the candidates too big without checkpointing,
+    and say so in the advice when it makes one fit."""
+    traced = list(memory.estimates[False].values())
+    if "cross_entropy" not in inspect.signature(estimate).parameters or traced[0].cross_entropy != "full":
+        return
+    full = memory.fits[False]
+    bigger = [rows for rows in sizes if full is None or rows > full]
+    if not bigger:
+        return
+    memory.chunked_fits, memory.chunked = largest_fitting(
+        lambda rows: estimate(rows, memory.length, False, cross_entropy="chunked"), limit, bigger
+    )
+    if memory.chunked_fits is not None:
+        one = memory.estimates[False][min(memory.estimates[False])]
+        memory.advice = (
+            f"cross_entropy='chunked' (model.cross_entropy=chunked) fits micro_batch_size={memory.chunked_fits}"
+            f" ({'none' if full is None else full} with the full loss layer, whose logits, upcast and gradient "
+            f"are {format_bytes(one.loss_layer)} of one row's {format_bytes(one.peak)} peak)."
+        )
+
+
 def _no_fit_advice(estimate, memory: MemoryPlan, shorter_lengths: Sequence[int]) -> str:
     one = memory.estimates[False][min(memory.estimates[False])]
     ways = []
+    if memory.chunked_fits is not None:
+        ways.append(f"cross_entropy='chunked' fits micro_batch_size={memory.chunked_fits}")
     if memory.fits[True] is not None:
         ways.append(
             f"gradient checkpointing (model.gradient_checkpointing=true) fits micro_batch_size={memory.fits[True]}"
@@ -128,21 +162,28 @@ def memory_table(memory: MemoryPlan) -> list[str]:
             if memory.budget
             else ""
         ),
-        f"{'':>56}{' live at the peak ':-^58}",
-        "micro_batch_size  checkpointing        peak  falls in    parameters  gradients             "
-        "   optimizer  activations",
+        f"{'':>65}{' live at the peak ':-^82}",
+        "micro_batch_size  checkpointing  loss layer        peak  falls in    parameters  gradients             "
+        "   optimizer  activations  of which loss layer",
     ]
-    for checkpointing, by_rows in memory.estimates.items():
-        for rows, e in by_rows.items():
-            full, gradients = e.state.get("gradients", 0), format_bytes(e.gradients)
-            if e.gradients < full:  # not all written yet at the peak
-                gradients = f"{gradients if e.gradients else 'none yet'} of {format_bytes(full)}"
-            fit = "" if memory.usable is None else ("  fits" if e.peak <= memory.usable else "  too big")
-            lines.append(
-                f"{rows:>16}  {'yes' if checkpointing else 'no':>13}  {format_bytes(e.peak):>10}  "
-                f"{e.peak_phase:<9}  {format_bytes(e.parameters):>11}  {gradients:<20}  "
-                f"{format_bytes(e.optimizer_state):>10}  {format_bytes(e.activations):>11}{fit}"
-            )
-    phases = dict.fromkeys(e.peak_phase for by_rows in memory.estimates.values() for e in by_rows.values())
+    rows_shown = [(c, rows, e) for c, by_rows in memory.estimates.items() for rows, e in by_rows.items()]
+    rows_shown += [(False, rows, e) for rows, e in memory.chunked.items()]
+    for checkpointing, rows, e in rows_shown:
+        full, gradients = e.state.get("gradients", 0), format_bytes(e.gradients)
+        if e.gradients < full:  # not all written yet at the peak
+            gradients = f"{gradients if e.gradients else 'none yet'} of {format_bytes(full)}"
+        fit = "" if memory.usable is None else ("  fits" if e.peak <= memory.usable else "  too big")
+        loss = getattr(e, "loss_layer", 0)
+        share = f"{format_bytes(loss)} ({loss / e.peak:.0%})" if loss and e.peak else "-"
+        lines.append(
+            f"{rows:>16}  {'yes' if checkpointing else 'no':>13}  {getattr(e, 'cross_entropy', '?'):>10}  "
+            f"{format_bytes(e.peak):>10}  {e.peak_phase:<9}  {format_bytes(e.parameters):>11}  {gradients:<20}  "
+            f"{format_bytes(e.optimizer_state):>10}  {format_bytes(e.activations):>11}  {share:>19}{fit}"
+        )
+    phases = dict.fromkeys(e.peak_phase for _, _, e in rows_shown)
     lines += [f"Peak in {'the optimizer step' if p == 'optimizer' else p}: {PEAK_NOTES.get(p, '')}" for p in phases]
+    lines.append(
+        "Loss layer: the LM head and cross-entropy; full: [tokens, vocab] logits, their fp32 upcast and gradient; "
+        "chunked: one chunk of them at a time, over the trained tokens only (cross_entropy=chunked)."
+    )
     return lines + ([memory.advice] if memory.advice else [])

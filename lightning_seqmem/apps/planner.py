@@ -244,6 +244,7 @@ def plan(
     devices: int = 1,
     accumulate_grad_batches: int = 1,
     reference_copy: bool = False,
+    cross_entropy: str = "auto",
 ) -> RunPlan:
     """Plan the run of ``datamodule`` (a ``SeqMemDataModule``, not set up) with a model of ``model_config``.
 
@@ -259,6 +260,8 @@ def plan(
         precision, device, attn_implementation: as in ``memory.estimate.estimate_training_memory``.
         devices, accumulate_grad_batches: for optimizer steps per epoch.
         reference_copy: the model keeps a frozen copy of its weights (``DPO(reference="copy")``): added to memory.
+        cross_entropy: the model's loss layer (``CausalLM(cross_entropy=...)``); with the full one, the memory half
+            also says when ``"chunked"`` would make a micro_batch_size fit.
 
     Example::
 
@@ -283,9 +286,17 @@ def plan(
         # Rows per micro_batch_size: 2 for padded pairs (chosen and rejected rows), else 1 (documents, packed rows).
         per = _strategy(*configured, settings, kind).rows_per_batch("train") // settings.micro_batch_size
 
-        def estimate(rows: int, length: int, checkpointing: bool):
+        def estimate(rows: int, length: int, checkpointing: bool, cross_entropy: str = cross_entropy):
             est = estimate_training_memory(
-                model_config, per * rows, length, keys, precision, device, attn_implementation, checkpointing
+                model_config,
+                per * rows,
+                length,
+                keys,
+                precision,
+                device,
+                attn_implementation,
+                checkpointing,
+                cross_entropy=cross_entropy,
             )
             return with_reference(est) if reference_copy else est
 

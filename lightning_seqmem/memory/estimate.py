@@ -19,6 +19,8 @@ from lightning_seqmem.memory.model_facts import model_facts
 from lightning_seqmem.memory.precision import normalize_precision
 from lightning_seqmem.memory.trace import CUDA_GRANULE, adamw, build_fake_model, trace_errors, trace_training_steps
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
+from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
+from lightning_seqmem.training.loss_layer import check_cross_entropy, resolve_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class MemoryEstimate:
 
     ``state`` holds the full parameter, gradient and optimizer-state bytes (all alive right after
     ``optimizer.step()``), which the split at the peak can show only partly when the peak falls in backward.
+    ``loss_layer`` is the part of ``activations`` at the peak that the loss layer made (its logits, their fp32
+    upcast and their gradient on the full path), ``cross_entropy`` the loss layer traced (``"auto"`` decided).
     """
 
     rows: int
@@ -43,6 +47,8 @@ class MemoryEstimate:
     peak_phase: str  # forward | backward | optimizer
     num_parameters: int
     state: Mapping[str, int]
+    cross_entropy: str = "full"
+    loss_layer: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,6 +64,8 @@ def estimate_training_memory(
     attn_implementation: str = "sdpa",
     gradient_checkpointing: bool = False,
     model: tuple[Any, torch.nn.Module] | None = None,
+    cross_entropy: str = "full",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> MemoryEstimate:
     """Peak live tensor bytes of training ``model_config`` on ``[rows, length]`` batches, traced on fake tensors.
 
@@ -73,6 +81,10 @@ def estimate_training_memory(
         gradient_checkpointing: recompute each layer's activations in backward.
         model: a ``(mode, model)`` pair from :func:`build_fake_model` to reuse (its parameters must have no
             gradients and its optimizer no state: pass a fresh one per estimate, or leave ``None``).
+        cross_entropy: the loss layer, as ``CausalLM(cross_entropy=...)`` takes it (``"auto"`` decided on
+            ``rows * length`` tokens, as ``CausalLM`` decides it on the DataModule's largest batch; ``"liger"`` is
+            traced as ``"chunked"``, whose memory is of the same order).
+        chunk_size: tokens per chunk of the chunked loss (``CausalLM``'s ``loss_chunk_size``).
 
     Raises:
         ValueError: a shape below 1, an unknown precision, device or attention implementation.
@@ -89,13 +101,16 @@ def estimate_training_memory(
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: estimates are for 'cuda' or 'cpu'.")
     precision = normalize_precision(precision)
+    check_cross_entropy(cross_entropy, chunk_size)
+    cross_entropy = resolve_cross_entropy(cross_entropy, int(model_config.vocab_size), rows * length)
+    traced = "chunked" if cross_entropy == "liger" else cross_entropy
     mode, module = model or build_fake_model(model_config, attn_implementation, precision, gradient_checkpointing)
     granule = CUDA_GRANULE if device == "cuda" else 1
     # The pre-allocation pass's batch (real, small: made outside the mode, which turns it into fake tensors)
     batch = make_dummy_batch(rows, length, keys, int(model_config.vocab_size))
     with trace_errors(model_config), mode:
         optimizer = adamw(module, device)
-        tracker = trace_training_steps(module, optimizer, batch, precision, granule=granule)
+        tracker = trace_training_steps(module, optimizer, batch, precision, 2, granule, traced, chunk_size)
     split = tracker.split()
     state = tracker.live_split()
     del state["activations"]
@@ -112,6 +127,8 @@ def estimate_training_memory(
         peak_phase=tracker.peak_phase,
         num_parameters=sum(p.numel() for p in params),
         state=state,
+        cross_entropy=cross_entropy,
+        loss_layer=tracker.loss_layer(),
         **split,
     )
 
@@ -143,6 +160,8 @@ def cached_estimate(
     device: str = "cuda",
     attn_implementation: str = "sdpa",
     gradient_checkpointing: bool = False,
+    cross_entropy: str = "full",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> MemoryEstimate:
     """:func:`estimate_training_memory`, remembered per (config, shape, settings) for this process, so the
     callbacks that ask the same question (``ConfigChecks``, ``CachePreallocator``) trace once."""
@@ -155,17 +174,29 @@ def cached_estimate(
         device,
         attn_implementation,
         gradient_checkpointing,
+        cross_entropy,
+        chunk_size,
     )
     if key not in _ESTIMATES:
         _ESTIMATES[key] = estimate_training_memory(
-            model_config, rows, length, keys, precision, device, attn_implementation, gradient_checkpointing
+            model_config,
+            rows,
+            length,
+            keys,
+            precision,
+            device,
+            attn_implementation,
+            gradient_checkpointing,
+            cross_entropy=cross_entropy,
+            chunk_size=chunk_size,
         )
     return _ESTIMATES[key]
 
 
 def module_facts(pl_module: torch.nn.Module) -> dict[str, Any] | None:
-    """The estimate's arguments ``model_config``, ``attn_implementation`` and ``gradient_checkpointing`` for a
-    LightningModule wrapping a Hugging Face model as ``.model`` (like ``CausalLM``), read by
+    """The estimate's arguments ``model_config``, ``attn_implementation``, ``gradient_checkpointing``,
+    ``cross_entropy`` and ``chunk_size`` for a LightningModule wrapping a Hugging Face model as ``.model`` (like
+    ``CausalLM``), read by
     :func:`~lightning_seqmem.memory.model_facts.model_facts`; ``None`` for anything else (nothing to trace)."""
     facts = model_facts(pl_module)
     if facts.config is None:
@@ -174,6 +205,8 @@ def module_facts(pl_module: torch.nn.Module) -> dict[str, Any] | None:
         "model_config": facts.config,
         "attn_implementation": facts.attn_implementation or "sdpa",
         "gradient_checkpointing": facts.gradient_checkpointing,
+        "cross_entropy": facts.cross_entropy,
+        "chunk_size": facts.loss_chunk_size,
     }
 
 
@@ -209,6 +242,8 @@ def shortfall_message(
     gradient_checkpointing: bool = False,
     device: str = "cuda",
     shards: int = 1,
+    cross_entropy: str = "full",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> str | None:
     """When the traced peak of a ``shape`` training step exceeds ``available`` bytes: a message with the peak, its
     split and the largest ``micro_batch_size`` (rows) that fits; ``None`` when it fits.
@@ -218,14 +253,15 @@ def shortfall_message(
         shape: the worst-case ``(rows, length)``.
         keys: the batch keys.
         available: bytes the step may use (free device memory plus what the model already holds there).
-        precision, attn_implementation, gradient_checkpointing, device: as in :func:`estimate_training_memory`.
+        precision, attn_implementation, gradient_checkpointing, device, cross_entropy, chunk_size: as in
+            :func:`estimate_training_memory`.
         shards: ranks that share weights, gradients and optimizer state (FSDP's world size): each holds a
             ``1/shards`` part of them (the gathered layer in flight is not counted).
     """
     from lightning_seqmem.memory.stats import format_bytes
 
     rows, length = shape
-    settings = (keys, precision, device, attn_implementation, gradient_checkpointing)
+    settings = (keys, precision, device, attn_implementation, gradient_checkpointing, cross_entropy, chunk_size)
 
     def estimate(r: int) -> MemoryEstimate:
         return sharded(cached_estimate(model_config, r, length, *settings), shards)
@@ -240,6 +276,8 @@ def shortfall_message(
         if best is not None
         else "not even micro_batch_size=1 fits: use gradient checkpointing, a shorter max_length or bf16"
     )
+    if est.cross_entropy == "full" and est.loss_layer:
+        fix += f"; the loss layer is {format_bytes(est.loss_layer)} of the peak: cross_entropy='chunked' shrinks it"
     return (
         f"Predicted peak training memory for the worst-case batch {rows} x {length} is {format_bytes(est.peak)} "
         f"(parameters {format_bytes(est.parameters)}, gradients {format_bytes(est.gradients)}, optimizer state "

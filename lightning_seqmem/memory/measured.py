@@ -15,6 +15,7 @@ import torch
 
 from lightning_seqmem.memory.precision import normalize_precision
 from lightning_seqmem.memory.trace import adamw, build_model, lightning_steps
+from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 
 
 def measured_peak_bytes(run: Callable[[], Any], device: str | torch.device = "cpu") -> int:
@@ -70,12 +71,15 @@ def measured_training_peak(
     gradient_checkpointing: bool = False,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    cross_entropy: str = "full",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> int:
     """Peak live tensor bytes of the steps :func:`~lightning_seqmem.memory.estimate.estimate_training_memory`
     traces, run for real on ``device`` (``"cpu"`` or ``"cuda"``).
 
     The model (real random weights) and the batch's copy on ``device`` are made inside the measured region, so
-    they count; measured with :func:`measured_peak_bytes`, not with the tracer's ``LiveBytes``.
+    they count; measured with :func:`measured_peak_bytes`, not with the tracer's ``LiveBytes``. ``cross_entropy``
+    (``"full"`` or ``"chunked"``) and ``chunk_size`` choose the loss layer, as in the estimate.
     """
     precision = normalize_precision(precision)
 
@@ -83,8 +87,8 @@ def measured_training_peak(
         torch.manual_seed(seed)
         with torch.device(device):
             model = build_model(model_config, attn_implementation, precision, gradient_checkpointing)
-        lightning_steps(
-            model, adamw(model, torch.device(device).type), {k: v.to(device) for k, v in batch.items()}, precision
-        )
+        optimizer = adamw(model, torch.device(device).type)
+        batch_there = {k: v.to(device) for k, v in batch.items()}
+        lightning_steps(model, optimizer, batch_there, precision, cross_entropy=cross_entropy, chunk_size=chunk_size)
 
     return measured_peak_bytes(run, device)

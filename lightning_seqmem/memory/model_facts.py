@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
+from lightning_seqmem.training.loss_layer import CROSS_ENTROPY
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -30,6 +33,9 @@ class ModelFacts:
         gradient_checkpointing: the Hugging Face model recomputes its layers in backward.
         compiled: the module or a submodule is compiled (``torch.compile``, ``nn.Module.compile``, Lightning's
             ``from_compiled``), or its hyperparameters ask for it (``compile=True``).
+        cross_entropy: the loss layer that runs: the module's ``loss_layer`` (``CausalLM``: ``cross_entropy`` with
+            ``"auto"`` decided), else its ``cross_entropy`` hyperparameter, else ``"full"`` (the model's own loss).
+        loss_chunk_size: tokens per chunk of a chunked loss (``hparams.loss_chunk_size``), else the kernel's default.
     """
 
     config: Any = None
@@ -37,6 +43,8 @@ class ModelFacts:
     attn_implementation: str | None = None
     gradient_checkpointing: bool = False
     compiled: bool = False
+    cross_entropy: str = "full"
+    loss_chunk_size: int = DEFAULT_CHUNK_SIZE
 
 
 def model_facts(pl_module: torch.nn.Module) -> ModelFacts:
@@ -59,7 +67,16 @@ def model_facts(pl_module: torch.nn.Module) -> ModelFacts:
         ),
         gradient_checkpointing=_checkpointing(model),
         compiled=_compiled(pl_module, hparams),
+        cross_entropy=_loss_layer(pl_module, hparams, model),
+        loss_chunk_size=_first("loss_chunk_size", (hparams,), _positive_int) or DEFAULT_CHUNK_SIZE,
     )
+
+
+def _loss_layer(pl_module: torch.nn.Module, hparams: object, model: object) -> str:
+    """The module's resolved loss layer when it has one (read only once its model exists), else its hyperparameter."""
+    if model is not None and isinstance(getattr(type(pl_module), "loss_layer", None), property):
+        return pl_module.loss_layer
+    return _first("cross_entropy", (hparams,), lambda v: v in CROSS_ENTROPY) or "full"
 
 
 def _first(name: str, owners: tuple[object, ...], accept: Callable[[object], bool]) -> Any:

@@ -11,7 +11,7 @@ activations (everything else: the batch, buffers, saved tensors and temporaries)
 What is traced is what Lightning's automatic optimization runs, twice (the second step is the steady state:
 gradients of the previous step are still alive during the forward, the optimizer state exists)::
 
-    loss = model(**batch).loss      # under autocast for *-mixed precision
+    loss = model(**batch).loss      # under autocast for *-mixed precision (or the chosen loss layer)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -29,6 +29,13 @@ tensors). For ``device="cuda"`` three things follow the GPU instead:
   CUDA); ``flash_attention_2``/``_3`` run as a causal fused kernel without any mask (varlen kernels take
   ``position_ids``), the same saved tensors.
 
+The loss layer follows ``cross_entropy`` (:mod:`lightning_seqmem.training.loss_layer`): the model's own head and
+loss, or the base model and the chunked kernel. The chunked kernel keeps the label tokens only, a count that depends
+on the labels' values; the tracer takes the worst case, every position trained (:class:`AllSelected`). The storages
+made from the end of the base model's forward until the gradient of its hidden states exists are the loss layer's
+(the logits, their fp32 upcast and their gradient on the full path; one chunk at a time on the chunked one):
+:meth:`LiveBytes.loss_layer` tells their bytes at the peak (a part of ``activations``).
+
 Mixed precision is traced under CPU autocast with the same dtype; CUDA autocast casts the same matmul-class ops
 (linear, matmul, bmm, scaled-dot-product attention) to 16 bits. Nothing the tracer cannot run is guessed: an op
 without a fake implementation, or one whose output depends on tensor values, raises :class:`TraceError` naming it.
@@ -45,6 +52,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_seqmem.memory.precision import autocast_dtype, parameter_dtype
+from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
+from lightning_seqmem.training.loss_layer import causal_lm_loss
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 CUDA_GRANULE = 512  # the CUDA caching allocator rounds every block up to a multiple of this
@@ -56,10 +65,10 @@ class TraceError(RuntimeError):
 
 
 class _Record:
-    __slots__ = ("nbytes", "category")
+    __slots__ = ("nbytes", "category", "loss_layer")
 
-    def __init__(self, nbytes: int, category: str) -> None:
-        self.nbytes, self.category = nbytes, category
+    def __init__(self, nbytes: int, category: str, loss_layer: bool = False) -> None:
+        self.nbytes, self.category, self.loss_layer = nbytes, category, loss_layer
 
 
 class LiveBytes(TorchDispatchMode):
@@ -81,6 +90,7 @@ class LiveBytes(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._at_peak: list[_Record] = []
         self._rising = False  # the total is at a new peak that has not been snapshotted yet
+        self.in_loss_layer = False  # storages made now are the loss layer's (see watch_loss_layer)
 
     def add(self, tensor: torch.Tensor, category: str = "activations") -> None:
         """Count a tensor's storage (once, however many views share it)."""
@@ -91,7 +101,7 @@ class LiveBytes(TorchDispatchMode):
                 self._live[key].category = category
             return
         nbytes = -(-storage.nbytes() // self.granule) * self.granule
-        record = _Record(nbytes, category)
+        record = _Record(nbytes, category, self.in_loss_layer)
         self._live[key] = record
         self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._free(key))
         self.total += nbytes
@@ -124,6 +134,11 @@ class LiveBytes(TorchDispatchMode):
             out[record.category] += record.nbytes
         return out
 
+    def loss_layer(self) -> int:
+        """Bytes alive at the peak that the loss layer made (activations only: its weight gradient is a gradient)."""
+        self.split()
+        return sum(r.nbytes for r in self._at_peak if r.loss_layer and r.category == "activations")
+
     def live_split(self) -> dict[str, int]:
         """Bytes alive now, per category."""
         out = dict.fromkeys(CATEGORIES, 0)
@@ -136,6 +151,42 @@ class LiveBytes(TorchDispatchMode):
         for tensor in _tensors(out):
             self.add(tensor)
         return out
+
+
+class AllSelected(TorchDispatchMode):
+    """Trace the loss layer's selection as its worst case: while ``tracker`` is in the loss layer, ``nonzero`` of a
+    ``[d0, d1, ...]`` mask returns every index, so the tokens a chunked loss keeps are all of them (fake tensors
+    have no values to count). Anywhere else a value-dependent op stays an error (:func:`trace_errors`)."""
+
+    def __init__(self, tracker: LiveBytes) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.nonzero.default and self.tracker.in_loss_layer:
+            mask = args[0]
+            ranges = [torch.arange(n, device=mask.device) for n in mask.shape]
+            return torch.stack(torch.meshgrid(*ranges, indexing="ij"), dim=-1).reshape(-1, mask.dim())
+        return func(*args, **(kwargs or {}))
+
+
+def watch_loss_layer(model: torch.nn.Module, tracker: LiveBytes):
+    """Tell ``tracker`` when the loss layer runs: from the end of the base model's forward (a forward hook) until
+    the gradient of its hidden states is computed in backward (a tensor hook). Returns the hook handle."""
+
+    def end(grad: torch.Tensor) -> None:
+        tracker.in_loss_layer = False
+
+    def start(module, args, output) -> None:
+        hidden = output[0] if isinstance(output, (tuple, list)) else getattr(output, "last_hidden_state", None)
+        if not isinstance(hidden, torch.Tensor):
+            return  # not a decoder's output: nothing to watch
+        tracker.in_loss_layer = True
+        if hidden.requires_grad:
+            hidden.register_hook(end)
+
+    base = getattr(model, "base_model", None)  # a Hugging Face model's decoder; a model of one's own may have none
+    return (base if isinstance(base, torch.nn.Module) else model).register_forward_hook(start)
 
 
 def _tensors(out: Any) -> Iterable[torch.Tensor]:
@@ -161,11 +212,14 @@ def trace_training_steps(
     precision: str = "32-true",
     steps: int = 2,
     granule: int = 1,
+    cross_entropy: str = "full",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> LiveBytes:
     """Run :func:`lightning_steps` under a :class:`LiveBytes` and return it (real or fake tensors).
 
     The parameters, buffers and batch, created before, are counted from the start; ``granule`` rounds each storage
-    (``CUDA_GRANULE`` for a CUDA estimate).
+    (``CUDA_GRANULE`` for a CUDA estimate); the loss layer is watched (:func:`watch_loss_layer`) and a chunked one
+    keeps every position (:class:`AllSelected`).
     """
     tracker = LiveBytes(granule)
     for p in model.parameters():
@@ -174,8 +228,12 @@ def trace_training_steps(
         tracker.add(buffer)
     for value in batch.values():
         tracker.add(value)
-    with tracker:
-        lightning_steps(model, optimizer, batch, precision, steps, tracker)
+    handle = watch_loss_layer(model, tracker)
+    try:
+        with tracker, AllSelected(tracker):
+            lightning_steps(model, optimizer, batch, precision, steps, tracker, cross_entropy, chunk_size)
+    finally:
+        handle.remove()
     return tracker
 
 
@@ -186,6 +244,8 @@ def lightning_steps(
     precision: str = "32-true",
     steps: int = 2,
     tracker: LiveBytes | None = None,
+    cross_entropy: str = "full",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> None:
     """``steps`` training steps in the order of Lightning's automatic optimization (see the module docstring).
 
@@ -196,16 +256,18 @@ def lightning_steps(
         precision: ``*-mixed`` runs the forward under autocast of that dtype, on the batch's device type.
         steps: 2 reaches the steady state (gradients alive in the forward, optimizer state allocated).
         tracker: told the phase, and which storages are gradients and optimizer state.
+        cross_entropy, chunk_size: the loss layer (``"full"``, ``"chunked"``; ``loss_layer.causal_lm_loss``).
     """
     dtype = autocast_dtype(precision)
     device_type = next(iter(batch.values())).device.type  # fake tensors report the device they stand for
     autocast = (lambda: torch.autocast(device_type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
     params = list(model.parameters())
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
     for _ in range(steps):
         if tracker is not None:
             tracker.phase = "forward"
         with autocast():
-            loss = model(**batch, use_cache=False).loss
+            loss = causal_lm_loss(model, inputs, batch["labels"], cross_entropy, chunk_size)
         if tracker is not None:
             tracker.phase = "backward"
         optimizer.zero_grad(set_to_none=True)

@@ -5,7 +5,8 @@ It takes the pair batches of :class:`~lightning_seqmem.SeqMemDataModule` on pref
 log-probabilities from both with one helper (``preference_loss.sequence_logps``). The reference is a frozen copy of
 the policy taken at ``setup`` (``reference="copy"``), or log-probabilities precomputed into the dataset
 (``ref_chosen_logps`` / ``ref_rejected_logps`` columns, ``reference="precomputed"``: no second model in memory).
-Model building, attention selection, the pad id and the optimizer are ``CausalLM``'s.
+Model building, attention selection, the pad id, the optimizer and the loss layer (``cross_entropy``: whole logits,
+or the head chunk by chunk over the completion tokens only) are ``CausalLM``'s.
 """
 
 from __future__ import annotations
@@ -18,11 +19,18 @@ from typing_extensions import override
 
 from lightning_seqmem.batch import REF_LOGPS_KEYS
 from lightning_seqmem.messages import check_choice
+from lightning_seqmem.training.loss_layer import completion_token_logps
 from lightning_seqmem.training.model import CausalLM
-from lightning_seqmem.training.preference_loss import dpo_loss, sequence_logps
+from lightning_seqmem.training.preference_loss import (
+    completion_positions,
+    dpo_loss,
+    sequence_logps,
+    sequence_logps_of_tokens,
+)
 from lightning_seqmem.training.varlen import batch_varlen_kwargs
 
 REFERENCES = ("copy", "precomputed")
+CROSS_ENTROPY = ("auto", "full", "chunked")  # Liger's kernel gives a loss, not the per-token log-probabilities DPO sums
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -35,8 +43,11 @@ class DPO(CausalLM):
         reference: ``"copy"``: a frozen copy of the policy, taken at ``setup`` (its weights then; a second model in
             memory); ``"precomputed"``: the batch's ``ref_chosen_logps`` / ``ref_rejected_logps`` (dataset columns
             of the same names). Precomputed values in a batch are used under ``"copy"`` too.
-        **kwargs: ``CausalLM``'s arguments (model, attention, optimizer); the loss is a mean over pairs, so
-            ``loss_normalization`` is always ``"micro_batch"``.
+        **kwargs: ``CausalLM``'s arguments (model, attention, optimizer, ``cross_entropy`` and
+            ``loss_chunk_size``); the loss is a mean over pairs, so ``loss_normalization`` is always
+            ``"micro_batch"``. ``cross_entropy="chunked"`` runs the head on the completion tokens only, chunk by
+            chunk, for the policy and the reference alike; ``"liger"`` is not offered (its kernel returns a loss,
+            not per-token log-probabilities).
 
     Example::
 
@@ -46,6 +57,7 @@ class DPO(CausalLM):
 
     def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0, reference: str = "copy", **kwargs: Any) -> None:
         check_choice("reference", reference, REFERENCES)
+        check_choice("cross_entropy", kwargs.get("cross_entropy", "auto"), CROSS_ENTROPY)
         dpo_loss(*torch.zeros(4, 1), beta=beta, label_smoothing=label_smoothing)  # the loss checks its arguments
         kwargs["loss_normalization"] = "micro_batch"
         super().__init__(**kwargs)
@@ -58,12 +70,19 @@ class DPO(CausalLM):
         if self.hparams.reference == "copy" and self.reference_model is None:
             self.reference_model = copy.deepcopy(self.model).requires_grad_(False)
 
-    def _logits(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[rows, seq, vocab]`` logits of ``model`` on the batch (padded or packed; varlen arguments as
-        ``CausalLM.forward`` passes them)."""
+    def sequence_logps(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(chosen, rejected)`` ``[pairs]`` completion log-probabilities of ``model`` on the batch (padded or
+        packed; varlen arguments as ``CausalLM.forward`` passes them), through the chosen loss layer: the whole
+        logits, or the head chunk by chunk over the completion tokens only."""
         inputs = {k: batch[k] for k in INPUT_KEYS if k in batch}
         extra = batch_varlen_kwargs(inputs) if self._needs_varlen(inputs) else {}
-        return model(**inputs, **extra, use_cache=False).logits
+        if self.loss_layer == "full":
+            return sequence_logps(model(**inputs, **extra, use_cache=False).logits, batch)
+        positions = completion_positions(batch)
+        logps = completion_token_logps(model, inputs, positions, self.hparams.loss_chunk_size, **extra)
+        return sequence_logps_of_tokens(logps, batch, positions)
 
     def reference_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(chosen, rejected)`` ``[pairs]`` reference log-probabilities: the batch's precomputed values, else the
@@ -80,13 +99,13 @@ class DPO(CausalLM):
         reference, mode = self.reference_model, self.reference_model.training
         try:
             with torch.no_grad():
-                return sequence_logps(self._logits(reference.eval(), batch), batch)
+                return self.sequence_logps(reference.eval(), batch)
         finally:
             reference.train(mode)
 
     def pair_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The mean DPO loss over the batch's pairs and the values to log (reward margin and accuracy)."""
-        chosen, rejected = sequence_logps(self._logits(self.model, batch), batch)
+        chosen, rejected = self.sequence_logps(self.model, batch)
         out = dpo_loss(
             chosen,
             rejected,

@@ -2,7 +2,10 @@
 
 It takes the batch dicts of :class:`~lightning_seqmem.SeqMemDataModule` (padded with ``attention_mask``, or packed
 with ``position_ids``) and counts what matters for variable-length training: real (non-pad) tokens per second and
-the fraction of the slots fed to the model that hold real tokens.
+the fraction of the slots fed to the model that hold real tokens. It only wires: the model is built by
+:mod:`~lightning_seqmem.training.building` (presets, configs, the position check), the optimizer and schedule come from
+:mod:`~lightning_seqmem.training.optimization`, the loss layer (whole logits or chunked) from
+:mod:`~lightning_seqmem.training.loss_layer` and the token-weighted loss from :mod:`~lightning_seqmem.training.loss`.
 """
 
 from __future__ import annotations
@@ -17,10 +20,18 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
-from lightning_seqmem.protocols import find_pad_token_id
+from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
 from lightning_seqmem.training.attention import AUTO, resolve_attn_implementation
 from lightning_seqmem.training.building import build_causal_lm, datamodule_max_length, positions_problem
+from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from lightning_seqmem.training.loss import TokenLossNormalizer
+from lightning_seqmem.training.loss_layer import (
+    causal_lm_loss,
+    check_cross_entropy,
+    check_liger,
+    head_options,
+    resolve_cross_entropy,
+)
 from lightning_seqmem.training.metrics import TokenEfficiency
 from lightning_seqmem.training.optimization import adamw, no_decay_names, warmup_cosine
 from lightning_seqmem.training.varlen import TORCH_VARLEN, batch_varlen_kwargs, is_flash_attention
@@ -59,7 +70,15 @@ class CausalLM(LightningModule):
         min_lr_ratio: the cosine schedule decays to ``learning_rate * min_lr_ratio``.
         gradient_checkpointing: recompute activations in backward to save memory.
         compile: compile the Hugging Face model in place (``nn.Module.compile``: parameter names and checkpoints
-            unchanged); packed batches stay exact under it (``tests/test_compile.py``).
+            unchanged); packed batches stay exact under it (``tests/test_compile.py``). With a chunked loss the base
+            model (what that path runs) is compiled too.
+        cross_entropy: the loss layer (:mod:`~lightning_seqmem.training.loss_layer`). ``"full"``: the model's own
+            head and loss over ``[rows, length, vocab]`` logits; ``"chunked"``: the head and loss chunk by chunk over
+            the label tokens only, no whole logits (same loss and gradients within fp32 rounding); ``"liger"``:
+            Liger-Kernel's fused kernel (installed, CUDA only); ``"auto"``: ``"chunked"`` when the largest
+            micro-batch's logits hold at least ``2**26`` elements (rows x length x vocabulary, from the DataModule's
+            ``max_batch_shape()`` at ``setup``, else 4,096 tokens), ``"full"`` below (tiny vocabularies).
+        loss_chunk_size: tokens per chunk of the chunked loss.
 
     Example::
 
@@ -84,12 +103,15 @@ class CausalLM(LightningModule):
         gradient_checkpointing: bool = False,
         loss_normalization: str = "token",
         compile: bool = False,
+        cross_entropy: str = "auto",
+        loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
         super().__init__()
         if learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {loss_normalization!r}.")
+        check_cross_entropy(cross_entropy, loss_chunk_size)
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
         # The pad id belongs to the data: logged by the DataModule only, but kept in ``hparams`` for checkpoints.
@@ -107,6 +129,7 @@ class CausalLM(LightningModule):
         self._batch_start: float | None = None
         self._token_loss = TokenLossNormalizer()
         self._no_decay: set[str] | None = None  # names, fixed at setup: FSDP flattens parameters to 1-D shards
+        self._loss_layer: str | None = None  # cross_entropy as resolved ("auto" decided), at setup or first use
         if pretrained_path is not None or vocab_size is not None:
             self._build()
 
@@ -127,7 +150,7 @@ class CausalLM(LightningModule):
 
     def setup(self, stage: str) -> None:
         """Take vocabulary size and pad id from the DataModule's tokenizer when they were not given; check that the
-        DataModule's rows fit the model's positions."""
+        DataModule's rows fit the model's positions; decide the attention and the loss layer."""
         dm = self.trainer.datamodule if self._trainer is not None else None
         tok = getattr(dm, "tokenizer", None)
         if tok is not None and self.hparams.vocab_size is None:
@@ -144,6 +167,7 @@ class CausalLM(LightningModule):
             self._build()
         self._choose_attention()
         self._check_positions(dm)
+        self._choose_loss_layer(dm)
         self._no_decay = no_decay_names(self)
 
     def _choose_attention(self) -> None:
@@ -182,6 +206,32 @@ class CausalLM(LightningModule):
             raise ValueError(message)
         rank_zero_warn(message)
 
+    def _choose_loss_layer(self, dm: Any) -> None:
+        """Decide ``cross_entropy="auto"`` on the largest micro-batch the DataModule yields; check ``"liger"``'s
+        package and device; compile the base model a chunked loss runs (``compile=True``)."""
+        shape = dm.max_batch_shape() if isinstance(dm, GivesMaxBatchShape) else None
+        tokens = int(shape[0]) * int(shape[1]) if shape is not None else None
+        requested = self.hparams.get("cross_entropy", "auto")
+        self._loss_layer = resolve_cross_entropy(requested, self.model.config.vocab_size, tokens)
+        if self._loss_layer == "liger":
+            check_liger(self.trainer.strategy.root_device if self._trainer is not None else self.device)
+        if self._loss_layer != "full":
+            head_options(self.model)  # a head the chunked kernel cannot apply: refused before the first step
+            base = self.model.base_model
+            if self.hparams.get("compile") and base is not self.model and base._compiled_call_impl is None:
+                base.compile()
+        if requested == "auto":
+            rank_zero_info(f"[lightning_seqmem] cross_entropy='auto': {self._loss_layer}")
+
+    @property
+    def loss_layer(self) -> str:
+        """The loss layer that runs (``cross_entropy`` with ``"auto"`` decided; without ``setup``, on 4,096 tokens)."""
+        if self._loss_layer is None:
+            self._loss_layer = resolve_cross_entropy(
+                self.hparams.get("cross_entropy", "auto"), self.model.config.vocab_size, None
+            )
+        return self._loss_layer
+
     # ------------------------------------------------------------------------------------------------- steps
     def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any):
         """Run the model on the batch's model keys; ``kwargs`` go to the model (e.g. ``num_items_in_batch``)."""
@@ -191,6 +241,21 @@ class CausalLM(LightningModule):
             # the step, where the device has nothing queued behind it; transformers' own mask building does the same.
             kwargs.update(batch_varlen_kwargs(inputs))
         return self.model(**inputs, **kwargs, use_cache=False)
+
+    def loss(self, batch: dict[str, torch.Tensor], num_items_in_batch: float | None = None) -> torch.Tensor:
+        """The batch's causal-LM loss through the chosen loss layer (:attr:`loss_layer`): the mean over its label
+        tokens, or their sum divided by ``num_items_in_batch``; the same value whichever layer runs."""
+        inputs = {k: batch[k] for k in MODEL_KEYS if k in batch and k != "labels"}
+        extra = batch_varlen_kwargs(inputs) if self._needs_varlen(inputs) else {}
+        return causal_lm_loss(
+            self.model,
+            inputs,
+            batch["labels"],
+            self.loss_layer,
+            self.hparams.get("loss_chunk_size", DEFAULT_CHUNK_SIZE),
+            num_items_in_batch,
+            **extra,
+        )
 
     def _needs_varlen(self, inputs: dict[str, torch.Tensor]) -> bool:
         """Flash on a packed batch needs the varlen arguments to keep documents apart; ``torch_varlen`` takes them
@@ -215,10 +280,10 @@ class CausalLM(LightningModule):
         rows = batch["input_ids"].shape[0]
         if self.hparams.loss_normalization == "token":
             # sum of token losses / a fixed scale; on_after_backward turns the step into the per-token mean
-            loss = self(batch, num_items_in_batch=self._token_loss.add(batch["labels"])).loss
+            loss = self.loss(batch, num_items_in_batch=self._token_loss.add(batch["labels"]))
             self._token_loss.add_loss(loss)
         else:
-            loss = self(batch).loss
+            loss = self.loss(batch)
             self._log_train_loss(loss, batch_size=rows)
         real, slots = self._count_train_tokens(batch, rows)
         self.log("train/real_token_fraction", real / max(slots, 1), batch_size=rows)
@@ -262,7 +327,7 @@ class CausalLM(LightningModule):
             self._train_time += time.perf_counter() - self._batch_start
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self(batch).loss
+        loss = self.loss(batch)
         # Weight by predicted tokens so the epoch loss is the per-token loss, whatever the batch composition.
         n = count_label_tokens(batch)
         self.val_loss.update(loss.detach(), weight=n)
@@ -276,7 +341,7 @@ class CausalLM(LightningModule):
             self.log("val/ppl", torch.exp(value.clamp(max=50)))
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self(batch).loss
+        loss = self.loss(batch)
         self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0])
         return loss
 

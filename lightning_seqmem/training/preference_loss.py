@@ -3,7 +3,9 @@
 A padded pair batch (``batching.preference.PreferenceCollator``, TRL's layout) holds one sequence per row, the
 chosen rows first; a packed one (``batching.pair_packing.PackedPairCollator``) holds several per row and says which
 with ``sequence_index``, numbered like the padded rows. Either way :func:`sequence_logps` sums each sequence's
-completion log-probabilities and splits them into chosen and rejected, so one loss serves both layouts.
+completion log-probabilities and splits them into chosen and rejected, so one loss serves both layouts;
+:func:`sequence_logps_of_tokens` does the same from the completion tokens' log-probabilities alone (the chunked
+head, ``loss_layer.completion_token_logps``, computes only those).
 
 Torch only. The key names are the batch contract's (``batch.COMPLETION_MASK``, ``batch.SEQUENCE_INDEX``).
 """
@@ -40,7 +42,7 @@ def sequence_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tupl
 
         chosen, rejected = sequence_logps(model(**model_inputs).logits, batch)
     """
-    mask = batch[COMPLETION_MASK][:, 1:].bool()
+    mask = completion_positions(batch)
     # Summed in float64: a sum of hundreds of terms near -1..-10 rounds by ~1e-5 in fp32, more than the two layouts
     # differ by (their per-token values agree within 1e-6), and the layouts add in different orders.
     per_token = token_logps(logits, batch["input_ids"]).masked_fill(~mask, 0.0).double()
@@ -53,6 +55,40 @@ def sequence_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tupl
         sums = per_token.new_zeros(sequences).index_add_(
             0, index[:, 1:].clamp(min=0).reshape(-1), per_token.reshape(-1)
         )
+    return split_pairs(sums)
+
+
+def completion_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[batch, seq - 1]`` bool: the slots whose next token is a completion token (slot ``t`` scores token
+    ``t + 1``), the only ones DPO sums."""
+    return batch[COMPLETION_MASK][:, 1:].bool()
+
+
+def sequence_logps_of_tokens(
+    logps: torch.Tensor, batch: dict[str, torch.Tensor], positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_logps` from the ``[N]`` log-probabilities of the ``N`` true ``positions`` alone (row-major
+    order, as ``tensor[positions]`` gives them), ``positions`` from :func:`completion_positions`.
+
+    Example::
+
+        positions = completion_positions(batch)
+        chosen, rejected = sequence_logps_of_tokens(completion_token_logps(model, inputs, positions), batch, positions)
+    """
+    if SEQUENCE_INDEX not in batch:
+        rows, slots = positions.shape
+        sequences = rows
+        owner = torch.arange(rows, device=positions.device)[:, None].expand(rows, slots)
+    else:
+        index = batch[SEQUENCE_INDEX]
+        sequences = int(index.max()) + 1
+        owner = index[:, 1:].clamp(min=0)  # as sequence_logps: padding (-1) on sequence 0
+    sums = logps.new_zeros(sequences, dtype=torch.float64).index_add_(0, owner[positions], logps.double())
+    return split_pairs(sums)
+
+
+def split_pairs(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[2P]`` per-sequence values (chosen first) as ``(chosen, rejected)``; an odd count is an error."""
     if sums.numel() % 2:
         raise ValueError(f"{sums.numel()} sequences in a pair batch: expected chosen and rejected for every pair.")
     chosen, rejected = sums.chunk(2)
