@@ -21,7 +21,7 @@ def _conversation(i):
 
 
 KINDS = {
-    "text": lambda i: {"text": f"document {i} " + "words and words " * (i % 9) + ("   " if i == 4 else "")},
+    "text": lambda i: {"text": {4: "   ", 5: "", 6: "\n"}.get(i, f"document {i} " + "words and words " * (i % 9))},
     "prompt_completion": lambda i: {"prompt": f"prompt {i} " * (1 + i % 5), "completion": f"answer {i} " * (i % 4)},
     "conversations": lambda i: {"messages": _conversation(i)},
     "tokens": lambda i: {
