@@ -222,16 +222,14 @@ class Kind:
         lengths, max_length = docs.lengths, settings.batching.max_length
         if split == "train" and len(lengths) == 0:
             raise ValueError("Every training document is empty after tokenization: there is nothing to train on.")
-        stats = {
-            "documents": len(lengths),
-            "empty_documents_skipped": docs.empty,
-            "tokens": int(lengths.sum()),
-            "tokens_truncated": 0,
-            "tokens_dropped": 0,
-            "documents_split": 0,
-            "documents_over_max_length": int((lengths > max_length).sum()),
-            "longest_document": int(lengths.max(initial=0)),
-        }
+        stats = dict.fromkeys(DOCUMENT_STATS, 0)  # what truncation and packing cut is added below
+        stats.update(
+            documents=len(lengths),
+            empty_documents_skipped=docs.empty,
+            tokens=int(lengths.sum()),
+            documents_over_max_length=int((lengths > max_length).sum()),
+            longest_document=int(lengths.max(initial=0)),
+        )
         made = self.split_rows(split, docs, strategy, settings)
         stats.update(made.stats)
         planned = strategy.rows(made.source, made.labels)
