@@ -292,3 +292,21 @@ def test_liger_is_refused_without_the_package_or_without_cuda(monkeypatch):
     monkeypatch.setitem(sys.modules, stand_in.__name__, stand_in)
     with pytest.raises(ValueError, match=r"CUDA device only .* on cpu: move the model to a CUDA device"):
         liger_linear_cross_entropy(hidden, weight, labels)
+
+
+def test_scalar_loss_backpropagates_once():
+    """The summed loss's gradients are scaled in place (no second ``[vocab, hidden]`` tensor): a second backward
+    through the same graph is refused with the way out, instead of giving twice-scaled gradients."""
+    hidden, weight, _, labels = inputs()
+    loss = linear_cross_entropy(hidden, weight, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagates once.*reduction='none'"):
+        loss.backward()
+
+
+def test_shifted_views_of_a_causal_lm():
+    """``hidden[:, :-1]`` against ``labels[:, 1:]`` (non-contiguous views, as a causal LM passes them)."""
+    hidden, weight, bias, labels = inputs(bias=True)
+    assert not hidden[:, :-1].is_contiguous()
+    for reduction in ("mean", "none"):
+        assert_matches_full(linear_cross_entropy, hidden[:, :-1], weight, bias, labels[:, 1:], reduction, chunk_size=4)

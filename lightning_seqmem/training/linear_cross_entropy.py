@@ -47,8 +47,9 @@ __all__ = [
 REDUCTIONS = ("mean", "sum", "none")
 
 DEFAULT_CHUNK_SIZE = 512
-"""Tokens per chunk: a ``[512, vocab]`` fp32 buffer, 251 MiB at vocabulary 128,256 (8,192 tokens' full logits are
-3.9 GiB). ``benchmarks/loss.py`` found 128 to 2,048 equally fast on CPU (docs/loss.md); memory grows with it."""
+"""Tokens per chunk: a ``[512, vocab]`` fp32 buffer, 250 MiB at vocabulary 128,256 (8,192 tokens' full logits are
+3.9 GiB). The largest that keeps the loss layer under 1/16 of the full path's memory there; smaller chunks are
+slower (each reads and writes the whole weight gradient), larger ones a little faster (docs/loss.md)."""
 
 
 class _Head(NamedTuple):
@@ -146,20 +147,22 @@ def _chunked_pass(hidden, weight, bias, targets, head: _Head, wanted, upstream=N
 
 class _SummedLoss(torch.autograd.Function):
     """``sum`` of the token losses; gradients computed in the forward pass, scaled by the upstream scalar in
-    backward."""
+    backward, in place: a second ``[vocab, hidden]`` tensor would be as large as the weight's gradient."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, head: _Head):
-        wanted = ctx.needs_input_grad[:3]
-        losses, grads = _chunked_pass(hidden, weight, bias, targets, head, wanted)
-        ctx.save_for_backward(*grads)
-        ctx.wanted = wanted
+        losses, ctx.grads = _chunked_pass(hidden, weight, bias, targets, head, ctx.needs_input_grad[:3])
         return losses.sum()
 
     @staticmethod
     def backward(ctx, grad_total):
-        grads = [g * grad_total.to(g.dtype) if want else None for g, want in zip(ctx.saved_tensors, ctx.wanted)]
-        return *grads, None, None
+        if ctx.grads is None:
+            raise RuntimeError(
+                "linear_cross_entropy(reduction='mean' or 'sum') backpropagates once (its gradients are scaled in "
+                "place); for retain_graph=True use reduction='none' and reduce the losses yourself."
+            )
+        grads, ctx.grads = ctx.grads, None  # handed over, not copied: autograd keeps the weight's as its .grad
+        return *[None if g is None else g.mul_(grad_total.to(g.dtype)) for g in grads], None, None
 
 
 class _TokenLosses(torch.autograd.Function):
@@ -236,7 +239,7 @@ def linear_cross_entropy(
         ignore_index: the label of positions that are skipped (never go through the head).
         reduction: ``"mean"`` over the non-ignored tokens (NaN when there are none, as ``F.cross_entropy``),
             ``"sum"``, or ``"none"``: ``[...]`` fp32 losses, 0 at ignored positions.
-        chunk_size: tokens per chunk; memory grows with ``chunk_size * vocab``, speed barely (docs/loss.md).
+        chunk_size: tokens per chunk; memory grows with ``chunk_size * vocab``, speed a little (docs/loss.md).
         head_bias: ``[vocab]`` the head's bias, if it has one.
         logit_scale: a constant the logits are multiplied by (e.g. Cohere's ``logit_scale``).
         final_logit_softcapping: the cap of ``cap * tanh(logits / cap)`` (Gemma 2), applied after the scale.
@@ -256,18 +259,18 @@ def linear_cross_entropy(
             f"labels {tuple(labels.shape)} must have hidden_states' shape without its last dimension "
             f"({tuple(hidden_states.shape)})."
         )
-    flat_labels = labels.reshape(-1)
-    flat_hidden = hidden_states.reshape(flat_labels.numel(), hidden_states.shape[-1])
-    kept = (flat_labels != ignore_index).nonzero().squeeze(1)
-    hidden, targets = flat_hidden.index_select(0, kept), flat_labels.index_select(0, kept)
+    # Indexing by the kept positions copies their rows only, also from a view such as hidden[:, :-1]. One explicit
+    # nonzero (not a boolean mask): the memory estimate's fake tensors answer it with every position.
+    kept = (labels != ignore_index).nonzero(as_tuple=True)
+    hidden, targets = hidden_states[kept], labels[kept]
     if reduction == "none":
         losses = _TokenLosses.apply(hidden, head_weight, head_bias, targets, head)
-        return losses.new_zeros(flat_labels.numel()).index_copy(0, kept, losses).view(labels.shape)
+        return losses.new_zeros(labels.shape).index_put(kept, losses)
     total = _SummedLoss.apply(hidden, head_weight, head_bias, targets, head)
     if reduction == "sum":
         return total
     # No trained token: NaN as F.cross_entropy's mean, with its zero gradients (0 / 0 would make them NaN too).
-    return total / kept.numel() if kept.numel() else total + float("nan")
+    return total / len(targets) if len(targets) else total + float("nan")
 
 
 @torch.compiler.disable
