@@ -13,7 +13,9 @@ returns what ``F.cross_entropy`` returns on those logits, with the same gradient
 
 When the loss is a scalar (``reduction="mean"`` or ``"sum"``), the gradient of each chunk is known up to that
 scalar's upstream gradient, so it is computed in the forward pass right after the chunk's loss, and backward only
-multiplies (three matmuls per chunk, as many as the full path; Liger-Kernel does the same). Per-token outputs
+multiplies them by it, in place (three matmuls per chunk, as many as the full path; Liger-Kernel does the same).
+The gradients of the kept hidden states and of the head therefore exist from the loss's forward on, not from its
+backward, and the graph backpropagates once (``retain_graph`` is refused with the way out). Per-token outputs
 (``reduction="none"``, :func:`linear_token_logps` for DPO) get their upstream gradients only in backward, which
 therefore computes each chunk's logits again (one matmul more per chunk).
 
