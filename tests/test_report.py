@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from lightning_seqmem.apps import report
+from lightning_seqmem.apps.sweep_jobs import load_jobs
 
 
 def make_job(root, name, overrides, rows, status="finished", error=None):
@@ -102,11 +103,11 @@ def test_target_baseline_and_clock_options(sweep, tmp_path):
 
 
 def test_any_parameter_first_job_is_baseline(tmp_path):
-    make_job(tmp_path, "0", ["data=pad"], [(10, 20.0, 1000, 5.0)])
-    make_job(tmp_path, "1", ["data=pack_bfd"], [(10, 10.0, 2000, 5.0)])
+    make_job(tmp_path, "0", ["batching=pad"], [(10, 20.0, 1000, 5.0)])
+    make_job(tmp_path, "1", ["batching=pack_bfd"], [(10, 10.0, 2000, 5.0)])
     rep = report.write_report(str(tmp_path))
     assert rep["baseline"].name == "0"
-    assert [r["overrides"] for r in rep["rows"]] == ["data=pad", "data=pack_bfd"]
+    assert [r["overrides"] for r in rep["rows"]] == ["batching=pad", "batching=pack_bfd"]
     assert rep["rows"][1]["speedup_time"] == 2.0
 
 
@@ -191,7 +192,7 @@ def test_training_loss_is_plotted(tmp_path):
     with open(job / "train_progress.csv", "w") as f:
         f.write("step,wall_clock_s,cpu_s,tokens_seen,train_loss\n5,5.0,5.0,50,6.0\n10,10.0,10.0,100,5.5\n")
     make_job(tmp_path, "1", ["a=2"], [(10, 10.0, 100, 4.0)])
-    jobs = report.load_jobs(str(tmp_path))
+    jobs = load_jobs(str(tmp_path))
     assert [r["train_loss"] for r in jobs[0].train_rows] == [6.0, 5.5] and jobs[1].train_rows == []
     rep = report.write_report(str(tmp_path))
     assert rep["groups"] == [] and str(tmp_path / "report.png") in rep["files"]
@@ -206,7 +207,7 @@ def test_plot_with_seeds_has_one_line_per_setting_with_a_band_and_the_target(tmp
     pytest.importorskip("matplotlib")
     from matplotlib.collections import PolyCollection
 
-    jobs = report.load_jobs(str(seeded_sweep(tmp_path)))
+    jobs = load_jobs(str(seeded_sweep(tmp_path)))
     rep = report.build_report(jobs)
     fig = report.figure(jobs, rep)
     for ax in fig.axes:  # validation loss against CPU time and against tokens

@@ -43,24 +43,12 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
-def test_train_in_process_writes_metrics(tmp_path):
-    summary = run_in_process(tmp_path, ["callbacks.seq_warmup.duration=0.5"])
-    assert summary["optimizer_steps"] == 4 and summary["final_val_loss"] > 0
-    assert json.load(open(tmp_path / "summary.json"))["optimizer_steps"] == 4
-    progress = read_csv(tmp_path / "progress.csv")
-    assert [int(r["step"]) for r in progress] == [2, 4]
-    tokens = [int(r["tokens_seen"]) for r in progress]
-    assert 0 < tokens[0] < tokens[1]
-    assert all(float(r["wall_clock_s"]) <= float(r["elapsed_s"]) for r in progress)
-    metrics = read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
-    seq_lens = [float(r["seq_length_warmup/seq_len"]) for r in metrics if r.get("seq_length_warmup/seq_len")]
-    assert seq_lens and seq_lens[0] < 64 and seq_lens[-1] == 64  # warmup grew the length to max_length
-    assert any(r.get("val/loss") for r in metrics) and any(r.get("train/loss") for r in metrics)
-
-
+@pytest.mark.slow
 def test_console_script_run(tmp_path):
     """The real `seqmem-train` in a subprocess, other group options picked on the command line, progress bar on:
-    each log line once, the bar counts steps out of max_steps, no upstream deprecation noise, a final validation."""
+    each log line once, the bar counts steps out of max_steps, no upstream deprecation noise, a final validation;
+    the files of the run (summary, progress against time and tokens, the logger's metrics with the warmup's
+    length). One run answers all of these; the in-process runs below vary the data."""
     run_dir = tmp_path / "run"
     shrink = [o for o in SHRINK if "enable_progress_bar" not in o and "max_steps" not in o]
     cmd = [
@@ -69,8 +57,9 @@ def test_console_script_run(tmp_path):
         "lightning_seqmem.apps.train",
         *shrink,
         "trainer.max_steps=5",
+        "callbacks.seq_warmup.duration=0.5",
         "model=tiny_gpt2",
-        "data=pack_bfd",
+        "batching=pack_bfd",
         "logger=[csv,tensorboard]",
         "~callbacks.preallocate",
         f"hydra.run.dir={run_dir}",
@@ -78,8 +67,18 @@ def test_console_script_run(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.load(open(run_dir / "job_status.json")) == {"status": "finished"}
-    assert json.load(open(run_dir / "summary.json"))["strategy"].startswith("pack")
-    assert [int(r["step"]) for r in read_csv(run_dir / "progress.csv")] == [2, 4, 5]  # 5: the final validation
+    summary = json.load(open(run_dir / "summary.json"))
+    assert summary["strategy"].startswith("pack") and summary["optimizer_steps"] == 5
+    assert summary["final_val_loss"] > 0
+    progress = read_csv(run_dir / "progress.csv")
+    assert [int(r["step"]) for r in progress] == [2, 4, 5]  # 5: the final validation
+    tokens = [int(r["tokens_seen"]) for r in progress]
+    assert 0 < tokens[0] < tokens[1] < tokens[2]
+    assert all(float(r["wall_clock_s"]) <= float(r["elapsed_s"]) for r in progress)
+    metrics = read_csv(run_dir / "csv" / "version_0" / "metrics.csv")
+    seq_lens = [float(r["seq_length_warmup/seq_len"]) for r in metrics if r.get("seq_length_warmup/seq_len")]
+    assert seq_lens and seq_lens[0] < 64 and seq_lens[-1] == 64  # warmup grew the length to max_length
+    assert any(r.get("val/loss") for r in metrics) and any(r.get("train/loss") for r in metrics)
     assert [int(r["step"]) for r in read_csv(run_dir / "train_progress.csv")] == [1, 2, 3, 4, 5]
     assert os.listdir(run_dir / "tensorboard" / "version_0")
     assert (run_dir / ".hydra" / "overrides.yaml").exists()
@@ -97,12 +96,13 @@ def test_console_script_run(tmp_path):
     assert "Epoch 0/-2" not in output
 
 
+@pytest.mark.slow
 def test_noise_is_silenced_at_entry_points_only():
     """Importing the library (and Lightning) leaves warning filters alone; the entry point's call adds them."""
     code = (
         "import warnings, logging\n"
         "import lightning.pytorch, lightning_seqmem, lightning_seqmem.apps.train, lightning_seqmem.apps.cli\n"
-        "from lightning_seqmem import console\n"
+        "from lightning_seqmem.apps import console\n"
         "def ours():\n"
         "    return [f for f in warnings.filters if f[1] is not None and f[1].pattern in console.UPSTREAM_NOISE]\n"
         "logger = logging.getLogger('lightning.pytorch.utilities.rank_zero')\n"
@@ -125,6 +125,7 @@ def test_data_option_without_dataset_fails_clearly(tmp_path, option):
     assert not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_data_local_trains_on_the_given_file(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i} " + "words " * (i % 9)}) + "\n" for i in range(60)))
@@ -141,13 +142,15 @@ def test_data_local_trains_on_the_given_file(tmp_path):
     assert summary["optimizer_steps"] == 2 and summary["final_val_loss"] > 0
 
 
+@pytest.mark.slow
 def test_main_job_streams_the_builtin_corpus(tmp_path):
     """``data.streaming=true``: the main job trains on the corpus as a stream and reports what it read."""
-    summary = run_in_process(tmp_path, ["data=pack_bfd", "data.streaming=true"])
+    summary = run_in_process(tmp_path, ["batching=pack_bfd", "data.streaming=true"])
     assert summary["optimizer_steps"] == 4 and summary["final_val_loss"] > 0
     assert summary["real_token_fraction"] > 0.9 and summary["dataset_documents_split"] > 0
 
 
+@pytest.mark.slow
 def test_bad_input_fails_clearly_and_records_it(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", "data.max_length=1", f"hydra.run.dir={run_dir}"]
@@ -158,6 +161,7 @@ def test_bad_input_fails_clearly_and_records_it(tmp_path):
     assert status["status"] == "failed" and "max_length" in status["error"]
 
 
+@pytest.mark.slow
 def test_unknown_group_option_lists_valid_ones(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_seqmem.apps.train", "trainer=tpu", f"hydra.run.dir={tmp_path}/run"],
@@ -170,6 +174,7 @@ def test_unknown_group_option_lists_valid_ones(tmp_path):
     assert "Could not find 'trainer/tpu'" in proc.stderr and "ddp_spawn" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lightning_seqmem.apps.train", "lightning_seqmem.apps.cli"])
 def test_allocator_configured_before_torch(name):
     """Every entry point's ``main`` sets the allocator settings (``memory.allocator.configure_allocator``, the one
@@ -192,35 +197,35 @@ def test_allocator_configured_before_torch(name):
     assert proc.returncode == 0, (proc.returncode, proc.stderr)
 
 
-def test_pretokenized_parquet_through_the_main_job(tmp_path):
-    """The issue's command line as a user types it: a parquet file of input_ids, no tokenizer, the special ids and
-    the vocabulary given as data and model options only (the pad id's one owner is the data)."""
+@pytest.mark.slow
+def test_pretokenized_parquet_through_the_main_job(tmp_path, monkeypatch):
+    """The issue's command line (``data=local data.dataset=pages.parquet data.tokenizer=null data.pad_token_id=0
+    data.eos_token_id=102 model.vocab_size=30522``), composed and trained in-process: a parquet file of input_ids,
+    no tokenizer, the special ids and the vocabulary given as data and model options only (the pad id's one owner
+    is the data). The console script's own argument handling is what test_console_script_run runs."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = [[(7 * i + j) % 30000 + 103 for j in range(5 + i % 40)] for i in range(80)]
     pq.write_table(pa.table({"input_ids": rows}), tmp_path / "pages.parquet")
+    monkeypatch.chdir(tmp_path)  # the relative path, as typed
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     run_dir = tmp_path / "run"
-    shrink = [o for o in SHRINK if "max_steps" not in o]
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_seqmem.apps.train",
-        "data=local",
-        "data.dataset=pages.parquet",
-        "data.tokenizer=null",
-        "data.pad_token_id=0",
-        "data.eos_token_id=102",
-        "model.vocab_size=30522",
-        *shrink,
-        "trainer.max_steps=2",
-        "~callbacks.preallocate",
-        f"hydra.run.dir={run_dir}",
-    ]
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.load(open(run_dir / "summary.json"))["final_val_loss"] > 0
+    run_dir.mkdir()
+    summary = run_in_process(
+        run_dir,
+        [
+            "data=local",
+            "data.dataset=pages.parquet",
+            "data.tokenizer=null",
+            "data.pad_token_id=0",
+            "data.eos_token_id=102",
+            "model.vocab_size=30522",
+            "trainer.max_steps=2",
+            "~callbacks.preallocate",
+        ],
+    )
+    assert summary["final_val_loss"] > 0 and json.load(open(run_dir / "summary.json"))["final_val_loss"] > 0
     hparams = (run_dir / "csv" / "version_0" / "hparams.yaml").read_text().splitlines()
     assert hparams.count("pad_token_id: 0") == 1 and "vocab_size: 30522" in hparams
 
@@ -253,17 +258,17 @@ def test_trainer_auto_follows_the_machine(monkeypatch, capsys, gpus):
     from lightning_seqmem.apps.train import choose_trainer
 
     monkeypatch.setattr(cuda, "num_cuda_devices", lambda: gpus)
-    overrides = choose_trainer(["data=pad"])
+    overrides = choose_trainer(["batching=pad"])
     line = capsys.readouterr().err
-    assert choose_trainer(["trainer=cpu", "data=pad"]) == ["trainer=cpu", "data=pad"]
+    assert choose_trainer(["trainer=cpu", "batching=pad"]) == ["trainer=cpu", "batching=pad"]
     assert choose_trainer(["trainer=ddp"]) == ["trainer=ddp"]
     with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
         chosen = compose("config", overrides=overrides).trainer
         cpu = compose("config", overrides=["trainer=cpu"]).trainer
         gpu = compose("config", overrides=["trainer=gpu"]).trainer
     if gpus:
-        assert overrides == ["data=pad", "trainer=gpu"] and chosen == gpu
+        assert overrides == ["batching=pad", "trainer=gpu"] and chosen == gpu
         assert chosen.accelerator == "gpu" and chosen.precision.precision == "auto"
         assert "2 CUDA GPUs visible: training with trainer=gpu" in line and "trainer=cpu keeps the CPU" in line
     else:
-        assert overrides == ["data=pad"] and chosen == cpu and line == ""
+        assert overrides == ["batching=pad"] and chosen == cpu and line == ""
