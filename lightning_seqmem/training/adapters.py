@@ -13,6 +13,7 @@ PEFT only (no Lightning).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -99,6 +100,18 @@ class LoraSettings:
             bias=self.bias,
             task_type="CAUSAL_LM",
         )
+
+
+def resolve_lora(value: Any, pretrained_path: str | None = None) -> LoraSettings | None:
+    """``CausalLM``'s ``lora`` argument as settings (:meth:`LoraSettings.from_value`), checked against where the base
+    comes from: QLoRA quantizes pretrained weights, so ``quantize="nf4"`` needs ``pretrained_path``."""
+    settings = LoraSettings.from_value(value)
+    if settings is not None and settings.quantize is not None and pretrained_path is None:
+        raise ValueError(
+            f"lora.quantize={settings.quantize!r} (QLoRA) quantizes pretrained weights: give pretrained_path=<local "
+            "directory>, or use lora.quantize=None on a model built from model_config."
+        )
+    return settings
 
 
 def _plain(value: Any) -> Any:
@@ -289,38 +302,61 @@ def merge_adapter(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
+BASE_RECORD = "lightning_seqmem_frozen_base"  # the checkpoint entry naming the base weights left out
+# Segments wrappers insert into parameter names but not into the checkpoint's keys (FSDP, activation checkpointing,
+# torch.compile's OptimizedModule).
+_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
+
+
+def _clean(name: str) -> str:
+    return _WRAPPER_SEGMENTS.sub("", name).lstrip(".")
+
+
 def frozen_base_keys(module: torch.nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
     """The entries of ``module``'s ``state_dict`` that belong to the frozen base of its PEFT model: every key
-    under the PEFT model's prefix but the parameters that train (the adapter). ``[]`` without a PEFT model."""
+    under the PEFT model's prefix but the parameters that train (the adapter). ``[]`` without a PEFT model, and
+    ``[]`` under FSDP, and ``[]`` when no key of ``state_dict`` is a trainable parameter's name (names that do not match are never taken
+    for the base: the adapter must not be dropped with it)."""
     found = find_peft_model(module)
-    if found is None:
+    if found is None or any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
+        return []  # FSDP's flat shards are not named by parameter: the checkpoint keeps everything
+    prefix = f"{_clean(found[0])}." if found[0] else ""
+    trainable = {_clean(name) for name, _ in trainable_parameters(module)}
+    if not trainable & set(state_dict):
         return []
-    prefix = f"{found[0]}." if found[0] else ""
-    trainable = {name for name, _ in trainable_parameters(module)}
     return [key for key in state_dict if key.startswith(prefix) and key not in trainable]
 
 
-def drop_frozen_base(module: torch.nn.Module, state_dict: dict[str, Any]) -> list[str]:
-    """Remove the frozen base's entries (:func:`frozen_base_keys`) from ``state_dict`` in place; their keys."""
+def drop_frozen_base(module: torch.nn.Module, checkpoint: dict[str, Any]) -> list[str]:
+    """Leave the frozen base (:func:`frozen_base_keys`) out of a Lightning ``checkpoint``'s ``state_dict``, for a
+    base that can be loaded again (``pretrained_path``): the checkpoint keeps the adapter, the optimizer state (the
+    adapter's only) and everything else a resume needs, and records the keys left out. Returns them."""
+    state_dict = checkpoint["state_dict"]
     dropped = frozen_base_keys(module, state_dict)
     for key in dropped:
         del state_dict[key]
+    if dropped:
+        checkpoint[BASE_RECORD] = dropped
     return dropped
 
 
-def restore_frozen_base(module: torch.nn.Module, state_dict: dict[str, Any], dropped: Sequence[str]) -> None:
-    """Put back into ``state_dict`` the ``dropped`` base entries from ``module`` as it was built (from the same
-    pretrained weights), so that a strict load restores the adapter and keeps the base.
+def restore_frozen_base(module: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Put the base entries :func:`drop_frozen_base` left out back into ``checkpoint["state_dict"]`` from
+    ``module`` as it was built (from the same pretrained weights), so that a strict load restores the adapter and
+    keeps the base. A checkpoint that holds its base is left as it is.
 
     Raises:
-        ValueError: the module built now has no entry of that name (a different base model).
+        ValueError: the module built now has no entry of that name (a different base model or adapter).
     """
-    current = module.state_dict()
+    dropped = checkpoint.get(BASE_RECORD)
+    if not dropped:
+        return
+    current = {_clean(key): value for key, value in module.state_dict().items()}
     missing = [key for key in dropped if key not in current]
     if missing:
         raise ValueError(
-            f"The checkpoint's frozen base weights were left to be rebuilt from pretrained_path, but the model built "
-            f"now lacks {short_repr(missing)}: build it from the same base model and LoRA settings."
+            f"The checkpoint's frozen base weights were left to be loaded from pretrained_path again, but the model "
+            f"built now lacks {short_repr(missing)}: build it from the same base model and LoRA settings."
         )
     for key in dropped:
-        state_dict[key] = current[key]
+        checkpoint["state_dict"][key] = current[key]

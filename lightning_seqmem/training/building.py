@@ -9,12 +9,14 @@ positions are here too, so ``CausalLM`` only wires them. Torch and transformers 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from lightning_seqmem.messages import short_repr
 from lightning_seqmem.protocols import GivesMaxBatchShape
+from lightning_seqmem.training.adapters import LoraSettings, apply_lora, quantized_load_kwargs, resolve_lora
 from lightning_seqmem.training.attention import AUTO, register_varlen_attention
 from lightning_seqmem.training.varlen import TORCH_VARLEN
 
@@ -74,28 +76,38 @@ def build_causal_lm(
     attn_implementation: str,
     gradient_checkpointing: bool = False,
     compile: bool = False,
+    lora: LoraSettings | Mapping[str, Any] | None = None,
 ) -> torch.nn.Module:
     """The Hugging Face causal LM of ``CausalLM``'s arguments (see its docstring for each).
 
     ``attn_implementation="auto"`` is built as SDPA and decided at ``setup``, once the device and precision are
     known; ``"torch_varlen"`` is registered with transformers here (its device is checked at ``setup``, and by the
-    kernel call without a Trainer). A pretrained model with fewer embeddings than ``vocab_size`` is resized.
+    kernel call without a Trainer). A pretrained model with fewer embeddings than ``vocab_size`` is resized. With
+    ``lora`` the model is PEFT's, the adapter on the base (:func:`~lightning_seqmem.training.adapters.apply_lora`),
+    added after checkpointing is switched on and before compiling; QLoRA loads the pretrained base in 4-bit.
     """
     from transformers import AutoModelForCausalLM
 
     attn = "sdpa" if attn_implementation == AUTO else attn_implementation
     if attn == TORCH_VARLEN:
         register_varlen_attention()
+    lora = resolve_lora(lora, pretrained_path)
     if pretrained_path is not None:
-        model = AutoModelForCausalLM.from_pretrained(pretrained_path, local_files_only=True, attn_implementation=attn)
+        quantized = quantized_load_kwargs(lora) if lora is not None and lora.quantize is not None else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            pretrained_path, local_files_only=True, attn_implementation=attn, **quantized
+        )
         if vocab_size is not None and model.get_input_embeddings().num_embeddings < vocab_size:
             model.resize_token_embeddings(vocab_size)
+        model.train()  # from_pretrained returns it in eval mode (no dropout), and Lightning keeps module modes
     else:
         config = build_model_config(model_config, vocab_size, pad_token_id)
         config._attn_implementation = attn
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if lora is not None:
+        model = apply_lora(model, lora)
     if compile:
         model.compile()  # in place (nn.Module.compile): parameter names and checkpoints unchanged
     return model

@@ -3,14 +3,16 @@
 It takes the pair batches of :class:`~lightning_seqmem.SeqMemDataModule` on preference data, padded (TRL's
 ``[2B, L]`` layout) or packed (whole pairs per row, ``sequence_index``), and gets per-pair completion
 log-probabilities from both with one helper (``preference_loss.sequence_logps``). The reference is a frozen copy of
-the policy taken at ``setup`` (``reference="copy"``), or log-probabilities precomputed into the dataset
-(``ref_chosen_logps`` / ``ref_rejected_logps`` columns, ``reference="precomputed"``: no second model in memory).
+the policy taken at ``setup`` (``reference="copy"``; with a LoRA adapter, ``lora=...``, the base with the adapter
+disabled, as TRL does: no copy), or log-probabilities precomputed into the dataset (``ref_chosen_logps`` /
+``ref_rejected_logps`` columns, ``reference="precomputed"``: no second model in memory).
 Model building, attention selection, the pad id, the optimizer and the loss layer (``cross_entropy``: whole logits,
 or the head chunk by chunk over the completion tokens only) are ``CausalLM``'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -19,6 +21,7 @@ from typing_extensions import override
 
 from lightning_seqmem.batch import REF_LOGPS_KEYS
 from lightning_seqmem.messages import check_choice
+from lightning_seqmem.training.adapters import is_peft_model
 from lightning_seqmem.training.loss_layer import completion_token_logps
 from lightning_seqmem.training.model import CausalLM
 from lightning_seqmem.training.preference_loss import (
@@ -41,8 +44,10 @@ class DPO(CausalLM):
         beta: DPO's inverse temperature (larger keeps the policy nearer the reference).
         label_smoothing: assumed share of flipped preferences (conservative DPO), in ``[0, 0.5)``.
         reference: ``"copy"``: a frozen copy of the policy, taken at ``setup`` (its weights then; a second model in
-            memory); ``"precomputed"``: the batch's ``ref_chosen_logps`` / ``ref_rejected_logps`` (dataset columns
-            of the same names). Precomputed values in a batch are used under ``"copy"`` too.
+            memory; with ``lora=...`` the base with the adapter disabled instead, which is the policy at setup when
+            the adapter starts at zero, as PEFT's does); ``"precomputed"``: the batch's ``ref_chosen_logps`` /
+            ``ref_rejected_logps`` (dataset columns of the same names). Precomputed values in a batch are used under
+            ``"copy"`` too.
         **kwargs: ``CausalLM``'s arguments (model, attention, optimizer, ``cross_entropy`` and
             ``loss_chunk_size``); the loss is a mean over pairs, so ``loss_normalization`` is always
             ``"micro_batch"``. ``cross_entropy="chunked"`` runs the head on the completion tokens only, chunk by
@@ -67,7 +72,7 @@ class DPO(CausalLM):
     @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self.hparams.reference == "copy" and self.reference_model is None:
+        if self.hparams.reference == "copy" and self.reference_model is None and not is_peft_model(self.model):
             self.reference_model = copy.deepcopy(self.model).requires_grad_(False)
 
     def sequence_logps(
@@ -86,19 +91,21 @@ class DPO(CausalLM):
 
     def reference_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(chosen, rejected)`` ``[pairs]`` reference log-probabilities: the batch's precomputed values, else the
-        frozen copy's (no gradient)."""
+        frozen copy's or the base's with the adapter disabled (no gradient)."""
         if all(key in batch for key in REF_LOGPS_KEYS):
             return tuple(batch[key].to(torch.float64) for key in REF_LOGPS_KEYS)
-        if self.reference_model is None:
+        adapter = self.hparams.reference == "copy" and is_peft_model(self.model)
+        if self.reference_model is None and not adapter:
             raise ValueError(
                 f"reference='precomputed' but the batch has no {list(REF_LOGPS_KEYS)}: add those "
                 "columns to the dataset, or use reference='copy'."
             )
         # Eval mode for its forward only (no dropout): left in the module's mode otherwise, so Lightning does not
         # report modules in eval mode at the start of every fit.
-        reference, mode = self.reference_model, self.reference_model.training
+        reference = self.model if adapter else self.reference_model
+        mode = reference.training
         try:
-            with torch.no_grad():
+            with torch.no_grad(), reference.disable_adapter() if adapter else contextlib.nullcontext():
                 return self.sequence_logps(reference.eval(), batch)
         finally:
             reference.train(mode)

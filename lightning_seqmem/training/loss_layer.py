@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from lightning_seqmem.messages import check_choice
+from lightning_seqmem.training.adapters import is_peft_model
 from lightning_seqmem.training.linear_cross_entropy import (
     DEFAULT_CHUNK_SIZE,
     liger_linear_cross_entropy,
@@ -102,6 +103,8 @@ def head_options(model: torch.nn.Module) -> dict[str, Any]:
                 "chunked loss does not apply: use cross_entropy='full' for this model."
             )
     head = model.get_output_embeddings()
+    if hasattr(head, "base_layer"):  # a PEFT adapter on the head: the kernel would apply its base weight only
+        raise ValueError("A LoRA adapter on the LM head is not applied by the chunked loss: use cross_entropy='full'.")
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(
@@ -120,10 +123,16 @@ def head_options(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The base model (hidden states out, no head) of a Hugging Face causal LM, also under a PEFT wrapper (whose
+    own ``base_model`` is the tuner around the whole causal LM; the adapter layers sit inside the decoder)."""
+    return (model.get_base_model() if is_peft_model(model) else model).base_model
+
+
 def hidden_states(model: torch.nn.Module, inputs: dict[str, torch.Tensor], **kwargs: Any) -> torch.Tensor:
     """``[rows, length, hidden]`` last hidden states (after the final norm) of the base model on ``inputs``: the
     model's own forward without its head. ``kwargs`` as the model's forward passes them on (varlen arguments)."""
-    return model.base_model(**inputs, **kwargs, use_cache=False).last_hidden_state
+    return decoder(model)(**inputs, **kwargs, use_cache=False).last_hidden_state
 
 
 def causal_lm_loss(

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
 from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
+from lightning_seqmem.training import adapters
 from lightning_seqmem.training.attention import AUTO, resolve_attn_implementation
 from lightning_seqmem.training.building import build_causal_lm, datamodule_max_length, positions_problem
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
@@ -29,6 +30,7 @@ from lightning_seqmem.training.loss_layer import (
     causal_lm_loss,
     check_cross_entropy,
     check_liger,
+    decoder,
     head_options,
     resolve_cross_entropy,
 )
@@ -79,6 +81,11 @@ class CausalLM(LightningModule):
             micro-batch's logits hold at least ``2**26`` elements (rows x length x vocabulary, from the DataModule's
             ``max_batch_shape()`` at ``setup``, else 4,096 tokens), ``"full"`` below (tiny vocabularies).
         loss_chunk_size: tokens per chunk of the chunked loss.
+        lora: a LoRA adapter through PEFT (``pip install lightning_seqmem[peft]``), e.g. ``dict(r=16, alpha=32,
+            dropout=0.05, target_modules="all-linear")`` (:class:`~lightning_seqmem.training.adapters.LoraSettings`;
+            ``quantize="nf4"``: QLoRA, a 4-bit base from ``pretrained_path`` on CUDA). Only the adapter trains and
+            is in the optimizer; with ``pretrained_path`` checkpoints leave the frozen base out (it is loaded from
+            there again). ``SaveAdapter`` writes the adapter in PEFT's format; ``merge_adapter(model.model)`` merges.
 
     Example::
 
@@ -105,6 +112,7 @@ class CausalLM(LightningModule):
         compile: bool = False,
         cross_entropy: str = "auto",
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if learning_rate <= 0:
@@ -112,6 +120,7 @@ class CausalLM(LightningModule):
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {loss_normalization!r}.")
         check_cross_entropy(cross_entropy, loss_chunk_size)
+        adapters.resolve_lora(lora, pretrained_path)  # a bad key or value fails here, not at setup
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
         # The pad id belongs to the data: logged by the DataModule only, but kept in ``hparams`` for checkpoints.
@@ -144,9 +153,12 @@ class CausalLM(LightningModule):
             hp.attn_implementation,
             hp.gradient_checkpointing,
             bool(hp.get("compile")),
+            hp.get("lora"),
         )
-        n = sum(p.numel() for p in self.model.parameters())
-        rank_zero_info(f"[lightning_seqmem] {type(self.model).__name__}: {n / 1e6:.2f} M parameters")
+        trained, n = adapters.parameter_counts(self.model)
+        rank_zero_info(
+            f"[lightning_seqmem] {type(self.model).__name__}: {n / 1e6:.2f} M parameters, {trained / 1e6:.2f} M trained"
+        )
 
     def setup(self, stage: str) -> None:
         """Take vocabulary size and pad id from the DataModule's tokenizer when they were not given; check that the
@@ -165,6 +177,9 @@ class CausalLM(LightningModule):
                     "a `tokenizer` attribute (e.g. SeqMemDataModule)."
                 )
             self._build()
+        if self._trainer is not None:  # QLoRA's kernels run on CUDA only
+            lora = adapters.resolve_lora(self.hparams.get("lora"), self.hparams.pretrained_path)
+            adapters.check_quantization(lora, self.trainer.strategy.root_device)
         self._choose_attention()
         self._check_positions(dm)
         self._choose_loss_layer(dm)
@@ -217,7 +232,7 @@ class CausalLM(LightningModule):
             check_liger(self.trainer.strategy.root_device if self._trainer is not None else self.device)
         if self._loss_layer != "full":
             head_options(self.model)  # a head the chunked kernel cannot apply: refused before the first step
-            base = self.model.base_model
+            base = decoder(self.model)
             if self.hparams.get("compile") and base is not self.model and base._compiled_call_impl is None:
                 base.compile()
         if requested == "auto":
@@ -231,6 +246,16 @@ class CausalLM(LightningModule):
                 self.hparams.get("cross_entropy", "auto"), self.model.config.vocab_size, None
             )
         return self._loss_layer
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With an adapter on a ``pretrained_path`` base, the frozen base is left out (loaded from there again)."""
+        if self.hparams.get("pretrained_path") is not None:
+            adapters.drop_frozen_base(self, checkpoint)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        adapters.restore_frozen_base(self, checkpoint)  # the base left out, from the model built from pretrained_path
 
     # ------------------------------------------------------------------------------------------------- steps
     def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any):
