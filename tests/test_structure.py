@@ -224,6 +224,14 @@ def test_every_package_export_resolves_to_its_home(package):
             )
 
 
+def test_the_wheel_lists_every_folder():
+    """setuptools ships the packages ``pyproject.toml`` names: a folder left out imports from a checkout only."""
+    import tomllib
+
+    listed = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert not set(_packages()) - set(listed), f"add {sorted(set(_packages()) - set(listed))} to pyproject.toml"
+
+
 def _readme_imports() -> list[str]:
     """Every ``from lightning_seqmem... import ...`` statement in the Python blocks of the READMEs and docs."""
     statements = []
