@@ -29,19 +29,39 @@ def seqmem_train(tmp_path, *args):
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow
-def test_warmup_sweep_example_then_report(tmp_path):
-    """examples/warmup_sweep.sh, shortened: a real multirun of seqmem-train, then seqmem-report on it."""
+@pytest.fixture(scope="module")
+def warmup_sweep(tmp_path_factory):
+    """examples/warmup_sweep.sh, shortened: one real multirun of seqmem-train, then seqmem-report on it, run once for
+    the tests below. 12 steps with the preset's validation every 20: only the final validation runs; the training
+    loss is recorded every 4 steps."""
+    tmp_path = tmp_path_factory.mktemp("warmup_sweep")
     sweep = tmp_path / "sweep"
     env = {
         **os.environ,
         "SWEEP_DIR": str(sweep),
         "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
     }
+    shrink = [o for o in SHRINK if "val_check_interval" not in o and "max_steps" not in o]
     # duration=1.5 is invalid: that job fails at instantiation; the other two must still run and be reported.
     # seed=1 replaces the preset's three seeds: one job per duration.
-    cmd = ["bash", str(EXAMPLES / "warmup_sweep.sh"), *SHRINK, "callbacks.seq_warmup.duration=0.0,0.5,1.5", "seed=1"]
+    cmd = [
+        "bash",
+        str(EXAMPLES / "warmup_sweep.sh"),
+        *shrink,
+        "trainer.max_steps=12",
+        "trainer.log_every_n_steps=4",  # the preset's 20 would leave 12 steps without a training-loss row
+        "data.micro_batch_size=4",
+        "callbacks.seq_warmup.duration=0.0,0.5,1.5",
+        "seed=1",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return tmp_path, sweep, proc
+
+
+@pytest.mark.slow
+def test_warmup_sweep_example_then_report(warmup_sweep, capsys):
+    """A failed job does not stop the others; the report lists it, and draws the ones that validated."""
+    tmp_path, sweep, proc = warmup_sweep
     assert proc.returncode != 0  # Hydra re-raises the failed job after running all of them; the script keeps it
     assert "duration" in proc.stderr
     assert [json.load(open(sweep / str(i) / "job_status.json"))["status"] for i in range(3)] == [
@@ -60,7 +80,8 @@ def test_warmup_sweep_example_then_report(tmp_path):
     assert int(rows[1]["tokens_seen"]) < int(rows[0]["tokens_seen"])  # warmup trained on shorter sequences
     assert (sweep / "report.png").stat().st_size > 1000 and (sweep / "report.md").exists()
     # What the picture shows: one line per setting that validated, the failed one absent, the target marked.
-    from lightning_seqmem.apps.report import build_report, figure, load_jobs
+    from lightning_seqmem.apps.report import build_report, figure, main
+    from lightning_seqmem.apps.sweep_jobs import load_jobs
 
     jobs = load_jobs(str(sweep))
     rep = build_report(jobs)
@@ -73,25 +94,22 @@ def test_warmup_sweep_example_then_report(tmp_path):
             f"target {rep['target']:.4g}",
         ]
 
-    again = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_seqmem.apps.report",
-            str(sweep),
-            "--clock",
-            "cpu",
-            "--target-loss",
-            "100",
-            "--name",
-            "cpu",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert again.returncode == 0, again.stderr
-    assert (sweep / "cpu.csv").exists() and "Times are training CPU time" in again.stdout
+    # The report again, with options (the console script itself ran in the example above).
+    assert main([str(sweep), "--clock", "cpu", "--target-loss", "100", "--name", "cpu"]) == 0
+    assert (sweep / "cpu.csv").exists() and "Times are training CPU time" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_short_sweep_validates_at_the_last_step_and_reports(warmup_sweep):
+    """12 steps with validation scheduled every 20: only the final validation runs, and the report has numbers."""
+    _, sweep, _ = warmup_sweep
+    for job in ("0", "1"):
+        with open(sweep / job / "progress.csv") as f:
+            assert [r["step"] for r in csv.DictReader(f)] == ["12"]  # the final validation, and only it
+    with open(sweep / "report.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["steps"] for r in rows[:2]] == ["12", "12"] and all(float(r["final_val_loss"]) > 0 for r in rows[:2])
+    assert (sweep / "0" / "train_progress.csv").exists() and (sweep / "report.png").stat().st_size > 1000
 
 
 @pytest.mark.slow
@@ -140,34 +158,3 @@ def test_ddp_single_run(tmp_path):
     assert summary["optimizer_steps"] == 2 and summary["slots_fed_to_model"] > 2 * 8 * 16
     assert json.load(open(run_dir / "job_status.json")) == {"status": "finished"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 wrote nowhere else
-
-
-@pytest.mark.slow
-def test_short_sweep_validates_at_the_last_step_and_reports(tmp_path):
-    """12 steps with validation scheduled every 50: only the final validation runs, and the report has numbers."""
-    sweep = tmp_path / "sweep"
-    shrink = [o for o in SHRINK if "val_check_interval" not in o and "max_steps" not in o]
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_seqmem.apps.train",
-        "-m",
-        *shrink,
-        "data.micro_batch_size=4",
-        "callbacks.seq_warmup.duration=0.0,0.3",
-        "trainer.max_steps=12",
-        f"hydra.sweep.dir={sweep}",
-    ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for job in ("0", "1"):
-        with open(sweep / job / "progress.csv") as f:
-            assert [r["step"] for r in csv.DictReader(f)] == ["12"]  # the final validation, and only it
-    report = subprocess.run(
-        [sys.executable, "-m", "lightning_seqmem.apps.report", str(sweep)], capture_output=True, text=True, timeout=300
-    )
-    assert report.returncode == 0, report.stderr
-    with open(sweep / "report.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert [r["steps"] for r in rows] == ["12", "12"] and all(float(r["final_val_loss"]) > 0 for r in rows)
-    assert (sweep / "0" / "train_progress.csv").exists() and (sweep / "report.png").stat().st_size > 1000
