@@ -30,7 +30,8 @@ class PackedTinyData(TinyData):
 CASES = {
     "eval_batch_size": dict(micro_batch_size=8, eval_batch_size=32),
     "batch_size": dict(batch_size=64, micro_batch_size=8, accumulate_grad_batches=2),
-    "fp16_packing": dict(precision="16-true", packing=True, attn_implementation="sdpa"),
+    "fp16_packing": dict(precision="16-true", packing=True, attn_implementation="sdpa", adapter=True),
+    "fp16_full_finetuning": dict(precision="16-true"),
     "fp8_compile": dict(precision="transformer-engine"),
     "packing_attention": dict(packing=True, attn_implementation="my_custom_attention"),
     "flash_varlen": dict(packing=True, attn_implementation="flash_attention_2"),
@@ -56,7 +57,14 @@ def test_each_check_fires_on_its_case_only(name):
         dict(micro_batch_size=8, eval_batch_size=8),  # eval_batch_size
         dict(batch_size=32, micro_batch_size=8, accumulate_grad_batches=2, world_size=2),  # batch_size consistent
         dict(precision="bf16-mixed", packing=True, attn_implementation="sdpa"),  # fp16_packing: mixed precision
-        dict(precision="16-true", packing=True, attn_implementation="flash_attention_2", flash_varlen=True),  # flash
+        dict(
+            precision="16-true",
+            packing=True,
+            attn_implementation="flash_attention_2",
+            flash_varlen=True,
+            adapter=True,  # flash
+        ),
+        dict(precision="16-true", adapter=True),  # fp16_full_finetuning: an adapter trains, the base is frozen
         dict(packing=True, attn_implementation="kernels-community/flash-attn2", flash_varlen=True),  # varlen passed
         dict(packing=True, attn_implementation="flash_attention_2", micro_batch_size=1, eval_batch_size=1),  # 1 row
         dict(precision="transformer-engine", compiled=True),  # fp8 with compile

@@ -34,6 +34,7 @@ def test_causal_lm_answers_every_fact_from_its_hugging_face_model():
         "gradient_checkpointing": True,
         "cross_entropy": "full",  # "auto" decided: a 96-token vocabulary
         "chunk_size": module.hparams.loss_chunk_size,
+        "lora": None,  # no adapter: the whole model trains
     }  # what the estimate traces
     chunked = CausalLM(model_config=TINY, vocab_size=96, cross_entropy="chunked", loss_chunk_size=64)
     assert (model_facts(chunked).cross_entropy, module_facts(chunked)["chunk_size"]) == ("chunked", 64)

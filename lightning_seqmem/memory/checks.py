@@ -17,12 +17,14 @@ from lightning_seqmem.memory.allocator import expandable_segments_on
 from lightning_seqmem.memory.model_facts import model_facts
 from lightning_seqmem.memory.preallocate import CachePreallocator
 from lightning_seqmem.protocols import DescribesBatching, GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape
+from lightning_seqmem.training.adapters import find_peft_model
 from lightning_seqmem.training.varlen import PassesFlashVarlen, is_flash_attention
 
 CHECKS = (
     "eval_batch_size",
     "batch_size",
     "fp16_packing",
+    "fp16_full_finetuning",
     "fp8_compile",
     "packing_attention",
     "flash_varlen",
@@ -87,6 +89,7 @@ class RunFacts:
     attn_implementation: str | None = None
     flash_varlen: bool = False
     fp16_weights: bool = False
+    adapter: bool = False  # the module trains a PEFT adapter on a frozen base
     compiled: bool = False
     preallocating: bool = False
     expandable_segments: bool = False
@@ -138,6 +141,14 @@ def find_problems(facts: RunFacts, safe_attention: frozenset[str] | None = None)
             f"{facts.attn_implementation!r}: known to fail with dtype mismatches in the packed-sequence "
             "attention path (and fp16 weights without a master copy lose small updates). Use "
             "precision='bf16-mixed' (or '16-mixed'), or attn_implementation='flash_attention_2'."
+        )
+    if fp16_full and not facts.adapter:
+        problems["fp16_full_finetuning"] = (
+            f"full fine-tuning with fp16 weights ({facts.precision}): without an fp32 master copy an update smaller "
+            "than fp16's step at a weight's magnitude rounds away. Train a LoRA "
+            "adapter on the frozen base instead (CausalLM(lora=dict(r=16)); peft.get_peft_model for a module of your "
+            "own): gradients and optimizer state for the adapter only. Or use precision='bf16-mixed' where the GPU "
+            "has bf16, or '16-mixed' (fp32 master weights: AdamW then holds 16 bytes per parameter)."
         )
     if facts.precision.startswith("transformer-engine") and not facts.compiled:
         problems["fp8_compile"] = (
@@ -216,6 +227,7 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
         attn_implementation=model.attn_implementation,
         flash_varlen=isinstance(pl_module, PassesFlashVarlen) and pl_module.passes_flash_varlen_kwargs is True,
         fp16_weights=bool(trainable) and all(p.dtype == torch.float16 for p in trainable),
+        adapter=find_peft_model(pl_module) is not None,
         compiled=model.compiled,
         preallocating=any(isinstance(cb, CachePreallocator) for cb in trainer.callbacks),
         expandable_segments=expandable_segments_on(),
@@ -235,7 +247,7 @@ class ConfigChecks(Callback):
 
     Checks (names for ``skip``): ``eval_batch_size`` differs from ``micro_batch_size``; ``batch_size`` given instead
     of ``micro_batch_size`` x ``accumulate_grad_batches``; ``fp16_packing``: fp16 weights (``16-true``) with packing
-    and no flash attention; ``fp8_compile``: Transformer Engine fp8 without ``torch.compile``; ``packing_attention``:
+    and no flash attention; ``fp16_full_finetuning``: fp16 weights trained whole, not a (PEFT) adapter; ``fp8_compile``: Transformer Engine fp8 without ``torch.compile``; ``packing_attention``:
     packing with an attention implementation that cannot keep documents apart; ``flash_varlen``: packing with flash
     attention and several rows per batch, from a module that does not say it passes the varlen arguments
     (``passes_flash_varlen_kwargs = True``; ``CausalLM`` does); ``dynamic_shapes``: changing shapes on

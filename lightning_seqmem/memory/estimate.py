@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
+from lightning_seqmem.memory.adapter_trace import add_fake_lora
 from lightning_seqmem.memory.model_facts import model_facts
 from lightning_seqmem.memory.precision import normalize_precision
 from lightning_seqmem.memory.trace import CUDA_GRANULE, adamw, build_fake_model, trace_errors, trace_training_steps
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
+from lightning_seqmem.training.adapters import LoraSettings
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from lightning_seqmem.training.loss_layer import check_cross_entropy, resolve_cross_entropy
 
@@ -66,6 +68,7 @@ def estimate_training_memory(
     model: tuple[Any, torch.nn.Module] | None = None,
     cross_entropy: str = "full",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    lora: LoraSettings | Mapping[str, Any] | None = None,
 ) -> MemoryEstimate:
     """Peak live tensor bytes of training ``model_config`` on ``[rows, length]`` batches, traced on fake tensors.
 
@@ -85,6 +88,8 @@ def estimate_training_memory(
             ``rows * length`` tokens, as ``CausalLM`` decides it on the DataModule's largest batch; ``"liger"`` is
             traced as ``"chunked"``, whose memory is of the same order).
         chunk_size: tokens per chunk of the chunked loss (``CausalLM``'s ``loss_chunk_size``).
+        lora: a LoRA adapter on the model (``CausalLM``'s ``lora``): the base frozen, gradients and optimizer state
+            of the adapter only (:func:`~lightning_seqmem.memory.adapter_trace.add_fake_lora`); not with ``model``.
 
     Raises:
         ValueError: a shape below 1, an unknown precision, device or attention implementation.
@@ -105,6 +110,8 @@ def estimate_training_memory(
     cross_entropy = resolve_cross_entropy(cross_entropy, int(model_config.vocab_size), rows * length)
     traced = "chunked" if cross_entropy == "liger" else cross_entropy
     mode, module = model or build_fake_model(model_config, attn_implementation, precision, gradient_checkpointing)
+    if lora is not None and model is None:
+        module = add_fake_lora(mode, module, lora, precision)
     granule = CUDA_GRANULE if device == "cuda" else 1
     # The pre-allocation pass's batch (real, small: made outside the mode, which turns it into fake tensors)
     batch = make_dummy_batch(rows, length, keys, int(model_config.vocab_size))
@@ -162,6 +169,7 @@ def cached_estimate(
     gradient_checkpointing: bool = False,
     cross_entropy: str = "full",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    lora: LoraSettings | None = None,
 ) -> MemoryEstimate:
     """:func:`estimate_training_memory`, remembered per (config, shape, settings) for this process, so the
     callbacks that ask the same question (``ConfigChecks``, ``CachePreallocator``) trace once."""
@@ -176,6 +184,7 @@ def cached_estimate(
         gradient_checkpointing,
         cross_entropy,
         chunk_size,
+        lora,
     )
     if key not in _ESTIMATES:
         _ESTIMATES[key] = estimate_training_memory(
@@ -189,17 +198,19 @@ def cached_estimate(
             gradient_checkpointing,
             cross_entropy=cross_entropy,
             chunk_size=chunk_size,
+            lora=lora,
         )
     return _ESTIMATES[key]
 
 
 def module_facts(pl_module: torch.nn.Module) -> dict[str, Any] | None:
     """The estimate's arguments ``model_config``, ``attn_implementation``, ``gradient_checkpointing``,
-    ``cross_entropy`` and ``chunk_size`` for a LightningModule wrapping a Hugging Face model as ``.model`` (like
-    ``CausalLM``), read by
-    :func:`~lightning_seqmem.memory.model_facts.model_facts`; ``None`` for anything else (nothing to trace)."""
+    ``cross_entropy``, ``chunk_size`` and ``lora`` for a LightningModule wrapping a Hugging Face model as ``.model``
+    (like ``CausalLM``; PEFT-wrapped too), read by
+    :func:`~lightning_seqmem.memory.model_facts.model_facts`; ``None`` for anything else (nothing to trace), and for
+    an adapter the tracer cannot rebuild (another PEFT method, a 4-bit base)."""
     facts = model_facts(pl_module)
-    if facts.config is None:
+    if facts.config is None or not facts.traceable_adapter:
         return None
     return {
         "model_config": facts.config,
@@ -207,6 +218,7 @@ def module_facts(pl_module: torch.nn.Module) -> dict[str, Any] | None:
         "gradient_checkpointing": facts.gradient_checkpointing,
         "cross_entropy": facts.cross_entropy,
         "chunk_size": facts.loss_chunk_size,
+        "lora": facts.lora,
     }
 
 
@@ -244,6 +256,7 @@ def shortfall_message(
     shards: int = 1,
     cross_entropy: str = "full",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    lora: LoraSettings | None = None,
 ) -> str | None:
     """When the traced peak of a ``shape`` training step exceeds ``available`` bytes: a message with the peak, its
     split and the largest ``micro_batch_size`` (rows) that fits; ``None`` when it fits.
@@ -253,7 +266,7 @@ def shortfall_message(
         shape: the worst-case ``(rows, length)``.
         keys: the batch keys.
         available: bytes the step may use (free device memory plus what the model already holds there).
-        precision, attn_implementation, gradient_checkpointing, device, cross_entropy, chunk_size: as in
+        precision, attn_implementation, gradient_checkpointing, device, cross_entropy, chunk_size, lora: as in
             :func:`estimate_training_memory`.
         shards: ranks that share weights, gradients and optimizer state (FSDP's world size): each holds a
             ``1/shards`` part of them (the gathered layer in flight is not counted).
@@ -261,7 +274,7 @@ def shortfall_message(
     from lightning_seqmem.memory.stats import format_bytes
 
     rows, length = shape
-    settings = (keys, precision, device, attn_implementation, gradient_checkpointing, cross_entropy, chunk_size)
+    settings = (keys, precision, device, attn_implementation, gradient_checkpointing, cross_entropy, chunk_size, lora)
 
     def estimate(r: int) -> MemoryEstimate:
         return sharded(cached_estimate(model_config, r, length, *settings), shards)
@@ -278,6 +291,11 @@ def shortfall_message(
     )
     if est.cross_entropy == "full" and est.loss_layer:
         fix += f"; the loss layer is {format_bytes(est.loss_layer)} of the peak: cross_entropy='chunked' shrinks it"
+    if lora is None:
+        fix += (
+            f"; gradients and optimizer state ({format_bytes(est.gradients + est.optimizer_state)}) are the whole "
+            "model's: a LoRA adapter (CausalLM(lora=dict(r=16)), or peft.get_peft_model) trains a small part of it"
+        )
     return (
         f"Predicted peak training memory for the worst-case batch {rows} x {length} is {format_bytes(est.peak)} "
         f"(parameters {format_bytes(est.parameters)}, gradients {format_bytes(est.gradients)}, optimizer state "

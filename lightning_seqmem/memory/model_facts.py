@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lightning_seqmem.training.adapters import LoraSettings, settings_of
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from lightning_seqmem.training.loss_layer import CROSS_ENTROPY
 
@@ -36,6 +37,10 @@ class ModelFacts:
         cross_entropy: the loss layer that runs: the module's ``loss_layer`` (``CausalLM``: ``cross_entropy`` with
             ``"auto"`` decided), else its ``cross_entropy`` hyperparameter, else ``"full"`` (the model's own loss).
         loss_chunk_size: tokens per chunk of a chunked loss (``hparams.loss_chunk_size``), else the kernel's default.
+        lora: the LoRA settings of a PEFT-wrapped model (``CausalLM(lora=...)`` or ``peft.get_peft_model``), else
+            ``None``.
+        traceable_adapter: ``False`` for an adapter the memory tracer cannot rebuild (another PEFT method than plain
+            LoRA, or LoRA on a 4-bit base).
     """
 
     config: Any = None
@@ -45,6 +50,8 @@ class ModelFacts:
     compiled: bool = False
     cross_entropy: str = "full"
     loss_chunk_size: int = DEFAULT_CHUNK_SIZE
+    lora: LoraSettings | None = None
+    traceable_adapter: bool = True
 
 
 def model_facts(pl_module: torch.nn.Module) -> ModelFacts:
@@ -58,6 +65,10 @@ def model_facts(pl_module: torch.nn.Module) -> ModelFacts:
     model = getattr(pl_module, "model", None)
     config = getattr(model, "config", None)
     hparams = getattr(pl_module, "hparams", None)
+    try:
+        lora, traceable = settings_of(model), True
+    except ValueError:  # a PEFT method other than plain LoRA
+        lora, traceable = None, False
     return ModelFacts(
         config=config if hasattr(config, "to_json_string") and hasattr(config, "vocab_size") else None,
         vocab_size=_first("vocab_size", (config, hparams, pl_module), _positive_int),
@@ -69,6 +80,8 @@ def model_facts(pl_module: torch.nn.Module) -> ModelFacts:
         compiled=_compiled(pl_module, hparams),
         cross_entropy=_loss_layer(pl_module, hparams, model),
         loss_chunk_size=_first("loss_chunk_size", (hparams,), _positive_int) or DEFAULT_CHUNK_SIZE,
+        lora=lora,
+        traceable_adapter=traceable and (lora is None or lora.quantize is None),
     )
 
 

@@ -52,6 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_seqmem.memory.precision import autocast_dtype, parameter_dtype
+from lightning_seqmem.training.adapters import is_peft_model
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from lightning_seqmem.training.loss_layer import causal_lm_loss
 
@@ -185,7 +186,8 @@ def watch_loss_layer(model: torch.nn.Module, tracker: LiveBytes):
         if hidden.requires_grad:
             hidden.register_hook(end)
 
-    base = getattr(model, "base_model", None)  # a Hugging Face model's decoder; a model of one's own may have none
+    inner = model.get_base_model() if is_peft_model(model) else model  # under PEFT, the causal LM it wraps
+    base = getattr(inner, "base_model", None)  # a Hugging Face model's decoder; a model of one's own may have none
     return (base if isinstance(base, torch.nn.Module) else model).register_forward_hook(start)
 
 

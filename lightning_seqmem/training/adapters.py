@@ -162,6 +162,37 @@ def find_peft_model(module: torch.nn.Module) -> tuple[str, torch.nn.Module] | No
     return None
 
 
+def settings_of(model: torch.nn.Module) -> LoraSettings | None:
+    """The :class:`LoraSettings` of a PEFT model's active LoRA adapter, as ``get_peft_model`` was given them
+    (``target_modules`` as PEFT resolved them: the names it adapted), ``quantize="nf4"`` on a 4-bit base; ``None``
+    for a model without PEFT.
+
+    Raises:
+        ValueError: a PEFT method other than plain LoRA (prompt tuning, IA3, DoRA, per-layer ranks...), which
+            nothing here can rebuild.
+    """
+    if not is_peft_model(model):
+        return None
+    config = model.active_peft_config
+    kind = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None)))
+    extras = [
+        name for name in ("rank_pattern", "alpha_pattern", "use_dora", "modules_to_save") if getattr(config, name, None)
+    ]
+    if kind != "LORA" or extras:
+        raise ValueError(
+            f"a PEFT adapter of type {kind} with {extras or 'no'} extras: only plain LoRA is supported here."
+        )
+    targets = config.target_modules
+    return LoraSettings(
+        r=int(config.r),
+        alpha=config.lora_alpha,
+        dropout=float(config.lora_dropout),
+        target_modules=targets if isinstance(targets, str) else tuple(sorted(targets)),
+        bias=config.bias,
+        quantize="nf4" if getattr(model, "is_loaded_in_4bit", False) else None,
+    )
+
+
 def linear_module_names(model: torch.nn.Module) -> list[str]:
     """The last part of the name of every linear layer of ``model`` (what ``target_modules`` matches), sorted."""
     names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and _is_linear(m)}
@@ -174,11 +205,12 @@ def _is_linear(module: torch.nn.Module) -> bool:
 
 
 def check_target_modules(model: torch.nn.Module, settings: LoraSettings) -> None:
-    """Every name in ``lora.target_modules`` is the last part of some module's name in ``model`` (PEFT itself
-    adapts the names it finds and drops the rest when one matches)."""
+    """Every name in ``lora.target_modules`` ends some module's name in ``model`` at a dot (``q_proj``, or the whole
+    ``model.layers.0.self_attn.q_proj``): PEFT itself adapts the names it finds and drops the rest when one matches."""
     if isinstance(settings.target_modules, str):
         return
-    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
+    parts = [name.split(".") for name, _ in model.named_modules() if name]
+    present = {".".join(part[i:]) for part in parts for i in range(len(part))}  # PEFT matches a name's end
     missing = [name for name in settings.target_modules if name not in present]
     if missing:
         raise ValueError(
