@@ -270,3 +270,13 @@ def test_hydra_lora_group_and_single_fields(overrides, expected):
         model = instantiate(cfg.model)
         assert isinstance(model.model, peft.PeftModel)
         assert model.model.peft_config["default"].r == lora["r"]
+
+
+@pytest.mark.parametrize("cross_entropy", ["full", "chunked"])
+def test_gradient_checkpointing_reaches_the_adapter(cross_entropy):
+    model = CausalLM(
+        model_config=TINY, vocab_size=VOCAB, lora=LORA, gradient_checkpointing=True, cross_entropy=cross_entropy
+    )
+    model.loss({"input_ids": IDS, "labels": IDS}).backward()
+    adapter = [p for p in model.parameters() if p.requires_grad]
+    assert adapter and all(p.grad is not None for p in adapter)
