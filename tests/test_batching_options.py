@@ -11,6 +11,7 @@ from lightning_seqmem.batching.options import STRATEGIES, Pack, Pad, Truncate, a
 from lightning_seqmem.batching.settings import BatchingSettings
 from lightning_seqmem.batching.strategies import make_strategy
 from lightning_seqmem.datamodule.resume import check_signature
+from lightning_seqmem.kinds import PromptCompletion
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*")
 
@@ -79,7 +80,7 @@ def test_the_strategy_objects_are_built_from_the_options():
     pad = make_strategy(BatchingSettings(max_length=64, batching=Pad(to_multiple_of=16)))
     assert pad.padded_length(17) == 32 and pad.options == Pad(to_multiple_of=16) and not pad.constant_shapes
     assert make_strategy(BatchingSettings(batching=Pad(to_max_length=True))).constant_shapes
-    pack = make_strategy(BatchingSettings(batching=Pack(cu_seqlens=True)), "train", "prompt_completion")
+    pack = PromptCompletion().strategy(BatchingSettings(batching=Pack(cu_seqlens=True)), "train")
     assert "cu_seqlens" in pack.keys and pack.overflow == "truncate" and pack.label == "pack (bfd)"
     settings = BatchingSettings(batching=Pack(method="wrapped"), eval_batching=Truncate())
     assert [make_strategy(settings, split).label for split in ("train", "validation")] == ["pack (wrapped)", "truncate"]

@@ -32,7 +32,9 @@ def test_padded_batches_have_the_promised_shapes_and_masks(small_text_dataset):
 
 def test_truncation_count_is_exact(small_text_dataset, tokenizer):
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=40, micro_batch_size=4)
-    with pytest.warns(UserWarning, match="longer than max_length=40.*strategy='pack'"):
+    with pytest.warns(
+        UserWarning, match=r"longer than max_length=40; with batching=Pad\(\).*batching=Pack\(overflow='split'\)"
+    ):
         dm.setup("fit")
     expected = 0
     for split in ("train", "validation"):

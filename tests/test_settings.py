@@ -12,8 +12,8 @@ from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.apps import planner
 from lightning_seqmem.batching.options import Batching, Pack, Pad, Truncate
 from lightning_seqmem.batching.settings import BatchingSettings
-from lightning_seqmem.batching.strategies import make_strategy
 from lightning_seqmem.datamodule.settings import SeqMemSettings
+from lightning_seqmem.kinds import PromptCompletion, Text
 from lightning_seqmem.protocols import DescribesBatching
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*", "ignore:.*no completion left.*")
@@ -99,9 +99,9 @@ def test_setup_does_not_change_the_strategies_or_the_settings(tokenizer):
         max_prompt_length=12,
     )
     before = dm.settings
-    expected = make_strategy(before.batching, "train", "prompt_completion").prompt_completion_limits
+    expected = PromptCompletion().strategy(before.batching, "train").prompt_completion_limits
     assert expected == before.batching.limits  # overflow=None on prompt/completion data: truncate, all limits
-    assert make_strategy(before.batching, "train", "text").prompt_completion_limits.max_length is None  # split
+    assert Text().strategy(before.batching, "train").prompt_completion_limits.max_length is None  # split
     dm.setup("fit")
     train = dm.read_mode.strategies["train"]
     assert dm.settings is before and train.prompt_completion_limits == expected and train.overflow == "truncate"

@@ -414,7 +414,9 @@ def test_streaming_true_serves_a_map_style_dataset_as_shards(tokenizer):
     assert dm.dataset["train"].num_shards == 8 and len(dm.datasets["validation"]) == 5
     list(dm.train_dataloader())
     assert dm.stats()["train"]["documents"] == 35 and dm.stats()["train"]["rows_without_completion"] == 0
-    with pytest.raises(ValueError, match="streaming dataset is packed on the fly: use strategy='pack'"):
+    with pytest.raises(
+        ValueError, match=r"streaming dataset is packed on the fly: use batching=Pack\(\) .*batching=Pad\(\)"
+    ):
         SeqMemDataModule(dataset=ds, streaming=True, strategy="pad").setup("fit")
 
 

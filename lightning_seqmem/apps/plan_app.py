@@ -71,15 +71,15 @@ def plan_from_config(cfg, output_dir: str | None = None):
     from hydra.utils import instantiate
 
     from lightning_seqmem.apps.plan_lengths import stream_sample
-    from lightning_seqmem.apps.planner import PLANNED_KINDS, check_text, default_max_lengths, plan
+    from lightning_seqmem.apps.planner import check_text, default_max_lengths, plan
 
     p = cfg.plan
     dm, sampled = stream_sample(instantiate(cfg.data), p.get("stream_sample", 20_000))
     dm.prepare_data()  # tokenize once (cached: the planner and the training run after it read the same tokens)
     max_length = dm.settings.batching.max_length
     max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else default_max_lengths(max_length)
-    kind = dm.tokenized_documents()[1].name
-    if kind not in PLANNED_KINDS:  # draw what can be drawn, then refuse
+    kind = dm.tokenized_documents()[1]
+    if not kind.planned:  # draw what can be drawn, then refuse
         where = _pictures(None, dm, max_lengths, output_dir, p) if output_dir is not None else []
         check_text(kind, f" (its prompt and completion lengths are drawn in {where[0]})" if where else "")
     precision, note_precision = _precision(cfg)

@@ -1,55 +1,31 @@
-"""What the planner plans on, per split: document lengths, or conversations cut per candidate ``max_length``.
+"""What the planner plans on, per split: document lengths, pair lengths, or conversations cut per candidate
+``max_length``.
 
-Text lengths do not depend on ``max_length``; a conversation's rows do (whole oldest turns dropped, those left with
-no trained token handled by ``on_empty_labels``), so :class:`Conversations` cuts them per candidate the way
-``SeqMemDataModule.setup`` does (``batching.conversation_rows``). No Lightning import.
+Each data kind says what a split of it is planned on (``kinds.Kind.plan_lengths``). Text lengths do not depend on
+``max_length``; a conversation's rows do, so conversations come as ``batching.conversation_rows.ConversationLengths``,
+cut per candidate the way ``SeqMemDataModule.setup`` cuts them. No Lightning import.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class Conversations:
-    """A split of conversations for the planner (its cached conversation columns)."""
-
-    dataset: Any  # the split's cached conversation columns
-    on_empty_labels: str = "drop"
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """``[conversations]`` whole token counts."""
-        from lightning_seqmem.data.tokens import view_of_dataset
-
-        return view_of_dataset(self.dataset, "input_ids").lengths
-
-    def at(self, max_length: int) -> tuple[np.ndarray, int, int]:
-        """``(row lengths, tokens lost, trained tokens)`` at ``max_length``."""
-        from lightning_seqmem.batching.conversation_rows import conversation_rows
-
-        rows = conversation_rows(self.dataset, max_length, self.on_empty_labels)
-        return (
-            rows.source.lengths,
-            rows.stats["tokens_truncated"] + rows.stats["tokens_dropped"],
-            rows.stats["trained_tokens"],
-        )
+from lightning_seqmem.batching.conversation_rows import ConversationLengths
 
 
 def lengths_at(docs: Any, max_length: int) -> tuple[np.ndarray, int, int | None]:
     """Documents of a split at ``max_length``: ``(lengths, tokens lost before batching, trained tokens or None)``;
     text ``[documents]`` and pair ``[pairs, 3]`` lengths are returned as they are."""
-    if isinstance(docs, Conversations):
+    if isinstance(docs, ConversationLengths):
         return docs.at(max_length)
     return np.asarray(docs, dtype=np.int64), 0, None
 
 
 def whole_lengths(docs: Any) -> np.ndarray:
     """The lengths before any cut: a conversation's whole token count, else the lengths given."""
-    return docs.lengths if isinstance(docs, Conversations) else np.asarray(docs)
+    return docs.lengths if isinstance(docs, ConversationLengths) else np.asarray(docs)
 
 
 def stream_sample(dm: Any, documents: int = 20_000) -> tuple[Any, int | None]:
@@ -86,4 +62,4 @@ def stream_sample(dm: Any, documents: int = 20_000) -> tuple[Any, int | None]:
     return copy, len(head["train"])
 
 
-__all__ = ["Conversations", "lengths_at", "stream_sample", "whole_lengths"]
+__all__ = ["lengths_at", "stream_sample", "whole_lengths"]

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_seqmem.apps.plan_lengths import Conversations, lengths_at, stream_sample, whole_lengths
+from lightning_seqmem.apps.plan_lengths import lengths_at, stream_sample, whole_lengths
 from lightning_seqmem.apps.plan_memory import (
     DEFAULT_MARGIN,
     PEAK_NOTES,
@@ -35,11 +35,12 @@ from lightning_seqmem.apps.plan_report import (
     recommend_data,
 )
 from lightning_seqmem.batching.options import Batching, Pack, Pad, Truncate, as_batching
-from lightning_seqmem.batching.pair_strategies import PREFERENCE, make_split_strategy
 from lightning_seqmem.batching.settings import BatchingSettings
 from lightning_seqmem.batching.strategies import Strategy, largest_shape
 from lightning_seqmem.batching.truncation import MIN_MAX_LENGTH, count_truncated, valid_max_length
 from lightning_seqmem.datamodule.pipeline import split_documents
+from lightning_seqmem.kinds.base import Kind
+from lightning_seqmem.kinds.text import Text
 
 PERCENTILES = (50, 90, 95, 99, 100)
 STRATEGIES: tuple[Batching, ...] = (
@@ -51,12 +52,12 @@ STRATEGIES: tuple[Batching, ...] = (
 )
 """The batchings compared by default (``conf/plan.yaml``'s ``plan.strategies``); the configured one joins them at its max_length."""
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")  # what a memory trace hands the model
-PLANNED_KINDS = ("text", "conversations", PREFERENCE)
+TEXT = Text()
 
 
-def check_text(kind: str, detail: str = "") -> None:
-    """Refuse data the planner cannot plan yet (``detail``: where to look instead)."""
-    if kind not in PLANNED_KINDS:
+def check_text(kind: Kind, detail: str = "") -> None:
+    """Refuse data the planner cannot plan yet (``Kind.planned``; ``detail``: where to look instead)."""
+    if not kind.planned:
         raise ValueError(
             f"seqmem-plan plans text datasets, conversations and preference pairs; prompt/completion "
             f"data is not supported yet{detail}."
@@ -72,7 +73,8 @@ def check_strategies(strategies: Sequence[Batching | str]) -> tuple[Batching, ..
 
 
 def wraps_documents(batching: Batching) -> bool:
-    """Pairs and conversations are packed whole (best fit): ``Pack(method="wrapped")`` would split them."""
+    """Kinds packed whole (``Kind.trains_whole``: pairs, conversations) leave these out: ``Pack(method="wrapped")``
+    would split their items."""
     return isinstance(batching, Pack) and batching.method == "wrapped"
 
 
@@ -106,11 +108,11 @@ def length_distribution(lengths: np.ndarray, max_lengths: Sequence[int]) -> dict
     }
 
 
-def _strategy(batching: Batching, max_length: int, settings: BatchingSettings, kind: str = "text") -> Strategy:
+def _strategy(batching: Batching, max_length: int, settings: BatchingSettings, kind: Kind = TEXT) -> Strategy:
     """The train strategy a ``SeqMemDataModule`` with ``settings``, this ``batching`` and ``max_length`` would hold
     for data of ``kind`` (one batching for both splits, as the planner's rows compare batchings)."""
     varied = replace(settings, max_length=max_length, batching=batching, eval_batching=None)
-    return make_split_strategy(varied, "train", kind)
+    return kind.strategy(varied, "train")
 
 
 def plan_strategy(
@@ -120,27 +122,26 @@ def plan_strategy(
     settings: BatchingSettings = BatchingSettings(),
     devices: int = 1,
     accumulate_grad_batches: int = 1,
-    kind: str = "text",
+    kind: Kind = TEXT,
 ) -> StrategyPlan:
     """What ``SeqMemDataModule`` would measure with batching ``strategy`` and ``max_length`` on documents of
     ``lengths``.
 
     Args:
-        lengths: split name -> ``[documents]`` token counts (empty documents already left out), with ``"train"``;
-            or :class:`Conversations`.
+        lengths: split name -> what ``kind.plan_lengths`` gives (``[documents]`` token counts, empty documents
+            already left out; ``[pairs, 3]`` prompt/chosen/rejected counts; ``ConversationLengths``), with
+            ``"train"``.
         strategy: the batching options (``Pad(...)``, ``Truncate()``, ``Pack(...)``; ``"pack"`` is ``Pack()``).
         max_length: row capacity.
         settings: the DataModule's batching settings (``dm.settings.batching``): all but batching and max_length.
         devices: data-parallel processes (optimizer steps count each rank's batches).
         accumulate_grad_batches: micro-batches per optimizer step.
-        kind: ``"text"``, or ``"preference"``: then ``lengths`` are ``[pairs, 3]`` prompt/chosen/rejected counts
-            (conversations: given as :class:`Conversations`, the kind follows).
+        kind: the data kind (``kinds``; the DataModule's ``tokenized_documents()[1]``): it builds the strategy.
     """
     (strategy,) = check_strategies([strategy])
     check_max_lengths([max_length])
     if "train" not in lengths:
         raise ValueError(f"lengths needs a 'train' split, got {sorted(lengths)}.")
-    kind = "conversations" if isinstance(lengths["train"], Conversations) else kind
     batcher, largest = _strategy(strategy, max_length, settings, kind), []
     for split, docs in lengths.items():
         train = split == "train"
@@ -167,7 +168,7 @@ def plan_strategy(
 
 
 def plan_strategies(
-    lengths, strategies, max_lengths, settings=BatchingSettings(), devices=1, accumulate_grad_batches=1, kind="text"
+    lengths, strategies, max_lengths, settings=BatchingSettings(), devices=1, accumulate_grad_batches=1, kind=TEXT
 ) -> list[StrategyPlan]:
     """:func:`plan_strategy` for every batching x max_length."""
     return [
@@ -189,10 +190,10 @@ def build_plan(
     margin: float = DEFAULT_MARGIN,
     devices: int = 1,
     accumulate_grad_batches: int = 1,
-    kind: str = "text",
+    kind: Kind = TEXT,
 ) -> RunPlan:
-    """The whole plan from document lengths (``estimate`` ``None``: data half only); preference pairs
-    (``kind="preference"``): ``[pairs, 3]`` lengths, and ``estimate`` takes a micro_batch_size in pairs.
+    """The whole plan from the lengths ``kind.plan_lengths`` gives (``estimate`` ``None``: data half only); for
+    preference pairs ``estimate`` takes a micro_batch_size in pairs.
     ``configured``: the DataModule's ``(batching, max_length)``, added to the rows when no candidate equals it and
     its max_length is planned."""
     strategies, max_lengths = check_strategies(strategies), check_max_lengths(max_lengths)
@@ -211,9 +212,7 @@ def build_plan(
         # The recommended rows are longer or shorter than the configured run's: size its micro-batch on its own.
         other = plan_memory(estimate, best.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
         recommended, reason = recommend(plans, other, settings.micro_batch_size, config_length)
-    train = whole_lengths(lengths["train"])
-    if kind == PREFERENCE:  # the distribution of sequences (prompt + chosen, prompt + rejected), as max_length cuts
-        train = (train[:, :1] + train[:, 1:]).reshape(-1)
+    train = kind.sequence_lengths(whole_lengths(lengths["train"]))  # the distribution max_length cuts
     return RunPlan(
         distribution=length_distribution(train, max_lengths),
         strategies=plans,
@@ -273,13 +272,13 @@ def plan(
 
     dm = stream_sample(datamodule)[0]  # a stream: planned on its first documents
     settings = dm.settings.batching
-    kind = dm.tokenized_documents()[1].name
+    kind = dm.tokenized_documents()[1]
     configured = (settings.batching, settings.max_length)
     max_lengths = default_max_lengths(settings.max_length) if max_lengths is None else list(max_lengths)
-    if kind in ("conversations", PREFERENCE):  # packed whole only (``BatchingSettings.check_kind``, pair strategies)
+    if kind.trains_whole:  # packed whole only (``Kind.check``, pair strategies)
         strategies = [s for s in check_strategies(strategies) if not wraps_documents(s)]
-    if kind == PREFERENCE:  # a max_length must leave room after the prompt
-        max_lengths = [m for m in max_lengths if m > (settings.max_prompt_length or 0)] or [settings.max_length]
+    roomy = [m for m in max_lengths if kind.leaves_room(settings, m)]  # none given: check_max_lengths says so
+    max_lengths = roomy or max_lengths and [settings.max_length]
     estimate = None
     if model_config is not None:  # (micro_batch_size, length, checkpointing) -> MemoryEstimate
         keys = [k for k in dm.batch_keys() if k in MODEL_KEYS]  # pair bookkeeping keys cost next to nothing
@@ -318,26 +317,14 @@ def plan(
 
 
 def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
-    """Per split, the token count of every non-empty document, as ``SeqMemDataModule(...)`` sees them: through
-    its tokenize-once cache (which the training run then reuses) or pre-tokenized, from Arrow offsets only;
-    conversations as :class:`Conversations` (cut per candidate ``max_length``), preference pairs as ``[pairs, 3]``
-    prompt/chosen/rejected counts."""
-    tokenized, data_kind = dm.tokenized_documents()
-    kind = data_kind.name
+    """Per split, what the DataModule's data kind is planned on (``Kind.plan_lengths``), as ``SeqMemDataModule(...)``
+    sees them: through its tokenize-once cache (which the training run then reuses) or pre-tokenized, from Arrow
+    offsets only. Text: the token count of every non-empty document; conversations: ``ConversationLengths`` (cut
+    per candidate ``max_length``); preference pairs: ``[pairs, 3]`` prompt/chosen/rejected counts."""
+    tokenized, kind = dm.tokenized_documents()
     check_text(kind)
-    if kind in ("conversations", PREFERENCE):
-        documents = split_documents(tokenized, data_kind, dm.settings.batching.seed)
-        if kind == "conversations":
-            return {
-                split: Conversations(docs.dataset, dm.settings.conversation.on_empty_labels)
-                for split, docs in documents.items()
-            }
-        # [pairs, 3]: prompt, chosen, rejected (an empty prompt is a valid pair)
-        return {
-            split: np.stack([docs.parts[p].lengths for p in ("prompt", "chosen", "rejected")], axis=1)
-            for split, docs in documents.items()
-        }
-    return {split: parts["documents"] for split, parts in _split_lengths(dm).items()}
+    documents = split_documents(tokenized, kind, dm.settings.batching.seed)
+    return {split: kind.plan_lengths(docs, dm.settings) for split, docs in documents.items()}
 
 
 def column_lengths(dm: Any, split: str = "train") -> dict[str, np.ndarray]:
@@ -360,9 +347,7 @@ def _split_lengths(dm: Any) -> dict[str, dict[str, np.ndarray]]:
 __all__ = [
     "DEFAULT_MARGIN",
     "PEAK_NOTES",
-    "PLANNED_KINDS",
     "STRATEGIES",
-    "Conversations",
     "MemoryPlan",
     "RunPlan",
     "StrategyPlan",

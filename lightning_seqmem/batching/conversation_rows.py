@@ -125,6 +125,30 @@ def conversation_rows(ds: Any, max_length: int, on_empty_labels: str = "drop") -
     return ConversationRows(keep, source, labels, stats)
 
 
+@dataclass(frozen=True)
+class ConversationLengths:
+    """A split of conversations as the planner plans it (``kinds.Conversations.plan_lengths``): their rows depend
+    on ``max_length`` (whole oldest turns dropped, those left with no trained token handled by
+    ``on_empty_labels``), so :meth:`at` cuts them per candidate the way :func:`conversation_rows` cuts a split."""
+
+    dataset: Any  # the split's cached conversation columns
+    on_empty_labels: str = "drop"
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``[conversations]`` whole token counts."""
+        return view_of_dataset(self.dataset, "input_ids").lengths
+
+    def at(self, max_length: int) -> tuple[np.ndarray, int, int]:
+        """``(row lengths, tokens lost, trained tokens)`` at ``max_length``."""
+        rows = conversation_rows(self.dataset, max_length, self.on_empty_labels)
+        return (
+            rows.source.lengths,
+            rows.stats["tokens_truncated"] + rows.stats["tokens_dropped"],
+            rows.stats["trained_tokens"],
+        )
+
+
 def _column(ds: Any, name: str) -> np.ndarray:
     """A scalar column of ``ds`` in its row order (its indices mapping applied), as numpy."""
     values = ds.data.column(name).to_numpy()

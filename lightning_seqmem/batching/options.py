@@ -161,13 +161,11 @@ class Pack(Batching):
     def label(self) -> str:
         return f"{self.name} ({self.method})"
 
-    def overflow_for(self, kind: str) -> str:
-        """The overflow rule for data of ``kind``: ``overflow``, else ``"split"`` for text and ``"truncate"`` for
-        prompt/completion rows; conversations arrive already cut to max_length by whole turns
-        (``conversation_rows``): never split."""
-        if self.overflow is not None:
-            return self.overflow
-        return "truncate" if kind in ("prompt_completion", "conversations") else "split"
+    def overflow_for(self, default: str) -> str:
+        """The overflow rule: ``overflow``, else ``default``, the data kind's own (``kinds.Kind.default_overflow``:
+        ``"split"`` for text, ``"truncate"`` for prompt/completion rows and for conversations, which arrive already
+        cut to max_length by whole turns). The kind passes its rule in: ``batching`` sits below ``kinds``."""
+        return self.overflow if self.overflow is not None else default
 
 
 BY_NAME: dict[str, type[Batching]] = {cls.name: cls for cls in (Pad, Truncate, Pack)}

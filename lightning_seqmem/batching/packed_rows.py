@@ -221,7 +221,8 @@ def _check_lengths(lengths: np.ndarray, max_length: int, overflow: str) -> None:
             i = int(too_long[0])
             raise ValueError(
                 f"document at row {i} has {int(lengths[i])} tokens > max_length={max_length} "
-                f"({too_long.size} such rows); use overflow='split', 'truncate' or 'drop', or raise max_length."
+                f"({too_long.size} such rows); use batching=Pack(overflow='split'), Pack(overflow='truncate') or "
+                "Pack(overflow='drop'), or raise max_length."
             )
 
 

@@ -34,9 +34,6 @@ from lightning_seqmem.batching.strategies import (
     make_strategy,
 )
 
-PREFERENCE = "preference"
-"""The data kind of preference pairs (``data.columns``: text or pre-tokenized)."""
-
 _FIX = "Raise max_length, or max_prompt_length / max_completion_length, to keep them."
 
 
@@ -105,7 +102,7 @@ class PairPadStrategy(_PairLimits):
         # A budget counts slots: both rows of a pair. The document strategy plans pairs (one row each), so it gets
         # half the budget (its rows x padded length <= budget / 2).
         inner = replace(settings, max_tokens_per_batch=budget // 2) if budget is not None else settings
-        self._documents = make_strategy(inner, split, PREFERENCE, plan_cache)
+        self._documents = make_strategy(inner, split, plan_cache=plan_cache)
         self.options, self.name = self._documents.options, self._documents.name
         self.full_length_rows = self._documents.full_length_rows
 
@@ -257,10 +254,3 @@ def make_pair_strategy(settings: Any, split: str = "train", plan_cache: str | No
     packs, padded pairs otherwise."""
     packs = settings.batching_for(split).packs
     return (PairPackStrategy if packs else PairPadStrategy)(settings, split, plan_cache)
-
-
-def make_split_strategy(settings: Any, split: str = "train", kind: str = "text", plan_cache: str | None = None):
-    """``strategies.make_strategy`` for any data kind: pair strategies for preference pairs."""
-    if kind == PREFERENCE:
-        return make_pair_strategy(settings, split, plan_cache)
-    return make_strategy(settings, split, kind, plan_cache)

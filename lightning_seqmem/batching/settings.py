@@ -70,7 +70,7 @@ class BatchingSettings:
         if self.eval_batching is not None:
             object.__setattr__(self, "eval_batching", as_batching(self.eval_batching, "eval_batching"))
         check_truncation_side(self.truncation_side)
-        check_part_limits(self.max_prompt_length, self.max_completion_length)  # their sum: check_kind
+        check_part_limits(self.max_prompt_length, self.max_completion_length)  # their sum: the kind checks
         if self.truncation_mode is not None:
             _ = self.preference_limits  # a known mode
         budget = self.max_tokens_per_batch
@@ -109,34 +109,12 @@ class BatchingSettings:
         """Whether the train or the validation loader packs documents (packing is planned at ``prepare_data``)."""
         return any(self.batching_for(s).packs for s in SPLITS)
 
-    def check_kind(self, kind: str) -> None:
-        """Refuse settings that do not suit data of ``kind`` (known only once the data are read): prompt/completion
-        rows must fit ``max_length`` after the per-part limits, while preference pairs take TRL's third stage
-        (``max_length`` over prompt + completion) after them."""
-        if kind == "prompt_completion":
-            _ = self.limits  # max_prompt_length + max_completion_length must fit max_length
-        packs = [b for b in map(self.batching_for, SPLITS) if b.packs]
-        if kind == "conversations" and any(b.method == "wrapped" for b in packs):
-            raise ValueError(
-                "Pack(method='wrapped') cuts rows at max_length wherever a conversation ends, and a piece of a "
-                "conversation without its start would be trained on without its context. Use Pack(method='bfd') "
-                "(conversations packed whole)."
-            )
-        if kind == "prompt_completion" and any(
-            b.overflow == "split" and not b.allow_split_prompt_completion for b in packs
-        ):
-            raise ValueError(
-                "Pack(overflow='split') would cut long prompt/completion rows into pieces, and every piece after the "
-                "first would train on completion tokens without their prompt. Leave overflow=None (truncate: keep "
-                "the prompt's end and the completion's start), or pass Pack(overflow='split', "
-                "allow_split_prompt_completion=True) to split anyway."
-            )
-
-    def signature(self, kind: str) -> dict[str, Any]:
+    def signature(self, default_overflow: str) -> dict[str, Any]:
         """What a saved loader position refers to: the fields declared to decide the train rows and batches, the
-        train strategy's name and its own such options (``Pack``'s ``overflow`` resolved for ``kind``)."""
+        train strategy's name and its own such options (``Pack``'s ``overflow`` resolved with the data kind's
+        ``default_overflow``: ``kinds.Kind.signature`` asks)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("signature")}
         out.update(self.batching.signature())
         if self.batching.packs:
-            out["overflow"] = self.batching.overflow_for(kind)
+            out["overflow"] = self.batching.overflow_for(default_overflow)
         return out

@@ -139,11 +139,14 @@ class PadStrategy:
     Args:
         settings: the frozen ``BatchingSettings`` (read, never changed): what every strategy shares.
         options: this split's strategy options (``Pad``; ``Truncate``/``Pack`` for the subclasses).
-        kind: the data kind (``"text"`` or ``"prompt_completion"``): it decides the overflow rule.
+        default_overflow: the data kind's overflow rule (``kinds.Kind.default_overflow``), used by ``Pack`` options
+            that leave ``overflow`` unset.
         plan_cache: where packing plans of large datasets are kept (``plan_cache``); ``None``: not cached.
     """
 
-    def __init__(self, settings: Any, options: Batching, kind: str = "text", plan_cache: str | None = None) -> None:
+    def __init__(
+        self, settings: Any, options: Batching, default_overflow: str = "split", plan_cache: str | None = None
+    ) -> None:
         self.settings, self.options, self.plan_cache = settings, options, plan_cache
         self.name, self.packs, self.full_length_rows = options.name, options.packs, options.full_length_rows
         self._shape_collator = None
@@ -288,11 +291,13 @@ class TruncateStrategy(PadStrategy):
 
 class PackStrategy(TruncateStrategy):
     """Documents packed into ``max_length`` rows once per split (epochs reshuffle rows, never re-pack); the
-    ``Pack`` options' ``overflow`` resolved for the data kind (``overflow``)."""
+    ``Pack`` options' ``overflow`` resolved with the data kind's default (``overflow``)."""
 
-    def __init__(self, settings: Any, options: Pack, kind: str = "text", plan_cache: str | None = None) -> None:
-        super().__init__(settings, options, kind, plan_cache)
-        self.overflow = options.overflow_for(kind)
+    def __init__(
+        self, settings: Any, options: Pack, default_overflow: str = "split", plan_cache: str | None = None
+    ) -> None:
+        super().__init__(settings, options, default_overflow, plan_cache)
+        self.overflow = options.overflow_for(default_overflow)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -322,7 +327,7 @@ class PackStrategy(TruncateStrategy):
         if prompt_completion:
             return "Raise max_length, or max_prompt_length / max_completion_length, to keep them."
         if self.overflow != "split":
-            return "Use Pack(overflow='split') to keep them (a long document becomes max_length pieces)."
+            return "Use batching=Pack(overflow='split') to keep them (a long document becomes max_length pieces)."
         return "Raise max_prompt_length / max_completion_length to keep them."
 
     @staticmethod
@@ -351,11 +356,14 @@ def _as_batch_list(batches) -> BatchList:
 _RUNTIME: dict[type[Batching], type[PadStrategy]] = {Pad: PadStrategy, Truncate: TruncateStrategy, Pack: PackStrategy}
 
 
-def make_strategy(settings: Any, split: str = "train", kind: str = "text", plan_cache: str | None = None) -> Strategy:
+def make_strategy(
+    settings: Any, split: str = "train", default_overflow: str = "split", plan_cache: str | None = None
+) -> Strategy:
     """The strategy object of ``split``'s loader under ``settings`` (``BatchingSettings``: its options are
-    ``settings.batching_for(split)``), for data of ``kind``."""
+    ``settings.batching_for(split)``) for documents whose kind's overflow rule is ``default_overflow`` (a data
+    kind asks through ``kinds.Kind.strategy``)."""
     options = settings.batching_for(split)
-    return _RUNTIME[type(options)](settings, options, kind, plan_cache)
+    return _RUNTIME[type(options)](settings, options, default_overflow, plan_cache)
 
 
 def largest_shape(strategies: list[Strategy], largest: list[tuple[int, int]]) -> tuple[int, int]:

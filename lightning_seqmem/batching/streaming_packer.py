@@ -49,7 +49,8 @@ class StreamingPacker:
         if self.overflow == "error":
             raise ValueError(
                 f"document at row {index} has {len(ids)} tokens > max_length={m}; "
-                "use overflow='split', 'truncate' or 'drop', or raise max_length."
+                "use batching=Pack(overflow='split'), Pack(overflow='truncate') or Pack(overflow='drop'), or raise "
+                "max_length."
             )
         counts["documents_over_max_length"] += 1
         if self.overflow == "drop":

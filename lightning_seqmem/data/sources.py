@@ -124,7 +124,7 @@ def load_text_dataset(dataset: Any = "builtin"):
     elif isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         raise TypeError(
             "A stream (datasets.IterableDataset) is not read here: SeqMemDataModule packs it on the fly "
-            "(strategy='pack'). For the split pipeline and seqmem-plan, pass a map-style dataset "
+            "(batching=Pack()). For the split pipeline and seqmem-plan, pass a map-style dataset "
             "(load_dataset(..., streaming=False))."
         )
     elif dataset is None:

@@ -192,9 +192,9 @@ def check_streaming(strategies: dict[str, Strategy]) -> None:
     """Refuse a stream for strategies that need the whole dataset (every split must pack)."""
     if not all(strategy.packs for strategy in strategies.values()):
         raise ValueError(
-            f"A streaming dataset is packed on the fly: use strategy='pack' (strategy={strategies['train'].name!r}, "
-            f"eval_strategy={strategies['validation'].name!r}; the others need the whole dataset), or load it "
-            "without streaming=True."
+            f"A streaming dataset is packed on the fly: use batching=Pack() for both loaders (batching="
+            f"{strategies['train'].options!r}, eval_batching={strategies['validation'].options!r}; the others need the "
+            "whole dataset), or load it without streaming=True."
         )
 
 
@@ -272,7 +272,7 @@ def streaming_loader(
     fix = (
         "raise max_length"
         if strategy.overflow == "split"
-        else f"raise max_length or use overflow='split' (overflow={strategy.overflow!r})"
+        else f"raise max_length or use batching=Pack(overflow='split') (overflow={strategy.overflow!r})"
     )
     lost = (
         f"{split} stream: documents longer than max_length={max_length} lose tokens as they are read "

@@ -87,7 +87,7 @@ def lost_tokens(split: str, stats: dict, strategy: Strategy, max_length: int, fi
         return []
     return [
         f"{split}: {stats['documents_over_max_length']} documents are longer than max_length={max_length}; "
-        f"with strategy={strategy.name!r}, {truncated + dropped:,} of {stats['tokens']:,} tokens "
+        f"with batching={strategy.options!r}, {truncated + dropped:,} of {stats['tokens']:,} tokens "
         f"({100 * (truncated + dropped) / max(stats['tokens'], 1):.2f}%) never reach the model "
         f"({truncated:,} truncated, {dropped:,} dropped). {fix}"
     ]
@@ -111,10 +111,12 @@ class Kind:
         sequences: sequences per item (1; 2 for a preference pair).
         streams: whether a stream of it can be served on the fly.
         stats_keys: the statistics it reports beside :data:`DOCUMENT_STATS`, map-style and streamed.
-        trains_whole: packing never splits an item (it is cut by its own rule first, or is a pair).
+        trains_whole: packing never splits an item (it is cut by its own rule first, or is a pair): the planner
+            leaves out ``Pack(method="wrapped")``.
         default_overflow: what packing does with a row over ``max_length`` unless ``Pack(overflow=...)`` says:
             ``"split"`` (text), ``"truncate"`` (prompt/completion: a piece without its prompt would train on an
             answer to nothing; conversations: already cut by whole turns).
+        planned: ``seqmem-plan`` plans it, on :meth:`plan_lengths` (prompt/completion rows: not yet).
         pretokenized: its rows carry token ids, used as they are (their values checked).
     """
 
@@ -125,6 +127,7 @@ class Kind:
     stats_keys: ClassVar[tuple[str, ...]] = ()
     trains_whole: ClassVar[bool] = False  # cut by its own rule before packing (conversations): never split
     default_overflow: ClassVar[str] = "split"  # what packing does with a row over max_length, unless told
+    planned: ClassVar[bool] = True  # seqmem-plan plans it (``plan_lengths``)
 
     def __init__(self, pretokenized: bool = False) -> None:
         self.pretokenized = pretokenized
@@ -163,18 +166,33 @@ class Kind:
 
     # ---------------------------------------------------------------------------------------------- batching
     def check(self, batching: Any) -> None:
-        """Refuse batching settings that do not suit this kind (``BatchingSettings.check_kind``)."""
-        batching.check_kind(self.name)
+        """Refuse batching settings (``BatchingSettings``) that do not suit this kind, known only once the data
+        are read. Text and preference pairs take any (pairs are always packed whole, best fit)."""
 
     def strategy(self, batching: Any, split: str, plan_cache: str | None = None) -> Strategy:
-        """The strategy object of ``split``'s loader for this kind (it decides the overflow rule)."""
+        """The strategy object of ``split``'s loader for this kind (its :attr:`default_overflow` for ``Pack``)."""
         from lightning_seqmem.batching.strategies import make_strategy
 
-        return make_strategy(batching, split, self.name, plan_cache)
+        return make_strategy(batching, split, self.default_overflow, plan_cache)
 
     def signature(self, settings: Any) -> dict[str, Any]:
         """The settings that decide the train rows (a resumed loader position refers to them)."""
-        return settings.batching.signature(self.name)
+        return settings.batching.signature(self.default_overflow)
+
+    # -------------------------------------------------------------------------------------------- planning
+    def plan_lengths(self, docs: Documents, settings: Any) -> Any:
+        """What ``seqmem-plan`` plans a split on (:attr:`planned` kinds only): ``[documents]`` token counts;
+        conversations and pairs say otherwise."""
+        return docs.lengths
+
+    def sequence_lengths(self, lengths: Any) -> np.ndarray:
+        """``[sequences]`` whole token counts of what :meth:`plan_lengths` gave, before any cut (the distribution
+        the planner draws against ``max_length``)."""
+        return np.asarray(lengths)
+
+    def leaves_room(self, batching: Any, max_length: int) -> bool:
+        """Whether rows of ``max_length`` leave room for what this kind trains on (the planner's candidates)."""
+        return True
 
     # ----------------------------------------------------------------------------------------------- encoding
     def encoder(self, tokenizer: Any, text_column: str = "text", conversation: Any = None, vocab_size=None):

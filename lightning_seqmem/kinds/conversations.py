@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from lightning_seqmem.batching.conversation_rows import conversation_rows
+from lightning_seqmem.batching.conversation_rows import ConversationLengths, conversation_rows
+from lightning_seqmem.batching.settings import SPLITS
 from lightning_seqmem.batching.strategies import Strategy
 from lightning_seqmem.data.conversations import MESSAGES_COLUMN, ConversationSettings
 from lightning_seqmem.data.sources import select_rows
@@ -59,8 +60,21 @@ class Conversations(Kind):
             )
         return SplitRows(chat.source, chat.labels, dataset, dict(chat.stats), warnings)
 
+    def check(self, batching: Any) -> None:
+        """Packed whole only: ``Pack(method='wrapped')`` is refused."""
+        if any(b.packs and b.method == "wrapped" for b in map(batching.batching_for, SPLITS)):
+            raise ValueError(
+                "Pack(method='wrapped') cuts rows at max_length wherever a conversation ends, and a piece of a "
+                "conversation without its start would be trained on without its context. Use Pack(method='bfd') "
+                "(conversations packed whole)."
+            )
+
     def signature(self, settings: Any) -> dict[str, Any]:
-        return dict(settings.batching.signature(self.name), **vars(settings.conversation))  # which tokens train
+        return dict(super().signature(settings), **vars(settings.conversation))  # which tokens train
+
+    def plan_lengths(self, docs: Documents, settings: Any) -> ConversationLengths:
+        """Cut per candidate ``max_length`` by the planner, as :meth:`split_rows` cuts them."""
+        return ConversationLengths(docs.dataset, settings.conversation.on_empty_labels)
 
     def tokenizer_stats(self, tokenizer: Callable[[], Any]) -> dict[str, Any]:
         from lightning_seqmem.data.chat_template import chat_template_of, mask_method

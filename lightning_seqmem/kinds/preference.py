@@ -67,6 +67,19 @@ class Preference(Kind):
     def lost_tokens_fix(self, strategy: Strategy) -> str:
         return strategy.lost_tokens_fix(True)
 
+    def plan_lengths(self, docs: Documents, settings: Any) -> np.ndarray:
+        """``[pairs, 3]`` prompt, chosen and rejected token counts (an empty prompt is a valid pair)."""
+        return np.stack([docs.parts[part].lengths for part in PREFERENCE_TEXT], axis=1)
+
+    def sequence_lengths(self, lengths: Any) -> np.ndarray:
+        """The pairs' sequences, prompt + chosen and prompt + rejected, as ``max_length`` cuts them."""
+        lengths = np.asarray(lengths)
+        return (lengths[:, :1] + lengths[:, 1:]).reshape(-1)
+
+    def leaves_room(self, batching: Any, max_length: int) -> bool:
+        """A completion needs room after a prompt of ``max_prompt_length`` (``PreferenceLimits`` refuses less)."""
+        return max_length > (batching.max_prompt_length or 0)
+
     def kept_documents(self, lengths: np.ndarray) -> np.ndarray:
         return np.arange(len(lengths))  # never skipped quietly: an empty completion is an error naming the row
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from lightning_seqmem.batch import IGNORE_INDEX
+from lightning_seqmem.batching.settings import SPLITS
 from lightning_seqmem.batching.strategies import Strategy
 from lightning_seqmem.batching.truncation import prompt_completion_example, prompt_completion_spans
 from lightning_seqmem.data.tokens import ConcatView, ConstantView
@@ -25,6 +26,22 @@ class PromptCompletion(Kind):
     parts = {"prompt": "prompt_ids", "completion": "completion_ids"}
     stats_keys = ("rows_without_completion",)
     default_overflow = "truncate"
+    planned = False  # seqmem-plan draws its prompt and completion lengths, and plans text, chat and pairs only
+
+    def check(self, batching: Any) -> None:
+        """Rows must fit ``max_length`` after the per-part limits (``max_prompt_length + max_completion_length``),
+        and packing splits them only when asked twice (``Pack(overflow='split',
+        allow_split_prompt_completion=True)``): every piece after the first would train on completion tokens
+        without their prompt."""
+        _ = batching.limits  # the per-part limits must fit max_length
+        packs = [b for b in map(batching.batching_for, SPLITS) if b.packs]
+        if any(b.overflow == "split" and not b.allow_split_prompt_completion for b in packs):
+            raise ValueError(
+                "Pack(overflow='split') would cut long prompt/completion rows into pieces, and every piece after the "
+                "first would train on completion tokens without their prompt. Leave Pack(overflow=None) (truncate: "
+                "keep the prompt's end and the completion's start), or pass batching=Pack(overflow='split', "
+                "allow_split_prompt_completion=True) to split anyway."
+            )
 
     def source_columns(self, text_column: str = "text") -> list[str]:
         return list(self.id_columns) if self.pretokenized else ["prompt", "completion"]
