@@ -14,10 +14,12 @@ from lightning_seqmem.batching.settings import BatchingSettings
 from lightning_seqmem.kinds import Conversations, Preference, PromptCompletion, Text
 
 PACKAGE = pathlib.Path(lightning_seqmem.__file__).parent
-NAMES = r"(text|tokens|prompt_completion|prompt_completion_tokens|conversations|preference)"
+NAMES = r"(prompt_completion|conversations|preference)(_tokens)?"  # "text" also names a chat content part's type
 COMPARED = re.compile(
-    rf"(==|!=|\bin\b)\s*\(?\s*[\"']{NAMES}[\"']"  # kind == "text", kind in ("conversations", ...)
-    rf"|[\"']{NAMES}[\"']\s*(==|!=)"  # "text" == kind
+    rf"(==|!=|\bin\b)\s*\(?\s*[\"']{NAMES}[\"']"  # kind == "preference", kind in ("conversations", ...)
+    rf"|[\"']{NAMES}[\"']\s*(==|!=)"  # "preference" == kind
+    r"|\w*kind\w*(\(\))?(\[\d\])?\.(name|column_kind)\s*(==|!=|in\b|not in\b)"  # kind.name == "text"
+    r"|tokenized_documents\(\)\[1\]\.name"  # the kind's name taken to compare
     r"|\b(PREFERENCE|PLANNED_KINDS|PRETOKENIZED_KINDS)\b"  # the old name constants
 )
 
