@@ -120,6 +120,11 @@ def plan_from_config(cfg, output_dir: str | None = None):
         reference_copy=_reference_copy(cfg),
         cross_entropy=cfg.model.get("cross_entropy", "auto"),
     )
+    if model_config is not None and p.get("gpu_memory") is not None:  # the cheapest configuration that fits
+        from lightning_seqmem.apps.plan_search import search_run
+
+        reference = _reference_copy(cfg)
+        result.fit = search_run(result, dm, model_config, cfg, precision, device, attention, devices, reference)
     if output_dir is not None:
         _write(result, output_dir)
         try:

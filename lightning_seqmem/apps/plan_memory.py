@@ -135,7 +135,8 @@ def _no_fit_advice(estimate, memory: MemoryPlan, shorter_lengths: Sequence[int])
         if estimate(1, length, False).peak <= memory.usable:
             ways.append(f"data.max_length={length} fits micro_batch_size=1")
             break
-    ways = ways or ["a smaller model, bf16 weights (trainer.precision=bf16-true) or a bigger device"]
+    # Nothing unchecked: bf16 weights, a smaller micro-batch, FSDP and the rest are estimated by the fit search
+    ways = ways or ["nothing of these; the fit search below ('Fits:') tries the other levers, each estimated"]
     return (
         f"No micro_batch_size fits {format_bytes(memory.budget)} ({format_bytes(memory.usable)} usable after a "
         f"{memory.margin:.0%} allocator margin) at length {memory.length}: one row needs {format_bytes(one.peak)}. "

@@ -49,6 +49,7 @@ class RunPlan:
     recommendation: str
     recommended: dict[str, Any]
     train_lengths: np.ndarray = field(default=None, repr=False)  # [documents], for the histogram
+    fit: Any = None  # the fit search's ``plan_search.FitPlan`` (with a budget and a model)
 
 
 def recommend_data(plans: Sequence[StrategyPlan], max_length: int | None = None) -> tuple[StrategyPlan, str]:
@@ -70,7 +71,8 @@ def recommend_data(plans: Sequence[StrategyPlan], max_length: int | None = None)
 def recommend(
     plans: Sequence[StrategyPlan], memory: MemoryPlan | None, micro_batch_size: int, max_length: int | None = None
 ) -> tuple[dict, str]:
-    """``({strategy, max_length, micro_batch_size, gradient_checkpointing}, one-line reason)``."""
+    """``({strategy, max_length, micro_batch_size, gradient_checkpointing}, one-line reason)``; with
+    ``cross_entropy='chunked'`` too when the chunked loss is what makes a (larger) micro_batch_size fit."""
     best, reason = recommend_data(plans, max_length)
     choice = {
         "strategy": best.strategy,
@@ -79,7 +81,10 @@ def recommend(
         "gradient_checkpointing": False,
     }
     if memory is not None and memory.usable is not None:
-        if memory.fits[False] is not None:
+        if memory.chunked_fits is not None:  # larger than what fits with the full loss layer, if any
+            choice.update(micro_batch_size=memory.chunked_fits, cross_entropy="chunked")
+            reason += f"; cross_entropy='chunked' makes micro_batch_size={memory.chunked_fits} fit"
+        elif memory.fits[False] is not None:
             choice["micro_batch_size"] = memory.fits[False]
             reason += f"; micro_batch_size={memory.fits[False]} is the largest that fits"
         elif memory.fits[True] is not None:
@@ -117,6 +122,7 @@ def format_plan(plan: RunPlan) -> str:
             f"{s.max_batch_shape[0]} x {s.max_batch_shape[1]}{mark}"
         )
     lines += ["", *memory_table(plan.memory)] if plan.memory is not None else []
+    lines += ["", format_fit(plan.fit)] if plan.fit is not None else []
     lines += [
         "",
         "Recommended: " + " ".join(f"{k}={v}" for k, v in plan.recommended.items()),
@@ -129,3 +135,29 @@ def same_candidate(a: StrategyPlan, b: StrategyPlan) -> bool:
     """Whether two plans are of the same batching options at the same max_length (the options compared as
     objects: ``Pack(method='bfd') == Pack()``)."""
     return (a.batching, a.max_length) == (b.batching, b.max_length)
+
+
+LEVER_NAMES = {"FSDP": "FSDP over {devices} GPUs"}
+
+
+def format_fit(fit) -> str:
+    """The fit search's answer in one line (``plan_search.FitPlan``): model size, row length, budget, the levers
+    that make it fit, the micro_batch_size, the re-estimated peak of exactly that configuration and its overrides;
+    or why nothing fits."""
+    from lightning_seqmem.memory.layer_scaling import parameter_counts
+    from lightning_seqmem.memory.stats import format_bytes
+
+    run = fit.settings
+    parameters = parameter_counts(run.model_config)[0]
+    size = f"{parameters / 1e9:.1f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
+    head = f"Fits: {size}, {run.length:,} tokens, {format_bytes(fit.budget)}"
+    took = f" (searched in {fit.seconds:.1f} s)"
+    if not fit.fits:
+        return f"{head}: {fit.message}{took}"
+    names = [LEVER_NAMES.get(lever, lever).format(devices=run.devices) for lever in fit.levers]
+    est = fit.estimate
+    return (
+        f"{head}: {' + '.join(names) or 'as configured'}, micro_batch_size={fit.micro_batch_size}, peak "
+        f"{format_bytes(est.peak)} of {format_bytes(fit.usable)} usable, as overrides: "
+        f"{' '.join(fit.overrides) or '(none)'}{took}"
+    )

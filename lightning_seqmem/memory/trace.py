@@ -44,6 +44,7 @@ without a fake implementation, or one whose output depends on tensor values, rai
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -53,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_seqmem.memory.precision import autocast_dtype, parameter_dtype
 from lightning_seqmem.training.adapters import is_peft_model
-from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
+from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE, distinct_chunks_only
 from lightning_seqmem.training.loss_layer import causal_lm_loss
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
@@ -216,14 +217,16 @@ def trace_training_steps(
     granule: int = 1,
     cross_entropy: str = "full",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    tracker: LiveBytes | None = None,
 ) -> LiveBytes:
     """Run :func:`lightning_steps` under a :class:`LiveBytes` and return it (real or fake tensors).
 
     The parameters, buffers and batch, created before, are counted from the start; ``granule`` rounds each storage
     (``CUDA_GRANULE`` for a CUDA estimate); the loss layer is watched (:func:`watch_loss_layer`) and a chunked one
-    keeps every position (:class:`AllSelected`).
+    keeps every position (:class:`AllSelected`), running its first and last chunk only (``distinct_chunks_only``:
+    the same peak). ``tracker``: a fresh one of a subclass (``layer_scaling``'s).
     """
-    tracker = LiveBytes(granule)
+    tracker = LiveBytes(granule) if tracker is None else tracker
     for p in model.parameters():
         tracker.add(p, "parameters")
     for buffer in model.buffers():
@@ -232,7 +235,7 @@ def trace_training_steps(
         tracker.add(value)
     handle = watch_loss_layer(model, tracker)
     try:
-        with tracker, AllSelected(tracker):
+        with tracker, AllSelected(tracker), distinct_chunks_only():
             lightning_steps(model, optimizer, batch, precision, steps, tracker, cross_entropy, chunk_size)
     finally:
         handle.remove()
@@ -336,8 +339,9 @@ def build_model(
 
     implementation = traced_attention(attn_implementation)
     dtype = parameter_dtype(precision)  # built in its dtype: fake parameters cannot be cast in place
-    extra = {} if dtype == torch.float32 else {"dtype": dtype}
-    model = AutoModelForCausalLM.from_config(model_config, attn_implementation=implementation, **extra)
+    # from_config writes the dtype into the config it is given: a copy, so the next estimate is built as asked
+    config = copy.deepcopy(model_config)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
     model.train()
     if gradient_checkpointing:
         enable_checkpointing(model)
