@@ -70,7 +70,7 @@ def test_shorthands_are_the_defaults_and_objects_compare_by_value():
     assert STRATEGIES == ("pad", "truncate", "pack")
     assert [as_batching(name) for name in STRATEGIES] == [Pad(), Truncate(), Pack()]
     assert SeqMemDataModule(strategy="truncate", eval_strategy="pack").settings.batching.eval_batching == Pack()
-    assert SeqMemDataModule().settings.batching.batching == Pad()  # neither given: pad
+    assert SeqMemDataModule().settings.batching.batching == Pack()  # neither given: pack, as the main job
     assert Pack(method="bfd") == Pack() and len({Pack(), Pack(method="bfd"), Pad()}) == 2
     assert repr(Pack(overflow="drop")) == "Pack(method='bfd', overflow='drop')" and repr(Truncate()) == "Truncate()"
     assert (Pad.packs, Truncate.full_length_rows, Pack.packs) == (False, True, True)

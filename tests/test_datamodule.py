@@ -14,7 +14,7 @@ def _lengths(dm, split="train"):
 
 
 def test_padded_batches_have_the_promised_shapes_and_masks(small_text_dataset):
-    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=50, micro_batch_size=4)
+    dm = SeqMemDataModule(dataset=small_text_dataset, strategy="pad", max_length=50, micro_batch_size=4)
     dm.setup("fit")
     pad = dm.pad_token_id
     for batch in dm.train_dataloader():
@@ -31,7 +31,7 @@ def test_padded_batches_have_the_promised_shapes_and_masks(small_text_dataset):
 
 
 def test_truncation_count_is_exact(small_text_dataset, tokenizer):
-    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=40, micro_batch_size=4)
+    dm = SeqMemDataModule(dataset=small_text_dataset, strategy="pad", max_length=40, micro_batch_size=4)
     with pytest.warns(
         UserWarning, match=r"longer than max_length=40; with batching=Pad\(\).*batching=Pack\(overflow='split'\)"
     ):
@@ -70,7 +70,7 @@ def test_local_files(tmp_path):
 
 
 def test_builtin_default_and_max_batch_shape():
-    dm = SeqMemDataModule(max_length=128, micro_batch_size=4, eval_batch_size=6)
+    dm = SeqMemDataModule(strategy="pad", max_length=128, micro_batch_size=4, eval_batch_size=6)
     assert dm.max_batch_shape() == (6, 128)  # the corpus has documents longer than 128
     assert dm.batch_keys() == ("input_ids", "attention_mask", "labels")
 

@@ -154,7 +154,9 @@ def test_bad_data(small_text_dataset):
     with pytest.raises(ValueError, match=r"document at row \d+ has \d+ tokens > max_length=40"):
         SeqMemDataModule(dataset=small_text_dataset, max_length=40, batching=Pack(overflow="error")).setup("fit")
     with pytest.raises(ValueError, match="max_tokens_per_batch=16 is smaller than one row.*>= 40"):
-        SeqMemDataModule(dataset=small_text_dataset, max_length=40, max_tokens_per_batch=16).setup("fit")
+        SeqMemDataModule(dataset=small_text_dataset, strategy="pad", max_length=40, max_tokens_per_batch=16).setup(
+            "fit"
+        )
     texts = ["", "some text here", "", "more text"]
     dm = SeqMemDataModule(dataset=datasets.Dataset.from_dict({"text": texts}), strategy="pack", max_length=16)
     dm.setup("fit")

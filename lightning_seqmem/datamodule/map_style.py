@@ -39,14 +39,15 @@ class MapStyle:
         info: Callable[[str], None],
     ) -> None:
         self.kind, self.settings = kind, settings
-        self.strategies = split_strategies(kind, settings)
+        documents = split_documents(tokenized, kind, settings.batching.seed, test=True)
+        self.strategies = split_strategies(kind, settings, documents)
         self.datasets: dict[str, Any] = {}
         self.rows: dict[str, Any] = {}
         self.labels: dict[str, Any] = {}  # per split: the token source of labels, where rows carry their own
         self.lengths: dict[str, np.ndarray] = {}  # per row fed to the model, after truncation
         self._stats: dict[str, dict[str, Any]] = {}
         self.skip_resume_state = False  # set by load_state_dict when the checkpoint's data differ (restart_epoch)
-        for split, docs in split_documents(tokenized, kind, settings.batching.seed).items():
+        for split, docs in documents.items():
             prepared = prepare_split(split, docs, self.strategies[split], settings)
             prepared.stats.update(kind.tokenizer_stats(tokenizer))
             for message in prepared.warnings:

@@ -10,6 +10,7 @@ This class only wires them to Lightning's ``prepare_data``/``setup``/``*_dataloa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -28,6 +29,8 @@ from lightning_seqmem.datamodule.settings import SeqMemSettings
 from lightning_seqmem.datamodule.stream_mode import StreamMode
 from lightning_seqmem.datamodule.streaming import is_stream
 from lightning_seqmem.kinds.detect import detect_stream
+
+_SPECIAL_IDS = ("pad_token_id", "eos_token_id")
 
 
 class SeqMemDataModule(LightningDataModule):
@@ -61,7 +64,8 @@ class SeqMemDataModule(LightningDataModule):
             ``max_length``; ``Pack(method="bfd" | "wrapped", overflow=None | "split" | "truncate" | "drop" |
             "error", allow_split_prompt_completion=False, cu_seqlens=False)`` packs documents into ``max_length``
             rows, no padding between them (``overflow=None``: ``"split"`` for text, ``"truncate"`` for
-            prompt/completion rows and conversations). ``None`` (default): ``strategy``, else ``Pad()``.
+            prompt/completion rows and conversations). ``None`` (default): ``strategy``, else ``Pack()``, as the
+            main job (``seqmem-train``'s ``batching=pack_bfd``): no token lost, long text documents split.
         eval_batching: the validation loader's; ``None`` (default): the training loader's. E.g.
             ``batching=Pack(), eval_batching=Pad()`` trains packed and validates one document per row.
         strategy: shorthand for ``batching`` with its defaults: ``"pad"``, ``"truncate"`` or ``"pack"``
@@ -150,10 +154,15 @@ class SeqMemDataModule(LightningDataModule):
         arguments = {k: v for k, v in locals().items() if k not in ("self", "dataset", "tokenizer", "__class__")}
         self.settings = SeqMemSettings.from_arguments(**arguments)  # every argument checked here, once
         b = self.settings.batching  # each loader's strategy options saved as plain values (loggers, checkpoints)
+        # The special ids only as given: the tokenizer's are not known yet, and a logged None would collide with a
+        # user's LightningModule that saves its own pad_token_id (Lightning refuses a key logged with two values).
+        data = {k: v for k, v in vars(self.settings.data).items() if v is not None or k not in _SPECIAL_IDS}
+        if data["cache_dir"] is not None:  # a Path in a checkpoint fails torch.load(weights_only=True): the Tuner's
+            data["cache_dir"] = os.fspath(data["cache_dir"])
         self.save_hyperparameters(
             dict(
                 vars(b),
-                **vars(self.settings.data),
+                **data,
                 **vars(self.settings.conversation),
                 batching=b.batching.as_dict(),
                 eval_batching=b.batching_for("validation").as_dict(),
@@ -169,6 +178,7 @@ class SeqMemDataModule(LightningDataModule):
         # every question about a split's batches to its strategy object (``read_mode.strategies``).
         self.read_mode: ReadMode | None = None
         self.datasets: dict[str, Any] | None = None
+        self._superseded: list[dict[str, Any]] = []  # data signatures before micro_batch_size was set (the finder)
 
     # ----------------------------------------------------------------------------------------- read by others
     @property
@@ -178,8 +188,21 @@ class SeqMemDataModule(LightningDataModule):
 
     @property
     def micro_batch_size(self) -> int:
-        """Rows per training batch (``settings.batching.micro_batch_size``)."""
+        """Rows per training batch (``settings.batching.micro_batch_size``). Settable, for Lightning's batch-size
+        finder: ``Tuner(trainer).scale_batch_size(model, datamodule=dm, batch_arg_name="micro_batch_size")``."""
         return self.settings.batching.micro_batch_size
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value: int) -> None:
+        """The settings rebuilt with ``value`` (checked as in ``__init__``) and the read mode set up again from the
+        tokenized data, so the next loader, ``stats()`` and the batch shapes use it (an unset ``eval_batch_size``
+        follows it)."""
+        batching = dataclasses.replace(self.settings.batching, micro_batch_size=value)
+        if self.read_mode is not None:
+            self._superseded.append(self.read_mode.data_signature())
+        self.settings = dataclasses.replace(self.settings, batching=batching)
+        self.hparams["micro_batch_size"] = batching.micro_batch_size
+        self.read_mode, self.datasets = None, None
 
     @property
     def eval_batch_size(self) -> int:
@@ -289,6 +312,25 @@ class SeqMemDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._ready().loader("validation", self.tokenizer, self.pad_token_id)
 
+    @override
+    def test_dataloader(self) -> DataLoader:
+        """The ``test`` split (of a ``DatasetDict`` or a stream), batched as validation (``eval_batching``,
+        ``eval_batch_size``, in order) and counted in ``stats()["test"]``; data without one: a ``ValueError``."""
+        read_mode = self._ready()
+        if "test" not in read_mode.datasets:
+            raise ValueError(
+                f"trainer.test needs a 'test' split; the data have {sorted(read_mode.datasets)}. Pass a DatasetDict "
+                "that has one (DatasetDict(train=..., validation=..., test=...)), or a saved dataset or hub name "
+                "with a 'test' split; trainer.predict serves the validation split without one."
+            )
+        return read_mode.loader("test", self.tokenizer, self.pad_token_id)
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """The ``test`` split when the data have one, else the validation split (batched as validation)."""
+        split = "test" if "test" in self._ready().datasets else "validation"
+        return self.read_mode.loader(split, self.tokenizer, self.pad_token_id)
+
     # ---------------------------------------------------------------------------------------------- reporting
     def batch_keys(self) -> tuple[str, ...]:
         """The keys of the batches the train loader yields (``eval_strategy`` may differ: see its loader)."""
@@ -343,5 +385,10 @@ class SeqMemDataModule(LightningDataModule):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Compare the checkpoint's data signature with this run's before the loader position is restored
-        (Lightning restores the DataModule first): a changed dataset or batching makes that position meaningless."""
+        (Lightning restores the DataModule first): a changed dataset or batching makes that position meaningless.
+        A checkpoint saved here before ``micro_batch_size`` was set (the batch-size finder restores the model it
+        saved before its trials) restarts the epoch without a word: it holds no position of the rows now served."""
+        if state_dict.get("data_signature") in self._superseded:
+            self._ready().skip_resume_state = True  # map-style only: a stream's checkpoint has no signature
+            return
         self._ready().load_state_dict(state_dict, rank_zero_warn)

@@ -19,6 +19,7 @@ from lightning_seqmem.kinds.base import Documents, Kind, PreparedSplit
 from lightning_seqmem.kinds.detect import detect_dataset
 
 SPLITS = ("train", "validation")
+TEST = "test"  # served to trainer.test / trainer.predict when the data have it (``SeqMemDataModule.test_dataloader``)
 
 
 def load_documents(
@@ -61,11 +62,15 @@ def load_documents(
     return kind.carry_columns(raw, tokenized), kind
 
 
-def split_documents(tokenized: Any, kind: Kind, seed: int) -> dict[str, Documents]:
+def split_documents(tokenized: Any, kind: Kind, seed: int, test: bool = False) -> dict[str, Documents]:
     """Train and validation :class:`~lightning_seqmem.kinds.base.Documents` of a tokenized ``DatasetDict``
-    (validation carved out with ``seed`` when the data have none)."""
-    tokenized = ensure_validation_split(tokenized, seed=seed)
-    return {split: kind.documents(tokenized[split]) for split in SPLITS}
+    (validation carved out with ``seed`` when the data have none; a ``test`` split without a ``validation`` one
+    validates), and with ``test`` its ``test`` split too where it has one."""
+    splits = ensure_validation_split(tokenized, seed=seed)
+    docs = {split: kind.documents(splits[split]) for split in SPLITS}
+    if test and TEST in tokenized:
+        docs[TEST] = kind.documents(tokenized[TEST])
+    return docs
 
 
 def prepare_split(split: str, docs: Documents, strategy: Strategy, settings: Any) -> PreparedSplit:

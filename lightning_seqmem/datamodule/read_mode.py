@@ -4,7 +4,7 @@ of a stream (``stream_mode.StreamMode``: packed on the fly). No Lightning import
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from torch.utils.data import DataLoader
@@ -50,8 +50,8 @@ class ReadMode(Protocol):
         """Check a checkpoint's data state before the loader position is restored."""
 
 
-def split_strategies(kind: Kind, settings: Any) -> dict[str, Strategy]:
-    """The strategy objects of both splits, built once the data kind is known (it decides the overflow rule;
-    ``settings``: the DataModule's ``SeqMemSettings``)."""
+def split_strategies(kind: Kind, settings: Any, splits: Iterable[str] = SPLITS) -> dict[str, Strategy]:
+    """The strategy objects of ``splits`` (a ``test`` split is batched as validation), built once the data kind
+    is known (it decides the overflow rule; ``settings``: the DataModule's ``SeqMemSettings``)."""
     kind.check(settings.batching)
-    return {split: kind.strategy(settings.batching, split, settings.data.plan_cache) for split in SPLITS}
+    return {split: kind.strategy(settings.batching, split, settings.data.plan_cache) for split in splits}

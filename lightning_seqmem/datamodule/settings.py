@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lightning_seqmem.batching.fields import check_flags, check_integers, integer
-from lightning_seqmem.batching.options import Batching, as_batching
+from lightning_seqmem.batching.options import Batching, Pack, as_batching
 from lightning_seqmem.batching.settings import BatchingSettings
 from lightning_seqmem.data.conversations import ConversationSettings
 from lightning_seqmem.data.token_cache import default_cache_dir
@@ -78,11 +78,13 @@ class SeqMemSettings:
         """The settings of ``SeqMemDataModule(**arguments)`` (its arguments other than ``dataset`` and
         ``tokenizer``); each goes to the class that declares it (batching first, as the arguments are listed).
         The shorthands ``strategy``/``eval_strategy`` (``"pad"``, ``"truncate"``, ``"pack"``) become
-        ``batching``/``eval_batching`` objects with their defaults."""
+        ``batching``/``eval_batching`` objects with their defaults; with neither ``batching`` nor ``strategy``,
+        ``Pack()``, as the main job (``seqmem-train``'s ``batching=pack_bfd``): no token is lost, long text documents
+        are split."""
         for option, shorthand in (("batching", "strategy"), ("eval_batching", "eval_strategy")):
             arguments[option] = _batching(arguments.get(option), arguments.pop(shorthand, None), option, shorthand)
-        if arguments["batching"] is None:
-            arguments.pop("batching")
+        if arguments["batching"] is None:  # neither given: the main job's (conf batching=pack_bfd), nothing lost
+            arguments["batching"] = Pack()
         parts, concerns = (
             {},
             (("batching", BatchingSettings), ("data", DataSettings), ("conversation", ConversationSettings)),

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from lightning_seqmem.datamodule.pipeline import SPLITS, TEST
 from lightning_seqmem.datamodule.read_mode import split_strategies
 from lightning_seqmem.datamodule.resume import data_signature
 from lightning_seqmem.datamodule.streaming import Streams, check_streaming
@@ -26,7 +27,8 @@ class StreamMode:
 
     def __init__(self, dataset: Any, kind: Kind, settings: Any, warn: Callable[[str], None]) -> None:
         self.kind, self.settings, self.warn = kind, settings, warn
-        self.strategies = split_strategies(kind, settings)
+        # a test split (when the stream has one) is batched as validation: checked with it before anything is read
+        self.strategies = split_strategies(kind, settings, (*SPLITS, TEST))
         check_streaming(self.strategies)
         self.streams = Streams(dataset, kind, settings.data)
         self.datasets = self.streams.splits

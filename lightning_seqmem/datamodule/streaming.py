@@ -200,7 +200,8 @@ def check_streaming(strategies: dict[str, Strategy]) -> None:
 
 def streaming_splits(dataset: Any, validation_documents: int) -> dict[str, Any]:
     """``{"train", "validation"}``: the dataset's own validation split, else the stream's first
-    ``validation_documents`` documents, read here and held as a list, with training left the rest.
+    ``validation_documents`` documents, read here and held as a list, with training left the rest; and the
+    dataset's ``test`` split where it has one.
 
     Training leaves them out by content (:class:`NotIn`), not with ``skip``: under loader workers and DDP ranks
     ``datasets`` splits a ``skip``/``take`` count across the shards each reader gets, so the documents skipped
@@ -218,7 +219,8 @@ def streaming_splits(dataset: Any, validation_documents: int) -> dict[str, Any]:
         val = head[:validation_documents]
         if val:
             train = train.filter(NotIn(val))
-    return {"train": train, "validation": val}
+    test = dataset.get("test") if isinstance(dataset, dict) else None
+    return {"train": train, "validation": val, **({"test": test} if test is not None else {})}
 
 
 class NotIn:
