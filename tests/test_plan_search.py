@@ -167,3 +167,31 @@ def test_a_lora_adapter_when_nothing_cheaper_fits_and_never_when_the_run_has_one
     assert fit.estimate.peak == adapted.peak
     own = _fit(replace(run, lora=LoraSettings()), int(adapted.peak / 0.9) + 1)
     assert own.levers == () and not any("lora" in o for o in own.overrides)
+
+
+def test_seqmem_plan_prints_the_fit_and_recommends_it_when_the_table_has_none():
+    from hydra import compose, initialize_config_module
+
+    from lightning_seqmem.apps.plan_app import plan_from_config
+    from lightning_seqmem.apps.plan_report import format_plan
+
+    overrides = ["model=tiny_llama", "data.max_length=128", "plan.max_lengths=[128]", "plan.micro_batch_sizes=[1,2]"]
+    with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
+        cfg = compose(
+            "plan", overrides=[*overrides, "plan.device=cpu", "plan.precision=32-true", "plan.gpu_memory=8GiB"]
+        )
+        roomy, _ = plan_from_config(cfg)
+    assert roomy.fit.fits and roomy.fit.levers == () and "Fits: " in format_plan(roomy)
+    # A budget the configured run misses at micro_batch_size=1 but checkpointing or bf16 weights make.
+    one = roomy.memory.estimates[False][1]
+    tight = int((one.peak - one.state["optimizer_state"] // 2) / 0.9)
+    with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
+        cfg = compose("plan", overrides=[*overrides, "plan.device=cpu", "plan.precision=32-true"])
+        cfg.plan.gpu_memory = tight
+        result, _ = plan_from_config(cfg)
+    text = format_plan(result)
+    assert result.fit.fits and result.fit.estimate.peak <= result.fit.usable
+    assert result.memory.fits[False] is None and result.recommended["micro_batch_size"] == result.fit.micro_batch_size
+    recommended = text[text.index("Recommended:") :].splitlines()[0]
+    named = ("precision=bf16-true", "gradient_checkpointing=True", "cross_entropy=chunked")
+    assert any(choice in recommended for choice in named), recommended

@@ -121,10 +121,11 @@ def plan_from_config(cfg, output_dir: str | None = None):
         cross_entropy=cfg.model.get("cross_entropy", "auto"),
     )
     if model_config is not None and p.get("gpu_memory") is not None:  # the cheapest configuration that fits
+        from lightning_seqmem.apps.plan_report import attach_fit
         from lightning_seqmem.apps.plan_search import search_run
 
         reference = _reference_copy(cfg)
-        result.fit = search_run(result, dm, model_config, cfg, precision, device, attention, devices, reference)
+        attach_fit(result, search_run(result, dm, model_config, cfg, precision, device, attention, devices, reference))
     if output_dir is not None:
         _write(result, output_dir)
         try:

@@ -138,6 +138,29 @@ def same_candidate(a: StrategyPlan, b: StrategyPlan) -> bool:
 
 
 LEVER_NAMES = {"FSDP": "FSDP over {devices} GPUs"}
+FIT_CHOICES = {  # lever -> what the Recommended line says for it
+    "chunked loss": ("cross_entropy", "chunked"),
+    "checkpointing": ("gradient_checkpointing", True),
+    "bf16-true": ("precision", "bf16-true"),
+    "FSDP": ("strategy_fsdp", True),
+    "LoRA r=16": ("lora", "default"),
+}
+
+
+def attach_fit(plan: RunPlan, fit) -> None:
+    """Put the fit search's answer on ``plan``; when the memory table found no micro_batch_size for the configured
+    max_length, the Recommended line takes the search's levers and micro_batch_size (``cross_entropy='chunked'``,
+    ``precision='bf16-true'`` ... by name)."""
+    plan.fit = fit
+    configured = plan.configured.max_length if plan.configured is not None else None
+    if not fit.fits or plan.recommended.get("micro_batch_size") is not None:
+        return
+    if plan.recommended.get("max_length") != configured:
+        return
+    plan.recommended["micro_batch_size"] = fit.micro_batch_size
+    plan.recommended.update(FIT_CHOICES[lever] for lever in fit.levers)
+    plan.recommendation = plan.recommendation.replace("; but nothing fits the memory budget (see above)", "")
+    plan.recommendation += f"; the fit search's configuration (Fits: above) at micro_batch_size={fit.micro_batch_size}"
 
 
 def format_fit(fit) -> str:
