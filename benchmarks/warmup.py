@@ -67,7 +67,9 @@ class Progress(Callback):
 def run(duration: float, truncate: bool, args: argparse.Namespace) -> list[dict[str, float]]:
     seed_everything(args.seed, workers=True)
     torch.set_num_threads(args.threads)
-    dm = SeqMemDataModule(max_length=args.max_length, micro_batch_size=args.micro_batch_size, seed=args.seed)
+    dm = SeqMemDataModule(
+        strategy="pad", max_length=args.max_length, micro_batch_size=args.micro_batch_size, seed=args.seed
+    )
     progress = Progress()
     callbacks: list[Callback] = [progress]
     if duration > 0:
