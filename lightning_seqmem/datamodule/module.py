@@ -52,7 +52,7 @@ class SeqMemDataModule(LightningDataModule):
             Pairs are batched in TRL's padded layout (``pad``/``truncate``: ``[2B, L]``, chosen rows then rejected
             rows, with ``completion_mask``) or packed whole (``pack``: ``B`` rows of ``2 * max_length``, with
             ``sequence_index``); optional ``ref_chosen_logps``/``ref_rejected_logps`` columns come along as
-            ``[pairs]`` tensors.
+            ``[pairs]`` tensors. A ``test`` split is served to ``trainer.test`` and ``trainer.predict``.
         tokenizer: ``None`` for the built-in BPE tokenizer, a name or local path for ``AutoTokenizer``, or a
             tokenizer object.
         max_length: longest row fed to the model, in tokens.
