@@ -106,6 +106,7 @@ def test_datamodule_takes_conversation_pairs_from_every_source(chat_tokenizer, t
         dm = SeqMemDataModule(
             source,
             tokenizer=chat_tokenizer,
+            strategy="pad",  # compared with attention masks
             max_length=64,
             micro_batch_size=4,
             eval_batch_size=4,

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_seqmem.data.chat_content import plain_turns, render_turns
 from lightning_seqmem.data.chat_template import ChatRenderer, chat_template_of, template_fingerprint
 from lightning_seqmem.data.conversations import check_conversation
 
@@ -50,8 +51,8 @@ class ChatPairs:
         return (["prompt"] if self.has_prompt else []) + list(PAIR_SIDES)
 
     def cache_key(self, tokenizer: Any) -> list[str]:
-        """The template decides the tokens (a new template, a new cache entry)."""
-        return ["chat-pairs", template_fingerprint(chat_template_of(tokenizer)), str(self.has_prompt)]
+        """The template decides the tokens (a new template, a new cache entry); v2: contents made plain."""
+        return ["chat-pairs-v2", template_fingerprint(chat_template_of(tokenizer)), str(self.has_prompt)]
 
 
 def shared_turns(chosen: Sequence[Mapping], rejected: Sequence[Mapping]) -> int:
@@ -74,7 +75,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(differ[0])
 
 
-def _turns(value: Any, row: int, column: str, allow_empty: bool) -> list:
+def _turns(value: Any, row: int, column: str, allow_empty: bool, renderer: ChatRenderer) -> list:
     if allow_empty and isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 0:
         return []
     if isinstance(value, str):
@@ -82,8 +83,9 @@ def _turns(value: Any, row: int, column: str, allow_empty: bool) -> list:
             f"Row {row}, column {column!r} is text ({value!r:.60}) while the pair's other columns are conversations: "
             "give every column of a pair in one form (all lists of {'role', 'content'} turns, or all strings)."
         )
-    check_conversation(value, f"{row} (column {column!r})", train_field=None)
-    return [dict(m) for m in value]
+    where = f"{row} (column {column!r})"
+    check_conversation(value, where, train_field=None)
+    return plain_turns(value, where, renderer)
 
 
 def encode_chat_pairs(
@@ -106,22 +108,23 @@ def encode_chat_pairs(
         ``{"prompt_ids", "chosen_ids", "rejected_ids", "length"}``.
 
     Raises:
-        ValueError: a turn without ``role`` or ``content``, an unknown role, an empty chosen or rejected list, or a
-            column in text form next to conversations; the message names the row and column (and turn).
+        ValueError: a turn without ``role`` or ``content``, an unknown role, a content ``chat_content`` refuses, an
+            empty chosen or rejected list, a column in text form next to conversations, or a template that raises;
+            the message names the row and column (and turn).
     """
     texts, parted = [], []  # parted: pairs whose prompt tokens and full sequence part before the prompt ends
     for i, row in enumerate(rows):
-        chosen = _turns(batch["chosen"][i], row, "chosen", allow_empty=False)
-        rejected = _turns(batch["rejected"][i], row, "rejected", allow_empty=False)
+        chosen = _turns(batch["chosen"][i], row, "chosen", False, renderer)
+        rejected = _turns(batch["rejected"][i], row, "rejected", False, renderer)
         if settings.has_prompt:
-            prompt = _turns(batch["prompt"][i], row, "prompt", allow_empty=True)
+            prompt = _turns(batch["prompt"][i], row, "prompt", True, renderer)
         else:
             n = shared_turns(chosen, rejected)
             prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
         texts += [
-            renderer.render(prompt, add_generation_prompt=True, spans=False)[0],
-            renderer.render(prompt + chosen, spans=False)[0],
-            renderer.render(prompt + rejected, spans=False)[0],
+            render_turns(renderer, prompt, f"{row} (prompt)", add_generation_prompt=True, spans=False)[0],
+            render_turns(renderer, prompt + chosen, f"{row} (prompt + chosen)", spans=False)[0],
+            render_turns(renderer, prompt + rejected, f"{row} (prompt + rejected)", spans=False)[0],
         ]
     ids = encode(texts) if encode is not None else [t.tolist() for t, _ in renderer.tokenize_batch(texts)]
     out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "length": []}

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from lightning_seqmem.data.encode import plain_backend
+
 BUILTIN_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{- bos_token + message['role'] + '\n' -}}"
@@ -110,7 +112,7 @@ class ChatRenderer:
                 "offsets. Load the fast one (AutoTokenizer.from_pretrained(..., use_fast=True))."
             )
         self._variables = dict(tokenizer.special_tokens_map)
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = plain_backend(tokenizer)  # never pads nor cuts, whatever tokenizer.json pins
         self.preamble = self.try_render([])
         """What the template writes before any message (a BOS, a default system prompt), or ``None``."""
 
@@ -155,7 +157,9 @@ class ChatRenderer:
             return [
                 _ids_and_ends(e.ids, e.offsets) for e in self._backend.encode_batch(texts, add_special_tokens=False)
             ]
-        enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        enc = self.tokenizer(
+            texts, add_special_tokens=False, padding=False, truncation=False, return_offsets_mapping=True
+        )
         return [_ids_and_ends(ids, offsets) for ids, offsets in zip(enc["input_ids"], enc["offset_mapping"])]
 
 

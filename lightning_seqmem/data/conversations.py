@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_seqmem.data.chat_content import plain_turns, render_turns
 from lightning_seqmem.data.chat_template import (
     MARKERS,
     ChatRenderer,
@@ -32,6 +33,9 @@ ON_EMPTY_LABELS = ("drop", "keep", "error")
 MESSAGES_COLUMN = "messages"
 DEFAULT_TRAIN_FIELD = "train"
 """Per-message boolean that overrides ``train_on`` for that one turn."""
+ENCODING = "conversations-v2"
+"""Part of the cache key: v2 never pads nor cuts by the tokenizer's own settings, makes contents plain
+(``chat_content``) and keeps a system message folded into the first user turn."""
 
 
 def check_conversation(messages, row, train_field: str | None = DEFAULT_TRAIN_FIELD) -> None:
@@ -125,7 +129,8 @@ class ConversationSettings:
             ValueError: the tokenizer has no chat template (the message says how to set one).
         """
         template = chat_template_of(tokenizer)
-        return [template_fingerprint(template), mask_method(template), self.train_on, str(self.train_field)]
+        key = [template_fingerprint(template), mask_method(template), self.train_on, str(self.train_field)]
+        return [ENCODING, *key]
 
 
 @dataclass(frozen=True, eq=False)  # numpy fields: compare them with np.array_equal, not ==
@@ -138,7 +143,8 @@ class EncodedConversation:
         turn_ends: ``[turns]`` int32, the token end of each turn (the last is ``len(input_ids)``). A leading
             preamble the template writes before any message (a BOS, a default system prompt) is a turn of its own;
             turns a template cannot render apart are merged into one.
-        keep_turns: leading turns truncation never drops (the preamble and the system message).
+        keep_turns: leading turns truncation never drops (the preamble and the system message, and the turn that
+            holds the system message's text where the template folds it into the first user turn).
         num_truncated: tokens dropped by truncation.
     """
 
@@ -235,15 +241,18 @@ def encode_conversation(
         ValueError: a bad turn; a template without markers whose rendering of an earlier turn changes once later
             turns follow; a template whose generation blocks do not match the assistant turns one to one.
     """
-    text, generation = _render_checked(messages, renderer, row, settings)
+    messages, text, generation = _render_checked(messages, renderer, row, settings)
     return _encode_rendered(messages, text, generation, *renderer.tokenize(text), renderer, row, settings)
 
 
 def _render_checked(
     messages: Sequence[Mapping], renderer: ChatRenderer, row, settings: ConversationSettings
-) -> tuple[str, list[tuple[int, int]]]:
+) -> tuple[list[dict], str, list[tuple[int, int]]]:
+    """The turns checked and made plain (``chat_content``: parts, numbers), and rendered: ``(turns, text, spans)``;
+    a template that raises is told with the row and turn."""
     check_conversation(messages, row, settings.train_field)
-    return renderer.render(messages)
+    messages = plain_turns(messages, row, renderer)
+    return (messages, *render_turns(renderer, messages, row))
 
 
 def _encode_rendered(
@@ -286,6 +295,8 @@ def _encode_rendered(
             turn_ends.append(char_to_token(ends, bound))
     turn_starts = [0] + turn_ends[:-1]
     keep_turns = (turn_of[0] + 1) if messages[0]["role"] == "system" else (1 if preamble_end else 0)
+    if messages[0]["role"] == "system":  # where the template folds it into a later turn, that turn stays too
+        keep_turns = max(keep_turns, _turn_holding(messages[0], text, ends, turn_ends) + 1)
 
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     answers: dict[int, tuple[int, int]] = {}
@@ -321,6 +332,18 @@ def _encode_rendered(
     return EncodedConversation(ids, merge_spans(spans), np.asarray(turn_ends, dtype=np.int32), keep_turns)
 
 
+def _turn_holding(message: Mapping, text: str, ends: np.ndarray, turn_ends: list[int]) -> int:
+    """Index of the turn whose tokens hold the end of ``message``'s text in ``text`` (-1: not found). A system
+    message is its own turn in most templates; Llama-2's writes it inside the first user turn (``[INST]
+    <<SYS>>...<</SYS>> user``) and renders nothing for it alone, so keeping the system turn alone would lose it."""
+    content = message.get("content")
+    content = content.strip() if isinstance(content, str) else ""
+    at = text.find(content) if content else -1
+    if at < 0:
+        return -1
+    return int(np.searchsorted(np.asarray(turn_ends), char_to_token(ends, at + len(content) - 1), side="right"))
+
+
 def encode_rows(
     conversations: Sequence,
     rows: Sequence,
@@ -334,8 +357,8 @@ def encode_rows(
     columns: dict[str, list] = {}
     conversations, rows = list(conversations), list(rows)
     rendered = [_render_checked(messages, renderer, row, settings) for messages, row in zip(conversations, rows)]
-    tokens = renderer.tokenize_batch([text for text, _ in rendered])  # one tokenizer call per batch
-    for messages, row, (text, generation), (ids, ends) in zip(conversations, rows, rendered, tokens):
+    tokens = renderer.tokenize_batch([text for _, text, _ in rendered])  # one tokenizer call per batch
+    for row, (messages, text, generation), (ids, ends) in zip(rows, rendered, tokens):
         encoded = _encode_rendered(messages, text, generation, ids, ends, renderer, row, settings)
         for key, value in {**encoded.to_row(), "num_trained": encoded.num_trained}.items():
             columns.setdefault(key, []).append(value)

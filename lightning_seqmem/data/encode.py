@@ -71,11 +71,32 @@ def batch_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
     ``__call__`` builds and throws away (about 1.6x faster, and less memory per batch; 1.5x for one text at a time).
 
     The backend is used only where it must give the same ids: a ``transformers`` fast tokenizer whose encoding
-    methods are not overridden, with no truncation or padding set on the backend; and the first batch is encoded
-    both ways and compared, falling back to ``__call__`` for good on any difference. The encoder pickles (loader
-    workers and ``datasets.map`` processes each check their own first batch).
+    methods are not overridden; and the first batch is encoded both ways and compared, falling back to
+    ``__call__`` for good on any difference. The encoder pickles (loader workers and ``datasets.map`` processes
+    each check their own first batch). Neither way pads or truncates, whatever the tokenizer's files say
+    (:func:`plain_backend`).
     """
     return BatchEncoder(tokenizer)
+
+
+def plain_backend(tokenizer):
+    """The tokenizer's Rust backend without padding or truncation: the backend itself where ``tokenizer.json``
+    sets neither, else a copy with both turned off; ``None`` for a tokenizer without one.
+
+    A ``tokenizer.json`` may pin padding and truncation in the backend (sentence-transformers tokenizers pin both,
+    e.g. to 128): encoding with that backend directly would pad every document with ``[PAD]`` ids to that length
+    and cut longer ones without a count. ``transformers`` turns them off only while its own ``__call__`` runs
+    (so it depends on whether the tokenizer was called before); a copy leaves the user's tokenizer as it is.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or (backend.padding is None and backend.truncation is None):
+        return backend
+    import copy
+
+    backend = copy.deepcopy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend
 
 
 class BatchEncoder:
@@ -83,7 +104,7 @@ class BatchEncoder:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.backend = backend = plain_backend(tokenizer)
         methods = [getattr(type(tokenizer), name, None) for name in ("__call__", "_encode_plus", "_batch_encode_plus")]
         stock = all(getattr(m, "__module__", "").startswith("transformers.") for m in methods if m is not None)
         self.fast = not (
@@ -91,24 +112,28 @@ class BatchEncoder:
             or not hasattr(backend, "encode_batch_fast")
             or not getattr(tokenizer, "is_fast", False)
             or not stock
-            or backend.truncation is not None
-            or backend.padding is not None
             or getattr(backend, "encode_special_tokens", False)
             != bool(getattr(tokenizer, "split_special_tokens", False))
         )
         self.checked = not self.fast
 
     def call(self, texts: list[str]) -> list[list[int]]:
-        # Only the ids: an attention mask would be one more Python int per token, thrown away.
+        # Only the ids: an attention mask would be one more Python int per token, thrown away. Never padded nor
+        # cut, whatever the tokenizer's files or an earlier call set.
         return self.tokenizer(
-            list(texts), add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False
+            list(texts),
+            add_special_tokens=False,
+            padding=False,
+            truncation=False,
+            return_attention_mask=False,
+            return_token_type_ids=False,
         )["input_ids"]
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
         texts = list(texts)
         if not self.fast:
             return self.call(texts)
-        ids = [e.ids for e in self.tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        ids = [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
         if not self.checked:
             self.checked = True
             self.fast = ids == self.call(texts)

@@ -195,6 +195,7 @@ def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, 
         ds, job = _WORKER
     fn = job.kind.encoder(job.tokenizer, job.text_column, job.conversation)
     schema = job.kind.features().arrow_schema
+    rows_of = _python_rows(ds, job.columns)
     name = f"tokens-{index:05d}.arrow"
     rows, pending, pending_tokens = 0, [], 0
 
@@ -210,7 +211,7 @@ def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, 
         pa.ipc.new_stream(sink, schema) as writer,
     ):
         for first, batch in iter_shard(ds, shard, job.columns, batch_rows=256):
-            columns = fn(batch.to_pydict(), range(first, first + batch.num_rows), job.split)
+            columns = fn(rows_of(batch), range(first, first + batch.num_rows), job.split)
             pending.append(pa.RecordBatch.from_pydict(columns, schema=schema))
             pending_tokens += sum(columns["length"])
             if pending_tokens >= _TOKENS_PER_RECORD_BATCH:
@@ -222,6 +223,19 @@ def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, 
         if pending or rows == 0:
             flush(writer)
     return name, rows
+
+
+def _python_rows(ds, columns: list[str]):
+    """``batch -> {column: values}`` as ``ds[i]`` gives them: the raw Arrow values, decoded where the column's
+    feature needs it (a ``datasets.Json`` field, which ``datasets`` makes of a jsonl field whose values are of
+    mixed types, is stored as JSON text: a string turn would otherwise reach the encoder with its quotes)."""
+    import datasets
+    from datasets.features.features import require_decoding
+
+    features = datasets.Features({c: ds.features[c] for c in columns if c in ds.features})
+    if not any(require_decoding(feature) for feature in features.values()):
+        return lambda batch: batch.to_pydict()
+    return lambda batch: features.decode_batch(batch.to_pydict())
 
 
 def _tokenize_split(ds, job: _Job, procs: int) -> list[str]:
