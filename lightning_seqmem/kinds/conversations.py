@@ -85,7 +85,10 @@ class Conversations(Kind):
         stats["trained_share"] = stats["trained_tokens"] / max(int(row_lengths.sum()), 1)
 
     def lost_tokens_fix(self, strategy: Strategy) -> str:
-        return "Conversations lose whole oldest turns first (the system message stays); raise max_length to keep them."
+        return (
+            "Conversations lose whole oldest turns first (the system message stays, with the first user turn where "
+            "the template folds it in); raise max_length to keep them."
+        )
 
     def stream_row(self, row: dict, index: Any, settings: Any, strategy: Strategy, counts: Counter):
         from lightning_seqmem.data.chat_truncation import truncate
