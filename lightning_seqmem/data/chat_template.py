@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_seqmem.data.encode import plain_backend
+from lightning_seqmem.data.backend import plain_backend
 
 BUILTIN_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
