@@ -17,6 +17,7 @@ reported in one line and tokenized again. ``seqmem-cache`` (``lightning_seqmem.a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ from typing import Any
 from lightning_seqmem.data.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
 from lightning_seqmem.data.cache_dir import default_cache_dir
 from lightning_seqmem.data.encode import document_frame
+from lightning_seqmem.data.fork_workers import run_in_workers
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
 SMALL_DATASET_ROWS = 20_000  # below this, extra processes cost more than they save
@@ -174,25 +176,16 @@ class _Job:
     conversation: Any = None  # ``ConversationSettings`` of conversations
 
 
-_WORKER: tuple[Any, _Job] | None = None  # (dataset, job) of this worker process
+def _tokenize_task(task: tuple[int, Shard], ds, job: _Job) -> tuple[str, int]:
+    """One worker task: ``_tokenize_shard`` of ``(index, shard)``."""
+    return _tokenize_shard(*task, ds, job)
 
 
-def _init_worker(ds, job: _Job) -> None:
-    global _WORKER
-    _WORKER = (ds, job)
-
-
-def _star_tokenize_shard(args: tuple[int, Shard]) -> tuple[str, int]:
-    return _tokenize_shard(*args)
-
-
-def _tokenize_shard(index: int, shard: Shard, ds=None, job: _Job | None = None, progress=None) -> tuple[str, int]:
+def _tokenize_shard(index: int, shard: Shard, ds, job: _Job, progress=None) -> tuple[str, int]:
     """Tokenize the rows of ``shard`` into ``tokens-<index>.arrow`` (an Arrow stream file ``datasets`` can
     memory-map); ``(file name, rows)``. The input is streamed a slice at a time (``arrow_stream``), never kept resident."""
     import pyarrow as pa
 
-    if ds is None:
-        ds, job = _WORKER
     fn = job.kind.encoder(job.tokenizer, job.text_column, job.conversation)
     schema = job.kind.features().arrow_schema
     rows_of = _python_rows(ds, job.columns)
@@ -249,14 +242,12 @@ def _tokenize_split(ds, job: _Job, procs: int) -> list[str]:
     with tqdm(total=len(ds), unit=" rows", desc=f"Tokenizing {job.split}") as progress:
         if procs == 1:
             return [_tokenize_shard(i, shard, ds, job, progress)[0] for i, shard in enumerate(shards)]
-        import multiprocessing as mp
-
-        context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else None)
-        with context.Pool(procs, initializer=_init_worker, initargs=(ds, job)) as pool:
-            names = []
-            for name, rows in pool.imap(_star_tokenize_shard, list(enumerate(shards))):
-                names.append(name), progress.update(rows)
-            return names
+        names = [""] * len(shards)
+        work = functools.partial(_tokenize_task, ds=ds, job=job)
+        for index, (name, rows) in run_in_workers(work, list(enumerate(shards)), procs):
+            names[index] = name
+            progress.update(rows)
+        return names
 
 
 def tokenize_cached(
