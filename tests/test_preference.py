@@ -112,7 +112,7 @@ def test_bad_pairs_name_their_row():
     with pytest.raises(ValueError, match=r"rows 1, 2: empty rejected completion"):
         check_pairs([good, {**good, "rejected_ids": []}, {**good, "rejected_ids": []}], limits)
     with pytest.raises(ValueError, match=r"row 1: the prompt alone is longer than max_length=8"):
-        check_pairs([good, {**good, "prompt_ids": list(range(9))}], limits)
+        check_pairs([good, {**good, "prompt_ids": list(range(9))}], PreferenceLimits(8, on_overlong_prompt="error"))
     # A prompt limit below max_length makes the same row fine: the prompt keeps its end.
     spans = check_pairs([good, {**good, "prompt_ids": list(range(9))}], PreferenceLimits(8, max_prompt_length=4))
     assert spans.prompt_start[:, 1].tolist() == [5, 5] and spans.dropped()["prompt_tokens_truncated"] == 10

@@ -111,7 +111,8 @@ def plan_pairs(
         limits: the truncation limits.
 
     Raises:
-        ValueError: an empty completion, or a prompt longer than ``max_length`` on its own, naming the rows.
+        ValueError: an empty completion, or (``on_overlong_prompt="error"``) a prompt longer than ``max_length``
+            on its own, naming the rows.
     """
     spans = preference_spans(prompt.lengths, chosen.lengths, rejected.lengths, limits)
     spans = replace(spans, identical=kept_identical(chosen, rejected, spans))
@@ -123,11 +124,18 @@ def plan_pairs(
             "truncation); they are kept and counted (rows_chosen_equals_rejected)."
         )
     keep = np.flatnonzero(~spans.lost)
-    if len(keep) < len(spans.lost):
+    cut = spans.lost & ~spans.overlong
+    if cut.any():
         warnings.append(
-            f"{int(spans.lost.sum())} pair(s) lose a whole completion to truncation "
-            f"({name_rows(spans.lost, 0)}) and are left out (rows_without_completion); raise max_length "
+            f"{int(cut.sum())} pair(s) lose a whole completion to truncation "
+            f"({name_rows(cut, 0)}) and are left out (rows_without_completion); raise max_length "
             "or lower max_prompt_length to keep them."
+        )
+    if spans.overlong.any():
+        warnings.append(
+            f"{int(spans.overlong.sum())} pair(s) have a prompt alone longer than max_length={limits.max_length} "
+            f"({name_rows(spans.overlong, 0)}): they train nothing and are left out (pairs_dropped_overlong_prompt); "
+            "set max_prompt_length below max_length to keep them with the prompt's end."
         )
     source = PairSource(
         prompt.select(keep),

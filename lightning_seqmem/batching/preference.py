@@ -30,6 +30,7 @@ PAIR_COLUMNS = PREFERENCE_IDS
 """Keys of a tokenized pair (TRL's names; the data's token columns)."""
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
+OVERLONG_PROMPT_CHOICES = ("drop", "error")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class PreferenceLimits:
         max_completion_length: limit on each completion; its START is kept.
         truncation_mode: how ``max_length`` cuts a sequence: ``"keep_start"`` keeps its first ``max_length``
             tokens, ``"keep_end"`` its last (TRL deprecates ``keep_end``; kept for parity).
+        on_overlong_prompt: a pair whose prompt alone (after ``max_prompt_length``) is longer than ``max_length``
+            trains nothing: ``"drop"`` leaves it out (counted as ``pairs_dropped_overlong_prompt``, warned once),
+            ``"error"`` refuses the data naming the rows. One outlier should not refuse a whole dataset.
 
     Raises:
         ValueError: a limit below its minimum, an unknown mode, or ``max_prompt_length >= max_length`` (a prompt at
@@ -52,10 +56,12 @@ class PreferenceLimits:
     max_prompt_length: int | None = None
     max_completion_length: int | None = None
     truncation_mode: str = "keep_start"
+    on_overlong_prompt: str = "drop"
 
     def __post_init__(self) -> None:
         check_max_length(self.max_length)
         check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
+        check_choice("on_overlong_prompt", self.on_overlong_prompt, OVERLONG_PROMPT_CHOICES)
         check_part_limits(self.max_prompt_length, self.max_completion_length)
         if (
             self.max_length is not None
@@ -126,11 +132,18 @@ class PairSpans:
     completion_start: np.ndarray
     completion_kept: np.ndarray
     identical: np.ndarray | None = None  # [rows] chosen == rejected after truncation, where known
+    overlong_prompt: np.ndarray | None = None  # [rows] prompt alone longer than max_length (kept no completion)
 
     @property
     def lost(self) -> np.ndarray:
-        """``[rows]`` bool: pairs that lost a whole completion to truncation (no signal left: drop them)."""
+        """``[rows]`` bool: pairs that lost a whole completion to truncation, overlong prompts included (no signal
+        left: drop them)."""
         return (self.completion_kept == 0).any(axis=0)
+
+    @property
+    def overlong(self) -> np.ndarray:
+        """``[rows]`` bool: pairs whose prompt alone is longer than ``max_length`` (part of :attr:`lost`)."""
+        return self.overlong_prompt if self.overlong_prompt is not None else np.zeros(self.lost.shape, dtype=bool)
 
     @property
     def sequence_lengths(self) -> np.ndarray:
@@ -145,7 +158,7 @@ class PairSpans:
     def dropped(self) -> dict[str, int]:
         """Counts for ``stats()``, named as the other data kinds name them: tokens cut (in all, and from prompts,
         both sequences' copies, from chosen and from rejected completions), pairs that lost a completion, pairs
-        with chosen == rejected."""
+        with chosen == rejected, pairs dropped for a prompt longer than ``max_length`` on its own."""
         prompt = int((self.prompt_lengths - self.prompt_kept).sum())
         chosen, rejected = (int(n) for n in (self.completion_lengths - self.completion_kept).sum(axis=1))
         return {
@@ -153,8 +166,9 @@ class PairSpans:
             "prompt_tokens_truncated": prompt,
             "chosen_tokens_truncated": chosen,
             "rejected_tokens_truncated": rejected,
-            "rows_without_completion": int(self.lost.sum()),
+            "rows_without_completion": int((self.lost & ~self.overlong).sum()),
             "rows_chosen_equals_rejected": int(self.identical.sum()) if self.identical is not None else 0,
+            "pairs_dropped_overlong_prompt": int(self.overlong.sum()),
         }
 
 
@@ -172,9 +186,12 @@ def preference_spans(
         limits: the limits.
         first_row: dataset index of the first row, for error messages.
 
+    A prompt longer than ``max_length`` on its own (after ``max_prompt_length``) leaves its pair no completion
+    under either mode: the pair is marked (``overlong_prompt``) and lost, or refused under
+    ``on_overlong_prompt="error"``.
+
     Raises:
-        ValueError: an empty completion, or a prompt longer than ``max_length`` on its own (after
-            ``max_prompt_length``), naming the rows.
+        ValueError: an empty completion, or (``on_overlong_prompt="error"``) an overlong prompt, naming the rows.
 
     Example::
 
@@ -192,15 +209,19 @@ def preference_spans(
                 "completions (drop such rows from the dataset)."
             )
     p1 = p if limits.max_prompt_length is None else np.minimum(p, limits.max_prompt_length)
-    if limits.max_length is not None and (p1 > limits.max_length).any():
+    overlong = p1 > limits.max_length if limits.max_length is not None else np.zeros(p.shape, dtype=bool)
+    if limits.on_overlong_prompt == "error" and overlong.any():
         raise ValueError(
-            f"{name_rows(p1 > limits.max_length, first_row)}: the prompt alone is longer than max_length="
-            f"{limits.max_length}; set max_prompt_length below max_length or drop these rows."
+            f"{name_rows(overlong, first_row)}: the prompt alone is longer than max_length="
+            f"{limits.max_length}; set max_prompt_length below max_length or drop these rows "
+            '(on_overlong_prompt="drop" leaves them out).'
         )
     c1 = c if limits.max_completion_length is None else np.minimum(c, limits.max_completion_length)
     p_start, p_kept, c_start, c_kept = sequence_spans(
         np.broadcast_to(p1, c1.shape), c1, limits.max_length, limits.truncation_mode
     )
+    # keep_end would cut such a prompt's start to fit a completion: the pair is dropped under both modes alike.
+    c_kept = np.where(overlong, 0, c_kept)
     return PairSpans(
         prompt_lengths=p,
         completion_lengths=c,
@@ -208,6 +229,7 @@ def preference_spans(
         prompt_kept=p_kept,
         completion_start=c_start,
         completion_kept=c_kept,
+        overlong_prompt=overlong,
     )
 
 

@@ -30,6 +30,7 @@ class Preference(Kind):
         "rejected_tokens_truncated",
         "rows_without_completion",
         "rows_chosen_equals_rejected",
+        "pairs_dropped_overlong_prompt",
     )
     trains_whole = True
 

@@ -1,0 +1,57 @@
+"""Issue 30, first contact with preference pairs and DPO as a user meets them (the built-in tokenizer, tiny
+models): an outlier pair whose prompt alone is longer than ``max_length`` is dropped and counted, not a refusal
+of the whole dataset."""
+
+import warnings
+
+import datasets
+import pytest
+
+from lightning_seqmem import SeqMemDataModule
+from lightning_seqmem.batching.preference import PreferenceLimits, preference_spans
+
+
+def pair_rows(n=30, long_prompt_at=(12,)):
+    rows = [
+        {
+            "prompt": f"Question {i}: how do I sort a list?",
+            "chosen": "Call sorted(items)." + " It is stable." * (i % 3),
+            "rejected": "You cannot." + " Sorry." * (i % 2),
+        }
+        for i in range(n)
+    ]
+    for i in long_prompt_at:
+        rows[i]["prompt"] = "A very long question about sorting lists. " * 40
+    return rows
+
+
+def test_a_pair_with_an_overlong_prompt_is_dropped_counted_and_warned_once(tmp_path):
+    rows = pair_rows()
+    data = datasets.DatasetDict(
+        train=datasets.Dataset.from_list(rows[6:]), validation=datasets.Dataset.from_list(rows[:6])
+    )
+    dm = SeqMemDataModule(data, max_length=32, micro_batch_size=4, cache_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm.setup("fit")
+    overlong = [w for w in caught if "prompt alone longer than max_length=32" in str(w.message)]
+    assert len(overlong) == 1 and "row 6" in str(overlong[0].message)  # train row 6 is dataset row 12
+    stats = dm.stats()["train"]
+    assert stats["pairs_dropped_overlong_prompt"] == 1 and stats["documents"] == 24
+    assert stats["rows_without_completion"] == 0  # counted once, under its own key
+    assert stats["tokens_truncated"] + stats["tokens_dropped"] > 0
+    assert dm.stats()["validation"]["pairs_dropped_overlong_prompt"] == 0
+
+
+@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
+def test_overlong_prompts_drop_under_both_modes_or_are_refused_on_request(mode):
+    lengths = [[2, 40, 3], [3, 4, 5], [4, 5, 2]]  # prompt, chosen, rejected (chosen 40: a cut, not an overlong)
+    p, c, r = (list(x) for x in zip(*lengths))
+    p[1] = 50
+    spans = preference_spans(p, c, r, PreferenceLimits(16, truncation_mode=mode))
+    assert spans.lost.tolist() == [False, True, False] and spans.dropped()["pairs_dropped_overlong_prompt"] == 1
+    assert spans.dropped()["rows_without_completion"] == 0
+    with pytest.raises(ValueError, match=r'row 1: the prompt alone is longer than max_length=16.*"drop"'):
+        preference_spans(p, c, r, PreferenceLimits(16, truncation_mode=mode, on_overlong_prompt="error"))
+    with pytest.raises(ValueError, match="on_overlong_prompt='skip' is not valid"):
+        PreferenceLimits(16, on_overlong_prompt="skip")
