@@ -69,6 +69,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_ranks_see_every_document_once_in_the_same_number_of_batches(tmp_path, tokenizer):
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
@@ -111,6 +112,7 @@ class _CountingModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+@pytest.mark.slow
 def test_lightning_ddp_spawn_keeps_our_sampler_and_equal_steps(tmp_path, tokenizer):
     import datasets
 

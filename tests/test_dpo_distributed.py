@@ -24,6 +24,7 @@ def _run(kind, out):
     return torch.load(out / f"{kind}.pt")
 
 
+@pytest.mark.slow
 def test_dpo_under_fsdp_trains_as_under_ddp_with_a_frozen_reference(tmp_path):
     ddp, fsdp = _run("ddp", tmp_path), _run("fsdp", tmp_path)
     assert len(ddp["losses"]) == 3  # the pre-allocation pass, then two steps

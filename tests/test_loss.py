@@ -367,6 +367,7 @@ def test_resume_is_bit_exact(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- two ranks
+@pytest.mark.slow
 def test_two_gloo_ranks_with_different_token_counts(tmp_path):
     """Rank 0 holds 46 + 30 label tokens, rank 1 holds 4 + 1: DDP's averaged gradient, rescaled, is the gradient
     of the mean over all 81 tokens."""

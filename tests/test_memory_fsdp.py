@@ -30,6 +30,7 @@ def _run(kind, out, *flags):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_fsdp_clips_preallocates_and_gives_the_ddp_gradient(tmp_path):
     """gradient_clip_val=0.05 under FSDP (Lightning's FSDP precision refuses norm clipping: CausalLM clips through
     FSDP's clip_grad_norm_); CachePreallocator runs through the FSDP wrapper and leaves each rank's state
@@ -50,6 +51,7 @@ def test_fsdp_clips_preallocates_and_gives_the_ddp_gradient(tmp_path):
     assert norm == pytest.approx(0.05, rel=1e-4)  # it did clip
 
 
+@pytest.mark.slow
 def test_fsdp_worst_case_that_does_not_fit_fails_with_the_shape(tmp_path):
     _run("fsdp", tmp_path, "--oom")
     text = (tmp_path / "oom.txt").read_text()

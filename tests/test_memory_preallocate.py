@@ -252,6 +252,7 @@ def _ddp_run(devices, out, *flags):
     )
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks_run_the_pass_and_stay_in_step(tmp_path):
     """Every rank runs the pass through the unwrapped module (no all-reduce, no hang), its state is left bit-identical
     (checked on each rank), and DDP then trains with synced gradients: both ranks end with the same weights."""

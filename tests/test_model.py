@@ -16,6 +16,7 @@ def _batch(vocab=64, rows=4, length=24, seed=0):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny_llama", "tiny_gpt2"])
 def test_overfits_one_batch(preset):
     torch.manual_seed(0)

@@ -151,6 +151,7 @@ class _PlanSource(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+@pytest.mark.slow
 def test_two_ranks_plan_once_per_node(tmp_path):
     dm = _module(_pretokenized(), tmp_path / "cache")
     trainer = L.Trainer(

@@ -68,6 +68,7 @@ def test_the_worst_batch_is_a_pair_batch(keys, rows):
     assert chosen.shape == rejected.shape and (chosen < 0).all()
 
 
+@pytest.mark.slow
 def test_seqmem_train_data_preference_model_dpo(tmp_path):
     from test_train import run_in_process
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import datasets
 import lightning.pytorch as L
+import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
@@ -59,6 +60,7 @@ class _Steps(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+@pytest.mark.slow
 def test_two_ranks_tokenize_once_and_a_new_tokenizer_invalidates_the_cache(tmp_path, tokenizer):
     tok = _counting(tokenizer, tmp_path, "tok")
     cache = tmp_path / "cache"
