@@ -134,3 +134,15 @@ def test_seqmem_plan_on_a_stream_plans_its_first_documents_and_says_so():
     plan, notes = plan_from_config(cfg)
     assert any("a stream: planned on its first 500 training documents" in note for note in notes)
     assert len(plan.train_lengths) == 500 and {s.max_length for s in plan.strategies} == {64, 128}
+
+
+def test_seqmem_plan_prints_each_log_line_once(tmp_path):
+    """trainer=cpu skips choose_trainer's CUDA probe, so Lightning is first imported under Hydra's job logging:
+    its own console handler and Hydra's root handler printed every record twice."""
+    cmd = [sys.executable, "-m", "lightning_seqmem.apps.plan_app", "trainer=cpu", "batching=pad", "model=tiny_llama"]
+    cmd += ["data.max_length=128", "plan.max_lengths=[64]", "plan.micro_batch_sizes=[1]", "plan.memory=false"]
+    out = subprocess.run(cmd + [f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if "[lightning_seqmem] train: tokens" in line]
+    assert len(lines) == 1, lines
+    assert "[lightning_seqmem] train: tokens" in (tmp_path / "plan_app.log").read_text()  # and in the job's log

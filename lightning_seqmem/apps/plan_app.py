@@ -188,8 +188,11 @@ def _hydra_entry() -> None:
     def _main(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
+        from lightning_seqmem.apps.console import log_each_line_once, quiet_upstream_noise
         from lightning_seqmem.apps.planner import format_plan
 
+        quiet_upstream_noise()
+        log_each_line_once()  # after Hydra has set up the job's logging, as seqmem-train: each log line once
         plan, notes = plan_from_config(cfg, HydraConfig.get().runtime.output_dir)
         print(format_plan(plan))
         for note in notes:
