@@ -1,5 +1,6 @@
 """ConfigChecks: each check fires on its case and stays quiet otherwise; resolve_precision."""
 
+import re
 import types
 
 import pytest
@@ -9,6 +10,7 @@ from _memory_helpers import TinyData, TinyLM, trainer
 from lightning_seqmem.batching.options import Pad
 from lightning_seqmem.memory import checks
 from lightning_seqmem.memory.checks import CHECKS, ConfigChecks, RunFacts, find_problems, resolve_precision
+from lightning_seqmem.memory.loss_watch import LossWatch
 
 SAFE = frozenset({"flash_attention_2", "eager", "sdpa"})
 
@@ -195,3 +197,49 @@ def test_dynamic_shapes_and_packing_are_asked_of_the_datamodule(
     assert (facts.dynamic_shapes, facts.packing) == (dynamic, packing)
     on_cuda = find_problems(RunFacts(**{**vars(facts), "on_cuda": True}), SAFE)  # what a GPU run would warn
     assert ("dynamic_shapes" in on_cuda) == dynamic
+
+
+class NanAtBatch2(TinyLM):
+    """Its loss becomes NaN at batch 2, as fp16 full fine-tuning's did at step 4."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx >= 2 else loss
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-true"])
+def test_a_nonfinite_training_loss_is_warned_once_with_the_batch_and_the_likely_cause(tmp_path, precision):
+    """16-true: the tiny Llama trained whole in fp16 goes NaN by itself within a few steps (the issue's run)."""
+    torch.manual_seed(0)
+    model = TinyLM() if precision == "16-true" else NanAtBatch2()
+    cb = ConfigChecks(skip=("fp16_full_finetuning",))  # the setup-time rule off: the loss itself is flagged
+    with pytest.warns(UserWarning, match=r"ConfigChecks \[nonfinite_loss\]") as record:
+        trainer(tmp_path, [cb], max_steps=6, precision=precision).fit(model, datamodule=TinyData())
+    assert sum("nonfinite_loss" in str(w.message) for w in record) == 1  # the batches after it are NaN too: once
+    text = cb.problems["nonfinite_loss"]
+    batch = re.search(r"the training loss is nan at batch (\d+) \(optimizer step (\d+)\)", text)
+    assert batch and int(batch[2]) == int(batch[1]) + 1
+    if precision == "16-true":
+        assert "fp16 weights" in text and "Axolotl" in text and "CausalLM(lora=dict(r=16))" in text
+        assert "'bf16-mixed'" in text and "'16-mixed'" in text
+    else:
+        assert batch[1] == "2" and "learning rate" in text and "Axolotl" not in text
+
+
+def test_a_finite_run_and_a_skipped_check_stay_quiet(tmp_path, recwarn):
+    trainer(tmp_path, [cb := ConfigChecks()], max_steps=3).fit(TinyLM(), datamodule=TinyData())
+    quiet = ConfigChecks(skip=("nonfinite_loss",))
+    trainer(tmp_path, [quiet], max_steps=4).fit(NanAtBatch2(), datamodule=TinyData())
+    assert "nonfinite_loss" not in cb.problems and "nonfinite_loss" not in quiet.problems
+    assert not any("nonfinite_loss" in str(w.message) for w in recwarn)
+
+
+def test_accelerator_losses_are_read_every_n_steps_and_the_first_bad_batch_named():
+    watch = LossWatch(every_n_steps=3)
+    watch.host_devices = ()  # treat CPU tensors as on an accelerator: kept, read in groups
+    losses = [1.0, float("inf"), float("nan"), 2.0, float("nan")]
+    found = [watch.add(torch.tensor(v), i, i + 1) for i, v in enumerate(losses)]
+    assert found[:2] == [None, None]  # nothing read before the third batch
+    assert found[2] == (float("inf"), 1, 2) and found[3:] == [None, None]
+    assert watch.flush()[1:] == (4, 5)  # the end of training reads what is left
+    assert watch.flush() is None

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_seqmem.memory.allocator import expandable_segments_on
+from lightning_seqmem.memory.loss_watch import LossWatch, nonfinite_loss_message
 from lightning_seqmem.memory.model_facts import model_facts
 from lightning_seqmem.memory.preallocate import CachePreallocator
 from lightning_seqmem.protocols import DescribesBatching, GivesBatchKeys, GivesMaxBatchShape, GivesWarmupShape
@@ -31,7 +32,7 @@ CHECKS = (
     "dynamic_shapes",
     "stream_validation",
 )
-ALL_CHECKS = CHECKS + ("memory",)  # find_problems' checks on RunFacts, and ConfigChecks' traced memory estimate
+ALL_CHECKS = CHECKS + ("memory", "nonfinite_loss")  # find_problems' checks on RunFacts, and ConfigChecks' own
 
 
 def resolve_precision(precision: str = "auto") -> str:
@@ -252,7 +253,10 @@ class ConfigChecks(Callback):
     attention and several rows per batch, from a module that does not say it passes the varlen arguments
     (``passes_flash_varlen_kwargs = True``; ``CausalLM`` does); ``dynamic_shapes``: changing shapes on
     CUDA without ``CachePreallocator`` or expandable segments; ``memory``: on CUDA, the traced peak of the worst-case
-    step (``memory/estimate.py``) exceeds the free device memory (the message names the micro_batch_size that fits).
+    step (``memory/estimate.py``) exceeds the free device memory (the message names the micro_batch_size that fits);
+    ``nonfinite_loss``: during training, the loss (``outputs["loss"]`` of ``training_step``) is NaN or infinite,
+    warned once with the batch it happened at and the likely cause (fp16 full fine-tuning under ``16-true``); on
+    an accelerator the losses are read every ``log_every_n_steps`` batches, not each step (no host sync per step).
     Facts are read defensively (``protocols.DescribesBatching`` for the batching, DataModule attributes or ``hparams``,
     ``pl_module.model.config._attn_implementation``), so any model and DataModule work; an unknown fact
     keeps its check quiet. The warnings found are in :attr:`problems`.
@@ -275,6 +279,7 @@ class ConfigChecks(Callback):
         self.skip = tuple(skip)
         self.problems: dict[str, str] = {}
         self._warned: set[str] = set()
+        self._loss_watch: LossWatch | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -287,6 +292,34 @@ class ConfigChecks(Callback):
             if name not in self._warned:
                 self._warned.add(name)
                 rank_zero_warn(f"ConfigChecks [{name}]: {text}")
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if "nonfinite_loss" not in self.skip and "nonfinite_loss" not in self._warned:
+            self._loss_watch = LossWatch(every_n_steps=getattr(trainer, "log_every_n_steps", 50) or 50)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: object, batch: object, batch_idx: int
+    ) -> None:
+        if self._loss_watch is not None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            self._warn_nonfinite(trainer, pl_module, self._loss_watch.add(loss, batch_idx, trainer.global_step))
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._loss_watch is not None:
+            self._warn_nonfinite(trainer, pl_module, self._loss_watch.flush())
+
+    def _warn_nonfinite(self, trainer: Trainer, pl_module: LightningModule, found: tuple | None) -> None:
+        if found is None:
+            return
+        self._loss_watch = None  # once per run
+        adapter = find_peft_model(pl_module) is not None
+        text = nonfinite_loss_message(*found, precision=str(trainer.precision), adapter=adapter)
+        self.problems["nonfinite_loss"] = text
+        self._warned.add("nonfinite_loss")
+        rank_zero_warn(f"ConfigChecks [nonfinite_loss]: {text}")
 
     @staticmethod
     def _memory_problem(trainer: Trainer, pl_module: LightningModule) -> dict[str, str]:
