@@ -1,6 +1,8 @@
 """seqmem-cli (LightningCLI): callbacks added the Lightning way, --print_config round trip, subclasses, bad class paths."""
 
 import csv
+import pathlib
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -154,3 +156,24 @@ def test_the_batching_is_built_by_class_path_with_its_own_options(tmp_path, caps
     with pytest.raises(SystemExit):
         cli_main(["--data.batching=Pad", "--data.batching.method=wrapped"], run=False)
     assert "Option 'method' is not accepted" in capsys.readouterr().err
+
+
+def _documented_commands():
+    """The runnable ``seqmem-cli fit`` lines of README.md and docs/ (not those naming example packages or files)."""
+    root = pathlib.Path(__file__).parents[1]
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for line in doc.read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("seqmem-cli fit") and not any(x in line for x in ("my_pkg", "full.yaml", "`")):
+                yield shlex.split(line)[2:]
+
+
+@pytest.mark.parametrize("args", list(_documented_commands()), ids=" ".join)
+def test_documented_commands_are_bounded_runs(args, monkeypatch):
+    """The docs' SeqLengthWarmup command ran Lightning's default 1,000 epochs (770k steps) as written."""
+    monkeypatch.chdir(pathlib.Path(__file__).parents[1])  # --config examples/cli.yaml is relative to the repo
+    trainer = cli_main([*args, "--trainer.accelerator=cpu", "--trainer.logger=false"], run=False).trainer
+    assert 0 < trainer.max_steps <= 10_000 or 0 < (trainer.max_epochs or 0) <= 10, (
+        trainer.max_steps,
+        trainer.max_epochs,
+    )
