@@ -116,6 +116,24 @@ def test_validation_documents_are_the_streams_first_and_never_trained_on(tokeniz
     validated = {d for b in dm.val_dataloader() for d in _documents(b, dm.pad_token_id)}
     assert len(validated) == 3 and not trained & validated
     assert dm.stats()["train"]["documents"] == 37  # 40 + the copy - the 3 validation documents - the copy
+    assert dm.stats()["train"]["documents_left_out_as_validation"] == 4  # the 3 and the copy, counted in workers
+
+
+def test_training_copies_of_validation_documents_are_counted_and_warned_each_pass(tokenizer):
+    """A training document equal to a validation document is left out: ``stats()`` counts it, and each pass says
+    how many and why (the validation head is carved out of the stream by content)."""
+    texts = ["alpha beta", "gamma delta", "epsilon zeta", "alpha beta", "eta theta", "alpha beta"]
+    stream = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset()
+    dm = SeqMemDataModule(dataset=stream, max_length=16, strategy="pack", streaming_validation_documents=1)
+    dm.setup("fit")
+    for passes in (1, 2):
+        with pytest.warns(
+            UserWarning, match=r"train stream: 3 document\(s\) .* the 1 validation document\(s\) and at least 2 copies"
+        ):
+            list(dm.train_dataloader())
+        stats = dm.stats()["train"]
+        assert (stats["documents"], stats["documents_left_out_as_validation"]) == (3 * passes, 3 * passes)
+    assert "documents_left_out_as_validation" not in dm.stats()["validation"]
 
 
 def _read_once(dm, paths):

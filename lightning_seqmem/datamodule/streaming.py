@@ -13,8 +13,6 @@ read, in every worker, and ``stats()`` reports it. No Lightning import.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
@@ -26,6 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
+from lightning_seqmem.datamodule.stream_splits import LEFT_OUT, left_out_warning, streaming_splits
 from lightning_seqmem.kinds.base import DOCUMENT_STATS, Kind
 from lightning_seqmem.kinds.detect import STREAM_KINDS
 
@@ -38,7 +37,6 @@ __all__ = [
     "check_streaming",
     "is_stream",
     "streaming_loader",
-    "streaming_splits",
 ]
 
 
@@ -61,6 +59,7 @@ class StreamCounts:
         *(key for key in DOCUMENT_STATS if key != "longest_document"),
         *dict.fromkeys(key for kind in STREAM_KINDS for key in kind.stats_keys),  # each kind's own, once
         "rows",
+        LEFT_OUT,
     )
     FIELDS = SUMMED + ("longest_document",)
 
@@ -90,7 +89,9 @@ class StreamingRows(IterableDataset):
     (whose shares differ in length) never wait on each other; stop training with ``max_steps``. With ``reshuffle``
     every pass sets the stream's epoch (``set_epoch``), so a shuffled stream (``stream.shuffle(...)``) is dealt anew
     each epoch. With ``required`` (training), a pass that gives no row is an error in the main process, and ends a
-    loader worker (one with no file of its own) instead of repeating nothing forever.
+    loader worker (one with no file of its own) instead of repeating nothing forever. With ``leave_out`` (a
+    training stream whose validation head was carved out of it, ``stream_splits.NotIn``), each document equal to a
+    validation document is left out and counted, and a pass that left out copies of them says so (``on_left_out``).
     """
 
     def __init__(
@@ -103,10 +104,13 @@ class StreamingRows(IterableDataset):
         on_loss: Callable[[], None] | None = None,
         reshuffle: bool = True,
         required: bool = False,
+        leave_out: Any = None,
+        on_left_out: Callable[[str], None] | None = None,
     ) -> None:
         self.stream, self.encode, self.packer, self.cycle = stream, encode, packer, cycle
         self.counts = counts if counts is not None else StreamCounts()
         self.on_loss, self.reshuffle, self.required = on_loss, reshuffle, required
+        self.leave_out, self.on_left_out = leave_out, on_left_out
         self.epoch = 0
 
     def __iter__(self):
@@ -122,7 +126,7 @@ class StreamingRows(IterableDataset):
             if self.reshuffle and hasattr(self.stream, "set_epoch"):
                 self.stream.set_epoch(self.epoch + passes)
             start, counts, warned = self.counts.table[slot].clone(), Counter(), False
-            mine = (self.encode(i, ex, counts) for i, ex in enumerate(self.stream))
+            mine = (self.encode(i, ex, counts) for i, ex in enumerate(self.kept(counts)))
             for row in self.packer(mine, counts, steady=info is not None):
                 self.counts.publish(slot, start, counts)
                 if not warned and (counts["tokens_truncated"] or counts["tokens_dropped"]):
@@ -132,6 +136,9 @@ class StreamingRows(IterableDataset):
                 yield row
             self.counts.publish(slot, start, counts)
             passes += 1
+            message = left_out_warning(counts[LEFT_OUT], self.leave_out.held) if self.leave_out else None
+            if message and self.on_left_out is not None:
+                self.on_left_out(message)
             if self.required and not counts["rows"]:
                 if info is not None:
                     return  # a loader worker with no file to read: it stops (repeating nothing would spin forever)
@@ -142,6 +149,14 @@ class StreamingRows(IterableDataset):
                 )
             if not self.cycle:
                 return
+
+    def kept(self, counts: Counter):
+        """The stream's documents less those ``leave_out`` takes (counted under ``LEFT_OUT``)."""
+        for example in self.stream:
+            if self.leave_out is None or self.leave_out(example):
+                yield example
+            else:
+                counts[LEFT_OUT] += 1
 
 
 class DealtBatches(IterableDataset):
@@ -198,48 +213,6 @@ def check_streaming(strategies: dict[str, Strategy]) -> None:
         )
 
 
-def streaming_splits(dataset: Any, validation_documents: int) -> dict[str, Any]:
-    """``{"train", "validation"}``: the dataset's own validation split, else the stream's first
-    ``validation_documents`` documents, read here and held as a list, with training left the rest; and the
-    dataset's ``test`` split where it has one.
-
-    Training leaves them out by content (:class:`NotIn`), not with ``skip``: under loader workers and DDP ranks
-    ``datasets`` splits a ``skip``/``take`` count across the shards each reader gets, so the documents skipped
-    would depend on the number of readers. A document equal to a validation document is left out of training too.
-    """
-    train, val = (dataset["train"], dataset.get("validation")) if isinstance(dataset, dict) else (dataset, None)
-    if val is None:
-        head = list(train.take(validation_documents + 1))  # one more: is anything left to train on?
-        if len(head) <= validation_documents:
-            raise ValueError(
-                f"The stream holds {len(head)} documents, and the first streaming_validation_documents="
-                f"{validation_documents} go to validation: nothing would be left to train on. Lower "
-                "streaming_validation_documents, or give the stream its own 'validation' split."
-            )
-        val = head[:validation_documents]
-        if val:
-            train = train.filter(NotIn(val))
-    test = dataset.get("test") if isinstance(dataset, dict) else None
-    return {"train": train, "validation": val, **({"test": test} if test is not None else {})}
-
-
-class NotIn:
-    """``True`` for an example that is not one of ``examples`` (compared by a hash of its content): a picklable
-    filter, so loader workers can run it."""
-
-    def __init__(self, examples: list[dict]) -> None:
-        self.keys = frozenset(map(example_key, examples))
-
-    def __call__(self, example: dict) -> bool:
-        return example_key(example) not in self.keys
-
-
-def example_key(example: dict) -> bytes:
-    """A 16-byte digest of an example's content, the same in every process."""
-    text = json.dumps(example, sort_keys=True, default=str, ensure_ascii=False)
-    return hashlib.blake2b(text.encode(), digest_size=16).digest()
-
-
 def rank_share(stream: Any) -> Any:
     """This rank's share of a stream: whole shards per rank where the shard count divides by the world size, else
     every ``world``-th document (``datasets.distributed.split_dataset_by_node``)."""
@@ -258,12 +231,14 @@ def streaming_loader(
     num_workers: int,
     warn: Callable[[str], None],
     counts: StreamCounts | None = None,
+    leave_out: Any = None,
 ) -> DataLoader:
     """The loader of one stream: this rank's share of documents, packed by ``strategy``'s settings; what it reads
     counted in ``counts``, and the first token lost to ``max_length`` on each pass warned about.
 
     Under DDP/FSDP the train stream is split by rank and repeats (``cycle``); a validation stream is read whole by
-    every rank and its rows dealt out in equal numbers of batches (:class:`DealtBatches`).
+    every rank and its rows dealt out in equal numbers of batches (:class:`DealtBatches`). ``leave_out``: the
+    training documents to leave out (copies of validation documents, ``stream_splits.NotIn``), counted and warned.
     """
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     train = split == "train"
@@ -296,6 +271,8 @@ def streaming_loader(
         on_loss=partial(warn, lost),
         reshuffle=train,
         required=train,
+        leave_out=leave_out,
+        on_left_out=warn,
     )
     held = isinstance(stream, list)  # validation documents held in memory: one reader, or each would read all
     num_workers = 0 if held else num_workers
@@ -338,7 +315,11 @@ class Streams:
     """
 
     def __init__(self, dataset: Any, kind: Kind, data: Any) -> None:
-        self.splits = streaming_splits(dataset, data.streaming_validation_documents)
+        self.read, self.leave_out = streaming_splits(dataset, data.streaming_validation_documents)
+        # what a user sees as the train split: the stream less the validation documents (the loader leaves them
+        # out itself, so that it counts them)
+        left = {"train": self.read["train"].filter(self.leave_out)} if self.leave_out is not None else {}
+        self.splits = {**self.read, **left}
         self.kind, self.buffer_size, self.num_workers = kind, data.streaming_buffer_size, data.num_workers
         self.counts = {split: StreamCounts(self.num_workers) for split in self.splits}
 
@@ -354,7 +335,7 @@ class Streams:
         """``split``'s loader (``settings``: the DataModule's ``SeqMemSettings``)."""
         encode = self.kind.stream_encoder(tokenizer, settings, strategy, split)
         return streaming_loader(
-            self.splits[split],
+            self.read[split],
             split,
             strategy,
             encode,
@@ -363,6 +344,7 @@ class Streams:
             self.num_workers,
             warn,
             self.counts[split],
+            self.leave_out if split == "train" else None,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -381,13 +363,14 @@ class Streams:
             )
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per split, the counts so far on this process (a stream's totals are known only once it is read)."""
-        drop = set(StreamCounts.FIELDS) - {*DOCUMENT_STATS, *self.kind.stats_keys, "rows"}  # other kinds' keys
+        """Per split, the counts so far on this process (a stream's totals are known only once it is read); for
+        training also the documents left out as validation (``stream_splits.LEFT_OUT``)."""
+        keep = {*DOCUMENT_STATS, *self.kind.stats_keys, "rows"}  # not other kinds' keys
         return {
             split: {
                 "streaming": True,
                 "buffer_size": self.buffer_size,
-                **{k: v for k, v in counts.totals().items() if k not in drop},
+                **{k: v for k, v in counts.totals().items() if k in keep or (k == LEFT_OUT and split == "train")},
             }
             for split, counts in self.counts.items()
         }
