@@ -55,3 +55,50 @@ def test_overlong_prompts_drop_under_both_modes_or_are_refused_on_request(mode):
         preference_spans(p, c, r, PreferenceLimits(16, truncation_mode=mode, on_overlong_prompt="error"))
     with pytest.raises(ValueError, match="on_overlong_prompt='skip' is not valid"):
         PreferenceLimits(16, on_overlong_prompt="skip")
+
+
+# ------------------------------------------------------------------------------- DPO, numbers and vocabularies
+TINY = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+)
+
+
+def quiet_trainer(**kwargs):
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=1,
+        limit_val_batches=0,
+        **kwargs,
+    )
+
+
+def text_module(tmp_path):
+    texts = [f"Document {i}: " + "lorem ipsum dolor sit amet " * (1 + i % 5) for i in range(30)]
+    return SeqMemDataModule(
+        datasets.Dataset.from_dict({"text": texts}), max_length=32, micro_batch_size=4, cache_dir=tmp_path
+    )
+
+
+def test_dpo_on_plain_text_is_refused_at_setup_naming_the_data(tmp_path):
+    from lightning_seqmem import DPO
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"DPO needs preference pairs .* holds text data \(Dataset\)"):
+            quiet_trainer().fit(DPO(model_config=TINY), datamodule=text_module(tmp_path))
+    from lightning_seqmem.training.checks import check_pair_batch
+
+    with pytest.raises(ValueError, match=r"DPO needs pair batches .*'completion_mask'.*\['input_ids', 'labels'\]"):
+        check_pair_batch({"input_ids": None, "labels": None})  # a user's own loader

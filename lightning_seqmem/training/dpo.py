@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_seqmem.batch import REF_LOGPS_KEYS
 from lightning_seqmem.messages import check_choice
+from lightning_seqmem.training import checks
 from lightning_seqmem.training.adapters import is_peft_model
 from lightning_seqmem.training.loss_layer import completion_token_logps
 from lightning_seqmem.training.model import CausalLM
@@ -71,6 +72,9 @@ class DPO(CausalLM):
 
     @override
     def setup(self, stage: str) -> None:
+        """Refuse data that are not preference pairs (the loss reads pair batches), then ``CausalLM``'s setup and
+        the frozen reference copy."""
+        checks.check_preference_data(self.trainer.datamodule if self._trainer is not None else None)
         super().setup(stage)
         if self.hparams.reference == "copy" and self.reference_model is None and not is_peft_model(self.model):
             self.reference_model = copy.deepcopy(self.model).requires_grad_(False)
@@ -112,6 +116,7 @@ class DPO(CausalLM):
 
     def pair_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The mean DPO loss over the batch's pairs and the values to log (reward margin and accuracy)."""
+        checks.check_pair_batch(batch)
         chosen, rejected = self.sequence_logps(self.model, batch)
         out = dpo_loss(
             chosen,

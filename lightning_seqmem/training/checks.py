@@ -1,0 +1,51 @@
+"""Checks that ``CausalLM`` and ``DPO`` run before the first step, so that a setting or data that would train to
+NaN, or fail deep inside a forward, is refused with the option (or row) named and the fix.
+
+- numbers that must be finite (a learning rate of ``inf``, a DPO ``beta`` of NaN): ``nan <= 0`` is false, so a
+  plain range check lets them through and the loss turns NaN at the first step;
+- a model whose embedding table is smaller than the data's token ids (a bare ``IndexError`` at the first forward);
+- ``DPO`` given data that are not preference pairs (a ``KeyError: 'completion_mask'`` at the first step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_seqmem.messages import short_repr
+
+
+def describe_data(dm: Any) -> str:
+    """The data a DataModule was given, for messages: its ``dataset`` argument, shortened."""
+    dataset = getattr(dm, "dataset", None)
+    return short_repr(dataset) if isinstance(dataset, str) else type(dataset).__name__
+
+
+def check_preference_data(dm: Any) -> None:
+    """Refuse, at setup, a ``SeqMemDataModule`` (set up) whose data are not preference pairs: DPO's loss reads the
+    pairs' ``completion_mask``.
+
+    Raises:
+        ValueError: naming the data kind and dataset found, and the fix.
+    """
+    kind = getattr(getattr(dm, "read_mode", None), "kind", None)
+    if kind is None or kind.name == "preference":
+        return
+    raise ValueError(
+        f"DPO needs preference pairs (columns prompt/chosen/rejected, or prompt_ids/chosen_ids/rejected_ids), but "
+        f"the DataModule holds {kind.name} data ({describe_data(dm)}). Give it a preference dataset (e.g. "
+        "SeqMemDataModule('builtin_preference') or seqmem-train data=preference), or train these data with "
+        "CausalLM (seqmem-train model=tiny_llama)."
+    )
+
+
+def check_pair_batch(batch: Any) -> None:
+    """Refuse a batch that is not a pair batch (a user's own loader), naming the keys it has.
+
+    Raises:
+        ValueError: no ``completion_mask`` in the batch.
+    """
+    if "completion_mask" not in batch:
+        raise ValueError(
+            f"DPO needs pair batches (preference pairs: prompt/chosen/rejected) with a 'completion_mask'; this batch "
+            f"has {short_repr(sorted(batch))}. Feed DPO a SeqMemDataModule of preference data."
+        )
