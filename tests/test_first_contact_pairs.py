@@ -102,3 +102,34 @@ def test_dpo_on_plain_text_is_refused_at_setup_naming_the_data(tmp_path):
 
     with pytest.raises(ValueError, match=r"DPO needs pair batches .*'completion_mask'.*\['input_ids', 'labels'\]"):
         check_pair_batch({"input_ids": None, "labels": None})  # a user's own loader
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0, 0.0])
+def test_non_finite_learning_rate_and_beta_are_refused(value):
+    from lightning_seqmem import DPO, CausalLM
+
+    with pytest.raises(ValueError, match=r"learning_rate=.* must be a finite number > 0 .*use e.g. 1e-4"):
+        CausalLM(model_config=TINY, learning_rate=value)
+    with pytest.raises(ValueError, match=r"beta=.* must be a finite number > 0 .*use e.g. 0.1"):
+        DPO(model_config=TINY, beta=value)
+
+
+def test_a_nan_reference_logp_is_refused_naming_row_and_column(tmp_path):
+    rows = [
+        {
+            "prompt_ids": [5 + i % 7, 6],
+            "chosen_ids": [7, 8 + i % 5],
+            "rejected_ids": [9 + i % 3],
+            "ref_chosen_logps": -3.0 - i % 4,
+            "ref_rejected_logps": -2.5,
+        }
+        for i in range(24)
+    ]
+    rows[5]["ref_rejected_logps"] = float("nan")
+    dm = SeqMemDataModule(
+        datasets.Dataset.from_list(rows), max_length=16, micro_batch_size=4, pad_token_id=0, cache_dir=tmp_path
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"row \d+: column 'ref_rejected_logps' is nan .*reference='copy'"):
+            dm.setup("fit")

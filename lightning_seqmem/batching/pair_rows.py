@@ -100,6 +100,24 @@ def kept_identical(chosen: Any, rejected: Any, spans: PairSpans) -> np.ndarray:
     return out
 
 
+def check_ref_logps(ref: dict[str, np.ndarray]) -> None:
+    """Refuse precomputed reference log-probabilities that are missing or not finite (NaN, inf): one of them makes
+    the DPO loss, and then every weight, NaN.
+
+    Raises:
+        ValueError: naming the column, the rows and the fix.
+    """
+    for key, values in ref.items():
+        bad = ~np.isfinite(np.asarray(values, dtype=np.float64))
+        if bad.any():
+            first = np.asarray(values, dtype=np.float64)[bad][0]
+            raise ValueError(
+                f"{name_rows(bad, 0)}: column {key!r} is {first} (missing or not finite); reference "
+                "log-probabilities must be finite numbers (a NaN trains every weight to NaN). Recompute them for "
+                "these rows, drop the rows, or drop the column and use DPO(reference='copy')."
+            )
+
+
 def plan_pairs(
     prompt: Any, chosen: Any, rejected: Any, ref: dict[str, np.ndarray], limits: PreferenceLimits
 ) -> tuple[PairSource, PairSpans, list[str]]:
@@ -111,9 +129,10 @@ def plan_pairs(
         limits: the truncation limits.
 
     Raises:
-        ValueError: an empty completion, or (``on_overlong_prompt="error"``) a prompt longer than ``max_length``
-            on its own, naming the rows.
+        ValueError: an empty completion, a reference log-probability that is not finite, or
+            (``on_overlong_prompt="error"``) a prompt longer than ``max_length`` on its own, naming the rows.
     """
+    check_ref_logps(ref)
     spans = preference_spans(prompt.lengths, chosen.lengths, rejected.lengths, limits)
     spans = replace(spans, identical=kept_identical(chosen, rejected, spans))
     warnings = []

@@ -9,9 +9,27 @@ NaN, or fail deep inside a forward, is refused with the option (or row) named an
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from lightning_seqmem.messages import short_repr
+
+
+def positive_finite(name: str, value: Any, fix: str) -> None:
+    """Refuse ``value`` unless it is a finite number ``> 0``.
+
+    Raises:
+        ValueError: naming the option, the value and ``fix``.
+
+    Example::
+
+        >>> positive_finite("learning_rate", float("inf"), "use e.g. 1e-4")
+        Traceback (most recent call last):
+        ...
+        ValueError: learning_rate=inf must be a finite number > 0 (a non-finite value trains to NaN): use e.g. 1e-4.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a finite number > 0 (a non-finite value trains to NaN): {fix}.")
 
 
 def describe_data(dm: Any) -> str:

@@ -64,6 +64,7 @@ class DPO(CausalLM):
     def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0, reference: str = "copy", **kwargs: Any) -> None:
         check_choice("reference", reference, REFERENCES)
         check_choice("cross_entropy", kwargs.get("cross_entropy", "auto"), CROSS_ENTROPY)
+        checks.positive_finite("beta", beta, "use e.g. 0.1 (TRL's default)")
         dpo_loss(*torch.zeros(4, 1), beta=beta, label_smoothing=label_smoothing)  # the loss checks its arguments
         kwargs["loss_normalization"] = "micro_batch"
         super().__init__(**kwargs)

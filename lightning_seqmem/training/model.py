@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
 from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
-from lightning_seqmem.training import adapters
+from lightning_seqmem.training import adapters, checks
 from lightning_seqmem.training.attention import AUTO, resolve_attn_implementation
 from lightning_seqmem.training.building import build_causal_lm, datamodule_max_length, positions_problem
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
@@ -115,8 +115,7 @@ class CausalLM(LightningModule):
         lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if learning_rate <= 0:
-            raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
+        checks.positive_finite("learning_rate", learning_rate, "use e.g. 1e-4 (AdamW's usual range is 1e-5 to 1e-3)")
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {loss_normalization!r}.")
         check_cross_entropy(cross_entropy, loss_chunk_size)
