@@ -133,3 +133,14 @@ def test_a_nan_reference_logp_is_refused_naming_row_and_column(tmp_path):
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match=r"row \d+: column 'ref_rejected_logps' is nan .*reference='copy'"):
             dm.setup("fit")
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused_at_setup(tmp_path):
+    from lightning_seqmem import CausalLM
+
+    dm = text_module(tmp_path)
+    size = len(dm.tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=rf"vocabulary has 64 tokens .* tokenizer has {size} .*vocab_size={size}"):
+            quiet_trainer().fit(CausalLM(model_config=TINY, vocab_size=64), datamodule=dm)

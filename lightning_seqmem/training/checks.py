@@ -32,6 +32,32 @@ def positive_finite(name: str, value: Any, fix: str) -> None:
         raise ValueError(f"{name}={value!r} must be a finite number > 0 (a non-finite value trains to NaN): {fix}.")
 
 
+def model_vocab_size(model: Any) -> int | None:
+    """Rows of the model's input embedding table (``None`` where the model has none to ask)."""
+    try:
+        return int(model.get_input_embeddings().num_embeddings)
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+
+
+def check_vocab_fits(model: Any, tokenizer: Any) -> None:
+    """Refuse, before the first step, a model whose embedding table has fewer rows than the data's tokenizer has
+    ids (every id at or above it fails the first forward with a bare ``IndexError``).
+
+    Raises:
+        ValueError: naming both sizes and the fix.
+    """
+    rows = model_vocab_size(model)
+    if tokenizer is None or rows is None or len(tokenizer) <= rows:
+        return
+    raise ValueError(
+        f"The model's vocabulary has {rows} tokens (embedding rows) but the data's tokenizer has {len(tokenizer)} "
+        f"(ids up to {len(tokenizer) - 1}): ids >= {rows} would fail the first forward with an IndexError. Leave "
+        f"vocab_size unset (it is taken from the tokenizer), pass vocab_size={len(tokenizer)}, or train a model "
+        "made for this tokenizer (resize its embeddings: model.resize_token_embeddings(len(tokenizer)))."
+    )
+
+
 def describe_data(dm: Any) -> str:
     """The data a DataModule was given, for messages: its ``dataset`` argument, shortened."""
     dataset = getattr(dm, "dataset", None)

@@ -181,6 +181,7 @@ class CausalLM(LightningModule):
             adapters.check_quantization(lora, self.trainer.strategy.root_device)
         self._choose_attention()
         self._check_positions(dm)
+        checks.check_vocab_fits(self.model, tok)
         self._choose_loss_layer(dm)
         self._no_decay = no_decay_names(self)
 
