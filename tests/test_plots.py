@@ -151,3 +151,26 @@ def test_memory_chart_stacks_what_is_live_at_the_peak_under_the_budget():
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert {"parameters", "gradients", "optimizer state", "activations"} <= set(legend)
     assert any(text.startswith("margin: 10% of the budget") for text in legend)
+
+
+@pytest.mark.parametrize("per_job", [False, True])
+def test_sweep_training_loss_panels_show_jobs_with_one_point(per_job):
+    """Each job logged its training loss once: a line of one point draws nothing, so the panels were empty."""
+    from types import SimpleNamespace
+
+    def job(seed):
+        val = [{"wall_clock_s": 1.0 + t + seed, "tokens_seen": 100 * (t + 1), "val_loss": 3.0 - t} for t in range(2)]
+        train = [{"wall_clock_s": 1.5 + seed, "tokens_seen": 150, "train_loss": 3.2 + seed}]
+        return SimpleNamespace(rows=val, train_rows=train, finished=True, status="finished")
+
+    groups = {"a": [job(0)], "b": [job(0.1), job(0.2)]}  # b: the mean over two seeds, also one point
+    fig = plots.sweep_curves(groups, "wall_clock_s", target=2.5, per_job=per_job)
+    axes = fig.axes
+    assert len(axes) == 4
+    for ax in axes[2:]:  # the training-loss row
+        points = ax.get_lines()  # one point each: every one must be seen
+        assert {line.get_color() for line in points} == {"C0", "C1"} and len(points) >= 2, ax.get_ylabel()
+        for line in points:
+            assert len(line.get_xdata()) == 1
+            assert line.get_marker() not in (None, "None", "", " ") and line.get_markersize() > 0
+            assert line.get_visible() and np.isfinite(line.get_ydata()).all()

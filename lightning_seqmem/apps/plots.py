@@ -312,7 +312,9 @@ def sweep_curves(
                 band = None if per_job or len(curves) < 2 else _mean_band(curves, x, loss)
                 if band is not None:
                     grid, mean, low, high = band
-                    ax.plot(grid, mean, color=colour, linewidth=1.6, label=f"{name} (mean of {len(curves)})")
+                    point = "o" if len(grid) == 1 else None  # one point: a line of one point is not drawn
+                    label = f"{name} (mean of {len(curves)})"
+                    ax.plot(grid, mean, color=colour, marker=point, markersize=4, linewidth=1.6, label=label)
                     ax.fill_between(grid, low, high, color=colour, alpha=0.2, linewidth=0)
                     continue
                 for i, job in enumerate(jobs if per_job else done):
@@ -326,7 +328,7 @@ def sweep_curves(
                         [r[loss] for r in curve],
                         "-" if job.finished else ":",
                         color=colour,
-                        marker="o" if loss == "val_loss" else None,
+                        marker="o" if loss == "val_loss" or len(curve) == 1 else None,  # one point: a marker
                         markersize=3,
                         linewidth=1,
                         label=(name + tag) if i == 0 or not per_job else None,
