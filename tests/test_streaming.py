@@ -642,3 +642,38 @@ def test_streaming_true_checks_its_files_as_map_style_loading_does(tmp_path, tok
     )
     documents.setup("fit")
     assert isinstance(documents.dataset, datasets.IterableDatasetDict) and documents.datasets["validation"]
+
+
+def test_stream_files_that_disagree_are_named_before_training(tmp_path):
+    """``datasets`` reads every file of a stream with the first file's columns and fails mid-training, naming no
+    file, on one that disagrees: the files are checked when the stream is opened (first rows, Parquet schemas), and
+    the error names the files, the columns and the fix. Files whose columns the first file holds stream as before."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def jsonl(name, *rows):
+        (tmp_path / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return str(tmp_path / name)
+
+    text, content = jsonl("a.jsonl", {"text": "one two"}), jsonl("b.jsonl", {"content": "three four"})
+    listed, fuller = jsonl("c.jsonl", {"text": ["five"]}), jsonl("d.jsonl", {"text": "six seven", "id": 1})
+
+    def setup(files):
+        dm = SeqMemDataModule(dataset=files, streaming=True, strategy="pack", streaming_validation_documents=0)
+        dm.setup("fit")
+        return dm
+
+    with pytest.raises(ValueError, match=r"b\.jsonl has column\(s\) \['content'\] that .*a\.jsonl lacks \(and lacks "):
+        setup([text, content])
+    with pytest.raises(ValueError, match=r"c\.jsonl's column 'text' holds a list where .*a\.jsonl's holds a single"):
+        setup([text, listed])
+    with pytest.raises(ValueError, match=r"d\.jsonl has column\(s\) \['id'\].*Give every file the same columns"):
+        setup([text, fuller])
+    agreeing = setup([fuller, text])  # a file without the first file's 'id' is read with id None
+    assert sum(1 for _ in agreeing.train_dataloader()) and agreeing.stats()["train"]["documents"] == 2
+    parquet = []
+    for name, table in (("p.parquet", {"text": ["a b"]}), ("q.parquet", {"text": [["c"]]})):
+        pq.write_table(pa.table(table), tmp_path / name)
+        parquet.append(str(tmp_path / name))
+    with pytest.raises(ValueError, match=r"q\.parquet's column 'text' holds a list where .*p\.parquet's holds"):
+        setup(parquet)

@@ -104,9 +104,80 @@ def load_local_files(files: Sequence[str], streaming: bool = False):
             raise ValueError(f"{path} is empty: there are no rows to read. Remove it from the dataset or fill it.")
     builder = LOCAL_BUILDERS[exts.pop()]
     try:
-        return datasets.load_dataset(builder, data_files={"train": list(files)}, streaming=streaming)
+        loaded = datasets.load_dataset(builder, data_files={"train": list(files)}, streaming=streaming)
     except Exception as err:
         raise ValueError(_read_error(files, builder, err)) from err
+    if streaming:  # a stream reads its files only as it is trained on: check now that they agree with the first
+        problem = disagreeing_files(files, builder, loaded["train"].features)
+        if problem:
+            raise ValueError(problem)
+    return loaded
+
+
+def disagreeing_files(files: Sequence[str], builder: str, features) -> str | None:
+    """What makes JSON Lines or Parquet ``files`` unreadable as one stream, ``None`` if nothing does: ``datasets``
+    reads every file with the columns (``features``) it found in the first one, and fails, naming no file, on a
+    file with a column the first lacks or a column of another shape (a list where the first has a string).
+
+    Cheap: a file's first row (JSON Lines) or its schema (Parquet footer), never the whole file.
+    """
+    if features is None or builder not in ("json", "parquet") or len(files) < 2:
+        return None
+    first, want = files[0], {name: _shape(feature) for name, feature in features.items()}
+    problems = []
+    for path in files[1:]:
+        columns = _first_columns(path, builder)
+        extra = sorted(set(columns) - set(want))
+        if extra:
+            missing = sorted(set(want) - set(columns))
+            lacks = f" (and lacks {missing})" if missing else ""
+            problems.append(f"{path} has column(s) {extra} that {first} lacks{lacks}")
+        for name in sorted(set(columns) & set(want)):
+            if columns[name] is not None and columns[name] != want[name]:
+                problems.append(f"{path}'s column {name!r} holds {columns[name]} where {first}'s holds {want[name]}")
+    if not problems:
+        return None
+    return (
+        f"The stream's files disagree with its first file, {first} (columns {sorted(want)}): "
+        + "; ".join(problems[:5])
+        + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        + ". datasets reads every file with the first file's columns, so these would fail mid-training. Give every "
+        "file the same columns with the same types (rename or convert the odd ones), or drop them from the dataset."
+    )
+
+
+def _first_columns(path: str, builder: str) -> dict[str, str | None]:
+    """Column name -> shape (:func:`_shape`) of a file: a Parquet file's schema, a JSON Lines file's first row
+    (``None`` for a null value, whose shape is unknown); empty for a JSON array file (not read: it parses whole)."""
+    if builder == "parquet":
+        import datasets
+        import pyarrow.parquet as pq
+
+        return {name: _shape(f) for name, f in datasets.Features.from_arrow_schema(pq.read_schema(path)).items()}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        line = next((line for line in f if line.strip()), "")
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return {}  # a JSON array, or a bad line: told as it is read (json_problem)
+    if not isinstance(row, dict):
+        return {}
+    return {name: None if value is None else _shape(value) for name, value in row.items()}
+
+
+def _shape(item) -> str:
+    """``"a list"``, ``"an object"`` or a single value: of a ``datasets`` feature or a parsed JSON value. Only
+    these differ in a way ``datasets`` cannot cast (a number read where text is expected becomes text)."""
+    import datasets
+
+    lists = tuple(
+        kind for name in ("List", "LargeList", "Sequence") if isinstance(kind := getattr(datasets, name, None), type)
+    )
+    if isinstance(item, (list, *lists)):
+        return "a list"
+    if isinstance(item, dict):
+        return "an object"
+    return "a single value (text or number)"
 
 
 def _is_blank(path: str, probe: int = 1 << 16) -> bool:
