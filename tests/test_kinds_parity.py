@@ -9,8 +9,15 @@ import pytest
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.kinds.base import DOCUMENT_STATS
 
+ODD_CONVERSATIONS = {
+    5: [{"role": "user", "content": "no answer"}],  # no trained token: dropped and counted
+    7: [{"role": "user", "content": "  "}, {"role": "assistant", "content": "   "}],  # whitespace-only turns
+}
+
 
 def _conversation(i):
+    if i in ODD_CONVERSATIONS:
+        return ODD_CONVERSATIONS[i]
     turns = [{"role": "system", "content": "Be brief."}]
     for t in range(1 + i % 4):
         turns += [
@@ -22,7 +29,11 @@ def _conversation(i):
 
 KINDS = {
     "text": lambda i: {"text": {4: "   ", 5: "", 6: "\n"}.get(i, f"document {i} " + "words and words " * (i % 9))},
-    "prompt_completion": lambda i: {"prompt": f"prompt {i} " * (1 + i % 5), "completion": f"answer {i} " * (i % 4)},
+    "prompt_completion": lambda i: (
+        {"prompt": f"prompt {i} " * (1 + i % 5), "completion": f"answer {i} " * (i % 4)}
+        if i != 5
+        else {"prompt": "   ", "completion": "\n"}  # whitespace only
+    ),
     "conversations": lambda i: {"messages": _conversation(i)},
     "tokens": lambda i: {
         "input_ids": [5 + (i * 7 + j) % 50 for j in range(i % 13)],
@@ -100,6 +111,10 @@ def test_map_style_and_stream_give_the_same_rows_stats_and_errors(kind, chat_tok
     keys = DOCUMENT_STATS + map_style.read_mode.kind.stats_keys
     want = {k: map_style.stats()["train"][k] for k in keys}
     assert {k: streamed.stats()["train"][k] for k in keys} == want
+    list(streamed.val_dataloader())  # one pass: the validation split's stats agree too
+    assert {k: streamed.stats()["validation"][k] for k in keys} == {k: map_style.stats()["validation"][k] for k in keys}
+    if kind == "conversations":
+        assert want["conversations_dropped_empty"] == 1
     assert want["tokens_truncated"] or kind.startswith("text") or kind == "tokens"  # truncation is compared too
 
     bad_row, error, message = BAD[kind]
