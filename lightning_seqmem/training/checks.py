@@ -72,7 +72,7 @@ def check_preference_data(dm: Any) -> None:
         ValueError: naming the data kind and dataset found, and the fix.
     """
     kind = getattr(getattr(dm, "read_mode", None), "kind", None)
-    if kind is None or kind.name == "preference":
+    if kind is None or kind.sequences == 2:  # a pair per item: chosen and rejected
         return
     raise ValueError(
         f"DPO needs preference pairs (columns prompt/chosen/rejected, or prompt_ids/chosen_ids/rejected_ids), but "
