@@ -42,9 +42,11 @@ class _Rows(L.Callback):
         self.rows.append(batch["input_ids"].shape[0])
 
 
-def test_batch_size_finder_scales_micro_batch_size(tmp_path):
+@pytest.mark.parametrize("batch_arg_name", ["micro_batch_size", None])
+def test_batch_size_finder_scales_micro_batch_size(tmp_path, batch_arg_name):
     """``Tuner.scale_batch_size(..., batch_arg_name="micro_batch_size")`` sets the DataModule's micro-batch (was:
-    "property has no setter"); every later loader, ``stats()`` and the fit that follows use it."""
+    "property has no setter"), and so does the call with Lightning's default name, ``batch_size`` (was: "Field
+    batch_size not found"); every later loader, ``stats()`` and the fit that follows use it."""
     data = datasets.Dataset.from_dict({"text": _texts(64, "train")})
     dm = SeqMemDataModule(data, strategy="pad", max_length=32, micro_batch_size=2, cache_dir=tmp_path / "cache")
     rows = _Rows()
@@ -57,7 +59,7 @@ def test_batch_size_finder_scales_micro_batch_size(tmp_path):
         init_val=2,
         max_trials=3,
         steps_per_trial=1,
-        batch_arg_name="micro_batch_size",
+        **({"batch_arg_name": batch_arg_name} if batch_arg_name else {}),
     )
     assert found == 8 and dm.micro_batch_size == 8 and dm.hparams["micro_batch_size"] == 8
     assert next(iter(dm.train_dataloader()))["input_ids"].shape[0] == 8

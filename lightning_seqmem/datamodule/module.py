@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_seqmem.batching.options import Batching
 from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
 from lightning_seqmem.data.tokenizer import load_tokenizer
+from lightning_seqmem.datamodule.batch_answers import BatchAnswers
 from lightning_seqmem.datamodule.map_style import MapStyle
 from lightning_seqmem.datamodule.pipeline import load_documents
 from lightning_seqmem.datamodule.read_mode import ReadMode
@@ -33,7 +34,7 @@ from lightning_seqmem.kinds.detect import detect_stream
 _SPECIAL_IDS = ("pad_token_id", "eos_token_id")
 
 
-class SeqMemDataModule(LightningDataModule):
+class SeqMemDataModule(BatchAnswers, LightningDataModule):
     """Variable-length text for causal-LM training.
 
     Map-style data lives in the Arrow tables ``datasets`` keeps memory-mapped: tokens are read as numpy views,
@@ -205,6 +206,16 @@ class SeqMemDataModule(LightningDataModule):
         self.read_mode, self.datasets = None, None
 
     @property
+    def batch_size(self) -> int:
+        """``micro_batch_size`` under the name Lightning's batch-size finder looks for by default
+        (``Tuner(trainer).scale_batch_size(model, datamodule=dm)``); setting it sets ``micro_batch_size``."""
+        return self.micro_batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        self.micro_batch_size = value
+
+    @property
     def eval_batch_size(self) -> int:
         """Rows per validation batch (``eval_batch_size``, else ``micro_batch_size``)."""
         return self.settings.batching.batch_size("validation")
@@ -330,44 +341,6 @@ class SeqMemDataModule(LightningDataModule):
         """The ``test`` split when the data have one, else the validation split (batched as validation)."""
         split = "test" if "test" in self._ready().datasets else "validation"
         return self.read_mode.loader(split, self.tokenizer, self.pad_token_id)
-
-    # ---------------------------------------------------------------------------------------------- reporting
-    def batch_keys(self) -> tuple[str, ...]:
-        """The keys of the batches the train loader yields (``eval_strategy`` may differ: see its loader)."""
-        return tuple(self._ready().strategies["train"].keys)
-
-    def batching_label(self) -> str:
-        """The train loader's batching in a few words (``protocols.DescribesBatching``): ``"pack (bfd)"``."""
-        return self._ready().strategies["train"].label
-
-    def constant_shapes(self) -> bool:
-        """Whether every batch of the train and validation loaders has one shape (``protocols.DescribesBatching``)."""
-        return all(strategy.constant_shapes for strategy in self._ready().strategies.values())
-
-    def packs_documents(self) -> bool:
-        """Whether some loader puts several documents in one row (``protocols.DescribesBatching``)."""
-        return any(strategy.packs for strategy in self._ready().strategies.values())
-
-    def worst_batch_layout(self, rows: int, length: int) -> tuple[tuple[int, ...], ...]:
-        """Document lengths per row of the costliest ``[rows, length]`` training batch
-        (``protocols.GivesWorstBatchLayout``, asked by ``CachePreallocator``): the train strategy's answer."""
-        return self._ready().worst_batch_layout(rows, length)
-
-    def max_batch_shape(self) -> tuple[int, int]:
-        """The largest ``(rows, length)`` any loader (train or validation, whatever its strategy) yields, for
-        pre-allocation. With a token budget, rows and length vary together: the shape with the most slots."""
-        return self._ready().max_batch_shape()
-
-    def stats(self) -> dict[str, Any]:
-        """Per split: documents, tokens, tokens truncated/dropped, documents split, empty documents skipped,
-        rows, batches, rows ``drop_last`` leaves out, and token efficiency (real tokens / slots in one epoch);
-        for prompt/completion data also the rows skipped because no completion was left; for conversations also
-        ``conversations_dropped_empty``, ``trained_tokens``, ``trained_share`` and ``mask_method``; for preference
-        pairs (``documents`` = pairs) also the prompt / chosen / rejected tokens truncated, the pairs left without a
-        completion and the pairs whose kept completions are identical. For a stream: what has been read so far on
-        this process (``streaming.StreamCounts``). The keys each kind reports: ``kinds.base.DOCUMENT_STATS`` and
-        its ``Kind.stats_keys``."""
-        return self._ready().stats()
 
     # ------------------------------------------------------------------------------------------------ resume
     def data_signature(self) -> dict[str, Any]:
