@@ -368,10 +368,12 @@ def test_resume_is_bit_exact(tmp_path):
 
 # ------------------------------------------------------------------------------------------------- two ranks
 @pytest.mark.slow
-def test_two_gloo_ranks_with_different_token_counts(tmp_path):
+@pytest.mark.parametrize("cross_entropy", ["full", "chunked"])
+def test_two_gloo_ranks_with_different_token_counts(tmp_path, cross_entropy):
     """Rank 0 holds 46 + 30 label tokens, rank 1 holds 4 + 1: DDP's averaged gradient, rescaled, is the gradient
-    of the mean over all 81 tokens."""
-    model = _model(RankData, out_dir=str(tmp_path))
+    of the mean over all 81 tokens — with the whole logits, and with the chunked loss layer (against the same
+    full-logits reference)."""
+    model = _model(RankData, out_dir=str(tmp_path), cross_entropy=cross_entropy, loss_chunk_size=7)
     trainer = L.Trainer(
         strategy="ddp_spawn",
         devices=2,
