@@ -57,7 +57,7 @@ class WrapperCalls(L.Callback):
         trainer.strategy.model.register_forward_pre_hook(lambda *args: setattr(self, "calls", self.calls + 1))
 
 
-def main(kind: str, out: str, oom: bool) -> None:
+def main(kind: str, out: str, oom: bool, chunked: bool = False) -> None:
     g = np.random.default_rng(0)
     docs = [g.integers(2, 64, n).tolist() for n in g.integers(3, 40, 48)]
     L.seed_everything(0)
@@ -75,6 +75,8 @@ def main(kind: str, out: str, oom: bool) -> None:
         ),
         vocab_size=64,
         pad_token_id=0,
+        cross_entropy="chunked" if chunked else "full",
+        loss_chunk_size=7,  # chunk boundaries inside every rank's tokens
     )
     dm = SeqMemDataModule(
         dataset=datasets.Dataset.from_dict({"input_ids": docs}),
@@ -122,4 +124,4 @@ def main(kind: str, out: str, oom: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--oom" in sys.argv)
+    main(sys.argv[1], sys.argv[2], "--oom" in sys.argv, "--chunked" in sys.argv)

@@ -52,6 +52,20 @@ def test_fsdp_clips_preallocates_and_gives_the_ddp_gradient(tmp_path):
 
 
 @pytest.mark.slow
+def test_chunked_loss_under_fsdp_gives_the_full_logits_ddp_gradient(tmp_path):
+    """``cross_entropy="chunked"`` under FSDP (the head's weight read where FSDP has gathered it, chunks of 7
+    tokens) gives DDP's gradient with the whole logits: same clipped, token-weighted step."""
+    (tmp_path / "full").mkdir(), (tmp_path / "chunked").mkdir()
+    _run("ddp", tmp_path / "full")
+    _run("fsdp", tmp_path / "chunked", "--chunked")
+    ddp = torch.load(tmp_path / "full" / "DistributedDataParallel.pt")
+    fsdp = torch.load(tmp_path / "chunked" / "FullyShardedDataParallel.pt")
+    assert ddp.keys() == fsdp.keys() and len(ddp) > 10
+    for name in ddp:
+        torch.testing.assert_close(fsdp[name], ddp[name], rtol=1e-5, atol=1e-8, msg=name)
+
+
+@pytest.mark.slow
 def test_fsdp_worst_case_that_does_not_fit_fails_with_the_shape(tmp_path):
     _run("fsdp", tmp_path, "--oom")
     text = (tmp_path / "oom.txt").read_text()
