@@ -56,6 +56,22 @@ class MemoryEstimate:
         return asdict(self)
 
 
+def checked_arguments(model_config, rows, length, device, precision, cross_entropy, chunk_size) -> tuple[str, str]:
+    """``(precision, cross_entropy)`` of an estimate, checked and resolved (``"auto"`` decided for this vocabulary
+    and batch): the one check of every estimate's arguments, traced whole or scaled from a few layers.
+
+    Raises:
+        ValueError: rows or length not an int >= 1, an unknown device, precision or loss choice.
+    """
+    if not (isinstance(rows, int) and isinstance(length, int)) or rows < 1 or length < 1:
+        raise ValueError(f"rows and length must be ints >= 1, got rows={rows!r}, length={length!r}.")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r}: estimates are for 'cuda' or 'cpu'.")
+    precision = normalize_precision(precision)
+    check_cross_entropy(cross_entropy, chunk_size)
+    return precision, resolve_cross_entropy(cross_entropy, int(model_config.vocab_size), rows * length)
+
+
 def estimate_training_memory(
     model_config,
     rows: int,
@@ -101,13 +117,9 @@ def estimate_training_memory(
         est = estimate_training_memory(build_model_config("tiny_llama", 32000, 0), rows=8, length=2048)
         est.peak, est.activations
     """
-    if not (isinstance(rows, int) and isinstance(length, int)) or rows < 1 or length < 1:
-        raise ValueError(f"rows and length must be ints >= 1, got rows={rows!r}, length={length!r}.")
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device={device!r}: estimates are for 'cuda' or 'cpu'.")
-    precision = normalize_precision(precision)
-    check_cross_entropy(cross_entropy, chunk_size)
-    cross_entropy = resolve_cross_entropy(cross_entropy, int(model_config.vocab_size), rows * length)
+    precision, cross_entropy = checked_arguments(
+        model_config, rows, length, device, precision, cross_entropy, chunk_size
+    )
     traced = "chunked" if cross_entropy == "liger" else cross_entropy
     mode, module = model or build_fake_model(model_config, attn_implementation, precision, gradient_checkpointing)
     if lora is not None and model is None:

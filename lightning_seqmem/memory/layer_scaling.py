@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from lightning_seqmem.memory.adapter_trace import add_fake_lora
-from lightning_seqmem.memory.estimate import MemoryEstimate, estimate_training_memory
-from lightning_seqmem.memory.precision import normalize_precision
+from lightning_seqmem.memory.estimate import MemoryEstimate, checked_arguments, estimate_training_memory
 from lightning_seqmem.memory.trace import (
     CATEGORIES,
     CUDA_GRANULE,
@@ -42,7 +41,6 @@ from lightning_seqmem.memory.trace import (
 )
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
-from lightning_seqmem.training.loss_layer import check_cross_entropy, resolve_cross_entropy
 
 LAYER_LISTS = ("layers", "h", "blocks", "layer")  # the names transformers gives a decoder's list of layers
 TRACED_LAYERS = (1, 2)
@@ -256,13 +254,7 @@ def scaled_training_memory(
     )
     if not small or None in small:
         return whole()
-    if not (isinstance(rows, int) and isinstance(length, int)) or rows < 1 or length < 1:
-        raise ValueError(f"rows and length must be ints >= 1, got rows={rows!r}, length={length!r}.")
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device={device!r}: estimates are for 'cuda' or 'cpu'.")
-    precision = normalize_precision(precision)
-    check_cross_entropy(cross_entropy, chunk_size)
-    decided = resolve_cross_entropy(cross_entropy, int(model_config.vocab_size), rows * length)
+    precision, decided = checked_arguments(model_config, rows, length, device, precision, cross_entropy, chunk_size)
     loss = ("chunked" if decided == "liger" else decided, chunk_size)
     traced = []
     for config in small:
