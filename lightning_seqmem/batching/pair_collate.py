@@ -17,7 +17,6 @@ from lightning_seqmem.batch import COMPLETION_MASK, IGNORE_INDEX, REF_LOGPS_KEYS
 from lightning_seqmem.batching.collate import PadCollator, _fill
 from lightning_seqmem.batching.preference import (
     CHOSEN,
-    PAIR_COLUMNS,
     REJECTED,
     PairSpans,
     PreferenceLimits,
@@ -25,6 +24,7 @@ from lightning_seqmem.batching.preference import (
     name_rows,
     preference_spans,
 )
+from lightning_seqmem.data.columns import PREFERENCE_IDS
 from lightning_seqmem.messages import short_repr
 
 
@@ -43,12 +43,12 @@ def pair_tokens(examples: Sequence[Mapping[str, Any]], first_row: int = 0) -> li
     """
     out: list[list[np.ndarray]] = [[], [], []]
     for i, ex in enumerate(examples):
-        for j, key in enumerate(PAIR_COLUMNS):
+        for j, key in enumerate(PREFERENCE_IDS):
             ids = ex.get(key)
             if ids is None and j:
                 raise ValueError(
                     f"row {first_row + i}: the pair has no {key!r} (keys: {short_repr(sorted(ex))}); "
-                    f"every pair needs {PAIR_COLUMNS[1]!r} and {PAIR_COLUMNS[2]!r}."
+                    f"every pair needs {PREFERENCE_IDS[1]!r} and {PREFERENCE_IDS[2]!r}."
                 )
             out[j].append(np.asarray(ids if ids is not None else [], dtype=np.int64))
     return out

@@ -20,14 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_seqmem.batching.truncation import check_max_length, check_part_limits
-from lightning_seqmem.data.columns import PREFERENCE_IDS
 from lightning_seqmem.messages import check_choice
 
 CHOSEN, REJECTED = 0, 1
 """Index of each side on the first axis of the ``[2, rows]`` arrays of :class:`PairSpans`."""
-
-PAIR_COLUMNS = PREFERENCE_IDS
-"""Keys of a tokenized pair (TRL's names; the data's token columns)."""
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 OVERLONG_PROMPT_CHOICES = ("drop", "error")
