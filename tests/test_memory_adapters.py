@@ -101,8 +101,11 @@ def test_adapters_the_tracer_cannot_rebuild_are_not_estimated():
     ia3 = TinyLM()
     ia3.model = peft.get_peft_model(ia3.model, peft.IA3Config(target_modules=["k_proj"], feedforward_modules=[]))
     assert module_facts(ia3) is None  # nothing traced rather than a wrong number
-    with pytest.raises(ValueError, match=r"lora.quantize='nf4': the traced estimate cannot run bitsandbytes"):
-        estimate_training_memory(TinyLM().model.config, 1, 16, device="cpu", lora=dict(quantize="nf4"))
+    # QLoRA is traced on the 4-bit stand-in (memory/qlora_shape.py; tests/test_qlora_shape.py): it was refused
+    config = TinyLM().model.config
+    qlora = estimate_training_memory(config, 1, 16, device="cpu", lora=dict(r=4, quantize="nf4"))
+    lora = estimate_training_memory(config, 1, 16, device="cpu", lora=dict(r=4))
+    assert qlora.state["parameters"] < lora.state["parameters"] and qlora.gradients == lora.gradients
 
 
 def test_config_checks_suggest_an_adapter_for_fp16_full_fine_tuning():

@@ -7,6 +7,10 @@ _apply(): Couldn't swap Linear.weight``). So the adapter is added outside the mo
 ``low_cpu_mem_usage=True`` (its weights made on the meta device, which PEFT does not move), and each meta weight is
 then replaced, inside the mode, by a fake parameter of the training dtype: the same modules, names, shapes and
 ``requires_grad`` as the real adapter, no byte allocated.
+
+QLoRA (``quantize="nf4"``) is traced on :mod:`~lightning_seqmem.memory.qlora_shape`'s stand-in of bitsandbytes'
+4-bit layer (its memory, not its numerics: bitsandbytes has no fake-tensor kernels): the base's linear layers but the
+head swapped for it inside the mode, then the adapter on top as above.
 """
 
 from __future__ import annotations
@@ -16,25 +20,24 @@ from typing import Any
 import torch
 
 from lightning_seqmem.memory.precision import parameter_dtype
+from lightning_seqmem.memory.qlora_shape import quantize_linears
 from lightning_seqmem.training.adapters import LoraSettings, check_target_modules, import_peft
 
 
 def add_fake_lora(mode: Any, model: torch.nn.Module, lora: LoraSettings | Any, precision: str) -> torch.nn.Module:
     """``model`` (built in the fake ``mode``) wrapped with a LoRA adapter of ``lora``'s settings, its adapter
     weights fake parameters in ``precision``'s parameter dtype (Lightning casts the whole module for ``*-true``; the
-    adapter is fp32 otherwise, as PEFT makes it).
+    adapter is fp32 otherwise, as PEFT makes it). With ``quantize="nf4"`` the base's linear layers (not the head)
+    are first swapped for :class:`~lightning_seqmem.memory.qlora_shape.Linear4bitShape` (QLoRA's 4-bit base).
 
     Raises:
-        ValueError: ``quantize="nf4"``: bitsandbytes' 4-bit layers have no fake-tensor kernels to trace; a target
-            module the model lacks.
+        ValueError: a target module the model lacks.
     """
     settings = LoraSettings.from_value(lora)
-    if settings.quantize is not None:
-        raise ValueError(
-            f"lora.quantize={settings.quantize!r}: the traced estimate cannot run bitsandbytes' 4-bit layers on "
-            "fake tensors; estimate the adapter on a base in the training precision (lora.quantize=None)."
-        )
     check_target_modules(model, settings)
+    if settings.quantize is not None:
+        with mode:
+            quantize_linears(model)
     peft = import_peft()
     wrapped = peft.get_peft_model(model, settings.peft_config(), low_cpu_mem_usage=True, autocast_adapter_dtype=False)
     dtype = parameter_dtype(precision)

@@ -106,6 +106,8 @@ def estimate_training_memory(
         chunk_size: tokens per chunk of the chunked loss (``CausalLM``'s ``loss_chunk_size``).
         lora: a LoRA adapter on the model (``CausalLM``'s ``lora``): the base frozen, gradients and optimizer state
             of the adapter only (:func:`~lightning_seqmem.memory.adapter_trace.add_fake_lora`); not with ``model``.
+            ``quantize="nf4"`` (QLoRA) traces the base's linear layers as bitsandbytes' 4-bit layers hold them
+            (:mod:`~lightning_seqmem.memory.qlora_shape`: their memory, not their numerics).
 
     Raises:
         ValueError: a shape below 1, an unknown precision, device or attention implementation.
@@ -220,7 +222,8 @@ def module_facts(pl_module: torch.nn.Module) -> dict[str, Any] | None:
     ``cross_entropy``, ``chunk_size`` and ``lora`` for a LightningModule wrapping a Hugging Face model as ``.model``
     (like ``CausalLM``; PEFT-wrapped too), read by
     :func:`~lightning_seqmem.memory.model_facts.model_facts`; ``None`` for anything else (nothing to trace), and for
-    an adapter the tracer cannot rebuild (another PEFT method, a 4-bit base)."""
+    an adapter the tracer cannot rebuild (another PEFT method than LoRA; a 4-bit base is traced on the stand-in of
+    :mod:`~lightning_seqmem.memory.qlora_shape`)."""
     facts = model_facts(pl_module)
     if facts.config is None or not facts.traceable_adapter:
         return None

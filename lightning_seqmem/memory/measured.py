@@ -8,13 +8,16 @@ the caching allocator's own ``max_memory_allocated`` after ``reset_peak_memory_s
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from lightning_seqmem.memory.precision import normalize_precision
-from lightning_seqmem.memory.trace import adamw, build_model, lightning_steps
+from lightning_seqmem.memory.precision import normalize_precision, parameter_dtype
+from lightning_seqmem.memory.qlora_shape import quantize_linears
+from lightning_seqmem.memory.trace import adamw, build_model, enable_checkpointing, lightning_steps
+from lightning_seqmem.training.adapters import LoraSettings, import_peft
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 
 
@@ -73,22 +76,49 @@ def measured_training_peak(
     device: str | torch.device = "cpu",
     cross_entropy: str = "full",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    lora: LoraSettings | Mapping[str, Any] | None = None,
 ) -> int:
     """Peak live tensor bytes of the steps :func:`~lightning_seqmem.memory.estimate.estimate_training_memory`
     traces, run for real on ``device`` (``"cpu"`` or ``"cuda"``).
 
     The model (real random weights) and the batch's copy on ``device`` are made inside the measured region, so
     they count; measured with :func:`measured_peak_bytes`, not with the tracer's ``LiveBytes``. ``cross_entropy``
-    (``"full"`` or ``"chunked"``) and ``chunk_size`` choose the loss layer, as in the estimate.
+    (``"full"`` or ``"chunked"``) and ``chunk_size`` choose the loss layer, as in the estimate. ``lora``: PEFT's
+    LoRA on the model, its adapter in the precision's parameter dtype (as Lightning's ``*-true`` casts it);
+    ``quantize="nf4"``: on the base with :mod:`~lightning_seqmem.memory.qlora_shape`'s 4-bit stand-ins, built
+    before the measured region and copied inside it (a 4-bit load never holds the full-precision weights).
     """
     precision = normalize_precision(precision)
+    settings = LoraSettings.from_value(lora)
+    quantized = None
+    if settings is not None and settings.quantize is not None:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            quantized = quantize_linears(build_model(model_config, attn_implementation, precision))
 
     def run() -> None:
         torch.manual_seed(seed)
-        with torch.device(device):
-            model = build_model(model_config, attn_implementation, precision, gradient_checkpointing)
+        if quantized is not None:
+            model = copy.deepcopy(quantized)
+        else:
+            with torch.device(device):
+                model = build_model(model_config, attn_implementation, precision)
+        if gradient_checkpointing:
+            enable_checkpointing(model)
+        if settings is not None:
+            model = with_adapter(model, settings, precision)
         optimizer = adamw(model, torch.device(device).type)
         batch_there = {k: v.to(device) for k, v in batch.items()}
         lightning_steps(model, optimizer, batch_there, precision, cross_entropy=cross_entropy, chunk_size=chunk_size)
 
     return measured_peak_bytes(run, device)
+
+
+def with_adapter(model: torch.nn.Module, settings: LoraSettings, precision: str) -> torch.nn.Module:
+    """``model`` with PEFT's LoRA of ``settings`` (the base frozen), the adapter in ``precision``'s parameter dtype."""
+    wrapped = import_peft().get_peft_model(model, settings.peft_config(), autocast_adapter_dtype=False).train()
+    dtype = parameter_dtype(precision)
+    for p in wrapped.parameters():
+        if p.requires_grad and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return wrapped

@@ -40,7 +40,7 @@ class ModelFacts:
         lora: the LoRA settings of a PEFT-wrapped model (``CausalLM(lora=...)`` or ``peft.get_peft_model``), else
             ``None``.
         traceable_adapter: ``False`` for an adapter the memory tracer cannot rebuild (another PEFT method than plain
-            LoRA, or LoRA on a 4-bit base).
+            LoRA; LoRA on a 4-bit base is traced on :mod:`~lightning_seqmem.memory.qlora_shape`'s stand-in).
     """
 
     config: Any = None
@@ -81,7 +81,7 @@ def model_facts(pl_module: torch.nn.Module) -> ModelFacts:
         cross_entropy=_loss_layer(pl_module, hparams, model),
         loss_chunk_size=_first("loss_chunk_size", (hparams,), _positive_int) or DEFAULT_CHUNK_SIZE,
         lora=lora,
-        traceable_adapter=traceable and (lora is None or lora.quantize is None),
+        traceable_adapter=traceable,
     )
 
 
