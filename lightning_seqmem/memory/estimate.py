@@ -17,8 +17,9 @@ import torch
 
 from lightning_seqmem.memory.adapter_trace import add_fake_lora
 from lightning_seqmem.memory.model_facts import model_facts
+from lightning_seqmem.memory.optimizer_8bit import traced_optimizer
 from lightning_seqmem.memory.precision import normalize_precision
-from lightning_seqmem.memory.trace import CUDA_GRANULE, adamw, build_fake_model, trace_errors, trace_training_steps
+from lightning_seqmem.memory.trace import CUDA_GRANULE, build_fake_model, trace_errors, trace_training_steps
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
 from lightning_seqmem.training.adapters import LoraSettings
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
@@ -85,6 +86,7 @@ def estimate_training_memory(
     cross_entropy: str = "full",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     lora: LoraSettings | Mapping[str, Any] | None = None,
+    optimizer: str = "adamw",
 ) -> MemoryEstimate:
     """Peak live tensor bytes of training ``model_config`` on ``[rows, length]`` batches, traced on fake tensors.
 
@@ -108,6 +110,8 @@ def estimate_training_memory(
             of the adapter only (:func:`~lightning_seqmem.memory.adapter_trace.add_fake_lora`); not with ``model``.
             ``quantize="nf4"`` (QLoRA) traces the base's linear layers as bitsandbytes' 4-bit layers hold them
             (:mod:`~lightning_seqmem.memory.qlora_shape`: their memory, not their numerics).
+        optimizer: ``"adamw"`` (torch's) or ``"adamw_8bit"`` (bitsandbytes' ``AdamW8bit``: 8-bit moments,
+            :mod:`~lightning_seqmem.memory.optimizer_8bit`), as ``CausalLM(optimizer=...)``.
 
     Raises:
         ValueError: a shape below 1, an unknown precision, device or attention implementation.
@@ -130,8 +134,8 @@ def estimate_training_memory(
     # The pre-allocation pass's batch (real, small: made outside the mode, which turns it into fake tensors)
     batch = make_dummy_batch(rows, length, keys, int(model_config.vocab_size))
     with trace_errors(model_config), mode:
-        optimizer = adamw(module, device)
-        tracker = trace_training_steps(module, optimizer, batch, precision, 2, granule, traced, chunk_size)
+        stepper = traced_optimizer(module, device, optimizer)
+        tracker = trace_training_steps(module, stepper, batch, precision, 2, granule, traced, chunk_size)
     split = tracker.split()
     state = tracker.live_split()
     del state["activations"]
@@ -184,6 +188,7 @@ def cached_estimate(
     cross_entropy: str = "full",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     lora: LoraSettings | None = None,
+    optimizer: str = "adamw",
 ) -> MemoryEstimate:
     """:func:`estimate_training_memory`, remembered per (config, shape, settings) for this process, so the
     callbacks that ask the same question (``ConfigChecks``, ``CachePreallocator``) trace once."""
@@ -199,6 +204,7 @@ def cached_estimate(
         cross_entropy,
         chunk_size,
         lora,
+        optimizer,
     )
     if key not in _ESTIMATES:
         _ESTIMATES[key] = estimate_training_memory(
@@ -213,6 +219,7 @@ def cached_estimate(
             cross_entropy=cross_entropy,
             chunk_size=chunk_size,
             lora=lora,
+            optimizer=optimizer,
         )
     return _ESTIMATES[key]
 

@@ -30,11 +30,11 @@ import torch
 
 from lightning_seqmem.memory.adapter_trace import add_fake_lora
 from lightning_seqmem.memory.estimate import MemoryEstimate, checked_arguments, estimate_training_memory
+from lightning_seqmem.memory.optimizer_8bit import traced_optimizer
 from lightning_seqmem.memory.trace import (
     CATEGORIES,
     CUDA_GRANULE,
     LiveBytes,
-    adamw,
     build_fake_model,
     trace_errors,
     trace_training_steps,
@@ -179,7 +179,7 @@ def watch_layers(layers: torch.nn.ModuleList, tracker: LayerSegments) -> list:
 
 
 def _trace_segments(
-    model_config, rows, length, keys, precision, device, attn_implementation, checkpointing, loss, lora
+    model_config, rows, length, keys, precision, device, attn_implementation, checkpointing, loss, lora, optimizer
 ):
     """Segment peaks, final live bytes and parameter count of a training step of ``model_config`` (few layers)."""
     mode, module = build_fake_model(model_config, attn_implementation, precision, checkpointing)
@@ -193,7 +193,7 @@ def _trace_segments(
     batch = make_dummy_batch(rows, length, keys, int(model_config.vocab_size))
     try:
         with trace_errors(model_config), mode:
-            optimizer = adamw(module, device)
+            optimizer = traced_optimizer(module, device, optimizer)
             steady_state(module, optimizer, tracker)
             trace_training_steps(module, optimizer, batch, precision, 1, tracker.granule, *loss, tracker=tracker)
     finally:
@@ -242,6 +242,7 @@ def scaled_training_memory(
     cross_entropy: str = "full",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     lora: Any = None,
+    optimizer: str = "adamw",
 ) -> MemoryEstimate:
     """:func:`~lightning_seqmem.memory.estimate.estimate_training_memory` of ``model_config``, traced at one and two
     layers and extended to its layer count (see the module docstring); the whole model is traced when it has two
@@ -250,7 +251,14 @@ def scaled_training_memory(
     small = [with_layers(model_config, n) for n in TRACED_LAYERS] if layers and layers > max(TRACED_LAYERS) else []
     args = (keys, precision, device, attn_implementation, gradient_checkpointing)
     whole = lambda: estimate_training_memory(  # noqa: E731
-        model_config, rows, length, *args, cross_entropy=cross_entropy, chunk_size=chunk_size, lora=lora
+        model_config,
+        rows,
+        length,
+        *args,
+        cross_entropy=cross_entropy,
+        chunk_size=chunk_size,
+        lora=lora,
+        optimizer=optimizer,
     )
     if not small or None in small:
         return whole()
@@ -259,7 +267,9 @@ def scaled_training_memory(
     traced = []
     for config in small:
         traced.append(
-            _trace_segments(config, rows, length, keys, precision, device, attn_implementation, args[-1], loss, lora)
+            _trace_segments(
+                config, rows, length, keys, precision, device, attn_implementation, args[-1], loss, lora, optimizer
+            )
         )
         if traced[-1] is None:
             return whole()

@@ -8,8 +8,10 @@ the caller drops them and the caching allocator keeps the blocks.
 
 Optimizers known here: ``Adam``/``AdamW`` (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with ``amsgrad``; the
 ``foreach`` step's ``sqrt`` of a whole group, or the single-tensor step's two temporaries of the largest
-parameter; nothing for ``fused``) and ``SGD`` with momentum (``momentum_buffer``). Others: :func:`state_standins`
-returns ``None`` so the caller can say their state was not reserved.
+parameter; nothing for ``fused``), bitsandbytes' 8-bit Adam family (``AdamW8bit``: ``uint8`` moments and ``fp32``
+block scales, :mod:`~lightning_seqmem.memory.optimizer_8bit`; a fused in-place step) and ``SGD`` with momentum
+(``momentum_buffer``). Others: :func:`state_standins` returns ``None`` so the caller can say their state was not
+reserved.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+
+from lightning_seqmem.memory.optimizer_8bit import new_state
 
 
 def trained_parameters(optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
@@ -39,6 +43,13 @@ def _adam_family(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
 
+def _adam_8bit(optimizer: torch.optim.Optimizer) -> bool:
+    """bitsandbytes' two-state optimizers (``Adam8bit``, ``AdamW8bit``) at 8 bits: their ``args`` say so."""
+    args = getattr(optimizer, "args", None)
+    named = type(optimizer).__module__.startswith("bitsandbytes") and "Adam" in type(optimizer).__name__
+    return named and getattr(args, "optim_bits", 32) == 8
+
+
 def state_standins(optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
     """The state tensors the optimizer's first step will make for parameters that have none yet (a resumed
     optimizer needs nothing), or ``None`` for an optimizer this module does not know."""
@@ -47,7 +58,11 @@ def state_standins(optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | Non
         for p in group["params"]:
             if not p.requires_grad or optimizer.state.get(p):
                 continue
-            if _adam_family(optimizer):
+            if _adam_8bit(optimizer):
+                # the two quantization maps (2 KiB) are the optimizer's, shared by every parameter: not reserved
+                new = new_state(p, (None, None), optimizer.args.min_8bit_size)
+                out += [t for t in new.values() if isinstance(t, torch.Tensor)]
+            elif _adam_family(optimizer):
                 out += [torch.zeros_like(p, memory_format=torch.preserve_format) for _ in range(2 + group["amsgrad"])]
             elif isinstance(optimizer, torch.optim.SGD):
                 out += [torch.zeros_like(p)] if group["momentum"] else []

@@ -35,8 +35,8 @@ from lightning_seqmem.training.loss_layer import (
     resolve_cross_entropy,
 )
 from lightning_seqmem.training.metrics import TokenEfficiency
-from lightning_seqmem.training.optimization import adamw, no_decay_names, warmup_cosine
-from lightning_seqmem.training.varlen import TORCH_VARLEN, batch_varlen_kwargs, is_flash_attention
+from lightning_seqmem.training.optimization import check_optimizer, make_optimizer, no_decay_names, warmup_cosine
+from lightning_seqmem.training.varlen import TORCH_VARLEN, batch_varlen_kwargs, needs_varlen_kwargs
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 LOSS_NORMALIZATIONS = ("token", "micro_batch")
@@ -66,6 +66,8 @@ class CausalLM(LightningModule):
             micro-batches (``accumulate_grad_batches``) and DDP ranks (Hugging Face's ``num_items_in_batch``);
             ``"micro_batch"``: each micro-batch's mean loss weighs the same (the old behaviour).
         learning_rate: peak AdamW learning rate.
+        optimizer: ``"adamw"`` (torch's) or ``"adamw_8bit"`` (bitsandbytes' 8-bit moments, CUDA only; refused
+            elsewhere with the fix; :mod:`~lightning_seqmem.training.optimization`).
         weight_decay: AdamW weight decay (not applied to biases and norm weights).
         betas: AdamW betas.
         warmup_ratio: fraction of optimizer steps with linear learning-rate warmup.
@@ -113,12 +115,14 @@ class CausalLM(LightningModule):
         cross_entropy: str = "auto",
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
         lora: dict[str, Any] | None = None,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
         checks.positive_finite("learning_rate", learning_rate, "use e.g. 1e-4 (AdamW's usual range is 1e-5 to 1e-3)")
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {loss_normalization!r}.")
         check_cross_entropy(cross_entropy, loss_chunk_size)
+        check_optimizer(optimizer)
         adapters.resolve_lora(lora, pretrained_path)  # a bad key or value fails here, not at setup
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
@@ -176,9 +180,10 @@ class CausalLM(LightningModule):
                     "a `tokenizer` attribute (e.g. SeqMemDataModule)."
                 )
             self._build()
-        if self._trainer is not None:  # QLoRA's kernels run on CUDA only
-            lora = adapters.resolve_lora(self.hparams.get("lora"), self.hparams.pretrained_path)
-            adapters.check_quantization(lora, self.trainer.strategy.root_device)
+        if self._trainer is not None:  # bitsandbytes' kernels (QLoRA, the 8-bit optimizer) run on CUDA only
+            hp, device = self.hparams, self.trainer.strategy.root_device
+            adapters.check_quantization(adapters.resolve_lora(hp.get("lora"), hp.pretrained_path), device)
+            check_optimizer(hp.get("optimizer", "adamw"), device)
         self._choose_attention()
         self._check_positions(dm)
         checks.check_vocab_fits(self.model, tok)
@@ -283,13 +288,8 @@ class CausalLM(LightningModule):
         )
 
     def _needs_varlen(self, inputs: dict[str, torch.Tensor]) -> bool:
-        """Flash on a packed batch needs the varlen arguments to keep documents apart; ``torch_varlen`` takes them
-        for every batch with documents or padding (transformers builds no mask for it)."""
-        attn = getattr(self.model.config, "_attn_implementation", None)
-        if attn == TORCH_VARLEN:
-            return "position_ids" in inputs or "attention_mask" in inputs
-        packed = "position_ids" in inputs and "attention_mask" not in inputs
-        return packed and is_flash_attention(attn)
+        """Whether ``inputs`` need the varlen arguments for the attention that runs (``varlen.needs_varlen_kwargs``)."""
+        return needs_varlen_kwargs(getattr(self.model.config, "_attn_implementation", None), inputs)
 
     @property
     def real_tokens_seen(self) -> int:
@@ -372,9 +372,9 @@ class CausalLM(LightningModule):
 
     # --------------------------------------------------------------------------------------------- optimizer
     def configure_optimizers(self):
-        hp = self.hparams
-        names = self._no_decay if self._no_decay is not None else no_decay_names(self)
-        optimizer = adamw(self.named_parameters(), names, hp.learning_rate, hp.weight_decay, hp.betas)
+        hp, names = self.hparams, self._no_decay if self._no_decay is not None else no_decay_names(self)
+        choice = hp.get("optimizer", "adamw")  # checkpoints written before the option have none
+        optimizer = make_optimizer(choice, self.named_parameters(), names, hp.learning_rate, hp.weight_decay, hp.betas)
         scheduler = warmup_cosine(optimizer, self.trainer.estimated_stepping_batches, hp.warmup_ratio, hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

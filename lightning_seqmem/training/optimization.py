@@ -1,7 +1,10 @@
 """``CausalLM``'s optimizer and schedule: AdamW with decay on matrices only, linear warmup then cosine decay.
 
 Plain torch (no Lightning): the parameter grouping, the learning-rate factor per step and the scheduler that applies
-it are functions a user's own module can call the same way.
+it are functions a user's own module can call the same way. The optimizer is torch's AdamW (``"adamw"``) or
+bitsandbytes' ``AdamW8bit`` (``"adamw_8bit"``): its two moments kept as ``uint8`` with an ``fp32`` scale per block
+of 256 values (tensors under 4,096 values keep ``fp32`` moments), 2 bytes a parameter instead of 8, updated in place
+by a fused kernel. bitsandbytes runs it on CUDA only, so it is refused elsewhere with the fix.
 """
 
 from __future__ import annotations
@@ -18,23 +21,59 @@ def no_decay_names(module: torch.nn.Module) -> set[str]:
     return {name for name, p in module.named_parameters() if p.ndim < 2 or "norm" in name.lower()}
 
 
-def adamw(
+OPTIMIZERS = ("adamw", "adamw_8bit")
+
+
+def check_optimizer(name: str, device: torch.device | str | None = None) -> None:
+    """``name`` is one of :data:`OPTIMIZERS`; ``"adamw_8bit"`` also needs bitsandbytes and, when ``device`` is
+    given (the Trainer's), a CUDA device.
+
+    Raises:
+        ValueError: an unknown name; ``"adamw_8bit"`` on a device that is not CUDA.
+        ImportError: ``"adamw_8bit"`` without bitsandbytes installed.
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(
+            f"optimizer={name!r} is not valid; use 'adamw' (torch's AdamW) or 'adamw_8bit' (bitsandbytes' AdamW8bit: "
+            "8-bit moments, CUDA only)."
+        )
+    if name != "adamw_8bit" or device is None:
+        return
+    fix = "use optimizer='adamw' (model.optimizer=adamw), or train on a CUDA GPU"
+    if torch.device(device).type != "cuda":
+        raise ValueError(
+            f"optimizer='adamw_8bit' (bitsandbytes' AdamW8bit) needs a CUDA device for its kernels, not {device}: "
+            f"{fix}. seqmem-plan estimates its memory on any machine."
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            f"optimizer='adamw_8bit' needs bitsandbytes: `pip install bitsandbytes` on the CUDA machine, or {fix}."
+        ) from None
+
+
+def make_optimizer(
+    name: str,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
     no_decay: set[str],
     learning_rate: float,
     weight_decay: float,
     betas: tuple[float, float],
-) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters: ``weight_decay`` on all but those named in ``no_decay``, which get 0."""
+) -> torch.optim.Optimizer:
+    """AdamW (``name``: ``"adamw"`` or ``"adamw_8bit"``, :func:`check_optimizer`) over the trainable parameters:
+    ``weight_decay`` on all but those named in ``no_decay``, which get 0."""
+    check_optimizer(name)
     decay, plain = [], []
-    for name, p in named_parameters:
+    for param_name, p in named_parameters:
         if p.requires_grad:
-            (plain if name in no_decay else decay).append(p)
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}],
-        lr=learning_rate,
-        betas=tuple(betas),
-    )
+            (plain if param_name in no_decay else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    if name == "adamw_8bit":
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(groups, lr=learning_rate, betas=tuple(betas))
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas))
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

@@ -130,3 +130,13 @@ def batch_varlen_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         batch_varlen_kwargs(batch)["cu_seq_lens_q"]  # tensor([0, 3, 4, 8], dtype=torch.int32)
     """
     return _varlen_kwargs(_offsets(batch_segment_starts(batch)))
+
+
+def needs_varlen_kwargs(attn_implementation: str | None, inputs: dict[str, torch.Tensor]) -> bool:
+    """Whether a model running ``attn_implementation`` needs the varlen arguments for ``inputs``: flash on a packed
+    batch (to keep documents apart); ``torch_varlen`` for every batch with documents or padding (transformers builds
+    no mask for it)."""
+    if attn_implementation == TORCH_VARLEN:
+        return "position_ids" in inputs or "attention_mask" in inputs
+    packed = "position_ids" in inputs and "attention_mask" not in inputs
+    return packed and is_flash_attention(attn_implementation)
