@@ -1,15 +1,18 @@
+import ast
 import json
+import os
+import sysconfig
+import textwrap
+from pathlib import Path
 
 import numpy as np
 
 from lightning_seqmem.data.corpus import build_documents, corpus_fingerprint, length_percentiles, load_builtin_corpus
 
 
-def test_build_is_deterministic():
-    assert corpus_fingerprint(build_documents()) == corpus_fingerprint(build_documents())
-
-
-def test_cached_corpus_has_splits_text_and_a_heavy_tail(tokenizer, tmp_path, monkeypatch, capsys):
+def test_build_is_deterministic_and_the_cached_corpus_has_splits_text_and_a_heavy_tail(
+    tokenizer, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     dsd = load_builtin_corpus()
     out = capsys.readouterr().out
@@ -19,6 +22,7 @@ def test_cached_corpus_has_splits_text_and_a_heavy_tail(tokenizer, tmp_path, mon
     cached = tmp_path / "lightning_seqmem"
     [corpus_dir] = [p for p in cached.iterdir() if p.name.startswith("corpus-")]
     meta = json.loads((corpus_dir / "lightning_seqmem.json").read_text())
+    # A second, independent build gives the same documents in the same order: the build is deterministic.
     assert meta["fingerprint"] == corpus_fingerprint(build_documents())
 
     # Loaded again from the cache: identical, and nothing printed.
@@ -35,3 +39,48 @@ def test_cached_corpus_has_splits_text_and_a_heavy_tail(tokenizer, tmp_path, mon
 def test_length_percentiles_nearest_rank():
     assert length_percentiles(list(range(1, 101)), qs=(50, 90, 100)) == {50: 50, 90: 90, 100: 100}
     assert length_percentiles([], qs=(50,)) == {50: 0}
+
+
+def test_the_build_lists_no_skipped_folder_and_walks_no_expression(tmp_path, monkeypatch):
+    """The build reads only what can hold a docstring: skipped folders (site-packages under the standard library can
+    hold a whole ML stack) are never listed, and no expression node is walked (definitions are statements), yet the
+    documents are those of a full ``ast.walk``, in its order."""
+    module = textwrap.dedent(
+        '''
+        """A module docstring, long enough to keep."""
+        if True:
+            def inner():
+                """A function docstring inside an if block."""
+        try:
+            pass
+        except ValueError:
+            class Handler:
+                """A class docstring inside an except handler."""
+        squares = [lambda: i * i for i in range(3)]
+        '''
+    )
+    (tmp_path / "email").mkdir()
+    (tmp_path / "email" / "mod.py").write_text(module)
+    (tmp_path / "abc.py").write_text('"""Another module docstring to keep."""\n')
+    for skipped in ("site-packages/torch", "test", "config-3.11-x86_64-linux-gnu"):
+        (tmp_path / skipped).mkdir(parents=True)
+        (tmp_path / skipped / "skipped.py").write_text('"""A docstring that is not library text."""\n')
+    expected = ["Another module docstring to keep.", '"""Another module docstring to keep."""\n']  # one in eight whole
+    expected += [
+        ast.get_docstring(node)
+        for node in ast.walk(ast.parse(module))
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node)
+    ]
+    assert len(expected) == 5
+
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    listed, walked = [], []
+    scandir, iter_child_nodes = os.scandir, ast.iter_child_nodes
+    monkeypatch.setattr(os, "scandir", lambda path=".": listed.append(Path(path)) or scandir(path))
+    monkeypatch.setattr(ast, "iter_child_nodes", lambda node: walked.append(node) or iter_child_nodes(node))
+    docs = build_documents()
+    monkeypatch.undo()
+
+    assert docs == expected
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in listed) == [".", "email"]
+    assert walked and not [node for node in walked if isinstance(node, ast.expr)]

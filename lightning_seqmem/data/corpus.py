@@ -17,6 +17,8 @@ import json
 import os
 import sys
 import sysconfig
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,12 +52,27 @@ _VALIDATION_EVERY = 20  # about 5% of documents, chosen by content hash (stable 
 def _stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if any(part in _SKIP_DIRS or part.startswith("config-") for part in rel[:-1]):
-            continue
-        files.append(path)
-    return files
+    for folder, subfolders, names in os.walk(root):
+        # Pruned, not filtered afterwards: site-packages under the standard library can hold a whole ML stack.
+        subfolders[:] = [name for name in subfolders if name not in _SKIP_DIRS and not name.startswith("config-")]
+        files.extend(Path(folder, name) for name in names if name.endswith(".py"))
+    return sorted(files)
+
+
+_BLOCKS = (ast.stmt, ast.excepthandler, ast.match_case)  # the nodes that hold statements (and so definitions)
+
+
+def _statements(tree: ast.Module) -> Iterator[ast.AST]:
+    """``ast.walk``'s breadth-first order, restricted to statements and the blocks that hold them.
+
+    A docstring belongs to a module, class or function definition, and a definition is a statement, never part of an
+    expression: skipping expressions (most of a syntax tree) visits the same definitions in the same order, faster.
+    """
+    todo = deque([tree])
+    while todo:
+        node = todo.popleft()
+        todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, _BLOCKS))
+        yield node
 
 
 def _documents_of(path: Path, full_source: bool) -> list[str]:
@@ -65,7 +82,7 @@ def _documents_of(path: Path, full_source: bool) -> list[str]:
     except (SyntaxError, UnicodeDecodeError, ValueError):
         return []
     docs = []
-    for node in ast.walk(tree):
+    for node in _statements(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             doc = ast.get_docstring(node)
             if doc and len(doc.strip()) >= 20:
