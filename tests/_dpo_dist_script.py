@@ -1,18 +1,14 @@
-"""Run by test_dpo_distributed.py in a subprocess: DPO on two CPU ranks (gloo) under DDP or FSDP.
+"""Run by test_dpo_distributed.py on each of two forked CPU ranks (gloo, ``_forked_ranks``): DPO under DDP or FSDP.
 
-Usage: python _dpo_dist_script.py ddp|fsdp OUT_DIR
 Two optimizer steps on packed pairs with norm clipping and CachePreallocator (its pass is the first recorded loss).
-Rank 0 writes the losses, the policy's initial weights and the full weights after training (``model.*`` the policy,
-``reference_model.*`` the frozen copy; FSDP: gathered) to OUT_DIR/<kind>.pt; every rank checks that each batch holds
-whole pairs (both sequences of every pair it numbers).
+Rank 0 returns the losses, the policy's initial weights and the full weights after training (``model.*`` the policy,
+``reference_model.*`` the frozen copy; FSDP: gathered); every rank checks that each batch holds whole pairs (both
+sequences of every pair it numbers).
 """
-
-import sys
 
 import datasets
 import lightning.pytorch as L
 import numpy as np
-import torch
 from _memory_cpu_fsdp import CPUFSDPStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -44,7 +40,8 @@ def full_state(trainer, module):
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-def main(kind: str, out: str) -> None:
+def main(rank: int, kind: str) -> dict | None:
+    """One rank's run (``kind``: "ddp" or "fsdp"); rank 0 returns ``{"losses", "state", "initial"}``."""
     g = np.random.default_rng(0)
     rows = [
         {
@@ -90,10 +87,6 @@ def main(kind: str, out: str) -> None:
     )
     trainer.fit(model, datamodule=dm)
     assert all(np.isfinite(model.losses)) and model.pairs_seen > 0
-    state = full_state(trainer, model)
-    if trainer.global_rank == 0:
-        torch.save({"losses": model.losses, "state": state, "initial": initial}, f"{out}/{kind}.pt")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    state = full_state(trainer, model)  # collective under FSDP: every rank gathers
+    assert trainer.global_rank == rank
+    return {"losses": model.losses, "state": state, "initial": initial} if rank == 0 else None

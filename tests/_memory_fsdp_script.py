@@ -1,13 +1,10 @@
-"""Run by test_memory_fsdp.py in a subprocess: CausalLM on two CPU ranks (gloo) under FSDP or DDP.
+"""Run by test_memory_fsdp.py on each of two forked CPU ranks (gloo, ``_forked_ranks``): CausalLM under FSDP or DDP.
 
-Usage: python _memory_fsdp_script.py fsdp|ddp OUT_DIR [--oom]
 Trains one step with norm clipping (gradient_clip_val=0.05, which clips) and CachePreallocator, on packed rows of
-different label-token counts per rank. Rank 0 saves the full gradient after clipping (FSDP: gathered with
-summon_full_params) to OUT_DIR/<strategy>.pt; each rank checks that the pass left its state bit-identical.
+different label-token counts per rank. Each rank checks that the pass left its state bit-identical and returns its
+step count and optimizer groups; rank 0 also returns the full gradient after clipping (FSDP: gathered with
+summon_full_params).
 """
-
-import os
-import sys
 
 import datasets
 import lightning.pytorch as L
@@ -22,11 +19,11 @@ from lightning_seqmem.memory.preallocate import CachePreallocator
 
 
 class RecordingLM(CausalLM):
-    """Saves the first step's clipped gradient (rank 0) and, when asked, runs out of memory above 64 tokens."""
+    """Keeps the first step's clipped gradient and, when asked, runs out of memory above 64 tokens."""
 
-    def __init__(self, out, oom=False, **kwargs):
+    def __init__(self, oom=False, **kwargs):
         super().__init__(**kwargs)
-        self.out, self.oom, self.shapes = out, oom, []
+        self.oom, self.shapes, self.grads = oom, [], None
 
     def training_step(self, batch, batch_idx):
         self.shapes.append(tuple(batch["input_ids"].shape))
@@ -41,11 +38,9 @@ class RecordingLM(CausalLM):
         wrapper = self.trainer.strategy.model
         if isinstance(wrapper, FullyShardedDataParallel):
             with FullyShardedDataParallel.summon_full_params(wrapper, with_grads=True):
-                grads = {n: p.grad.detach().clone() for n, p in self.named_parameters()}
+                self.grads = {n: p.grad.detach().clone() for n, p in self.named_parameters()}
         else:
-            grads = {n: p.grad.detach().clone() for n, p in self.named_parameters()}
-        if self.trainer.global_rank == 0:
-            torch.save(grads, f"{self.out}/{type(wrapper).__name__}.pt")
+            self.grads = {n: p.grad.detach().clone() for n, p in self.named_parameters()}
 
 
 class WrapperCalls(L.Callback):
@@ -57,12 +52,14 @@ class WrapperCalls(L.Callback):
         trainer.strategy.model.register_forward_pre_hook(lambda *args: setattr(self, "calls", self.calls + 1))
 
 
-def main(kind: str, out: str, oom: bool, chunked: bool = False) -> None:
+def main(rank: int, kind: str, oom: bool = False, chunked: bool = False) -> dict:
+    """One rank's run (``kind``: "fsdp" or "ddp"). Returns ``{"done": "<steps> <params per optimizer group>",
+    "grads": {name: clipped gradient}}`` (grads on rank 0 only); with ``oom``, ``{"oom": text}`` where rank 0's text
+    is the error and the shapes the steps saw."""
     g = np.random.default_rng(0)
     docs = [g.integers(2, 64, n).tolist() for n in g.integers(3, 40, 48)]
     L.seed_everything(0)
     model = RecordingLM(
-        out,
         oom,
         model_config=dict(
             model_type="llama",
@@ -103,25 +100,16 @@ def main(kind: str, out: str, oom: bool, chunked: bool = False) -> None:
     try:
         trainer.fit(model, datamodule=dm)
     except torch.OutOfMemoryError as error:
-        if trainer.global_rank == 0:
-            with open(f"{out}/oom.txt", "w") as f:
-                f.write(f"{type(error).__name__}: {error}\nshapes: {model.shapes}\n")
         # The pass failed inside FSDP's forward, after its all-gather: Gloo's worker threads may still hold that
         # work, and tearing them down during interpreter finalization aborts the process ("terminate called without
-        # an active exception"). Close the group while the interpreter is whole and leave without finalization:
-        # what the test checks is in oom.txt.
+        # an active exception"). Close the group while the interpreter is whole; the forked rank then leaves without
+        # finalization (os._exit in _forked_ranks).
         torch.distributed.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        return {"oom": f"{type(error).__name__}: {error}\nshapes: {model.shapes}\n" if rank == 0 else None}
     assert_same(before.state, after.state)
     assert model.shapes[0] == (3, 32), model.shapes  # the pass ran the worst-case batch first
     if kind == "fsdp":
         assert calls.calls >= 2, calls.calls  # the pass and the real step both went through the FSDP wrapper
+    assert trainer.global_rank == rank
     groups = [len(group["params"]) for group in trainer.optimizers[0].param_groups]  # weight decay, no decay
-    with open(f"{out}/{kind}_rank{trainer.global_rank}.ok", "w") as f:
-        f.write(f"{trainer.global_step} {groups}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--oom" in sys.argv, "--chunked" in sys.argv)
+    return {"done": f"{trainer.global_step} {groups}", "grads": model.grads if rank == 0 else None}

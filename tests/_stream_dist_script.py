@@ -1,4 +1,4 @@
-"""A streamed dataset under Lightning's DDP or FSDP on two CPU ranks (gloo), run by ``test_streaming.py``.
+"""A streamed dataset under Lightning's DDP or FSDP on two forked CPU ranks (gloo), run by ``test_streaming.py``.
 
 The validation split has two files of very different sizes, so each rank's share packs into a different number of
 rows. Under FSDP every forward is collective: a rank that ran out of validation batches first would leave the other
@@ -7,7 +7,6 @@ waiting forever. Each rank records how many validation batches it ran and its va
 
 import json
 import os
-import sys
 
 import datasets
 import lightning.pytorch as L
@@ -35,12 +34,15 @@ def _write(directory, name, count, words):
     return path
 
 
-def main(kind: str, out: str) -> None:
-    data = os.path.join(out, "data")
-    os.makedirs(data, exist_ok=True)
-    train = [_write(data, f"train{s}", 40, 30) for s in range(2)]
-    val = [_write(data, "val_big", 30, 30), _write(data, "val_small", 2, 3)]
-    stream = datasets.load_dataset("json", data_files={"train": train, "validation": val}, streaming=True)
+def write_files(directory: str) -> dict[str, list[str]]:
+    """The streams' files, written once before the ranks start: two train files, a big and a tiny validation file."""
+    train = [_write(directory, f"train{s}", 40, 30) for s in range(2)]
+    return {"train": train, "validation": [_write(directory, "val_big", 30, 30), _write(directory, "val_small", 2, 3)]}
+
+
+def main(rank: int, kind: str, files: dict[str, list[str]]) -> dict:
+    """One rank's run (``kind``: "ddp" or "fsdp") over ``write_files``'s files; returns its record."""
+    stream = datasets.load_dataset("json", data_files=files, streaming=True)
     dm = SeqMemDataModule(dataset=stream, max_length=32, micro_batch_size=2, strategy="pack", streaming_buffer_size=4)
     model = CountingLM()
     strategy = CPUFSDPStrategy(process_group_backend="gloo") if kind == "fsdp" else "ddp"
@@ -57,15 +59,10 @@ def main(kind: str, out: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, datamodule=dm)
-    record = {
+    assert trainer.global_rank == rank
+    torch.distributed.barrier()
+    return {
         "val_batches": model.val_batches,
         "val_loss": float(trainer.callback_metrics["val/loss"]),
         "stats": dm.stats()["validation"],
     }
-    with open(os.path.join(out, f"{kind}_rank{trainer.global_rank}.json"), "w") as f:
-        json.dump(record, f)
-    torch.distributed.barrier()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])

@@ -3,15 +3,17 @@ and TokenEfficiency synced exactly across ranks."""
 
 import json
 import os
-import socket
 
+import datasets
 import lightning.pytorch as L
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _forked_ranks import run_ranks
 
 from lightning_seqmem.batching.options import Pad
+from lightning_seqmem.datamodule.module import SeqMemDataModule
+from lightning_seqmem.training.metrics import TokenEfficiency
 
 STRATEGIES = {
     "pad": dict(strategy="pad"),
@@ -26,14 +28,9 @@ def _texts():
     return [f"doc {i} " + "word " * (1 + (i * 7) % 23) for i in range(37)]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_DATASETS_DISABLE_PROGRESS_BARS="1")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    import datasets
-
-    from lightning_seqmem.datamodule.module import SeqMemDataModule
-    from lightning_seqmem.training.metrics import TokenEfficiency
-
+def _rank(rank: int) -> dict:
+    """One of two forked ranks (``_forked_ranks``): every strategy's batches, rows and synced efficiency."""
+    dist.init_process_group("gloo")  # rank, world size and rendezvous from the environment
     result = {}
     for name, kwargs in STRATEGIES.items():
         dm = SeqMemDataModule(
@@ -58,21 +55,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             "local": local,
             "packed": dm.read_mode.rows["train"].packed.input_ids.tolist() if name == "pack" else None,
         }
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return result
 
 
 @pytest.mark.slow
-def test_two_ranks_see_every_document_once_in_the_same_number_of_batches(tmp_path, tokenizer):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+def test_two_ranks_see_every_document_once_in_the_same_number_of_batches(tokenizer):
+    r0, r1 = run_ranks(_rank)
     for name in STRATEGIES:
         a, b = r0[name], r1[name]
         assert a["batches"] == b["batches"] == a["len"] == b["len"] > 0, name  # no rank waits at epoch end
@@ -114,10 +103,10 @@ class _CountingModule(L.LightningModule):
 
 @pytest.mark.slow
 def test_lightning_ddp_spawn_keeps_our_sampler_and_equal_steps(tmp_path, tokenizer):
-    import datasets
-
-    from lightning_seqmem.datamodule.module import SeqMemDataModule
-
+    """Lightning's real ``ddp_spawn``: the suite's one test that starts fresh interpreters for its ranks (the other
+    multi-process tests fork them, ``_forked_ranks``), kept because it proves that the DataModule, its rows and our
+    sampler pickle into a spawned rank, as they must on macOS and Windows and in notebooks. The cheapest such run:
+    a tiny dataset and a one-parameter module."""
     dm = SeqMemDataModule(
         dataset=datasets.Dataset.from_dict({"text": _texts()}),
         max_length=24,

@@ -1,32 +1,16 @@
-"""DPO under Lightning's DDP and FSDP on two CPU ranks (gloo), packed pairs, norm clipping and pre-allocation: the
-frozen reference copy stays out of the optimizer and unchanged, and FSDP trains to DDP's losses and weights."""
-
-import os
-import subprocess
-import sys
+"""DPO under Lightning's DDP and FSDP on two forked CPU ranks (gloo), packed pairs, norm clipping and
+pre-allocation: the frozen reference copy stays out of the optimizer and unchanged, and FSDP trains to DDP's losses
+and weights."""
 
 import pytest
 import torch
-
-HERE = os.path.dirname(__file__)
-
-
-def _run(kind, out):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_dpo_dist_script.py"), kind, str(out)],
-        env=env,
-        timeout=300,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out / f"{kind}.pt")
+from _dpo_dist_script import main
+from _forked_ranks import run_ranks
 
 
 @pytest.mark.slow
-def test_dpo_under_fsdp_trains_as_under_ddp_with_a_frozen_reference(tmp_path):
-    ddp, fsdp = _run("ddp", tmp_path), _run("fsdp", tmp_path)
+def test_dpo_under_fsdp_trains_as_under_ddp_with_a_frozen_reference():
+    ddp, fsdp = run_ranks(main, "ddp")[0], run_ranks(main, "fsdp")[0]
     assert len(ddp["losses"]) == 3  # the pre-allocation pass, then two steps
     assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
     assert ddp["state"].keys() == fsdp["state"].keys()

@@ -9,6 +9,7 @@ import traceback
 import lightning.pytorch as L
 import pytest
 import torch
+from _forked_ranks import run_ranks
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -367,15 +368,10 @@ def test_resume_is_bit_exact(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- two ranks
-@pytest.mark.slow
-@pytest.mark.parametrize("cross_entropy", ["full", "chunked"])
-def test_two_gloo_ranks_with_different_token_counts(tmp_path, cross_entropy):
-    """Rank 0 holds 46 + 30 label tokens, rank 1 holds 4 + 1: DDP's averaged gradient, rescaled, is the gradient
-    of the mean over all 81 tokens — with the whole logits, and with the chunked loss layer (against the same
-    full-logits reference)."""
-    model = _model(RankData, out_dir=str(tmp_path), cross_entropy=cross_entropy, loss_chunk_size=7)
+def _fit_on_rank(rank, model, tmp_path):
+    """One of two forked ranks (``_forked_ranks``): Lightning's DDP, one step of two accumulated micro-batches."""
     trainer = L.Trainer(
-        strategy="ddp_spawn",
+        strategy="ddp",
         devices=2,
         accelerator="cpu",
         max_epochs=1,
@@ -388,6 +384,17 @@ def test_two_gloo_ranks_with_different_token_counts(tmp_path, cross_entropy):
         default_root_dir=tmp_path,
     )
     trainer.fit(model)
+    assert trainer.global_rank == rank and trainer.global_step == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cross_entropy", ["full", "chunked"])
+def test_two_gloo_ranks_with_different_token_counts(tmp_path, cross_entropy):
+    """Rank 0 holds 46 + 30 label tokens, rank 1 holds 4 + 1: DDP's averaged gradient, rescaled, is the gradient
+    of the mean over all 81 tokens — with the whole logits, and with the chunked loss layer (against the same
+    full-logits reference)."""
+    model = _model(RankData, out_dir=str(tmp_path), cross_entropy=cross_entropy, loss_chunk_size=7)
+    run_ranks(_fit_on_rank, model, tmp_path)
     ((params, grads),) = torch.load(tmp_path / "steps.pt")
     batches = [
         micro_batch(n, seed=10 * r + i) for r, counts in enumerate(RankData.PER_RANK) for i, n in enumerate(counts)

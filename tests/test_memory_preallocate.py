@@ -3,6 +3,8 @@
 import lightning.pytorch as L
 import pytest
 import torch
+from _forked_ranks import run_ranks
+from _memory_ddp_script import main as ddp_rank
 from _memory_helpers import VOCAB, Probe, TinyData, TinyLM, assert_same, trainer
 
 from lightning_seqmem.memory import preallocate
@@ -235,29 +237,11 @@ def test_with_real_causallm_and_seqmem_datamodule(tmp_path, small_text_dataset):
     assert cb.report.keys == dm.batch_keys()
 
 
-def _ddp_run(devices, out, *flags):
-    import os
-    import subprocess
-    import sys
-
-    os.makedirs(out, exist_ok=True)
-    here = os.path.dirname(__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    subprocess.run(
-        [sys.executable, os.path.join(here, "_memory_ddp_script.py"), str(devices), str(out), *flags],
-        check=True,
-        env=env,
-        timeout=240,
-        capture_output=True,
-    )
-
-
 @pytest.mark.slow
-def test_ddp_two_ranks_run_the_pass_and_stay_in_step(tmp_path):
+def test_ddp_two_ranks_run_the_pass_and_stay_in_step():
     """Every rank runs the pass through the unwrapped module (no all-reduce, no hang), its state is left bit-identical
     (checked on each rank), and DDP then trains with synced gradients: both ranks end with the same weights."""
-    _ddp_run(2, tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    ranks = run_ranks(ddp_rank)
     assert all(torch.equal(ranks[0][name], ranks[1][name]) for name in ranks[0])
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from _forked_ranks import run_ranks
 
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.batching import plan_cache
@@ -151,11 +152,10 @@ class _PlanSource(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-@pytest.mark.slow
-def test_two_ranks_plan_once_per_node(tmp_path):
-    dm = _module(_pretokenized(), tmp_path / "cache")
+def _fit_on_rank(rank, dm, tmp_path):
+    """One of two forked ranks (``_forked_ranks``) under Lightning's DDP: prepare_data on local rank 0 only."""
     trainer = L.Trainer(
-        strategy="ddp_spawn",
+        strategy="ddp",
         devices=2,
         accelerator="cpu",
         max_steps=2,
@@ -167,6 +167,13 @@ def test_two_ranks_plan_once_per_node(tmp_path):
         default_root_dir=tmp_path,
     )
     trainer.fit(_PlanSource(str(tmp_path)), datamodule=dm)
+    assert trainer.global_rank == rank
+
+
+@pytest.mark.slow
+def test_two_ranks_plan_once_per_node(tmp_path):
+    dm = _module(_pretokenized(), tmp_path / "cache")
+    run_ranks(_fit_on_rank, dm, tmp_path)
     seen = {rank: (tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)}
     assert seen == {0: "ndarray", 1: "memmap"}  # local rank 0 planned in prepare_data; rank 1 mapped its plan
     assert len(list((tmp_path / "cache" / "plans").iterdir())) == 1

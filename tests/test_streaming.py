@@ -6,16 +6,14 @@ is dealt anew each epoch."""
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import warnings
 from collections import Counter
 
+import _stream_dist_script as stream_dist
 import datasets
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _forked_ranks import run_ranks
 
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.batching import StreamingPacker
@@ -23,7 +21,6 @@ from lightning_seqmem.batching.collate import real_token_mask
 from lightning_seqmem.batching.options import Pack
 from lightning_seqmem.data.chat_corpus import load_builtin_chat_corpus
 
-HERE = os.path.dirname(__file__)
 COUNTED = (
     "documents",
     "empty_documents_skipped",
@@ -246,9 +243,8 @@ def test_shuffled_stream_is_dealt_anew_each_epoch(tokenizer):
 
 
 # ------------------------------------------------------------------------------------------------- DDP
-def _ddp_worker(rank: int, world: int, port: int, paths: list[str], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_DATASETS_DISABLE_PROGRESS_BARS="1")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _ddp_rank(rank: int, paths: list[str]) -> dict:
+    dist.init_process_group("gloo")  # rank, world size and rendezvous from the environment (_forked_ranks)
     dm = SeqMemDataModule(
         dataset=_stream(paths),
         max_length=24,
@@ -265,20 +261,16 @@ def _ddp_worker(rank: int, world: int, port: int, paths: list[str], out_dir: str
         split: [list(d) for batch in loader for d in _documents(batch, dm.pad_token_id)]
         for split, loader in (("train", train), ("validation", dm.val_dataloader()))
     }
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"seen": seen, "stats": dm.stats()}, f)
     dist.destroy_process_group()
+    return {"seen": seen, "stats": dm.stats()}
 
 
+@pytest.mark.slow
 def test_ddp_ranks_and_their_workers_read_disjoint_shards_covering_the_stream(tmp_path, tokenizer):
     """2 ranks x 2 workers over 4 files: each (rank, worker) reads one train file; validation is read whole by each
     rank and its rows dealt out; each document reaches one rank once."""
     paths = _write_shards(tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_ddp_worker, args=(2, port, paths, str(tmp_path)), nprocs=2, start_method="spawn")
-    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    ranks = run_ranks(_ddp_rank, paths)
     seen = [tuple(d) for r in ranks for split in ("train", "validation") for d in r["seen"][split]]
     whole = SeqMemDataModule(
         dataset=datasets.Dataset.from_list([{"text": t} for t in _texts(paths)]), max_length=24, strategy="pack"
@@ -291,26 +283,17 @@ def test_ddp_ranks_and_their_workers_read_disjoint_shards_covering_the_stream(tm
     assert min(train) > 0 and min(len(r["seen"]["validation"]) for r in ranks) > 0
 
 
+@pytest.mark.slow
 def test_uneven_validation_stream_under_fsdp_runs_the_same_batches_on_every_rank(tmp_path):
     """A validation split of one big and one tiny file under Lightning's FSDP (two CPU ranks): split by file, one
     rank would run 13 batches and the other 1, their collective forwards crossing into the next training step.
     Dealt out, both run the same batches, and each counts the whole split."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_stream_dist_script.py"), "fsdp", str(tmp_path)],
-        env=env,
-        timeout=300,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.load(open(tmp_path / f"fsdp_rank{r}.json")) for r in range(2)]
+    ranks = run_ranks(stream_dist.main, "fsdp", stream_dist.write_files(str(tmp_path)))
     assert ranks[0]["val_batches"] == ranks[1]["val_batches"] > 0
     assert ranks[0]["stats"] == ranks[1]["stats"] and ranks[0]["stats"]["documents"] == 2 * 32  # two validations
     assert ranks[0]["val_loss"] == ranks[1]["val_loss"]
 
 
-# --------------------------------------------------------------------------------------- other kinds of stream
 def _prompt_completion_rows(n=30):
     return [
         {

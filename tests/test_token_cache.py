@@ -9,6 +9,7 @@ import datasets
 import lightning.pytorch as L
 import pytest
 import torch
+from _forked_ranks import run_ranks
 from transformers import PreTrainedTokenizerFast
 
 from lightning_seqmem.data.cache_dir import default_cache_dir
@@ -60,15 +61,10 @@ class _Steps(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-@pytest.mark.slow
-def test_two_ranks_tokenize_once_and_a_new_tokenizer_invalidates_the_cache(tmp_path, tokenizer):
-    tok = _counting(tokenizer, tmp_path, "tok")
-    cache = tmp_path / "cache"
-    dm = SeqMemDataModule(
-        dataset=_data(), tokenizer=tok, strategy="pack", max_length=32, micro_batch_size=2, cache_dir=cache, num_proc=1
-    )
+def _fit_on_rank(rank, dm, tmp_path):
+    """One of two forked ranks (``_forked_ranks``) under Lightning's DDP: prepare_data on local rank 0 only."""
     trainer = L.Trainer(
-        strategy="ddp_spawn",
+        strategy="ddp",
         devices=2,
         accelerator="cpu",
         max_steps=2,
@@ -80,6 +76,17 @@ def test_two_ranks_tokenize_once_and_a_new_tokenizer_invalidates_the_cache(tmp_p
         default_root_dir=tmp_path,
     )
     trainer.fit(_Steps(), datamodule=dm)
+    assert trainer.global_rank == rank
+
+
+@pytest.mark.slow
+def test_two_ranks_tokenize_once_and_a_new_tokenizer_invalidates_the_cache(tmp_path, tokenizer):
+    tok = _counting(tokenizer, tmp_path, "tok")
+    cache = tmp_path / "cache"
+    dm = SeqMemDataModule(
+        dataset=_data(), tokenizer=tok, strategy="pack", max_length=32, micro_batch_size=2, cache_dir=cache, num_proc=1
+    )
+    run_ranks(_fit_on_rank, dm, tmp_path)
     calls = _calls(tok)
     assert calls and len(set(calls)) == 1  # one process tokenized (local rank 0 in prepare_data); rank 1 read
     assert len(list((cache / "tokenized").iterdir())) == 1  # one cached split (validation is carved out later)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _forked_ranks import run_ranks
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -244,20 +245,26 @@ def test_resume_mid_warmup_matches_uninterrupted_run(tmp_path):
 # ----------------------------------------------------------------------------------------------------- DDP
 
 
-@pytest.mark.slow
-def test_ddp_ranks_see_the_same_length(tmp_path):
-    warmup = SeqLengthWarmup(duration=0.75, min_seq_length=8, max_seq_length=LENGTH, step_size=8)
+def _fit_on_rank(rank: int, tmp_path: Path, warmup: SeqLengthWarmup) -> None:
+    """One of two forked ranks (``_forked_ranks``) under Lightning's DDP; each writes ``rank<r>.jsonl``."""
     model = TinyLM(record_dir=str(tmp_path))
     t = trainer(
         tmp_path,
         [warmup],
-        strategy="ddp_spawn",
+        strategy="ddp",
         devices=2,
         accumulate_grad_batches=2,
         limit_val_batches=0,
         deterministic=False,
     )
     t.fit(model, loader(12))  # 6 batches per rank, 3 optimizer steps
+    assert t.global_rank == rank
+
+
+@pytest.mark.slow
+def test_ddp_ranks_see_the_same_length(tmp_path):
+    warmup = SeqLengthWarmup(duration=0.75, min_seq_length=8, max_seq_length=LENGTH, step_size=8)
+    run_ranks(_fit_on_rank, tmp_path, warmup)
     ranks = [[json.loads(line) for line in open(tmp_path / f"rank{r}.jsonl")] for r in (0, 1)]
     assert len(ranks[0]) == len(ranks[1]) == 6
     steps = [[(r["step"], r["seq"]) for r in rank] for rank in ranks]
