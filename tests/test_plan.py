@@ -18,8 +18,8 @@ from lightning_seqmem.apps.planner import (
 )
 from lightning_seqmem.batching.options import Pack, Pad, Truncate
 from lightning_seqmem.batching.settings import BatchingSettings
-from lightning_seqmem.memory.estimate import estimate_training_memory
-from lightning_seqmem.training.building import build_model_config
+from lightning_seqmem.memory.estimate import cached_estimate
+from lightning_seqmem.training.building import MODEL_PRESETS, build_model_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*never reach the model.*")
 
@@ -98,10 +98,14 @@ def test_bad_input_says_what_is_wrong():
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5 GB") == 1_500_000_000
 
 
-def _tiny_estimate(arch="tiny_llama"):
-    cfg = build_model_config(arch, 512, 0)
-    return lambda rows, length, ckpt: estimate_training_memory(
-        cfg, rows, length, device="cuda", gradient_checkpointing=ckpt
+def _tiny_estimate(vocab_size=512, device="cuda"):
+    """Estimates of a one-layer tiny_llama: what these tests check (the search, the margin, the advice, the tables)
+    does not depend on depth, and each layer adds thousands of traced ops to every estimate. Remembered per shape
+    (``cached_estimate``, as the callbacks remember them), so a shape two tests ask for is traced once."""
+    cfg = build_model_config({**MODEL_PRESETS["tiny_llama"], "num_hidden_layers": 1}, vocab_size, 0)
+    keys = ("input_ids", "attention_mask", "labels")
+    return lambda rows, length, ckpt: cached_estimate(
+        cfg, rows, length, keys, device=device, gradient_checkpointing=ckpt
     )
 
 
@@ -202,14 +206,7 @@ def test_memory_table_says_where_the_peak_falls_and_what_is_live_there():
     from lightning_seqmem.apps.planner import memory_table
     from lightning_seqmem.memory.stats import format_bytes
 
-    cfg = build_model_config("tiny_llama", 2048, 0)
-    memory = plan_memory(
-        lambda rows, length, ckpt: estimate_training_memory(
-            cfg, rows, length, device="cpu", gradient_checkpointing=ckpt
-        ),
-        256,
-        [1, 8],
-    )
+    memory = plan_memory(_tiny_estimate(2048, device="cpu"), 256, [1, 8])
     lines = memory_table(memory)
     rows = {(int(line.split()[0]), line.split()[1] == "yes"): line for line in lines[3:] if line.split()[0].isdigit()}
     phases = set()
