@@ -7,6 +7,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+# One OpenMP thread per test process (and the processes it starts), set before torch is imported: the suite's models
+# are tiny, and on a small shared machine (CI's two cores, the ranks and workers tests start) a second thread
+# spin-waits at every op: a few Trainer steps of tiny_llama took 36 s with two threads and 5 s with one. Whoever
+# runs the tests with OMP_NUM_THREADS set keeps theirs.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
