@@ -143,7 +143,9 @@ FIT_CHOICES = {  # lever -> what the Recommended line says for it
     "checkpointing": ("gradient_checkpointing", True),
     "bf16-true": ("precision", "bf16-true"),
     "FSDP": ("strategy_fsdp", True),
+    "8-bit AdamW": ("optimizer", "adamw_8bit"),
     "LoRA r=16": ("lora", "default"),
+    "QLoRA r=16": ("lora", "qlora"),
 }
 
 

@@ -3,16 +3,18 @@
 The levers are tried in the order of what they cost the run (:data:`LEVERS`), each only when the run does not
 have it already: the chunked loss (the same loss, no whole logits), gradient checkpointing (about a third more
 compute), bf16 weights (``bf16-true``: no fp32 master weights), then a smaller ``micro_batch_size`` (with
-``accumulate_grad_batches`` raised to keep the tokens per optimizer step), then FSDP over the run's devices (each
-GPU holds its share of weights, gradients and optimizer state; communication is the cost), then a LoRA adapter
-(``+model/lora=default``: it changes what is trained). The first that fits wins; then each
-lever it carries is dropped again, the costliest first, when the configuration still fits without it, so a lever
-that does not help (the chunked loss of a short row, whose weight gradient is allocated in forward) is never
-advised. Every peak printed is :func:`~lightning_seqmem.memory.layer_scaling.scaled_training_memory` of that exact
-configuration; a configuration whose weights, gradients and optimizer state alone exceed the budget (closed form,
-a lower bound of its peak) is not traced. Not levers: QLoRA (bitsandbytes' 4-bit layers have no fake-tensor
-kernels, so its peak cannot be traced, and nothing is printed that is not) and an 8-bit optimizer (the bundle
-cannot train with one).
+``accumulate_grad_batches`` raised to keep the tokens per optimizer step), then bitsandbytes' 8-bit AdamW
+(``model.optimizer=adamw_8bit``: 8-bit moments, CUDA only), then FSDP over the run's devices (each GPU holds its
+share of weights, gradients and optimizer state; communication is the cost), then a LoRA adapter
+(``+model/lora=default``: it changes what is trained), then QLoRA (``+model/lora=qlora``: the adapter on a 4-bit
+base, which also changes the base's numerics; it needs pretrained weights and CUDA to train). The first that fits
+wins; then each lever it carries is dropped again, the costliest first, when the configuration still fits without
+it, so a lever that does not help (the chunked loss of a short row, whose weight gradient is allocated in forward;
+LoRA once QLoRA is on) is never advised. Every peak printed is
+:func:`~lightning_seqmem.memory.layer_scaling.scaled_training_memory` of that exact configuration (QLoRA traced on
+:mod:`~lightning_seqmem.memory.qlora_shape`'s memory model of bitsandbytes' 4-bit layer, the 8-bit optimizer on
+:mod:`~lightning_seqmem.memory.optimizer_8bit`'s); a configuration whose weights, gradients and optimizer state
+alone exceed the budget (closed form, a lower bound of its peak) is not traced.
 """
 
 from __future__ import annotations
@@ -23,22 +25,25 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_seqmem.memory.estimate import MemoryEstimate, sharded, with_reference
-from lightning_seqmem.memory.layer_scaling import cached_scaled, parameter_counts
+from lightning_seqmem.memory.layer_scaling import cached_scaled, parameter_counts, quantized_weight_bytes
 from lightning_seqmem.memory.precision import closed_form_state_bytes, normalize_precision, parameter_dtype
 from lightning_seqmem.memory.stats import format_bytes
 from lightning_seqmem.training.adapters import LoraSettings
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from lightning_seqmem.training.loss_layer import resolve_cross_entropy
 
-CHUNKED, CHECKPOINTING, BF16, FSDP, LORA = "chunked loss", "checkpointing", "bf16-true", "FSDP", "LoRA r=16"
-LEVERS = (CHUNKED, CHECKPOINTING, BF16, FSDP, LORA)
+CHUNKED, CHECKPOINTING, BF16, FSDP = "chunked loss", "checkpointing", "bf16-true", "FSDP"
+ADAM8, LORA, QLORA = "8-bit AdamW", "LoRA r=16", "QLoRA r=16"
+LEVERS = (CHUNKED, CHECKPOINTING, BF16, ADAM8, FSDP, LORA, QLORA)
 """The levers in the order of what they cost the run (the smaller micro-batch comes after bf16-true)."""
 CHEAP = (CHUNKED, CHECKPOINTING, BF16)  # tried at the run's own micro_batch_size before it is made smaller
 OVERRIDES = {
     CHUNKED: "model.cross_entropy=chunked",
     CHECKPOINTING: "model.gradient_checkpointing=true",
     BF16: "trainer.precision=bf16-true",
+    ADAM8: "model.optimizer=adamw_8bit",
     LORA: "+model/lora=default",  # conf/model/lora/default.yaml: r=16, all-linear, as LoraSettings()
+    QLORA: "+model/lora=qlora",  # conf/model/lora/qlora.yaml: default + quantize=nf4 (pretrained_path, CUDA)
 }
 
 
@@ -66,6 +71,7 @@ class RunSettings:
     rows_per_item: int = 1
     reference_copy: bool = False
     lora: LoraSettings | None = None  # the run's own adapter
+    optimizer: str = "adamw"  # CausalLM(optimizer=...): "adamw" or "adamw_8bit"
 
 
 @dataclass
@@ -118,8 +124,12 @@ class FitSearch:
             return not run.gradient_checkpointing
         if lever == BF16:
             return normalize_precision(run.precision) not in ("bf16-true", "16-true")
+        if lever == ADAM8:
+            return run.optimizer != "adamw_8bit"
         if lever == LORA:
             return run.lora is None
+        if lever == QLORA:
+            return run.lora is None or run.lora.quantize is None
         return run.devices > 1 and not run.fsdp
 
     def shards(self, levers: Sequence[str]) -> int:
@@ -128,18 +138,30 @@ class FitSearch:
     def precision(self, levers: Sequence[str]) -> str:
         return "bf16-true" if BF16 in levers else self.run.precision
 
+    def optimizer(self, levers: Sequence[str]) -> str:
+        return "adamw_8bit" if ADAM8 in levers else self.run.optimizer
+
     def floor(self, levers: Sequence[str]) -> int:
-        """Weights, gradients and AdamW state of ``levers``'s configuration (closed form, per GPU): a lower bound
-        of its peak, whatever the micro-batch."""
+        """Weights, gradients and optimizer state of ``levers``'s configuration (closed form, per GPU): a lower
+        bound of its peak, whatever the micro-batch (8-bit moments: at least 2 bytes a parameter)."""
         parameters, tensors, _ = self.counts
         state = closed_form_state_bytes(parameters, tensors, self.precision(levers))
-        if self.adapter(levers) is not None:  # the base's weights; the adapter's state is small
+        adapter = self.adapter(levers)
+        if adapter is not None and adapter.quantize is not None:  # the 4-bit base; the adapter's state is small
+            return quantized_weight_bytes(self.run.model_config, self.precision(levers)) // self.shards(levers)
+        if adapter is not None:
             return state["parameters"] // self.shards(levers)
+        if self.optimizer(levers) == "adamw_8bit":
+            state["optimizer_state"] = 2 * parameters
         weights = state["parameters"] * (2 if self.run.reference_copy else 1)
         return (weights + state["gradients"] + state["optimizer_state"]) // self.shards(levers)
 
     def adapter(self, levers: Sequence[str]) -> LoraSettings | None:
-        return self.run.lora if self.run.lora is not None else (LoraSettings() if LORA in levers else None)
+        """The adapter of ``levers``'s configuration: the run's own (made 4-bit by QLoRA), else LoRA's default."""
+        own = self.run.lora
+        if QLORA in levers:
+            return replace(own, quantize="nf4") if own is not None else LoraSettings(quantize="nf4")
+        return own if own is not None else (LoraSettings() if LORA in levers else None)
 
     def estimate(self, levers: Sequence[str], micro_batch_size: int) -> MemoryEstimate:
         """The traced peak of the run with ``levers`` on at ``micro_batch_size`` (one GPU's share under FSDP)."""
@@ -156,6 +178,7 @@ class FitSearch:
             cross_entropy="chunked" if CHUNKED in levers else run.cross_entropy,
             chunk_size=run.chunk_size,
             lora=self.adapter(levers),
+            optimizer=self.optimizer(levers),
         )
         # DPO's reference: a frozen copy, or with an adapter the base with the adapter switched off (no copy)
         est = with_reference(est) if run.reference_copy and self.adapter(levers) is None else est
@@ -202,8 +225,6 @@ def search_fit(run: RunSettings, budget: int, margin: float = 0.10) -> FitPlan:
     if not 0 <= margin < 1:
         raise ValueError(f"margin={margin} must be in [0, 1): the share of the budget kept for the allocator.")
     usable = int(budget * (1 - margin))
-    if run.lora is not None and run.lora.quantize is not None:
-        return FitPlan(run, budget, usable, message="a QLoRA run (lora.quantize) cannot be traced: no fit search")
     search = FitSearch(run, usable)
     plan = FitPlan(run, budget, usable, tried=search.tried)
     _check_weights(search, budget, usable)
@@ -215,9 +236,10 @@ def search_fit(run: RunSettings, budget: int, margin: float = 0.10) -> FitPlan:
             break
     if chosen is None:  # then a smaller micro-batch, then the costlier levers, each with all before it
         for count in range(len(cheap), len(levers) + 1):
-            size = search.largest(levers[:count], mbs)
+            combined = _combined(levers[:count])
+            size = search.largest(combined, mbs)
             if size is not None:
-                chosen = (tuple(levers[:count]), size)
+                chosen = (combined, size)
                 break
     if chosen is not None:
         plan.levers, plan.micro_batch_size = _prune(search, *chosen)
@@ -227,6 +249,16 @@ def search_fit(run: RunSettings, budget: int, margin: float = 0.10) -> FitPlan:
         plan.message = _nothing_fits(search, levers)
     plan.seconds = time.perf_counter() - start
     return plan
+
+
+def _combined(levers: Sequence[str]) -> tuple[str, ...]:
+    """``levers`` as one configuration: an adapter trains a small part of the model, so the 8-bit optimizer is left
+    out beside LoRA or QLoRA (its state is the adapter's, and bitsandbytes keeps tensors under 4,096 values, such
+    as a small adapter's, in fp32: more than bf16 AdamW), and QLoRA is LoRA on a 4-bit base, so it replaces LoRA."""
+    adapter = LORA in levers or QLORA in levers
+    return tuple(
+        lever for lever in levers if not (lever == ADAM8 and adapter) and not (lever == LORA and QLORA in levers)
+    )
 
 
 def _prune(search: FitSearch, levers: tuple[str, ...], size: int) -> tuple[tuple[str, ...], int]:
@@ -242,6 +274,8 @@ def _prune(search: FitSearch, levers: tuple[str, ...], size: int) -> tuple[tuple
 def overrides(run: RunSettings, levers: Sequence[str], micro_batch_size: int) -> tuple[str, ...]:
     """The Hydra overrides that turn the run into the configuration found."""
     out = [OVERRIDES[lever] for lever in LEVERS if lever in levers and lever in OVERRIDES]
+    if QLORA in levers and run.lora is not None:  # the run's own adapter, on a 4-bit base
+        out[out.index(OVERRIDES[QLORA])] = "model.lora.quantize=nf4"
     if FSDP in levers:
         out.append(f"trainer.strategy=fsdp trainer.devices={run.devices}")
     if micro_batch_size != run.micro_batch_size:
@@ -253,17 +287,22 @@ def overrides(run: RunSettings, levers: Sequence[str], micro_batch_size: int) ->
 
 
 def _check_weights(search: FitSearch, budget: int, usable: int) -> None:
-    """The bf16 weights alone, on one GPU's share, over the usable budget: no lever can help."""
+    """The smallest weights any lever reaches (4-bit with QLoRA, else bf16), on one GPU's share, over the usable
+    budget: no lever can help."""
     parameters, _, _ = search.counts
-    shards = search.run.devices if search.run.devices > 1 else 1
-    weights = 2 * parameters * (2 if search.run.reference_copy else 1) // shards
+    run = search.run
+    shards = run.devices if run.devices > 1 else 1
+    quantized = QLORA in search.levers or (run.lora is not None and run.lora.quantize is not None)
+    if quantized:  # the reference is the base with the adapter off: no copy
+        weights, what = quantized_weight_bytes(run.model_config, "bf16-true") // shards, "4-bit (QLoRA) weights"
+    else:
+        weights, what = 2 * parameters * (2 if run.reference_copy else 1) // shards, "bf16 weights"
     if weights > usable:
         where = f" shared by {shards} GPUs (FSDP)" if shards > 1 else ""
         raise ValueError(
-            f"plan.gpu_memory={format_bytes(budget)} ({format_bytes(usable)} usable) is below the model's bf16 "
-            f"weights alone ({format_bytes(weights)} for {parameters:,} parameters{where}): nothing the planner "
-            "can change fits. Give a bigger plan.gpu_memory, more GPUs (plan.devices=N, trained with FSDP) or a "
-            "smaller model."
+            f"plan.gpu_memory={format_bytes(budget)} ({format_bytes(usable)} usable) is below the model's {what} "
+            f"alone ({format_bytes(weights)} for {parameters:,} parameters{where}): nothing the planner can change "
+            "fits. Give a bigger plan.gpu_memory, more GPUs (plan.devices=N, trained with FSDP) or a smaller model."
         )
 
 
@@ -275,7 +314,7 @@ def _nothing_fits(search: FitSearch, levers: Sequence[str]) -> str:
     return (
         f"Nothing fits {format_bytes(search.usable)} usable: the smallest tried, {what} at micro_batch_size="
         f"{best.micro_batch_size}, needs {format_bytes(best.peak)} ({need}). Try a shorter data.max_length, "
-        "more GPUs (plan.devices=N, trained with FSDP), a LoRA adapter or a bigger device."
+        "more GPUs (plan.devices=N, trained with FSDP) or a bigger device."
     )
 
 
@@ -314,5 +353,6 @@ def search_run(
         per // settings.micro_batch_size,
         reference,
         lora,
+        str(model.get("optimizer", "adamw")),
     )
     return search_fit(run, parse_bytes(cfg.plan.gpu_memory), float(cfg.plan.margin))

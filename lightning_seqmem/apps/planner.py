@@ -269,7 +269,7 @@ def plan(
         print(format_plan(plan(dm, build_model_config("tiny_llama", len(dm.tokenizer), 0), gpu_memory="24GiB")))
     """
     from lightning_seqmem.memory.estimate import with_reference
-    from lightning_seqmem.memory.layer_scaling import scaled_training_memory
+    from lightning_seqmem.memory.layer_scaling import cached_scaled
 
     dm = stream_sample(datamodule)[0]  # a stream: planned on its first documents
     settings = dm.settings.batching
@@ -287,7 +287,7 @@ def plan(
         per = _strategy(*configured, settings, kind).rows_per_batch("train") // settings.micro_batch_size
 
         def estimate(rows: int, length: int, checkpointing: bool, cross_entropy: str = cross_entropy):
-            est = scaled_training_memory(  # traced at 1 and 2 layers, exact for alike layers (layer_scaling)
+            est = cached_scaled(  # traced at 1 and 2 layers (layer_scaling), once per process: the fit search shares it
                 model_config,
                 per * rows,
                 length,

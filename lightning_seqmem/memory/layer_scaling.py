@@ -23,6 +23,7 @@ traced whole.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 from lightning_seqmem.memory.adapter_trace import add_fake_lora
 from lightning_seqmem.memory.estimate import MemoryEstimate, checked_arguments, estimate_training_memory
 from lightning_seqmem.memory.optimizer_8bit import traced_optimizer
+from lightning_seqmem.memory.qlora_shape import quantize_linears
 from lightning_seqmem.memory.trace import (
     CATEGORIES,
     CUDA_GRANULE,
@@ -303,11 +305,19 @@ def scaled_training_memory(
 _SCALED: dict[tuple, MemoryEstimate] = {}
 
 
-def cached_scaled(model_config, rows: int, length: int, keys: Sequence[str], *args, **kwargs) -> MemoryEstimate:
-    """:func:`scaled_training_memory`, remembered per (config, shape, settings) for this process."""
-    key = (model_config.to_json_string(), rows, length, tuple(keys), args, tuple(sorted(kwargs.items())))
+def cached_scaled(model_config, *args, **kwargs) -> MemoryEstimate:
+    """:func:`scaled_training_memory`, remembered per (config, shape, settings) for this process: the same question
+    however its arguments are spelled (positional or by name, defaults left out or given) is traced once."""
+    bound = inspect.signature(scaled_training_memory).bind(model_config, *args, **kwargs)
+    bound.apply_defaults()
+    settings = {
+        **bound.arguments,
+        "model_config": model_config.to_json_string(),
+        "keys": tuple(bound.arguments["keys"]),
+    }
+    key = tuple(settings.items())
     if key not in _SCALED:
-        _SCALED[key] = scaled_training_memory(model_config, rows, length, keys, *args, **kwargs)
+        _SCALED[key] = scaled_training_memory(model_config, *args, **kwargs)
     return _SCALED[key]
 
 
@@ -334,3 +344,29 @@ def parameter_counts(model_config) -> tuple[int, int, int]:
             (n1, t1), (n2, t2) = counts
             _COUNTS[key] = (_line(n1, n2, layers), _line(t1, t2, layers), n2 - n1)
     return _COUNTS[key]
+
+
+_QUANTIZED: dict[tuple[str, str], int] = {}
+
+
+def quantized_weight_bytes(model_config, precision: str) -> int:
+    """Bytes of ``model_config``'s weights with its linear layers but the head in 4-bit
+    (:func:`~lightning_seqmem.memory.qlora_shape.quantize_linears`, QLoRA's base) and the rest in ``precision``'s
+    parameter dtype: counted on fake models of one and two layers and extended to its layer count (the whole model
+    when its layers are not alike)."""
+    key = (model_config.to_json_string(), precision)
+    if key not in _QUANTIZED:
+
+        def count(config) -> int:
+            mode, model = build_fake_model(config, precision=precision)
+            with mode:
+                quantize_linears(model)
+            return sum(p.numel() * p.element_size() for p in model.parameters())
+
+        layers = layer_count(model_config) or 0
+        small = [with_layers(model_config, n) for n in TRACED_LAYERS]
+        if layers <= max(TRACED_LAYERS) or None in small:
+            _QUANTIZED[key] = count(model_config)
+        else:
+            _QUANTIZED[key] = _line(count(small[0]), count(small[1]), layers)
+    return _QUANTIZED[key]
