@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch.distributed as dist
 
 from lightning_seqmem._process_exit import destroy_open_process_group
@@ -20,7 +21,10 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_rank_that_imported_the_package_exits_with_its_process_group_closed():
+    """A fresh interpreter, by nature: what runs at its exit is the point (a forked child inherits the package
+    already imported and leaves by ``os._exit``). Its cost is importing torch for a real Gloo group."""
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "open after fit: True" in out.stdout and "open at exit: False" in out.stdout
