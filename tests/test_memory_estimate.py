@@ -79,8 +79,10 @@ def test_packed_eager_mixed_and_checkpointed_steps_agree_with_reality_too():
 
 def test_memory_grows_with_rows_and_length_and_checkpointing_saves_activations():
     cfg = config("tiny_gpt2")
-    by_rows = [estimate_training_memory(cfg, r, 64, device="cpu").peak for r in (1, 2, 4)]
-    by_length = [estimate_training_memory(cfg, 2, n, device="cpu").peak for n in (32, 64, 128)]
+    shapes = [(1, 64), (2, 64), (4, 64), (2, 32), (2, 128)]  # each traced once
+    peak = {shape: estimate_training_memory(cfg, *shape, device="cpu").peak for shape in shapes}
+    by_rows = [peak[r, 64] for r in (1, 2, 4)]
+    by_length = [peak[2, n] for n in (32, 64, 128)]
     assert by_rows == sorted(by_rows) and len(set(by_rows)) == 3
     assert by_length == sorted(by_length) and len(set(by_length)) == 3
     plain = estimate_training_memory(cfg, 4, 256, device="cpu")
@@ -92,16 +94,15 @@ def test_eager_attention_keeps_the_length_by_length_scores_and_sdpa_does_not():
     cfg = config("tiny_llama")
     rows, heads = 2, SMALL["tiny_llama"]["num_attention_heads"]
 
-    def extra(length):
-        eager = estimate_training_memory(cfg, rows, length, device="cuda", attn_implementation="eager").activations
-        sdpa = estimate_training_memory(cfg, rows, length, device="cuda").activations
-        return eager - sdpa
+    sdpa = {n: estimate_training_memory(cfg, rows, n, device="cuda") for n in (128, 256)}  # each traced once
+    eager = {n: estimate_training_memory(cfg, rows, n, device="cuda", attn_implementation="eager") for n in sdpa}
+    extra = {n: eager[n].activations - sdpa[n].activations for n in sdpa}
 
     # eager keeps fp32 attention probabilities [rows, heads, length, length] (at least one layer's at the peak)
-    assert extra(256) >= rows * heads * 256 * 256 * 4
-    assert extra(256) > 3 * extra(128)  # quadratic, not linear
+    assert extra[256] >= rows * heads * 256 * 256 * 4
+    assert extra[256] > 3 * extra[128]  # quadratic, not linear
     flash = estimate_training_memory(cfg, rows, 256, device="cuda", attn_implementation="flash_attention_2")
-    sdpa = estimate_training_memory(cfg, rows, 256, device="cuda")
+    sdpa = sdpa[256]
     assert flash.activations < sdpa.activations  # no [rows, 1, length, length] mask at all
     # torch's varlen kernel is traced as flash (no mask); "auto" as its larger candidate, sdpa
     varlen = estimate_training_memory(cfg, rows, 256, device="cuda", attn_implementation="torch_varlen")

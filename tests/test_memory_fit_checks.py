@@ -10,6 +10,7 @@ from lightning_seqmem.memory import checks, preallocate
 from lightning_seqmem.memory.checks import ConfigChecks
 from lightning_seqmem.memory.estimate import cached_estimate, module_facts
 from lightning_seqmem.memory.preallocate import CachePreallocator
+from lightning_seqmem.training.building import MODEL_PRESETS
 
 
 def _peak(module, rows, length, keys):
@@ -60,7 +61,10 @@ def test_preallocator_is_quiet_when_the_estimate_fits(tmp_path, monkeypatch):
 @pytest.mark.filterwarnings("ignore:.*never reach the model.*")
 def test_config_checks_use_the_same_estimate(tmp_path, monkeypatch, small_text_dataset):
     dm = SeqMemDataModule(small_text_dataset, max_length=64, micro_batch_size=8)
-    model = CausalLM(model_config="tiny_llama", vocab_size=len(dm.tokenizer), pad_token_id=dm.pad_token_id)
+    # tiny_llama with one decoder layer: which micro_batch_size fits does not depend on depth, and each layer adds
+    # thousands of traced ops to each of the four estimates this test makes
+    one_layer = {**MODEL_PRESETS["tiny_llama"], "num_hidden_layers": 1}
+    model = CausalLM(model_config=one_layer, vocab_size=len(dm.tokenizer), pad_token_id=dm.pad_token_id)
     rows, length = dm.max_batch_shape()
     free = (_peak(model, 4, length, dm.batch_keys()) + _peak(model, 8, length, dm.batch_keys())) // 2
     monkeypatch.setattr(checks, "_cuda_free_memory", lambda device: free)

@@ -7,7 +7,7 @@ today's vocabularies. Estimates are traced on fake tensors; one is checked again
 import pytest
 
 from lightning_seqmem.apps.plan_memory import memory_table, plan_memory
-from lightning_seqmem.memory.estimate import estimate_training_memory, shortfall_message
+from lightning_seqmem.memory.estimate import cached_estimate, shortfall_message
 from lightning_seqmem.memory.measured import measured_training_peak
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
 from lightning_seqmem.training.building import build_model_config
@@ -30,7 +30,9 @@ def config():
 
 
 def _estimate(config, rows=2, length=256, **kwargs):
-    return estimate_training_memory(config, rows, length, KEYS, device="cpu", chunk_size=128, **kwargs)
+    """``estimate_training_memory``, remembered per shape and settings (``cached_estimate``, as the callbacks and
+    ``shortfall_message`` remember them): the shapes several tests and the planner ask for are traced once."""
+    return cached_estimate(config, rows, length, KEYS, device="cpu", chunk_size=128, **kwargs)
 
 
 def test_chunked_estimate_is_smaller_and_its_loss_layer_a_fraction_of_the_full_one(config):
