@@ -4,7 +4,9 @@
 
 For each model (the tiny Llama and GPT-2 presets) and shape, the estimate for device "cpu" (traced on fake
 tensors, nothing allocated) is compared with the peak live tensor bytes of the same two training steps run for
-real, measured by torch.profiler from every allocation and free of torch's CPU allocator.
+real, measured by torch.profiler from every allocation and free of torch's CPU allocator. The QLoRA rows train the
+4-bit base as ``memory/qlora_shape.py`` models bitsandbytes' layer (its memory, not its numerics: bitsandbytes does
+not train on CPU), a LoRA adapter (r=8, all linear layers) on top.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ from lightning_seqmem.memory.estimate import estimate_training_memory
 from lightning_seqmem.memory.measured import measured_training_peak
 from lightning_seqmem.memory.stats import format_bytes
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
+from lightning_seqmem.training.adapters import LoraSettings
 from lightning_seqmem.training.building import build_model_config
 
 VOCAB = 4096
 PAD_KEYS = ("input_ids", "attention_mask", "labels")
 PACK_KEYS = ("input_ids", "labels", "position_ids")
+QLORA = LoraSettings(r=8, dropout=0.0, quantize="nf4")
 
 CASES = [
-    # (preset, rows, length, keys, precision, attention, checkpointing)
+    # (preset, rows, length, keys, precision, attention, checkpointing[, lora])
     *[
         (preset, r, n, PAD_KEYS, "32-true", "sdpa", False)
         for preset in ("tiny_llama", "tiny_gpt2")
@@ -35,6 +39,9 @@ CASES = [
     ("tiny_gpt2", 4, 256, PAD_KEYS, "bf16-mixed", "sdpa", False),
     ("tiny_llama", 4, 256, PAD_KEYS, "32-true", "sdpa", True),
     ("tiny_llama", 4, 256, PAD_KEYS, "bf16-true", "sdpa", False),
+    ("tiny_llama", 4, 256, PAD_KEYS, "32-true", "sdpa", False, QLORA),
+    ("tiny_llama", 4, 256, PAD_KEYS, "bf16-mixed", "sdpa", False, QLORA),
+    ("tiny_llama", 4, 256, PAD_KEYS, "bf16-true", "sdpa", True, QLORA),
 ]
 
 
@@ -44,7 +51,8 @@ def main() -> None:
         "| error | estimate time |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for preset, rows, length, keys, precision, attention, checkpointing in CASES:
+    for preset, rows, length, keys, precision, attention, checkpointing, *adapter in CASES:
+        lora = adapter[0] if adapter else None
         config = build_model_config(preset, VOCAB, 0)
         start = time.perf_counter()
         est = estimate_training_memory(
@@ -56,13 +64,15 @@ def main() -> None:
             device="cpu",
             attn_implementation=attention,
             gradient_checkpointing=checkpointing,
+            lora=lora,
         )
         seconds = time.perf_counter() - start
         batch = make_dummy_batch(rows, length, keys, VOCAB)  # padding in a row (pad) or two documents per row (pack)
-        real = measured_training_peak(config, batch, precision, attention, checkpointing)
+        real = measured_training_peak(config, batch, precision, attention, checkpointing, lora=lora)
         kind = "pad" if "attention_mask" in keys else "pack"
+        name = f"{preset} + QLoRA r={lora.r}" if lora is not None else preset
         print(
-            f"| {preset} | {rows} x {length} | {kind} | {precision} | {attention} | {'yes' if checkpointing else 'no'} "
+            f"| {name} | {rows} x {length} | {kind} | {precision} | {attention} | {'yes' if checkpointing else 'no'} "
             f"| {format_bytes(est.peak)} | {format_bytes(real)} | {100 * (est.peak - real) / real:+.2f}% "
             f"| {seconds:.1f} s |"
         )
