@@ -24,6 +24,8 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
+import torch
+
 
 def free_port() -> int:
     """A TCP port nothing listens on now (the ranks' rendezvous)."""
@@ -43,9 +45,8 @@ def _rank(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple,
             LOCAL_RANK=str(rank),
             NODE_RANK="0",
             WORLD_SIZE=str(world),
+            OMP_NUM_THREADS="1",
         )
-        import torch
-
         # Before any torch op: the parent's OpenMP thread pool does not survive fork, and one thread per rank is
         # what two ranks on a small machine should use anyway.
         torch.set_num_threads(1)
@@ -73,6 +74,10 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float
     ``AssertionError`` with each failing rank's traceback (or exit code, for a rank that died without a word) and the
     ranks killed: those still running at ``timeout`` seconds, or 3 s after the first failure.
     """
+    # A forked rank would inherit the group and its sockets, and join nothing.
+    assert not torch.distributed.is_initialized(), (
+        "a process group is open in the test process: destroy it before run_ranks"
+    )
     context = mp.get_context("fork")
     port = free_port()
     ranks, pending = [], {}
