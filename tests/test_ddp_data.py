@@ -103,10 +103,11 @@ class _CountingModule(L.LightningModule):
 
 @pytest.mark.slow
 def test_lightning_ddp_spawn_keeps_our_sampler_and_equal_steps(tmp_path, tokenizer):
-    """Lightning's real ``ddp_spawn``: the suite's one test that starts fresh interpreters for its ranks (the other
-    multi-process tests fork them, ``_forked_ranks``), kept because it proves that the DataModule, its rows and our
-    sampler pickle into a spawned rank, as they must on macOS and Windows and in notebooks. The cheapest such run:
-    a tiny dataset and a one-parameter module."""
+    """Lightning's real ``ddp_spawn``, kept as the one spawn test of the library's own tests (the other multi-process
+    tests fork their ranks, ``_forked_ranks``; ``test_sweep`` runs seqmem-train's launchers end to end): it proves
+    that the DataModule, its rows and our sampler pickle into a fresh interpreter, as they must on macOS and Windows
+    and in notebooks. The cheapest such run: a tiny dataset and a one-parameter module; most of its time is each
+    rank importing torch and Lightning again."""
     dm = SeqMemDataModule(
         dataset=datasets.Dataset.from_dict({"text": _texts()}),
         max_length=24,
