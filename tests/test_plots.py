@@ -2,6 +2,7 @@
 axis scales, label texts and where the labels sit (never on top of each other), bars and lines that match the
 numbers the planner prints."""
 
+import functools
 import itertools
 
 import numpy as np
@@ -128,6 +129,7 @@ def test_memory_chart_stacks_what_is_live_at_the_peak_under_the_budget():
 
     cfg = build_model_config("tiny_llama", 512, 0)
 
+    @functools.cache  # one trace per shape: the budget below and the planner ask for the same one
     def estimate(rows, length, checkpointing):
         return estimate_training_memory(cfg, rows, length, device="cuda", gradient_checkpointing=checkpointing)
 

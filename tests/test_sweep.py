@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from _forked_app import run_forked_main
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
@@ -22,11 +23,6 @@ SHRINK = [
     "print_summary=false",
     "~callbacks.preallocate",
 ]
-
-
-def seqmem_train(tmp_path, *args):
-    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", "-m", *SHRINK, *args]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +110,18 @@ def test_short_sweep_validates_at_the_last_step_and_reports(warmup_sweep):
 
 @pytest.mark.slow
 def test_ddp_spawn_job_inside_a_multirun(tmp_path):
-    """trainer=ddp_spawn: two CPU processes per job, launched by the Trainer, so the sweep is not re-run per rank."""
+    """trainer=ddp_spawn: two CPU processes per job, launched by the Trainer, so the sweep is not re-run per rank.
+
+    The multirun is seqmem-train's main() in a process forked from this one (its imports are already paid); the two
+    ranks are spawned by the Trainer, fresh interpreters as on a user's machine. The console script itself runs in
+    test_ddp_single_run and in the warmup-sweep example."""
+    from lightning_seqmem.apps.train import main
+
     sweep = tmp_path / "sweep"
-    proc = seqmem_train(
-        tmp_path,
+    argv = [
+        "seqmem-train",
+        "-m",
+        *SHRINK,
         "trainer=ddp_spawn",
         "trainer.accelerator=cpu",
         "trainer.devices=2",
@@ -126,7 +130,8 @@ def test_ddp_spawn_job_inside_a_multirun(tmp_path):
         "trainer.val_check_interval=2",
         "callbacks.seq_warmup.duration=0.5",
         f"hydra.sweep.dir={sweep}",
-    )
+    ]
+    proc = run_forked_main(main, argv, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]  # one job, not one per rank
     summary = json.load(open(sweep / "0" / "summary.json"))
