@@ -158,9 +158,10 @@ def test_plan_api_from_a_datamodule_and_a_model_config(small_text_dataset):
     from lightning_seqmem.apps.planner import plan
 
     dm = SeqMemDataModule(small_text_dataset, max_length=64, micro_batch_size=2, strategy="pack")
+    one_layer = {**MODEL_PRESETS["tiny_gpt2"], "n_layer": 1}  # traced whole; deep ones: test_plan_app, layer_scaling
     result = plan(
         dm,
-        build_model_config("tiny_gpt2", len(dm.tokenizer), 0),
+        build_model_config(one_layer, len(dm.tokenizer), 0),
         max_lengths=[32, 64],
         micro_batch_sizes=[1, 2],
         gpu_memory="1GiB",
