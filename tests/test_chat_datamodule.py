@@ -225,6 +225,7 @@ def _compose(name, overrides):
         return compose(name, overrides=overrides, return_hydra_config=name == "config")
 
 
+@pytest.mark.slow  # the app end to end over the whole built-in chat corpus (tokenized once for both tests)
 def test_seqmem_train_data_chat_trains_on_the_builtin_conversations(tmp_path, builtin_chat_cache):
     """``seqmem-train data=chat``: the built-in tokenizer with its template, the built-in conversations, packed."""
     from hydra.core.hydra_config import HydraConfig
@@ -255,6 +256,7 @@ def test_seqmem_train_data_chat_trains_on_the_builtin_conversations(tmp_path, bu
     assert summary["strategy"] == "pack (bfd)" and summary["dataset_documents_split"] == 0
 
 
+@pytest.mark.slow
 def test_seqmem_plan_data_chat_reports_the_trained_share_the_datamodule_measures(builtin_chat_cache):
     from hydra.utils import instantiate
 

@@ -1,5 +1,6 @@
 """The Hydra config: every option of every group composes, names real classes with real arguments, and is documented."""
 
+import functools
 import importlib
 import inspect
 import os
@@ -30,8 +31,17 @@ def yaml_files():
 
 
 def compose_cfg(overrides=()):
+    """The main job's config with ``overrides``, read-only: composed once per list of overrides (a compose reads
+    and parses every YAML file again, ~0.2 s), the same object handed to every test that asks for it."""
+    return _compose(tuple(overrides))
+
+
+@functools.cache
+def _compose(overrides):
     with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+        cfg = compose("config", overrides=list(overrides))
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
 
 
 def test_groups_mirror_the_concerns():
