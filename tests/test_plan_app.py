@@ -1,11 +1,11 @@
 """seqmem-plan: composes the same groups as seqmem-train and plans exactly that run."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from _forked_app import run_forked_main
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
@@ -43,10 +43,12 @@ def test_plan_composes_the_run_seqmem_train_would_launch_and_matches_its_datamod
 
 
 def test_seqmem_plan_command_prints_the_tables_and_writes_plan_json_and_histogram(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_seqmem.apps.plan_app",
+    """``seqmem-plan`` as run from a shell, its ``main()`` in a forked child (tests/_forked_app.py); the console
+    script in a fresh interpreter is run by test_seqmem_plan_prints_each_log_line_once."""
+    from lightning_seqmem.apps.plan_app import main
+
+    argv = [
+        "seqmem-plan",
         "batching=pad",
         "model=tiny_llama",
         "data.max_length=128",
@@ -55,7 +57,7 @@ def test_seqmem_plan_command_prints_the_tables_and_writes_plan_json_and_histogra
         "plan.gpu_memory=2GiB",
         f"hydra.run.dir={tmp_path}",
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ})
+    out = run_forked_main(main, argv, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     for text in ("Pack(method='bfd')", "token", "Peak training memory", "Recommended: strategy=", "Why: "):
         assert text in out.stdout
@@ -136,9 +138,11 @@ def test_seqmem_plan_on_a_stream_plans_its_first_documents_and_says_so():
     assert len(plan.train_lengths) == 500 and {s.max_length for s in plan.strategies} == {64, 128}
 
 
+@pytest.mark.slow
 def test_seqmem_plan_prints_each_log_line_once(tmp_path):
     """trainer=cpu skips choose_trainer's CUDA probe, so Lightning is first imported under Hydra's job logging:
-    its own console handler and Hydra's root handler printed every record twice."""
+    its own console handler and Hydra's root handler printed every record twice. A fresh interpreter, as the
+    console script starts one (a forked child has Lightning imported already)."""
     cmd = [sys.executable, "-m", "lightning_seqmem.apps.plan_app", "trainer=cpu", "batching=pad", "model=tiny_llama"]
     cmd += ["data.max_length=128", "plan.max_lengths=[64]", "plan.micro_batch_sizes=[1]", "plan.memory=false"]
     out = subprocess.run(cmd + [f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
