@@ -142,12 +142,16 @@ def test_ddp_spawn_job_inside_a_multirun(tmp_path):
 
 @pytest.mark.slow
 def test_ddp_single_run(tmp_path):
-    """trainer=ddp outside a sweep: Lightning re-launches seqmem-train for rank 1 into the same run directory."""
+    """trainer=ddp outside a sweep: Lightning re-launches seqmem-train for rank 1 into the same run directory.
+
+    Rank 0 is seqmem-train's main() forked from this process as ``python -m lightning_seqmem.apps.train`` runs it
+    (its imports are already paid); Lightning's launcher re-runs that command line for rank 1: a fresh interpreter,
+    as on a user's machine."""
+    from lightning_seqmem.apps.train import main
+
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_seqmem.apps.train",
+    argv = [
+        "seqmem-train",
         *SHRINK,
         "trainer=ddp",
         "trainer.accelerator=cpu",
@@ -157,8 +161,9 @@ def test_ddp_single_run(tmp_path):
         "trainer.val_check_interval=2",
         f"hydra.run.dir={run_dir}",
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = run_forked_main(main, argv, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GLOBAL_RANK: 1" in proc.stdout + proc.stderr  # rank 1 ran, in a process Lightning launched
     summary = json.load(open(run_dir / "summary.json"))
     assert summary["optimizer_steps"] == 2 and summary["slots_fed_to_model"] > 2 * 8 * 16
     assert json.load(open(run_dir / "job_status.json")) == {"status": "finished"}
