@@ -241,7 +241,7 @@ def test_seqmem_plan_prints_the_fit_and_recommends_it_when_the_table_has_none():
 
     # micro_batch_size=1: the search starts from the table's own first row, so the two share their traces
     overrides = ["model=tiny_llama", "data.max_length=128", "data.micro_batch_size=1", "plan.max_lengths=[128]"]
-    overrides.append("plan.micro_batch_sizes=[1,2]")
+    overrides.append("plan.micro_batch_sizes=[1]")
     with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
         cfg = compose(
             "plan", overrides=[*overrides, "plan.device=cpu", "plan.precision=32-true", "plan.gpu_memory=8GiB"]
