@@ -261,3 +261,15 @@ def test_seqmem_plan_prints_the_fit_and_recommends_it_when_the_table_has_none():
     recommended = text[text.index("Recommended:") :].splitlines()[0]
     named = ("precision=bf16-true", "gradient_checkpointing=True", "cross_entropy=chunked")
     assert any(choice in recommended for choice in named), recommended
+    # A QLoRA run with the 8-bit optimizer: the table estimates that run, and the search advises neither again
+    with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
+        adapted = [*overrides, "plan.device=cpu", "plan.precision=32-true", "plan.gpu_memory=8GiB"]
+        cfg = compose("plan", overrides=[*adapted, "+model/lora=qlora", "model.optimizer=adamw_8bit"])
+        qlora, notes = plan_from_config(cfg)
+    table = qlora.memory.estimates[False][1]
+    model_config, keys = qlora.fit.settings.model_config, qlora.fit.settings.keys
+    args = (model_config, 1, 128, keys, "32-true", "cpu", "sdpa", False)
+    assert table == cached_scaled(*args, lora=LoraSettings(quantize="nf4"), optimizer="adamw_8bit")
+    assert table.state["parameters"] < one.state["parameters"] and table.optimizer_state < one.optimizer_state
+    assert qlora.fit.fits and qlora.fit.levers == () and qlora.fit.overrides == ()
+    assert any("QLoRA r=16, 8-bit AdamW" in note for note in notes)

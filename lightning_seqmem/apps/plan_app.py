@@ -71,6 +71,7 @@ def plan_from_config(cfg, output_dir: str | None = None):
     from hydra.utils import instantiate
 
     from lightning_seqmem.apps.plan_lengths import stream_sample
+    from lightning_seqmem.apps.plan_search import run_lora
     from lightning_seqmem.apps.planner import check_text, default_max_lengths, plan
 
     p = cfg.plan
@@ -91,7 +92,7 @@ def plan_from_config(cfg, output_dir: str | None = None):
             "lengths, efficiency and memory carry over, document counts and steps per epoch are the sample's"
         )
     model_config, device = None, p.get("device") or ("cpu" if str(cfg.trainer.get("accelerator")) == "cpu" else "cuda")
-    attention = cfg.model.get("attn_implementation", "sdpa")
+    attention, optimizer = cfg.model.get("attn_implementation", "sdpa"), str(cfg.model.get("optimizer", "adamw"))
     if p.get("memory", True):
         vocab_size = cfg.model.get("vocab_size") or (len(dm.tokenizer) if dm.tokenizer is not None else None)
         if vocab_size is None:
@@ -100,9 +101,11 @@ def plan_from_config(cfg, output_dir: str | None = None):
                 "(model.vocab_size=<n>), or plan without memory (plan.memory=false)."
             )
         model_config = _model_config(cfg, vocab_size, dm.pad_token_id)
+        adapter = run_lora(cfg)
+        trains = "full fine-tuning" if adapter is None else f"{'QLoRA' if adapter.quantize else 'LoRA'} r={adapter.r}"
         notes.append(
             f"memory for {getattr(model_config, 'model_type', '?')} on {device}, precision {precision}, "
-            f"attention {attention}, AdamW"
+            f"attention {attention}, {trains}, {'8-bit AdamW' if optimizer == 'adamw_8bit' else 'AdamW'}"
         )
     result = plan(
         dm,
@@ -119,6 +122,8 @@ def plan_from_config(cfg, output_dir: str | None = None):
         int(cfg.trainer.get("accumulate_grad_batches", 1)),
         reference_copy=_reference_copy(cfg),
         cross_entropy=cfg.model.get("cross_entropy", "auto"),
+        lora=run_lora(cfg) if model_config is not None else None,
+        optimizer=optimizer,
     )
     if model_config is not None and p.get("gpu_memory") is not None:  # the cheapest configuration that fits
         from lightning_seqmem.apps.plan_report import attach_fit

@@ -318,6 +318,16 @@ def _nothing_fits(search: FitSearch, levers: Sequence[str]) -> str:
     )
 
 
+def run_lora(cfg) -> LoraSettings | None:
+    """The adapter of ``seqmem-plan``'s composed config (``model.lora``, e.g. ``+model/lora=qlora``), or ``None``."""
+    lora = cfg.model.get("lora")
+    if lora is None:
+        return None
+    from omegaconf import OmegaConf
+
+    return LoraSettings.from_value(OmegaConf.to_container(lora, resolve=True))
+
+
 def search_run(
     result, dm, model_config, cfg, precision: str, device: str, attention: str, devices: int, reference=False
 ):
@@ -331,11 +341,6 @@ def search_run(
     kind = dm.tokenized_documents()[1]
     per = _strategy(settings.batching, settings.max_length, settings, kind).rows_per_batch("train")
     model = cfg.model
-    lora = model.get("lora")
-    if lora is not None:
-        from omegaconf import OmegaConf
-
-        lora = LoraSettings.from_value(OmegaConf.to_container(lora, resolve=True))
     run = RunSettings(
         model_config,
         result.configured.max_batch_shape[1],
@@ -352,7 +357,7 @@ def search_run(
         attention,
         per // settings.micro_batch_size,
         reference,
-        lora,
+        run_lora(cfg),
         str(model.get("optimizer", "adamw")),
     )
     return search_fit(run, parse_bytes(cfg.plan.gpu_memory), float(cfg.plan.margin))

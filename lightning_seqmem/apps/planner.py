@@ -244,6 +244,8 @@ def plan(
     accumulate_grad_batches: int = 1,
     reference_copy: bool = False,
     cross_entropy: str = "auto",
+    lora: Any = None,
+    optimizer: str = "adamw",
 ) -> RunPlan:
     """Plan the run of ``datamodule`` (a ``SeqMemDataModule``, not set up) with a model of ``model_config``.
 
@@ -261,6 +263,9 @@ def plan(
         reference_copy: the model keeps a frozen copy of its weights (``DPO(reference="copy")``): added to memory.
         cross_entropy: the model's loss layer (``CausalLM(cross_entropy=...)``); with the full one, the memory half
             also says when ``"chunked"`` would make a micro_batch_size fit.
+        lora, optimizer: the model's adapter (``CausalLM(lora=...)``: LoRA, or QLoRA's 4-bit base) and optimizer
+            (``"adamw"`` or ``"adamw_8bit"``), as the estimate traces them; with an adapter, DPO's reference is the
+            base with the adapter off (no copy).
 
     Example::
 
@@ -297,8 +302,10 @@ def plan(
                 attn_implementation,
                 checkpointing,
                 cross_entropy=cross_entropy,
+                lora=lora,
+                optimizer=optimizer,
             )
-            return with_reference(est) if reference_copy else est
+            return with_reference(est) if reference_copy and lora is None else est
 
     budget = parse_bytes(gpu_memory) if gpu_memory is not None else None
     return build_plan(
