@@ -84,9 +84,9 @@ def test_the_head_and_embeddings_stay_unquantized(config):
 @pytest.mark.parametrize(
     "precision, checkpointing",
     [
-        ("32-true", False),
-        ("bf16-true", True),
-        pytest.param("bf16-true", False, marks=pytest.mark.slow),  # CPU bf16 matmuls: slow, same path
+        ("bf16-true", True),  # QLoRA as the planner advises it: bf16 weights, checkpointing
+        pytest.param("32-true", False, marks=pytest.mark.slow),  # the other paths, out of the inner loop
+        pytest.param("bf16-true", False, marks=pytest.mark.slow),
         pytest.param("bf16-mixed", False, marks=pytest.mark.slow),
     ],
 )
