@@ -219,7 +219,8 @@ def search_fit(run: RunSettings, budget: int, margin: float = 0.10) -> FitPlan:
     """The cheapest configuration of ``run`` whose peak fits ``budget`` bytes less the allocator ``margin``.
 
     Raises:
-        ValueError: the weights alone (bf16, sharded over the devices) exceed the budget: nothing can fit.
+        ValueError: the smallest weights a lever reaches (4-bit with QLoRA, else bf16; sharded over the devices)
+            exceed the budget: nothing can fit.
     """
     start = time.perf_counter()
     if not 0 <= margin < 1:
