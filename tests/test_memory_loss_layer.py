@@ -1,7 +1,7 @@
 """The memory estimate and the planner follow the loss layer (``cross_entropy``) and show its share of the peak.
 
-A large-vocabulary tiny Llama (32,000 tokens, hidden 64): its logits dominate the step, as a real model's do at
-today's vocabularies. Estimates are traced on fake tensors; one is checked against a real CPU step.
+A large-vocabulary tiny Llama (32,000 tokens, hidden 64, one decoder layer): its logits dominate the step, as a
+real model's do at today's vocabularies. Estimates are traced on fake tensors; one is checked against a real CPU step.
 """
 
 import pytest
@@ -17,7 +17,7 @@ BIG_VOCAB = dict(
     model_type="llama",
     hidden_size=64,
     intermediate_size=128,
-    num_hidden_layers=2,
+    num_hidden_layers=1,
     num_attention_heads=4,
     num_key_value_heads=2,
     tie_word_embeddings=True,
