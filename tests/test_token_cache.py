@@ -391,12 +391,15 @@ def test_seqmem_cache_lists_entries_and_removes_the_old_ones(tmp_path, tokenizer
     assert entries[f"{data} (train)"].rows == 30 and all(e.size > 0 for e in entries.values())
 
     listing = subprocess.run(
-        [sys.executable, "-m", "lightning_seqmem.apps.cache", "--cache-dir", str(root)],
+        [sys.executable, "-X", "importtime", "-m", "lightning_seqmem.apps.cache", "--cache-dir", str(root)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert listing.returncode == 0, listing.stderr
+    # It lists and removes files: it starts without torch (importing it was three quarters of its start-up).
+    imported = {line.split("|")[-1].strip() for line in listing.stderr.splitlines() if line.startswith("import time")}
+    assert "lightning_seqmem.data.value_checks" in imported and "torch" not in imported
     assert f"Cache {root}: 2 entries" in listing.stdout and "pages.jsonl (train)" in listing.stdout
     assert Path(tokenizer.name_or_path).name[:20] in listing.stdout
 

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lightning_seqmem.batch import IGNORE_INDEX
 from lightning_seqmem.data.arrow_stream import system_memory_pool
 from lightning_seqmem.data.cache_dir import default_cache_dir
 
@@ -58,6 +57,8 @@ def _streamed_values_ok(files: list[str], columns: tuple[str, ...], vocab_size: 
     """
     import pyarrow as pa
     import pyarrow.compute as pc
+
+    from lightning_seqmem.batch import IGNORE_INDEX  # here, not above: seqmem-cache reads CHECKED without torch
 
     try:
         for path in files:
