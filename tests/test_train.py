@@ -1,4 +1,5 @@
-"""seqmem-train: a shrunk job through compose + train() in-process, and one real run of the console script."""
+"""seqmem-train: a shrunk job through compose + train() in-process, a failing one through main() in a forked process,
+and one real run of the console script."""
 
 import csv
 import json
