@@ -59,7 +59,8 @@ def _worker(spec: dict) -> dict:
     import torch.nn.functional as F
 
     from lightning_seqmem.memory.measured import profiled_allocations
-    from lightning_seqmem.training.linear_cross_entropy import liger_linear_cross_entropy, linear_cross_entropy
+    from lightning_seqmem.training.liger_cross_entropy import liger_linear_cross_entropy
+    from lightning_seqmem.training.linear_cross_entropy import linear_cross_entropy
 
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
     g = torch.Generator().manual_seed(0)

@@ -10,11 +10,8 @@ import torch.nn.functional as F
 
 from lightning_seqmem.memory.measured import measured_peak_bytes
 from lightning_seqmem.training import linear_cross_entropy as lce
-from lightning_seqmem.training.linear_cross_entropy import (
-    liger_linear_cross_entropy,
-    linear_cross_entropy,
-    linear_token_logps,
-)
+from lightning_seqmem.training.liger_cross_entropy import liger_linear_cross_entropy
+from lightning_seqmem.training.linear_cross_entropy import linear_cross_entropy, linear_token_logps
 
 ROWS, LENGTH, HIDDEN, VOCAB = 2, 7, 16, 50
 TOKENS = ROWS * LENGTH

@@ -25,8 +25,8 @@ does those few element-wise steps in the autocast dtype before its upcast, so in
 rounding, not more); the weight and bias gradients are accumulated over chunks in fp32 and returned in the
 parameters' own dtype. ``logit_scale`` is a constant (a float), not a trained parameter.
 
-Torch only, no Lightning import. :func:`liger_linear_cross_entropy` calls Liger-Kernel's fused kernel instead
-(Triton, CUDA only, an optional extra).
+Torch only, no Lightning import. ``liger_cross_entropy.liger_linear_cross_entropy`` calls Liger-Kernel's fused
+kernel instead (Triton, CUDA only, an optional extra).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import contextvars
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from lightning_seqmem.batch import IGNORE_INDEX
 from lightning_seqmem.messages import check_choice
@@ -45,7 +46,6 @@ __all__ = [
     "REDUCTIONS",
     "linear_cross_entropy",
     "linear_token_logps",
-    "liger_linear_cross_entropy",
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -108,20 +108,17 @@ def _chunk_softmax(
     return losses, probs, tanh
 
 
-def _chunk_backward(
+def _chunk_grad_logits(
     probs: torch.Tensor,
     tanh: torch.Tensor | None,
     targets: torch.Tensor,
     upstream: torch.Tensor | None,
     head: _Head,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    grads: list[torch.Tensor | None],
-    rows: slice,
-) -> None:
+    grad_bias: torch.Tensor | None,
+) -> torch.Tensor:
     """Turn a chunk's softmax into the gradient of its losses (times ``upstream``, ``[n]`` or ``None`` for ones)
-    with respect to ``hidden @ weight.T + bias``, in place, and add what it gives to ``grads`` (hidden rows, weight
-    and bias accumulators, ``None`` where no gradient is wanted)."""
+    with respect to ``hidden @ weight.T + bias``, in place, add its column sums to the bias accumulator, and return
+    it in the matmuls' dtype (``probs`` itself when that is fp32, else a copy: the caller frees ``probs`` then)."""
     probs[torch.arange(len(targets), device=probs.device), targets] -= 1.0
     if upstream is not None:
         probs.mul_(upstream[:, None])
@@ -129,17 +126,43 @@ def _chunk_backward(
         probs.mul_(tanh.square_().neg_().add_(1.0))
     if head.scale is not None:
         probs.mul_(head.scale)
-    grad_hidden, grad_weight, grad_bias = grads
     if grad_bias is not None:
         grad_bias.add_(probs.sum(dim=0))
-    grad_logits = probs.to(head.dtype)
+    return probs.to(head.dtype)
+
+
+def _chunk_matmuls(
+    grad_logits: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    rows: slice,
+) -> None:
+    """Add what a chunk's ``grad_logits`` gives to the hidden rows' gradient and the weight's accumulator (``None``
+    where no gradient is wanted)."""
     if grad_hidden is not None:
         torch.mm(grad_logits, weight, out=grad_hidden[rows])
     if grad_weight is not None:
         if grad_weight.dtype == grad_logits.dtype:
             grad_weight.addmm_(grad_logits.t(), hidden)
         else:  # fp32 accumulator, low-precision matmul
-            grad_weight.add_(torch.mm(grad_logits.t(), hidden))
+            _add_upcast(grad_weight, torch.mm(grad_logits.t(), hidden), len(hidden))
+
+
+def _add_upcast(accumulator: torch.Tensor, partial: torch.Tensor, block_rows: int) -> None:
+    """``accumulator += partial``, an fp32 ``[vocab, hidden]`` accumulator and a 16-bit partial, the same sums.
+
+    CUDA kernels cast an operand of another dtype as they read it; CPU's ``TensorIterator`` first copies it whole
+    to the common dtype, an fp32 temporary twice the partial's size, allocated with each chunk and invisible to the
+    memory tracer (fake tensors run no kernel). On CPU the rows are added ``block_rows`` (the chunk's tokens) at a
+    time, so that copy is never larger than the chunk's own ``[tokens, hidden]`` (fake tensors, the tracer's, run no
+    kernel and allocate nothing in either way: one op for them, not a loop over the vocabulary to trace)."""
+    if accumulator.device.type != "cpu" or is_fake(accumulator):
+        accumulator.add_(partial)
+        return
+    for start in range(0, len(accumulator), block_rows):
+        accumulator[start : start + block_rows].add_(partial[start : start + block_rows])
 
 
 def _chunked_pass(hidden, weight, bias, targets, head: _Head, wanted, upstream=None):
@@ -163,8 +186,15 @@ def _chunked_pass(hidden, weight, bias, targets, head: _Head, wanted, upstream=N
             losses[rows], probs, tanh = _chunk_softmax(hidden_c, weight_c, bias, targets_c, head)
             if any(wanted):
                 chunk_upstream = None if upstream is None else upstream[rows]
-                _chunk_backward(probs, tanh, targets_c, chunk_upstream, head, hidden_c, weight_c, grads, rows)
-            del probs, tanh  # before the next chunk's logits are allocated
+                grad_logits = _chunk_grad_logits(probs, tanh, targets_c, chunk_upstream, head, grads[2])
+                # The fp32 softmax is spent once it is in the matmuls' dtype: freed before the matmuls (and, on
+                # CPU, the workspaces their kernels allocate), not after, so a 16-bit chunk peaks at its fp32 and
+                # 16-bit copies, [chunk_size, vocab] each, never at both plus the matmuls' outputs.
+                del probs, tanh
+                _chunk_matmuls(grad_logits, hidden_c, weight_c, grads[0], grads[1], rows)
+                del grad_logits  # before the next chunk's logits are allocated
+            else:
+                del probs, tanh
     inputs = (hidden, weight, bias)
     return losses, [None if g is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
 
@@ -329,47 +359,3 @@ def linear_token_logps(
             f"hidden_states {tuple(hidden_states.shape)} must be [N, hidden] and targets {tuple(targets.shape)} [N]."
         )
     return -_TokenLosses.apply(hidden_states, head_weight, head_bias, targets, head)
-
-
-def liger_linear_cross_entropy(
-    hidden_states: torch.Tensor,
-    head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ignore_index: int = IGNORE_INDEX,
-    reduction: str = "mean",
-    head_bias: torch.Tensor | None = None,
-    logit_scale: float | None = None,
-    final_logit_softcapping: float | None = None,
-) -> torch.Tensor:
-    """:func:`linear_cross_entropy` by Liger-Kernel's fused linear cross-entropy (Triton kernels, CUDA only).
-
-    The same arguments and result (no ``chunk_size``: Liger picks its own). A logit scale is folded into the
-    hidden states and the bias (``(h W^T + b) s = (s h) W^T + s b``), which Liger has no option for.
-
-    Raises:
-        ImportError: ``liger_kernel`` is not installed.
-        ValueError: the tensors are not on a CUDA device, or a bad ``reduction``.
-    """
-    check_choice("reduction", reduction, REDUCTIONS)
-    try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-    except ImportError as error:
-        raise ImportError(
-            "cross_entropy='liger' needs Liger-Kernel: `pip install liger-kernel` (CUDA and Triton), or use "
-            "cross_entropy='chunked', which runs on every device."
-        ) from error
-    if hidden_states.device.type != "cuda" or head_weight.device.type != "cuda":
-        raise ValueError(
-            f"cross_entropy='liger' runs on a CUDA device only (Triton kernels), and the hidden states are on "
-            f"{hidden_states.device.type}: move the model to a CUDA device, or use cross_entropy='chunked'."
-        )
-    if logit_scale is not None:
-        hidden_states = hidden_states * logit_scale
-        head_bias = None if head_bias is None else head_bias * logit_scale
-    loss = LigerFusedLinearCrossEntropyLoss(
-        ignore_index=ignore_index, reduction=reduction, softcap=final_logit_softcapping
-    )
-    hidden_size = hidden_states.shape[-1]
-    out = loss(head_weight, hidden_states.reshape(-1, hidden_size), labels.reshape(-1), head_bias)
-    return out.view(labels.shape) if reduction == "none" else out

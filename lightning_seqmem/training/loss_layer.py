@@ -25,12 +25,8 @@ import torch
 
 from lightning_seqmem.messages import check_choice
 from lightning_seqmem.training.adapters import is_peft_model
-from lightning_seqmem.training.linear_cross_entropy import (
-    DEFAULT_CHUNK_SIZE,
-    liger_linear_cross_entropy,
-    linear_cross_entropy,
-    linear_token_logps,
-)
+from lightning_seqmem.training.liger_cross_entropy import liger_linear_cross_entropy
+from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE, linear_cross_entropy, linear_token_logps
 
 CROSS_ENTROPY = ("auto", "full", "chunked", "liger")
 AUTO_CHUNKED_LOGITS = 2**26
