@@ -34,10 +34,19 @@ def _check_equal(dm, lengths, strategy, max_length):
     assert got.max_batch_shape == tuple(shape)
 
 
+@pytest.fixture(scope="module")
+def builtin_lengths():
+    """The built-in corpus's document lengths, read once for every strategy and max_length below."""
+    lengths = datamodule_lengths(SeqMemDataModule(micro_batch_size=4, seed=3))
+    for split in lengths.values():
+        split.flags.writeable = False  # shared: a test that changed them would fail, not pass the change on
+    return lengths
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=repr)
 @pytest.mark.parametrize("max_length", [64, 256])
-def test_every_strategy_matches_the_datamodule_on_the_builtin_corpus(strategy, max_length):
-    lengths = datamodule_lengths(SeqMemDataModule(micro_batch_size=4, seed=3))
+def test_every_strategy_matches_the_datamodule_on_the_builtin_corpus(builtin_lengths, strategy, max_length):
+    lengths = builtin_lengths
     dm = SeqMemDataModule(max_length=max_length, micro_batch_size=4, seed=3, batching=strategy)
     _check_equal(dm, lengths, strategy, max_length)
 
