@@ -23,7 +23,9 @@ Precision: the matmuls run in the inputs' dtype, or under autocast in the autoca
 there); bias, logit scale, soft-capping, the softmax and the loss run in fp32 on the upcast logits (the full path
 does those few element-wise steps in the autocast dtype before its upcast, so in bf16 the two differ by bf16
 rounding, not more); the weight and bias gradients are accumulated over chunks in fp32 and returned in the
-parameters' own dtype. ``logit_scale`` is a constant (a float), not a trained parameter.
+parameters' own dtype. ``logit_scale`` is a constant (a float), not a trained parameter. With 16-bit matmuls a chunk's
+gradient of the logits is copied to their dtype and its fp32 buffer freed before the matmuls run, so a chunk peaks
+at the two copies, ``6 * chunk_size * vocab`` bytes, while converting.
 
 Torch only, no Lightning import. ``liger_cross_entropy.liger_linear_cross_entropy`` calls Liger-Kernel's fused
 kernel instead (Triton, CUDA only, an optional extra).
