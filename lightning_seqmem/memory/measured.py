@@ -81,28 +81,26 @@ def measured_training_peak(
     """Peak live tensor bytes of the steps :func:`~lightning_seqmem.memory.estimate.estimate_training_memory`
     traces, run for real on ``device`` (``"cpu"`` or ``"cuda"``).
 
-    The model (real random weights) and the batch's copy on ``device`` are made inside the measured region, so
-    they count; measured with :func:`measured_peak_bytes`, not with the tracer's ``LiveBytes``. ``cross_entropy``
+    The model (real random weights, built before and copied inside the measured region: building a model with tied
+    embeddings makes an untied head's weight first, a transient the training step never holds) and the batch's
+    copy on ``device`` are made inside the measured region, so they count; measured with
+    :func:`measured_peak_bytes`, not with the tracer's ``LiveBytes``. ``cross_entropy``
     (``"full"`` or ``"chunked"``) and ``chunk_size`` choose the loss layer, as in the estimate. ``lora``: PEFT's
     LoRA on the model, its adapter in the precision's parameter dtype (as Lightning's ``*-true`` casts it);
-    ``quantize="nf4"``: on the base with :mod:`~lightning_seqmem.memory.qlora_shape`'s 4-bit stand-ins, built
-    before the measured region and copied inside it (a 4-bit load never holds the full-precision weights).
+    ``quantize="nf4"``: on the base with :mod:`~lightning_seqmem.memory.qlora_shape`'s 4-bit stand-ins (quantized
+    before the measured region: a 4-bit load never holds the full-precision weights).
     """
     precision = normalize_precision(precision)
     settings = LoraSettings.from_value(lora)
-    quantized = None
+    torch.manual_seed(seed)
+    with torch.device(device):
+        built = build_model(model_config, attn_implementation, precision)
     if settings is not None and settings.quantize is not None:
-        torch.manual_seed(seed)
-        with torch.device(device):
-            quantized = quantize_linears(build_model(model_config, attn_implementation, precision))
+        built = quantize_linears(built)
 
     def run() -> None:
         torch.manual_seed(seed)
-        if quantized is not None:
-            model = copy.deepcopy(quantized)
-        else:
-            with torch.device(device):
-                model = build_model(model_config, attn_implementation, precision)
+        model = copy.deepcopy(built)
         if gradient_checkpointing:
             enable_checkpointing(model)
         if settings is not None:
