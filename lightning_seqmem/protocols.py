@@ -17,6 +17,7 @@ __all__ = [
     "DescribesBatching",
     "GivesBatchKeys",
     "GivesDataStats",
+    "GivesLargestTokenId",
     "GivesMaxBatchShape",
     "GivesWarmupShape",
     "GivesWorstBatchLayout",
@@ -59,6 +60,15 @@ class GivesDataStats(Protocol):
     """A DataModule that reports what its data path did (documents, tokens truncated or dropped, efficiency)."""
 
     def stats(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class GivesLargestTokenId(Protocol):
+    """A DataModule that knows the largest token id of its data, where no tokenizer bounds them (pre-tokenized
+    data): a ``LargestTokenId`` (``id``, ``split``, ``column``), or ``None`` where it does not know. ``CausalLM``
+    refuses, before the first step, a model with no embedding row for it."""
+
+    def largest_token_id(self) -> Any: ...
 
 
 @runtime_checkable

@@ -239,8 +239,8 @@ def test_pretokenized_values_are_checked_once_per_dataset_version(tmp_path, toke
     import lightning_seqmem.data.value_checks as token_cache
 
     calls = []
-    streamed, exact = token_cache._streamed_values_ok, data_source.check_token_values
-    monkeypatch.setattr(token_cache, "_streamed_values_ok", lambda *a: calls.append("streamed") or streamed(*a))
+    streamed, exact = token_cache._streamed_largest, data_source.check_token_values
+    monkeypatch.setattr(token_cache, "_streamed_largest", lambda *a: calls.append("streamed") or streamed(*a))
     monkeypatch.setattr(data_source, "check_token_values", lambda *a, **k: calls.append("exact") or exact(*a, **k))
     datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]] * 4}).save_to_disk(tmp_path / "good")
     for _run in range(2):

@@ -3,6 +3,8 @@ of data a dataset holds is ``lightning_seqmem.kinds.detect``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 PREFERENCE_TEXT = ("prompt", "chosen", "rejected")
@@ -12,26 +14,57 @@ PREFERENCE_IDS = ("prompt_ids", "chosen_ids", "rejected_ids")
 """Token columns of preference pairs (TRL's names)."""
 
 
-def check_token_values(ds, columns: tuple[str, ...], split: str, vocab_size: int | None = None) -> None:
+@dataclass(frozen=True)
+class LargestTokenId:
+    """The largest token id of pre-tokenized data and where it is: a model needs ``id + 1`` embedding rows.
+
+    Attributes:
+        id: the largest id of any id column (an ignored label, -100, is no id).
+        split: the split holding it.
+        column: the column holding it (``input_ids``, ``labels``, ``chosen_ids``, ...).
+    """
+
+    id: int
+    split: str
+    column: str
+
+
+def largest_of(found: list[LargestTokenId | None]) -> LargestTokenId | None:
+    """The largest of several splits' answers; ``None`` when none holds an id."""
+    return max((f for f in found if f is not None), key=lambda f: f.id, default=None)
+
+
+def check_token_values(
+    ds, columns: tuple[str, ...], split: str, vocab_size: int | None = None
+) -> LargestTokenId | None:
     """Pre-tokenized data: every token id of ``columns`` an integer in ``[0, vocab_size)`` (labels may also be
-    -100, and are one per token); :func:`check_token_table` on ``ds``'s table, rows named as ``ds`` numbers them."""
+    -100, and are one per token); :func:`check_token_table` on ``ds``'s table, rows named as ``ds`` numbers them.
+
+    Returns:
+        The largest id of the rows ``ds`` selects (``None``: no id).
+    """
     from lightning_seqmem.data.tokens import dataset_indices
 
-    check_token_table(ds.data, columns, split, vocab_size, dataset_indices(ds))
+    return check_token_table(ds.data, columns, split, vocab_size, dataset_indices(ds))
 
 
 def check_token_table(
     table, columns: tuple[str, ...], split: str, vocab_size: int | None = None, indices=None, first_row: int = 0
-) -> None:
+) -> LargestTokenId | None:
     """Token ids of ``columns`` (those ``table`` has) checked: lists of integers in ``[0, vocab_size)`` (labels
     may also be -100), ``labels`` one per ``input_ids`` token. The one check of pre-tokenized values, for a whole
     split (map-style) and for a stream's rows as they are read.
 
-    Vectorised: a min/max per Arrow chunk, and only where that fails, the offending row (``searchsorted``).
+    Vectorised: a min/max per Arrow chunk, and only where that fails, the offending row (``searchsorted``). The
+    largest id comes from the same max where the chunk holds exactly its rows' tokens; a sliced table, or rows
+    through ``indices``, take the max of each row (``row_maxima``), so tokens of rows not selected do not count.
 
     Args:
         indices: the rows of ``table`` a dataset selects (``tokens.dataset_indices``); ``None``: all, in order.
         first_row: the number of the table's first row in messages (a stream's rows are checked a few at a time).
+
+    Returns:
+        The largest id of the rows checked (``None``: no id), for the model's embedding check.
 
     Raises:
         ValueError: a non-integer column, an out-of-range id, or labels and ids of different lengths; the
@@ -43,6 +76,7 @@ def check_token_table(
     from lightning_seqmem.data.tokens import view_of_arrow
 
     names = table.column_names
+    largest = None
     for column in columns:
         if column not in names:
             continue
@@ -55,10 +89,13 @@ def check_token_table(
                 f"Cast it (dataset.cast_column({column!r}, datasets.List(datasets.Value('int32')))) or tokenize again."
             )
         view = view_of_arrow(arrow)  # table rows, in order: starts are sorted
+        highs = []  # per chunk, its largest value (-1: none)
         for chunk, base in zip(view.chunks, view.chunk_base[:-1].tolist()):
             if not chunk.size:
+                highs.append(-1)
                 continue
             lo, hi = int(chunk.min()), int(chunk.max())
+            highs.append(hi)
             if lo >= 0 and (vocab_size is None or hi < vocab_size):
                 continue
             bad = chunk < 0
@@ -76,8 +113,50 @@ def check_token_table(
                     f"{' (or -100)' if column == 'labels' else ''} ({rows.size} such rows). Token ids must index the "
                     "tokenizer's vocabulary: re-tokenize with the tokenizer you pass, or pass the one used."
                 )
+        high = _largest_id(view, arrow, highs, indices)
+        if high >= 0 and (largest is None or high > largest.id):
+            largest = LargestTokenId(high, split, column)
     if "labels" in names and "input_ids" in names:
         _check_one_label_per_token(table, split, indices, first_row)
+    return largest
+
+
+def row_maxima(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``[rows]`` the largest value of each row ``values[starts[i] : starts[i] + lengths[i]]`` (rows in order and
+    back to back, as an Arrow list array's offsets lay them out); -1 for an empty row."""
+    out = np.full(len(starts), -1, np.int64)
+    full = lengths > 0
+    if full.any():
+        end = int(starts[full][-1] + lengths[full][-1])
+        out[full] = np.maximum.reduceat(values[:end], starts[full])
+    return out
+
+
+def _largest_id(view, arrow, highs: list[int], indices) -> int:
+    """The largest id of a column's rows (those ``indices`` select): its chunks' maxima ``highs`` where each chunk
+    holds exactly its rows' tokens, else each row's max (``row_maxima``), so that the tokens of rows a sliced table
+    or ``indices`` leave out do not count. -1: no id."""
+    import pyarrow as pa
+
+    counts = [len(c) for c in (arrow.chunks if isinstance(arrow, pa.ChunkedArray) else [arrow])]
+    if not counts:
+        return -1
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    rows = [slice(bounds[k], bounds[k + 1]) for k in range(len(counts))]
+    ends = view.starts + view.lengths
+    exact = indices is None and all(
+        not chunk.size or (r.stop > r.start and view.starts[r.start] == base and ends[r.stop - 1] == end)
+        for chunk, r, base, end in zip(view.chunks, rows, view.chunk_base[:-1], view.chunk_base[1:])
+    )
+    if exact:
+        return max(highs, default=-1)
+    maxima = np.concatenate(
+        [
+            row_maxima(c, view.starts[r] - base, view.lengths[r])
+            for c, r, base in zip(view.chunks, rows, view.chunk_base)
+        ]
+    )
+    return int((maxima if indices is None else maxima[indices]).max(initial=-1))
 
 
 def _check_one_label_per_token(table, split: str, indices, first_row: int) -> None:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_seqmem.batching.options import Batching
+from lightning_seqmem.data.columns import LargestTokenId
 from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.batch_answers import BatchAnswers
@@ -117,6 +118,7 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
 
     _pretokenized = False  # set when the dataset already holds token ids
     _documents = None  # (tokenized DatasetDict, kind), once per process
+    _largest_token_id = None  # pre-tokenized data: their largest id, found with _documents
 
     def __init__(
         self,
@@ -274,7 +276,7 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
         (the planner only the lengths). Computed once per process: ``prepare_data`` and ``setup`` on local rank 0
         share it."""
         if self._documents is None:
-            tokenized, kind = load_documents(
+            tokenized, kind, self._largest_token_id = load_documents(
                 self.dataset,
                 self.settings.data,
                 lambda: self.tokenizer,
@@ -283,6 +285,17 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
             )
             self._documents, self._pretokenized = (tokenized, kind), kind.pretokenized
         return self._documents
+
+    def largest_token_id(self) -> LargestTokenId | None:
+        """Pre-tokenized map-style data: their largest token id, with the split and column holding it
+        (``protocols.GivesLargestTokenId``; ``CausalLM`` refuses a model with no embedding row for it). Found by
+        the value check the data get once per dataset version, and remembered with it: later runs read no token.
+        ``None`` for text (the tokenizer's size bounds its ids: ``CausalLM`` checks that) and for streams, whose
+        ids are checked only against a given tokenizer, as they are read."""
+        if self._open_stream():
+            return None
+        self.tokenized_documents()
+        return self._largest_token_id
 
     @override
     def setup(self, stage: str | None = None) -> None:

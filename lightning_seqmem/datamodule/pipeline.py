@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_seqmem.batching.strategies import Strategy
+from lightning_seqmem.data.columns import LargestTokenId, largest_of
 from lightning_seqmem.data.conversations import ConversationSettings
 from lightning_seqmem.data.sources import ensure_validation_split, load_text_dataset
 from lightning_seqmem.kinds.base import Documents, Kind, PreparedSplit
@@ -28,9 +29,10 @@ def load_documents(
     tokenizer: Callable[[], Any],
     explicit_tokenizer: bool,
     conversation: ConversationSettings | None = None,
-) -> tuple[Any, Kind]:
-    """``(DatasetDict of token columns, kind)``: ``dataset`` tokenized through the tokenize-once cache, or
-    pre-tokenized data as they are (their values checked once); ``kind`` the data kind (``kinds.detect``).
+) -> tuple[Any, Kind, LargestTokenId | None]:
+    """``(DatasetDict of token columns, kind, largest id)``: ``dataset`` tokenized through the tokenize-once cache,
+    or pre-tokenized data as they are (their values checked once); ``kind`` the data kind (``kinds.detect``);
+    the largest id of pre-tokenized data, over all splits (``None`` for text: its tokenizer's size bounds the ids).
 
     Args:
         dataset: what ``SeqMemDataModule(dataset=...)`` takes.
@@ -46,9 +48,13 @@ def load_documents(
     kind = detect_dataset(raw, data.text_column)
     if kind.pretokenized:
         vocab = len(tokenizer()) if explicit_tokenizer else None
-        for split, ds in raw.items():
-            check_values_once(ds, kind.column_kind, kind.id_columns, split, vocab, cache_dir=data.cache_dir)
-        return raw, kind
+        largest = largest_of(
+            [
+                check_values_once(ds, kind.column_kind, kind.id_columns, split, vocab, cache_dir=data.cache_dir)
+                for split, ds in raw.items()
+            ]
+        )
+        return raw, kind, largest
     tokenized = tokenize_cached(
         raw,
         tokenizer(),
@@ -59,7 +65,7 @@ def load_documents(
         source=dataset,
         conversation=conversation,
     )
-    return kind.carry_columns(raw, tokenized), kind
+    return kind.carry_columns(raw, tokenized), kind, None
 
 
 def split_documents(tokenized: Any, kind: Kind, seed: int, test: bool = False) -> dict[str, Documents]:

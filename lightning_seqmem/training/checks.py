@@ -3,7 +3,8 @@ NaN, or fail deep inside a forward, is refused with the option (or row) named an
 
 - numbers that must be finite (a learning rate of ``inf``, a DPO ``beta`` of NaN): ``nan <= 0`` is false, so a
   plain range check lets them through and the loss turns NaN at the first step;
-- a model whose embedding table is smaller than the data's token ids (a bare ``IndexError`` at the first forward);
+- a model whose embedding table is smaller than the data's token ids, those its tokenizer makes or the largest id of
+  pre-tokenized data (a bare ``IndexError`` at the first forward; a device-side assert on CUDA);
 - ``DPO`` given data that are not preference pairs (a ``KeyError: 'completion_mask'`` at the first step).
 """
 
@@ -13,6 +14,7 @@ import math
 from typing import Any
 
 from lightning_seqmem.messages import short_repr
+from lightning_seqmem.protocols import GivesLargestTokenId
 
 
 def positive_finite(name: str, value: Any, fix: str) -> None:
@@ -40,21 +42,37 @@ def model_vocab_size(model: Any) -> int | None:
         return None
 
 
-def check_vocab_fits(model: Any, tokenizer: Any) -> None:
+def check_vocab_fits(model: Any, tokenizer: Any, datamodule: Any = None) -> None:
     """Refuse, before the first step, a model whose embedding table has fewer rows than the data's tokenizer has
-    ids (every id at or above it fails the first forward with a bare ``IndexError``).
+    ids, or than the largest id of pre-tokenized data needs (a ``datamodule`` that answers
+    ``protocols.GivesLargestTokenId``): every id at or above it fails the first forward with a bare ``IndexError``
+    on CPU, and with a device-side assert that ends the process on CUDA. Streams of pre-tokenized ids are checked
+    only where a tokenizer is given (their ids against it, as they are read): their largest id is known only once
+    they are read.
 
     Raises:
-        ValueError: naming both sizes and the fix.
+        ValueError: naming both sizes (and, for pre-tokenized data, the split and column of the largest id) and
+            the fix.
     """
     rows = model_vocab_size(model)
-    if tokenizer is None or rows is None or len(tokenizer) <= rows:
+    if rows is None:
+        return
+    if tokenizer is not None and len(tokenizer) > rows:
+        raise ValueError(
+            f"The model's vocabulary has {rows} tokens (embedding rows) but the data's tokenizer has {len(tokenizer)} "
+            f"(ids up to {len(tokenizer) - 1}): ids >= {rows} would fail the first forward with an IndexError. Leave "
+            f"vocab_size unset (it is taken from the tokenizer), pass vocab_size={len(tokenizer)}, or train a model "
+            "made for this tokenizer (resize its embeddings: model.resize_token_embeddings(len(tokenizer)))."
+        )
+    largest = datamodule.largest_token_id() if isinstance(datamodule, GivesLargestTokenId) else None
+    if largest is None or largest.id < rows:
         return
     raise ValueError(
-        f"The model's vocabulary has {rows} tokens (embedding rows) but the data's tokenizer has {len(tokenizer)} "
-        f"(ids up to {len(tokenizer) - 1}): ids >= {rows} would fail the first forward with an IndexError. Leave "
-        f"vocab_size unset (it is taken from the tokenizer), pass vocab_size={len(tokenizer)}, or train a model "
-        "made for this tokenizer (resize its embeddings: model.resize_token_embeddings(len(tokenizer)))."
+        f"The data's largest token id is {largest.id} (split {largest.split!r}, column {largest.column!r}) but the "
+        f"model's vocabulary has {rows} tokens (embedding rows): ids >= {rows} would fail the first forward with an "
+        f"IndexError (a device-side assert on CUDA). Pass vocab_size={largest.id + 1} (or the size of the vocabulary "
+        "the data were tokenized with), or train a model made for these ids (resize a pretrained one's embeddings: "
+        f"model.resize_token_embeddings({largest.id + 1}))."
     )
 
 

@@ -186,7 +186,7 @@ class CausalLM(LightningModule):
             check_optimizer(hp.get("optimizer", "adamw"), device)
         self._choose_attention()
         self._check_positions(dm)
-        checks.check_vocab_fits(self.model, tok)
+        checks.check_vocab_fits(self.model, tok, dm)
         self._choose_loss_layer(dm)
         self._no_decay = no_decay_names(self)
 
