@@ -9,11 +9,11 @@ import torch
 
 peft = pytest.importorskip("peft")
 
+from lightning_seqmem.training.adapter_checkpoints import frozen_base_keys  # noqa: E402
 from lightning_seqmem.training.adapters import (  # noqa: E402
     LoraSettings,
     apply_lora,
     check_quantization,
-    frozen_base_keys,
     merge_adapter,
     parameter_counts,
     quantized_load_kwargs,

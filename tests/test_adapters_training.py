@@ -13,8 +13,9 @@ import torch
 peft = pytest.importorskip("peft")
 
 from lightning_seqmem import DPO, CausalLM, SeqMemDataModule  # noqa: E402
+from lightning_seqmem.training.adapter_checkpoints import BASE_RECORD  # noqa: E402
 from lightning_seqmem.training.adapter_export import SaveAdapter  # noqa: E402
-from lightning_seqmem.training.adapters import BASE_RECORD, merge_adapter  # noqa: E402
+from lightning_seqmem.training.adapters import merge_adapter  # noqa: E402
 
 VOCAB = 64
 TINY = dict(

@@ -5,12 +5,20 @@
 leaves what ``PeftModel.from_pretrained(base, directory)`` loads — a few megabytes, not a copy of the base model.
 It finds the PEFT model anywhere in the LightningModule (``CausalLM(lora=...)``'s ``model``, or a user's module
 holding one under any attribute).
+
+Under FSDP each rank holds a shard of every parameter, the adapter's included: the whole adapter is gathered first.
+Every rank takes part in FSDP's full state dict (the module's state, one FSDP unit at a time; rank 0 alone keeps it,
+offloaded to the CPU on a GPU), and rank 0 hands it to PEFT, which writes the adapter's entries: the same files a
+single process writes. That state is the whole model on rank 0's host memory for a moment, as a full Lightning
+checkpoint is.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -30,8 +38,8 @@ class SaveAdapter(Callback):
         dirpath: the folder to write (``adapter_config.json``, ``adapter_model.safetensors``); ``None``: an
             ``adapter`` folder in the Trainer's log directory (else its ``default_root_dir``).
 
-    A module without a PEFT model gets a warning and nothing is written. Under FSDP each rank holds a shard of the
-    adapter, which this callback does not gather: it warns and writes nothing (save a full checkpoint instead).
+    A module without a PEFT model gets a warning and nothing is written. Under FSDP the adapter is gathered from
+    every rank's shards and written by rank 0 (see the module's docstring).
 
     Example::
 
@@ -59,12 +67,25 @@ class SaveAdapter(Callback):
                 "CausalLM(lora=dict(r=...)) or wrap your model with peft.get_peft_model."
             )
             return
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        if isinstance(trainer.strategy, FSDPStrategy):
-            rank_zero_warn("SaveAdapter does not gather an adapter sharded by FSDP: nothing written.")
-            return
+        state = _gathered_state(trainer, found[0])
         if trainer.is_global_zero:
-            self.saved_to = save_adapter(found[1], self.directory(trainer))
+            self.saved_to = save_adapter(found[1], self.directory(trainer), state)
             rank_zero_info(f"[lightning_seqmem] adapter saved to {self.saved_to}")
         trainer.strategy.barrier("SaveAdapter")
+
+
+def _gathered_state(trainer: Trainer, prefix: str) -> dict[str, Any] | None:
+    """Under FSDP, the PEFT model's whole state under its own names on rank 0 (``{}`` on the others; every rank
+    must call); ``None`` elsewhere (the module's parameters are whole)."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    wrapper = trainer.strategy.model
+    if not isinstance(wrapper, FSDP):
+        return None
+    # Offloading parameters that are on the CPU already crashes FSDP's gather (torch 2.13): CPU ranks gather in place.
+    config = FullStateDictConfig(offload_to_cpu=trainer.strategy.root_device.type != "cpu", rank0_only=True)
+    with FSDP.state_dict_type(wrapper, StateDictType.FULL_STATE_DICT, config), torch.no_grad():
+        state = wrapper.state_dict()  # FSDP's names removed: the LightningModule's own keys
+    start = f"{prefix}." if prefix else ""
+    return {key[len(start) :]: value for key, value in state.items() if key.startswith(start)}

@@ -5,9 +5,9 @@ model's linear layers get low-rank ``lora_A``/``lora_B`` beside them and only th
 ``lora`` option (:class:`LoraSettings`, from a dict, checked key by key) into PEFT's ``LoraConfig``, checks that the
 named target modules exist, and answers what the rest of the bundle asks of an adapted model: its trainable
 parameters, its adapter saved in PEFT's own format (``PeftModel.from_pretrained`` loads it), the adapter merged into
-the base, and which checkpoint entries are the frozen base a resume can rebuild. QLoRA (``quantize="nf4"``) loads
-the base through bitsandbytes, which runs on CUDA only: it is refused elsewhere with the fix. Torch, transformers and
-PEFT only (no Lightning).
+the base (what a checkpoint keeps of it: ``adapter_checkpoints``). QLoRA (``quantize="nf4"``) loads the base through
+bitsandbytes, which runs on CUDA only: it is refused elsewhere with the fix. Torch, transformers and PEFT only (no
+Lightning).
 """
 
 from __future__ import annotations
@@ -316,13 +316,41 @@ def _require_peft(model: Any, action: str) -> None:
         )
 
 
-def save_adapter(model: torch.nn.Module, directory: str | os.PathLike) -> str:
+def save_adapter(
+    model: torch.nn.Module, directory: str | os.PathLike, state_dict: Mapping[str, torch.Tensor] | None = None
+) -> str:
     """Write the adapter alone (``adapter_config.json``, ``adapter_model.safetensors``) in PEFT's own format:
-    ``PeftModel.from_pretrained(base, directory)`` loads it onto the same base. Returns the directory."""
+    ``PeftModel.from_pretrained(base, directory)`` loads it onto the same base. Returns the directory.
+
+    ``state_dict``: the PEFT model's whole state under its own names, where the module's parameters are not the whole
+    tensors (FSDP's shards: its full state dict, gathered); PEFT picks the adapter's entries from it."""
     _require_peft(model, "save_adapter")
     os.makedirs(directory, exist_ok=True)
-    model.save_pretrained(str(directory))
+    if state_dict is None:
+        model.save_pretrained(str(directory))
+        return str(directory)
+    # PEFT picks the adapter's entries by the paths of its layers, which FSDP units inside the model lengthen with
+    # their own segment (PEFT removes it only in front): it is given the state under those paths, and the file's
+    # names are made the module's own again, as a plain model's save has them.
+    paths = {unwrapped_name(name): name for name, _ in [*model.named_parameters(), *model.named_buffers()]}
+    model.save_pretrained(str(directory), state_dict={paths.get(key, key): value for key, value in state_dict.items()})
+    weights = os.path.join(directory, "adapter_model.safetensors")
+    from safetensors.torch import load_file, save_file
+
+    saved = load_file(weights)
+    if any(unwrapped_name(key) != key for key in saved):
+        save_file({unwrapped_name(key): value for key, value in saved.items()}, weights, metadata={"format": "pt"})
     return str(directory)
+
+
+# Segments wrappers insert into parameter names but not into state dict keys (FSDP, activation checkpointing,
+# torch.compile's OptimizedModule).
+_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without the wrappers' segments: its key in a (full) state dict."""
+    return _WRAPPER_SEGMENTS.sub("", name).lstrip(".")
 
 
 def merge_adapter(model: torch.nn.Module) -> torch.nn.Module:
@@ -331,64 +359,3 @@ def merge_adapter(model: torch.nn.Module) -> torch.nn.Module:
     dequantization by PEFT, with its rounding."""
     _require_peft(model, "merge_adapter")
     return model.merge_and_unload()
-
-
-# ------------------------------------------------------------------------------------------- checkpoints
-BASE_RECORD = "lightning_seqmem_frozen_base"  # the checkpoint entry naming the base weights left out
-# Segments wrappers insert into parameter names but not into the checkpoint's keys (FSDP, activation checkpointing,
-# torch.compile's OptimizedModule).
-_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
-
-
-def _clean(name: str) -> str:
-    return _WRAPPER_SEGMENTS.sub("", name).lstrip(".")
-
-
-def frozen_base_keys(module: torch.nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
-    """The entries of ``module``'s ``state_dict`` that belong to the frozen base of its PEFT model: every key
-    under the PEFT model's prefix but the parameters that train (the adapter). ``[]`` without a PEFT model, and
-    ``[]`` under FSDP, and ``[]`` when no key of ``state_dict`` is a trainable parameter's name (names that do not match are never taken
-    for the base: the adapter must not be dropped with it)."""
-    found = find_peft_model(module)
-    if found is None or any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
-        return []  # FSDP's flat shards are not named by parameter: the checkpoint keeps everything
-    prefix = f"{_clean(found[0])}." if found[0] else ""
-    trainable = {_clean(name) for name, _ in trainable_parameters(module)}
-    if not trainable & set(state_dict):
-        return []
-    return [key for key in state_dict if key.startswith(prefix) and key not in trainable]
-
-
-def drop_frozen_base(module: torch.nn.Module, checkpoint: dict[str, Any]) -> list[str]:
-    """Leave the frozen base (:func:`frozen_base_keys`) out of a Lightning ``checkpoint``'s ``state_dict``, for a
-    base that can be loaded again (``pretrained_path``): the checkpoint keeps the adapter, the optimizer state (the
-    adapter's only) and everything else a resume needs, and records the keys left out. Returns them."""
-    state_dict = checkpoint["state_dict"]
-    dropped = frozen_base_keys(module, state_dict)
-    for key in dropped:
-        del state_dict[key]
-    if dropped:
-        checkpoint[BASE_RECORD] = dropped
-    return dropped
-
-
-def restore_frozen_base(module: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
-    """Put the base entries :func:`drop_frozen_base` left out back into ``checkpoint["state_dict"]`` from
-    ``module`` as it was built (from the same pretrained weights), so that a strict load restores the adapter and
-    keeps the base. A checkpoint that holds its base is left as it is.
-
-    Raises:
-        ValueError: the module built now has no entry of that name (a different base model or adapter).
-    """
-    dropped = checkpoint.get(BASE_RECORD)
-    if not dropped:
-        return
-    current = {_clean(key): value for key, value in module.state_dict().items()}
-    missing = [key for key in dropped if key not in current]
-    if missing:
-        raise ValueError(
-            f"The checkpoint's frozen base weights were left to be loaded from pretrained_path again, but the model "
-            f"built now lacks {short_repr(missing)}: build it from the same base model and LoRA settings."
-        )
-    for key in dropped:
-        checkpoint["state_dict"][key] = current[key]

@@ -16,6 +16,7 @@ import torch
 
 from lightning_seqmem.messages import short_repr
 from lightning_seqmem.protocols import GivesMaxBatchShape
+from lightning_seqmem.training.adapter_checkpoints import admit_rebuilt_base
 from lightning_seqmem.training.adapters import LoraSettings, apply_lora, quantized_load_kwargs, resolve_lora
 from lightning_seqmem.training.attention import AUTO, register_varlen_attention
 from lightning_seqmem.training.varlen import TORCH_VARLEN
@@ -108,6 +109,8 @@ def build_causal_lm(
         model.gradient_checkpointing_enable()
     if lora is not None:
         model = apply_lora(model, lora)
+        if pretrained_path is not None:  # a checkpoint may leave this base out: it is loaded from there again
+            admit_rebuilt_base(model)
     if compile:
         model.compile()  # in place (nn.Module.compile): parameter names and checkpoints unchanged
     return model

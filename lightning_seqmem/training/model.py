@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
 from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
-from lightning_seqmem.training import adapters, checks
+from lightning_seqmem.training import adapter_checkpoints, adapters, checks
 from lightning_seqmem.training.attention import AUTO, resolve_attn_implementation
 from lightning_seqmem.training.building import build_causal_lm, datamodule_max_length, positions_problem
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
@@ -256,11 +256,11 @@ class CausalLM(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """With an adapter on a ``pretrained_path`` base, the frozen base is left out (loaded from there again)."""
         if self.hparams.get("pretrained_path") is not None:
-            adapters.drop_frozen_base(self, checkpoint)
+            adapter_checkpoints.drop_frozen_base(self, checkpoint)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        adapters.restore_frozen_base(self, checkpoint)  # the base left out, from the model built from pretrained_path
+        adapter_checkpoints.restore_frozen_base(self, checkpoint)  # the base left out, from pretrained_path's model
 
     # ------------------------------------------------------------------------------------------------- steps
     def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any):
