@@ -40,8 +40,6 @@ from lightning_seqmem.protocols import (
 
 __all__ = ["CachePreallocator", "PreallocationOOMError", "PreallocationReport"]
 
-DEFAULT_KEYS = PAD_KEYS
-
 
 class PreallocationOOMError(torch.OutOfMemoryError):
     """The worst-case batch ran out of memory during pre-allocation (a ``torch.OutOfMemoryError``)."""
@@ -240,7 +238,7 @@ class CachePreallocator(Callback):
             return self.keys
         if isinstance(trainer.datamodule, GivesBatchKeys):
             return tuple(trainer.datamodule.batch_keys())
-        return DEFAULT_KEYS
+        return PAD_KEYS  # a padded batch: what a loader that is not ours most likely yields
 
     def worst_case_layout(self, trainer: Trainer, shape: tuple[int, int]) -> Layout:
         """Document lengths per row of the ``shape`` batch: the DataModule's answer, else the keys' costliest."""
