@@ -61,10 +61,12 @@ class AdapterSteps(L.Callback):
         trainer.should_stop = trainer.global_step == self.stop_at  # the schedule still spans max_steps
 
 
-def main(rank: int, kind: str, base_dir: str, out_dir: str, stop_at=None, save=None, resume=None) -> dict:
+def main(
+    rank: int, kind: str, base_dir: str, out_dir: str, stop_at=None, save=None, resume=None, sharded=False
+) -> dict:
     """One rank's run (``kind``: "fsdp", each decoder layer its own FSDP unit, or "ddp") of ``MAX_STEPS`` steps, or
-    stopped after ``stop_at``; ``save``: a checkpoint file written at the end; ``resume``: the checkpoint to resume
-    from. Returns ``{"steps": {global step: adapter}, "saved_to": ...}``
+    stopped after ``stop_at``; ``save``: a checkpoint written at the end (a file; ``sharded``: FSDP's folder of
+    shards); ``resume``: the checkpoint to resume from. Returns ``{"steps": {global step: adapter}, "saved_to": ...}``
     (steps on rank 0 only)."""
     # In this forked rank only: Lightning's checkpoint save and load (and _load_raw_module_state) gather through it.
     pytorch_fsdp._get_full_state_dict_context = fabric_fsdp._get_full_state_dict_context = full_state_dict_on_cpu_ranks
@@ -80,7 +82,12 @@ def main(rank: int, kind: str, base_dir: str, out_dir: str, stop_at=None, save=N
         pad_token_id=0,
     )
     layers = {LlamaDecoderLayer}  # units inside the PEFT model: FSDP's names in its parameters' names
-    strategy = CPUFSDPStrategy(auto_wrap_policy=layers, process_group_backend="gloo") if kind == "fsdp" else "ddp"
+    state_dict_type = "sharded" if sharded else "full"  # sharded: each rank writes its shards (a folder)
+    strategy = (
+        CPUFSDPStrategy(auto_wrap_policy=layers, process_group_backend="gloo", state_dict_type=state_dict_type)
+        if kind == "fsdp"
+        else "ddp"
+    )
     steps, export = AdapterSteps(stop_at), SaveAdapter(f"{out_dir}/adapter")
     trainer = L.Trainer(
         max_steps=MAX_STEPS,
