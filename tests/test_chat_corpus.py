@@ -1,9 +1,12 @@
 """The built-in conversational corpus: deterministic, 2 to 13 turns, every conversation has something to learn."""
 
+import pytest
+
 from lightning_seqmem.data.chat_corpus import SYSTEM_PROMPT, conversations_from_documents, load_builtin_chat_corpus
 from lightning_seqmem.data.conversations import check_conversation
 
 
+@pytest.mark.slow
 def test_builtin_chat_corpus_is_deterministic_and_well_formed():
     corpus = load_builtin_chat_corpus()
     assert corpus == load_builtin_chat_corpus()

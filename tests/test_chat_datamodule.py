@@ -61,6 +61,7 @@ def _segments(batch):
     return out
 
 
+@pytest.mark.slow
 def test_every_source_gives_the_same_rows(tmp_path, chat_tokenizer, conversations):
     """A Dataset, jsonl, parquet, a list of rows and a Python list of conversations: the same stats and tokens."""
     datasets.Dataset.from_dict({"messages": conversations}).to_parquet(str(tmp_path / "chat.parquet"))

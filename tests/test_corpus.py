@@ -6,10 +6,12 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from lightning_seqmem.data.corpus import build_documents, corpus_fingerprint, length_percentiles, load_builtin_corpus
 
 
+@pytest.mark.slow
 def test_build_is_deterministic_and_the_cached_corpus_has_splits_text_and_a_heavy_tail(
     tokenizer, tmp_path, monkeypatch, capsys
 ):

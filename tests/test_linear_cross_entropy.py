@@ -225,6 +225,7 @@ def test_token_logps_equal_the_gathered_log_softmax(scale, cap):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_compiled_model_gives_the_same_loss_without_recompiling():
     """Inside ``torch.compile`` (AOTAutograd, the part of the stack that handles autograd functions; inductor
     only adds code generation and takes minutes on CPU): the same loss and gradients, and a second batch with another

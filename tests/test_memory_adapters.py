@@ -72,6 +72,7 @@ def test_estimate_of_a_peft_module_trains_the_adapter_and_matches_the_measured_s
     assert abs(est.peak - measured) <= 0.05 * measured, (est.peak, measured)
 
 
+@pytest.mark.slow
 def test_causal_lm_lora_and_a_users_peft_module_give_the_same_estimate():
     config = dict(
         model_type="llama",
@@ -89,6 +90,7 @@ def test_causal_lm_lora_and_a_users_peft_module_give_the_same_estimate():
     assert a == b and a.gradients < a.parameters / 5
 
 
+@pytest.mark.slow
 def test_shortfall_suggests_an_adapter_for_full_fine_tuning_only():
     facts = module_facts(TinyLM())
     message = shortfall_message(shape=(2, 48), keys=("input_ids", "labels"), available=1, **facts)
@@ -97,6 +99,7 @@ def test_shortfall_suggests_an_adapter_for_full_fine_tuning_only():
     assert "LoRA" not in adapted
 
 
+@pytest.mark.slow
 def test_adapters_the_tracer_cannot_rebuild_are_not_estimated():
     ia3 = TinyLM()
     ia3.model = peft.get_peft_model(ia3.model, peft.IA3Config(target_modules=["k_proj"], feedforward_modules=[]))

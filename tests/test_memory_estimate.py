@@ -63,6 +63,7 @@ def test_estimate_is_within_5_percent_of_a_real_cpu_step(arch, rows, length):
     assert abs(est.peak - real) <= 0.05 * real, (est.peak, real)
 
 
+@pytest.mark.slow
 def test_packed_eager_mixed_and_checkpointed_steps_agree_with_reality_too():
     cases = [
         dict(keys=PACK_KEYS),
@@ -77,6 +78,7 @@ def test_packed_eager_mixed_and_checkpointed_steps_agree_with_reality_too():
         assert abs(est.peak - real) <= 0.05 * real, (case, est.peak, real)
 
 
+@pytest.mark.slow
 def test_memory_grows_with_rows_and_length_and_checkpointing_saves_activations():
     cfg = config("tiny_gpt2")
     shapes = [(1, 64), (2, 64), (4, 64), (2, 32), (2, 128)]  # each traced once
@@ -90,6 +92,7 @@ def test_memory_grows_with_rows_and_length_and_checkpointing_saves_activations()
     assert ckpt.activations < plain.activations and ckpt.state == plain.state
 
 
+@pytest.mark.slow
 def test_eager_attention_keeps_the_length_by_length_scores_and_sdpa_does_not():
     cfg = config("tiny_llama")
     rows, heads = 2, SMALL["tiny_llama"]["num_attention_heads"]

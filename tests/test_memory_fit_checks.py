@@ -27,6 +27,7 @@ def _peak(module, rows, length, keys):
     ).peak
 
 
+@pytest.mark.slow
 def test_preallocator_warns_with_the_micro_batch_size_that_fits_before_its_pass(tmp_path, monkeypatch):
     keys = ("input_ids", "attention_mask", "labels")
     model = TinyLM()
@@ -58,6 +59,7 @@ def test_preallocator_is_quiet_when_the_estimate_fits(tmp_path, monkeypatch):
     assert events == []
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*never reach the model.*")
 def test_config_checks_use_the_same_estimate(tmp_path, monkeypatch, small_text_dataset):
     dm = SeqMemDataModule(small_text_dataset, max_length=64, micro_batch_size=8)

@@ -65,6 +65,7 @@ def test_chunked_estimate_agrees_with_a_real_cpu_step(config):
     assert real * 0.97 <= est.peak <= real * 1.08, (est.peak, real)
 
 
+@pytest.mark.slow
 def test_planner_recommends_the_chunked_loss_when_it_makes_a_candidate_fit(config):
     def estimate(rows, length, checkpointing, cross_entropy="full"):
         return _estimate(config, rows, length, cross_entropy=cross_entropy, gradient_checkpointing=checkpointing)

@@ -118,6 +118,7 @@ def _tiny_estimate(vocab_size=512, device="cuda"):
     )
 
 
+@pytest.mark.slow
 def test_largest_micro_batch_that_fits_the_budget_with_a_margin():
     estimate = _tiny_estimate()
     budget = estimate(4, 128, False).peak / 0.9 + 1  # 4 rows fit exactly inside the 10% margin
@@ -128,6 +129,7 @@ def test_largest_micro_batch_that_fits_the_budget_with_a_margin():
     assert 16 not in memory.estimates[False]
 
 
+@pytest.mark.slow
 def test_no_micro_batch_fits_says_what_would():
     estimate = _tiny_estimate()
     one_row = estimate(1, 512, False).peak
@@ -139,6 +141,7 @@ def test_no_micro_batch_fits_says_what_would():
     assert "gradient checkpointing" in memory.advice or "max_length=" in memory.advice
 
 
+@pytest.mark.slow
 def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset):
     lengths = datamodule_lengths(SeqMemDataModule(dataset=small_text_dataset))
     plan = build_plan(

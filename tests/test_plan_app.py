@@ -42,6 +42,7 @@ def test_plan_composes_the_run_seqmem_train_would_launch_and_matches_its_datamod
     assert configured.optimizer_steps == -(-dm.stats()["train"]["batches"] // 2)
 
 
+@pytest.mark.slow
 def test_seqmem_plan_command_prints_the_tables_and_writes_plan_json_and_histogram(tmp_path):
     """``seqmem-plan`` as run from a shell, its ``main()`` in a forked child (tests/_forked_app.py); the console
     script in a fresh interpreter is run by test_seqmem_plan_prints_each_log_line_once."""

@@ -79,6 +79,7 @@ def mid():
         (False, "full", "bf16-mixed", PAD_KEYS, LoraSettings(r=4, quantize="nf4"), "adamw"),  # QLoRA's 4-bit base
     ],
 )
+@pytest.mark.slow
 def test_scaled_from_one_and_two_layers_equals_the_full_trace(
     llama3, checkpointing, cross_entropy, precision, keys, lora, optimizer
 ):
@@ -118,6 +119,7 @@ def _fit(run: RunSettings, budget: int):
     return fit
 
 
+@pytest.mark.slow
 def test_the_search_finds_a_configuration_that_fits_where_the_plain_run_does_not(mid):
     run = RunSettings(mid, 512, PAD_KEYS, "bf16-mixed", cross_entropy="full", micro_batch_size=8, device="cpu")
     plain = cached_scaled(mid, 8, 512, PAD_KEYS, "bf16-mixed", "cpu", cross_entropy="full")
@@ -165,6 +167,7 @@ def test_a_budget_below_the_weights_alone_is_an_error_naming_the_option_and_the_
         search_fit(RunSettings(mid, 512, device="cpu", lora=LoraSettings(quantize="nf4")), quantized - 1, margin=0.0)
 
 
+@pytest.mark.slow
 def test_nothing_fits_says_what_came_closest(mid):
     run = RunSettings(mid, 512, PAD_KEYS, "bf16-true", True, "chunked", micro_batch_size=1, device="cpu")
     fit = search_fit(run, int(quantized_weight_bytes(mid, "bf16-true") * 1.05), margin=0.0)
@@ -220,6 +223,7 @@ def test_8bit_adamw_before_an_adapter_and_never_when_the_run_has_it(mid):
     assert own.levers == () and own.overrides == () and own.estimate.peak == eight.peak
 
 
+@pytest.mark.slow
 def test_qlora_when_lora_does_not_fit_on_the_run_s_own_adapter_too(mid):
     run = RunSettings(mid, 256, PAD_KEYS, "bf16-true", True, "chunked", micro_batch_size=1, device="cpu")
     qlora = _yardstick(mid, lora=LoraSettings(quantize="nf4"))
@@ -233,6 +237,7 @@ def test_qlora_when_lora_does_not_fit_on_the_run_s_own_adapter_too(mid):
     assert done.levers == () and done.overrides == ()
 
 
+@pytest.mark.slow
 def test_seqmem_plan_prints_the_fit_and_recommends_it_when_the_table_has_none():
     from hydra import compose, initialize_config_module
 

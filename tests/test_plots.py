@@ -123,6 +123,7 @@ def test_strategy_chart_shows_the_planners_table():
     assert "recommended, Pack(method='bfd')" in fig._suptitle.get_text()
 
 
+@pytest.mark.slow
 def test_memory_chart_stacks_what_is_live_at_the_peak_under_the_budget():
     from lightning_seqmem.memory.estimate import estimate_training_memory
     from lightning_seqmem.training.building import build_model_config
