@@ -191,6 +191,7 @@ def test_negative_control_catches_a_chunk_boundary_bug_and_shifted_labels(monkey
         assert_matches_full(shifted, hidden, weight, bias, labels, chunk_size=3)
 
 
+@pytest.mark.slow
 def test_peak_memory_is_far_below_the_full_path():
     """Forward and backward at vocabulary 32,000 and 2,048 tokens (hidden 16, so the logits dominate): the full
     path holds several ``[2048, 32000]`` fp32 tensors (250 MiB each) at once, the chunked one a ``[512, 32000]``

@@ -87,6 +87,7 @@ class _OOMAbove(TinyLM):
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.slow
 def test_oom_in_the_pass_names_the_shape_and_the_micro_batch_size_that_fits(tmp_path, monkeypatch):
     keys = ("input_ids", "attention_mask", "labels")
     model = _OOMAbove()

@@ -213,6 +213,7 @@ def test_lengths_only_plan_equals_the_token_plan(batching):
     assert lost + int(lengths.sum()) == sum(map(len, docs))  # every token fed or counted
 
 
+@pytest.mark.slow
 def test_memory_table_says_where_the_peak_falls_and_what_is_live_there():
     """Past a few rows this model's peak moves from the forward to early backward, where no gradient of the step
     exists yet: the table says so instead of printing a bare 0 B under gradients."""

@@ -94,6 +94,7 @@ def test_scaled_from_one_and_two_layers_equals_the_full_trace(
         assert quantized_weight_bytes(llama3, precision) == sum(p.numel() * p.element_size() for p in base.parameters())
 
 
+@pytest.mark.slow
 def test_the_chunk_loop_traced_as_its_first_and_last_chunk_gives_every_chunk_s_peak(llama1, monkeypatch):
     args = (llama1, 3, 100, PAD_KEYS, "bf16-mixed", "cuda", "sdpa", False)
     trimmed = estimate_training_memory(*args, cross_entropy="chunked", chunk_size=16)  # 19 chunks, 2 traced
@@ -138,6 +139,7 @@ def test_the_search_finds_a_configuration_that_fits_where_the_plain_run_does_not
     assert f"trainer.accumulate_grad_batches={8 // small.micro_batch_size}" in small.overrides
 
 
+@pytest.mark.slow
 def test_the_search_never_advises_what_the_run_has(mid):
     run = RunSettings(mid, 512, PAD_KEYS, "bf16-true", True, "chunked", micro_batch_size=8, device="cpu")
     one = cached_scaled(mid, 1, 512, PAD_KEYS, "bf16-true", "cpu", gradient_checkpointing=True, cross_entropy="chunked")

@@ -81,13 +81,14 @@ def test_the_head_and_embeddings_stay_unquantized(config):
     assert quantized_state_bytes(model) < linears  # under a byte per value, against 4 in fp32
 
 
+@pytest.mark.slow  # a real step of the stand-in per case (the stored bytes above stay in the inner loop)
 @pytest.mark.parametrize(
     "precision, checkpointing",
     [
         ("bf16-true", True),  # QLoRA as the planner advises it: bf16 weights, checkpointing
-        pytest.param("32-true", False, marks=pytest.mark.slow),  # the other paths, out of the inner loop
-        pytest.param("bf16-true", False, marks=pytest.mark.slow),
-        pytest.param("bf16-mixed", False, marks=pytest.mark.slow),
+        ("32-true", False),
+        ("bf16-true", False),
+        ("bf16-mixed", False),
     ],
 )
 def test_the_qlora_estimate_equals_the_measured_step_of_the_stand_in(config, precision, checkpointing):
