@@ -37,6 +37,14 @@ def test_adamw_8bit_is_refused_where_bitsandbytes_cannot_run_naming_the_option_a
         check_optimizer("adamw_8bit", "cuda")  # no CUDA here: refused for want of bitsandbytes
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_adamw_8bit_asked_for_cuda_on_a_machine_without_it_is_refused_as_qlora_is():
+    """The Trainer's device named 'cuda' is not enough: no CUDA device is visible (the one rule QLoRA follows too,
+    ``checks.require_bitsandbytes``), whether or not bitsandbytes is installed."""
+    with pytest.raises(ValueError, match=r"optimizer='adamw_8bit'.*needs a CUDA device.*not a machine without CUDA"):
+        check_optimizer("adamw_8bit", "cuda")
+
+
 @pytest.mark.parametrize("shape", [(64, 64), (4096, 1), (3000, 7), (100,)])  # at, above (ragged block), below 4,096
 def test_the_8bit_state_is_what_bitsandbytes_keeps(shape):
     p = torch.nn.Parameter(torch.zeros(shape))

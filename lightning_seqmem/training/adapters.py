@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lightning_seqmem.messages import short_repr
+from lightning_seqmem.training.checks import require_bitsandbytes
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 BIASES = ("none", "all", "lora_only")
@@ -266,19 +267,13 @@ def check_quantization(settings: LoraSettings | None, device: torch.device | str
     """
     if settings is None or settings.quantize is None:
         return
-    fix = "use lora.quantize=None (plain LoRA, the base in the training precision), or train on a CUDA GPU"
-    where = torch.device(device) if device is not None else None
-    if (where is not None and where.type != "cuda") or not torch.cuda.is_available():
-        raise ValueError(
-            f"lora.quantize='nf4' (QLoRA) needs a CUDA device for bitsandbytes' 4-bit kernels, not "
-            f"{where or 'a machine without CUDA'}: {fix}. seqmem-plan estimates QLoRA on any machine."
-        )
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        raise ImportError(
-            f"lora.quantize='nf4' (QLoRA) needs bitsandbytes: `pip install bitsandbytes` on the CUDA machine, or {fix}."
-        ) from None
+    require_bitsandbytes(
+        "lora.quantize='nf4' (QLoRA)",
+        "bitsandbytes' 4-bit kernels",
+        "use lora.quantize=None (plain LoRA, the base in the training precision), or train on a CUDA GPU",
+        "QLoRA",
+        device,
+    )
 
 
 def quantized_load_kwargs(settings: LoraSettings) -> dict[str, Any]:

@@ -76,6 +76,32 @@ def check_vocab_fits(model: Any, tokenizer: Any, datamodule: Any = None) -> None
     )
 
 
+def require_bitsandbytes(option: str, kernels: str, fix: str, estimated: str, device: Any = None) -> None:
+    """Refuse ``option`` (a setting that runs bitsandbytes' kernels: QLoRA's 4-bit base, the 8-bit optimizer) where
+    they cannot run: without a CUDA device (``device``, else any visible one) or without bitsandbytes installed.
+
+    Raises:
+        ValueError: no CUDA device, naming ``option``, ``kernels`` and ``fix`` (and that ``seqmem-plan`` estimates
+            ``estimated`` anyway).
+        ImportError: bitsandbytes is not installed.
+    """
+    import torch
+
+    where = torch.device(device) if device is not None else None
+    if (where is not None and where.type != "cuda") or not torch.cuda.is_available():
+        found = where if where is not None and where.type != "cuda" else "a machine without CUDA"
+        raise ValueError(
+            f"{option} needs a CUDA device for {kernels}, not {found}: {fix}. seqmem-plan estimates {estimated} on "
+            "any machine."
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            f"{option} needs bitsandbytes: `pip install bitsandbytes` on the CUDA machine, or {fix}."
+        ) from None
+
+
 def describe_data(dm: Any) -> str:
     """The data a DataModule was given, for messages: its ``dataset`` argument, shortened."""
     dataset = getattr(dm, "dataset", None)

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 
 import torch
 
+from lightning_seqmem.training.checks import require_bitsandbytes
+
 
 def no_decay_names(module: torch.nn.Module) -> set[str]:
     """Parameters AdamW does not decay: biases and norm weights (fewer than 2 dimensions, or "norm" in the name).
@@ -39,18 +41,13 @@ def check_optimizer(name: str, device: torch.device | str | None = None) -> None
         )
     if name != "adamw_8bit" or device is None:
         return
-    fix = "use optimizer='adamw' (model.optimizer=adamw), or train on a CUDA GPU"
-    if torch.device(device).type != "cuda":
-        raise ValueError(
-            f"optimizer='adamw_8bit' (bitsandbytes' AdamW8bit) needs a CUDA device for its kernels, not {device}: "
-            f"{fix}. seqmem-plan estimates its memory on any machine."
-        )
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        raise ImportError(
-            f"optimizer='adamw_8bit' needs bitsandbytes: `pip install bitsandbytes` on the CUDA machine, or {fix}."
-        ) from None
+    require_bitsandbytes(
+        "optimizer='adamw_8bit' (bitsandbytes' AdamW8bit)",
+        "its kernels",
+        "use optimizer='adamw' (model.optimizer=adamw), or train on a CUDA GPU",
+        "its memory",
+        device,
+    )
 
 
 def make_optimizer(
