@@ -1,12 +1,21 @@
-"""Streaming packer: an unbounded stream of token lists packed on the fly inside a bounded best-fit window."""
+"""Streaming packer: an unbounded stream of token lists packed on the fly inside a bounded best-fit window.
+
+The window is an object with its contents behind ``state_dict``/``load_state_dict``: a resumed stream gets back the
+documents still waiting and the rows packed but not yet handed out, so it packs exactly as the uninterrupted run.
+"""
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
 
 from lightning_seqmem.batching.packed_rows import check_packing, pack_sequences
 from lightning_seqmem.batching.truncation import check_max_length
+
+Piece = tuple[list[int], "list[int] | None"]
 
 
 class StreamingPacker:
@@ -23,8 +32,9 @@ class StreamingPacker:
 
     Takes token lists, or ``{"input_ids", "labels"}`` items whose labels travel with their tokens (cut alike).
     With ``steady``, rows leave evenly over the documents read while the window fills again (for loader
-    workers), else as soon as they are packed. Given a ``Counter``, adds what overflow did to each document (``documents_over_max_length``,
-    ``documents_split``, ``tokens_truncated``, ``tokens_dropped``) and the ``rows`` it yields, as it goes.
+    workers), else as soon as they are packed. Given a ``Counter``, adds what overflow did to each document
+    (``documents_over_max_length``, ``documents_split``, ``tokens_truncated``, ``tokens_dropped``) and the ``rows``
+    it yields, as it goes. :meth:`window` gives the same packing one document at a time, with a state to resume.
 
     Yields:
         ``{"input_ids": list[int], "seq_lengths": list[int]}`` rows (what ``PackCollator`` takes), with ``labels``
@@ -40,41 +50,9 @@ class StreamingPacker:
         self.buffer_size = buffer_size
         self.overflow = overflow
 
-    def _pieces(
-        self, index: int, ids: list[int], labels: list[int] | None, counts: Counter
-    ) -> list[tuple[list[int], list[int] | None]]:
-        m = self.max_length
-        if len(ids) <= m:
-            return [(ids, labels)]
-        if self.overflow == "error":
-            raise ValueError(
-                f"document at row {index} has {len(ids)} tokens > max_length={m}; "
-                "use batching=Pack(overflow='split'), Pack(overflow='truncate') or Pack(overflow='drop'), or raise "
-                "max_length."
-            )
-        counts["documents_over_max_length"] += 1
-        if self.overflow == "drop":
-            counts["tokens_dropped"] += len(ids)
-            return []
-        if self.overflow == "truncate":
-            counts["tokens_truncated"] += len(ids) - m
-        else:
-            counts["documents_split"] += 1
-        cuts = [0] if self.overflow == "truncate" else range(0, len(ids), m)
-        return [(ids[i : i + m], labels[i : i + m] if labels is not None else None) for i in cuts]
-
-    def _emit(self, pieces: list[tuple[list[int], list[int] | None]], final: bool) -> tuple[list[dict], list]:
-        res = pack_sequences([ids for ids, _ in pieces], self.max_length, overflow="error")
-        shortest = min(len(ids) for ids, _ in pieces)
-        rows, keep = [], []
-        for r in range(res.num_rows):
-            members = [pieces[i] for i in res.segment_doc[res.seg_row_offsets[r] : res.seg_row_offsets[r + 1]]]
-            used = sum(len(ids) for ids, _ in members)
-            if final or self.max_length - used < shortest:
-                rows.append(_row(members))
-            else:  # still room: give its documents another chance with the next window
-                keep.extend(members)
-        return rows, keep
+    def window(self) -> PackingWindow:
+        """An empty window packing with these settings."""
+        return PackingWindow(self)
 
     def __call__(
         self,
@@ -83,31 +61,152 @@ class StreamingPacker:
         steady: bool = False,
     ) -> Iterator[dict[str, list[int]]]:
         counts = Counter() if counts is None else counts
-        buffer: list[tuple[list[int], list[int] | None]] = []
-        ready: deque[dict] = deque()  # packed rows, handed out evenly while the window fills again
+        window = self.window()
         for index, item in enumerate(sequences):
-            ids, labels = _ids_and_labels(item)
-            if len(ids):
-                buffer.extend(self._pieces(index, ids, labels, counts))
-            if len(buffer) >= self.buffer_size:
-                rows, buffer = self._emit(buffer, final=False)
-                ready.extend(rows)
-                if len(buffer) >= self.buffer_size:  # nothing full: emit anyway so the window stays bounded
-                    rows, buffer = self._emit(buffer, final=True)
-                    ready.extend(rows)
-            # ``steady``: spread the rows over the documents still to read before the next packing, rather than all
-            # at once. A loader worker then yields batches at a steady rate, and the DataLoader, which takes
-            # batches from its workers in turn, never waits on one worker that is filling its window while another
-            # sits on a burst of ready rows. (In one process a burst costs nothing, and handing rows out at once
-            # is about 10 % faster.)
-            due = len(ready) if not steady else -(-len(ready) // max(1, self.buffer_size - len(buffer)))
-            for _ in range(due):
-                counts["rows"] += 1
-                yield ready.popleft()
-        ready.extend(self._emit(buffer, final=True)[0] if buffer else [])
-        while ready:
-            counts["rows"] += 1
-            yield ready.popleft()
+            window.add(index, item, counts)
+            for _ in range(window.due(steady)):
+                yield window.pop(counts)
+        window.finish()
+        while window.ready:
+            yield window.pop(counts)
+
+
+class PackingWindow:
+    """The documents waiting in a :class:`StreamingPacker`'s window and the rows packed but not yet handed out.
+
+    ``add`` one document, then ``pop`` ``due(steady)`` rows; ``finish`` packs what is left at the end of a pass.
+    """
+
+    def __init__(self, packer: StreamingPacker) -> None:
+        self.packer = packer
+        self.buffer: list[Piece] = []
+        self.ready: deque[dict] = deque()
+
+    def add(self, index: int, item: Sequence[int] | Mapping[str, Sequence[int]], counts: Counter) -> None:
+        """Take document ``index`` (cut to ``max_length`` as ``overflow`` says); pack when the window is full."""
+        ids, labels = _ids_and_labels(item)
+        if len(ids):
+            self.buffer.extend(self._pieces(index, ids, labels, counts))
+        if len(self.buffer) >= self.packer.buffer_size:
+            rows, self.buffer = self._emit(self.buffer, final=False)
+            self.ready.extend(rows)
+            if len(self.buffer) >= self.packer.buffer_size:  # nothing full: emit anyway so the window stays bounded
+                rows, self.buffer = self._emit(self.buffer, final=True)
+                self.ready.extend(rows)
+
+    def due(self, steady: bool) -> int:
+        """How many ready rows to hand out now.
+
+        ``steady``: spread the rows over the documents still to read before the next packing, rather than all at
+        once. A loader worker then yields batches at a steady rate, and the DataLoader, which takes batches from
+        its workers in turn, never waits on one worker that is filling its window while another sits on a burst of
+        ready rows. (In one process a burst costs nothing, and handing rows out at once is about 10 % faster.)
+        """
+        if not steady:
+            return len(self.ready)
+        return -(-len(self.ready) // max(1, self.packer.buffer_size - len(self.buffer)))
+
+    def pop(self, counts: Counter) -> dict[str, list[int]]:
+        counts["rows"] += 1
+        return self.ready.popleft()
+
+    def finish(self) -> None:
+        """The end of a pass: pack every waiting document."""
+        if self.buffer:
+            self.ready.extend(self._emit(self.buffer, final=True)[0])
+            self.buffer = []
+
+    def _pieces(self, index: int, ids: list[int], labels: list[int] | None, counts: Counter) -> list[Piece]:
+        m, overflow = self.packer.max_length, self.packer.overflow
+        if len(ids) <= m:
+            return [(ids, labels)]
+        if overflow == "error":
+            raise ValueError(
+                f"document at row {index} has {len(ids)} tokens > max_length={m}; "
+                "use batching=Pack(overflow='split'), Pack(overflow='truncate') or Pack(overflow='drop'), or raise "
+                "max_length."
+            )
+        counts["documents_over_max_length"] += 1
+        if overflow == "drop":
+            counts["tokens_dropped"] += len(ids)
+            return []
+        if overflow == "truncate":
+            counts["tokens_truncated"] += len(ids) - m
+        else:
+            counts["documents_split"] += 1
+        cuts = [0] if overflow == "truncate" else range(0, len(ids), m)
+        return [(ids[i : i + m], labels[i : i + m] if labels is not None else None) for i in cuts]
+
+    def _emit(self, pieces: list[Piece], final: bool) -> tuple[list[dict], list[Piece]]:
+        res = pack_sequences([ids for ids, _ in pieces], self.packer.max_length, overflow="error")
+        shortest = min(len(ids) for ids, _ in pieces)
+        rows, keep = [], []
+        for r in range(res.num_rows):
+            members = [pieces[i] for i in res.segment_doc[res.seg_row_offsets[r] : res.seg_row_offsets[r + 1]]]
+            used = sum(len(ids) for ids, _ in members)
+            if final or self.packer.max_length - used < shortest:
+                rows.append(_row(members))
+            else:  # still room: give its documents another chance with the next window
+                keep.extend(members)
+        return rows, keep
+
+    # ----------------------------------------------------------------------------------------------- resume
+    def state_dict(self) -> dict[str, Any]:
+        """The waiting documents and the ready rows as five flat int32 tensors (cheap to send from a loader worker
+        after every batch, and loadable with ``torch.load(weights_only=True)``)."""
+        rows = [list(zip(_split(row["input_ids"], row["seq_lengths"]), _labels_of(row))) for row in self.ready]
+        state = pieces_state([p for members in rows for p in members] + self.buffer)
+        state["ready_rows"] = torch.tensor([len(members) for members in rows], dtype=torch.int32)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pieces = _unpack_pieces(state)
+        self.ready = deque()
+        for size in state["ready_rows"].tolist():
+            self.ready.append(_row(pieces[:size]))
+            pieces = pieces[size:]
+        self.buffer = pieces
+
+
+def window_pieces(state: dict[str, Any]) -> list[Piece]:
+    """The documents a saved window holds (in ready rows, then waiting), in order: what a regrouped resume
+    packs again."""
+    return _unpack_pieces(state)
+
+
+def pieces_state(pieces: list[Piece]) -> dict[str, Any]:
+    """A window state holding ``pieces`` as waiting documents (nothing packed yet)."""
+    labels = [t for _, labels in pieces if labels is not None for t in labels]
+    return {
+        "lengths": torch.tensor([len(ids) for ids, _ in pieces], dtype=torch.int32),
+        "has_labels": torch.tensor([labels is not None for _, labels in pieces], dtype=torch.bool),
+        "ids": torch.tensor([t for ids, _ in pieces for t in ids], dtype=torch.int32),
+        "labels": torch.tensor(labels, dtype=torch.int32),
+        "ready_rows": torch.zeros(0, dtype=torch.int32),
+    }
+
+
+def _unpack_pieces(state: dict[str, Any]) -> list[Piece]:
+    lengths, flags = state["lengths"].tolist(), state["has_labels"].tolist()
+    ids = _split(state["ids"].tolist(), lengths)
+    labelled = iter(_split(state["labels"].tolist(), [n for n, f in zip(lengths, flags) if f]))
+    return [(doc, next(labelled) if flag else None) for doc, flag in zip(ids, flags)]
+
+
+def _split(tokens: list[int], lengths: list[int]) -> list[list[int]]:
+    out, start = [], 0
+    for n in lengths:
+        out.append(list(tokens[start : start + n]))
+        start += n
+    return out
+
+
+def _labels_of(row: dict) -> list[list[int] | None]:
+    """Each document's labels in a packed row (``None`` for all when the row carries none). A row's labels are the
+    documents' own, or their tokens where they brought none: both come back as labels, which packs the same."""
+    if "labels" not in row:
+        return [None] * len(row["seq_lengths"])
+    return _split(row["labels"], row["seq_lengths"])
 
 
 def _ids_and_labels(item: Sequence[int] | Mapping[str, Sequence[int]]) -> tuple[list[int], list[int] | None]:
@@ -118,7 +217,7 @@ def _ids_and_labels(item: Sequence[int] | Mapping[str, Sequence[int]]) -> tuple[
     return list(item), None
 
 
-def _row(members: list[tuple[list[int], list[int] | None]]) -> dict[str, list[int]]:
+def _row(members: list[Piece]) -> dict[str, list[int]]:
     """One packed row (what ``PackCollator`` takes); ``labels`` where any of its documents brought its own."""
     row = {"input_ids": [t for ids, _ in members for t in ids], "seq_lengths": [len(ids) for ids, _ in members]}
     if any(labels is not None for _, labels in members):

@@ -306,7 +306,7 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
         if self._open_stream():
             kind = detect_stream(self.dataset, self.settings.data.text_column)
             self._pretokenized = kind.pretokenized
-            self.read_mode = StreamMode(self.dataset, kind, self.settings, rank_zero_warn)
+            self.read_mode = StreamMode(self.dataset, kind, self.settings, rank_zero_warn, lambda: self.tokenizer)
         else:
             # Tokenize (or load the cache prepare_data wrote) before carving out a validation split, so errors
             # name rows of the dataset the user passed.
@@ -330,7 +330,15 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return self._ready().loader("train", self.tokenizer, self.pad_token_id)
+        loader = self._ready().loader("train", self.tokenizer, self.pad_token_id)
+        if hasattr(loader, "lookahead"):  # a stream's: Lightning fetches ahead of a loader with no length
+            loader.lookahead = self._batches_fetched_ahead
+        return loader
+
+    def _batches_fetched_ahead(self) -> int:
+        """Train batches Lightning has fetched but not yet trained on (its fetcher keeps one ahead of a stream)."""
+        fetcher = getattr(getattr(self.trainer, "fit_loop", None), "_data_fetcher", None)
+        return len(getattr(fetcher, "batches", None) or ())
 
     @override
     def val_dataloader(self) -> DataLoader:

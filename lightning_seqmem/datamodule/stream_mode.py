@@ -10,7 +10,8 @@ from torch.utils.data import DataLoader
 
 from lightning_seqmem.datamodule.pipeline import SPLITS, TEST
 from lightning_seqmem.datamodule.read_mode import split_strategies
-from lightning_seqmem.datamodule.resume import data_signature
+from lightning_seqmem.datamodule.resume import check_signature, data_signature
+from lightning_seqmem.datamodule.stream_signature import stream_identity
 from lightning_seqmem.datamodule.streaming import Streams, check_streaming
 from lightning_seqmem.kinds.base import Kind
 
@@ -23,18 +24,33 @@ class StreamMode:
         kind: its data kind (``kinds.detect_stream``).
         settings: the DataModule's ``SeqMemSettings``.
         warn: where the loaders' warnings go (``rank_zero_warn``).
+        tokenizer: gives the tokenizer (``None`` for token ids given without one), for the resume signature.
     """
 
-    def __init__(self, dataset: Any, kind: Kind, settings: Any, warn: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        kind: Kind,
+        settings: Any,
+        warn: Callable[[str], None],
+        tokenizer: Callable[[], Any] = lambda: None,
+    ) -> None:
         self.kind, self.settings, self.warn = kind, settings, warn
         # a test split (when the stream has one) is batched as validation: checked with it before anything is read
         self.strategies = split_strategies(kind, settings, (*SPLITS, TEST))
         check_streaming(self.strategies)
         self.streams = Streams(dataset, kind, settings.data)
         self.datasets = self.streams.splits
+        self.skip_resume_state = False  # set by load_state_dict when the checkpoint's data differ (restart_epoch)
+        self.tokenizer = tokenizer
 
     def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
-        return self.streams.loader(split, self.strategies[split], tokenizer, self.settings, pad_token_id, self.warn)
+        loader = self.streams.loader(split, self.strategies[split], tokenizer, self.settings, pad_token_id, self.warn)
+        if split == "train":
+            loader.skip_resume_state = self.skip_resume_state
+            loader.on_mismatch = self.settings.data.on_resume_mismatch
+            loader.warn = self.warn
+        return loader
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """What has been read so far on this process (a stream's totals are known only once it is read)."""
@@ -49,10 +65,31 @@ class StreamMode:
         return self.strategies["train"].worst_layout(rows, length, None)
 
     def data_signature(self) -> dict[str, Any]:
-        return data_signature(self.kind.signature(self.settings), None)
+        """What a saved stream position refers to: the settings that decide the rows and batches, the data kind,
+        the stream (its shards and files, the validation documents carved out of it), the packing window and the
+        tokenizer (its content)."""
+        from lightning_seqmem.data.token_cache import tokenizer_fingerprint
+
+        identity = stream_identity(self.streams.read["train"], self.streams.leave_out)
+        settings = dict(
+            self.kind.signature(self.settings),
+            kind=self.kind.name + (" (token ids)" if self.kind.pretokenized else ""),
+            streaming_buffer_size=self.settings.data.streaming_buffer_size,
+            **identity,
+        )
+        tokenizer = self.tokenizer()
+        if tokenizer is not None:
+            settings["tokenizer"] = tokenizer_fingerprint(tokenizer)
+        return data_signature(settings, None)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.streams.state_dict()
+        return {"data_signature": self.data_signature()}
 
     def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
-        self.streams.load_state_dict(state_dict, warn)
+        """A saved position means something only for the same stream, tokenizer and batching: refuse it, or start
+        the epoch again (``on_resume_mismatch``)."""
+        saved = state_dict.get("data_signature")
+        if not saved:
+            return
+        now = self.data_signature()
+        self.skip_resume_state = check_signature(saved, now, self.settings.data.on_resume_mismatch, warn)

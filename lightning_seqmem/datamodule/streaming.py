@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
-from lightning_seqmem.datamodule.stream_splits import LEFT_OUT, left_out_warning, streaming_splits
+from lightning_seqmem.datamodule.stream_loader import StreamingLoader
+from lightning_seqmem.datamodule.stream_rows import StreamingRows
+from lightning_seqmem.datamodule.stream_splits import LEFT_OUT, streaming_splits
 from lightning_seqmem.kinds.base import DOCUMENT_STATS, Kind
 from lightning_seqmem.kinds.detect import STREAM_KINDS
 
@@ -81,84 +83,6 @@ class StreamCounts:
         return dict(totals, longest_document=int(table[:, -1].max()))
 
 
-class StreamingRows(IterableDataset):
-    """A stream tokenized and packed on the fly.
-
-    ``stream`` is this rank's share already; inside a loader worker ``datasets`` hands each worker its own shards.
-    Memory is bounded by the packer's window. With ``cycle`` the stream restarts when it ends, so DDP ranks
-    (whose shares differ in length) never wait on each other; stop training with ``max_steps``. With ``reshuffle``
-    every pass sets the stream's epoch (``set_epoch``), so a shuffled stream (``stream.shuffle(...)``) is dealt anew
-    each epoch. With ``required`` (training), a pass that gives no row is an error in the main process, and ends a
-    loader worker (one with no file of its own) instead of repeating nothing forever. With ``leave_out`` (a
-    training stream whose validation head was carved out of it, ``stream_splits.NotIn``), each document equal to a
-    validation document is left out and counted, and a pass that left out copies of them says so (``on_left_out``).
-    """
-
-    def __init__(
-        self,
-        stream,
-        encode,
-        packer: StreamingPacker,
-        cycle: bool = False,
-        counts: StreamCounts | None = None,
-        on_loss: Callable[[], None] | None = None,
-        reshuffle: bool = True,
-        required: bool = False,
-        leave_out: Any = None,
-        on_left_out: Callable[[str], None] | None = None,
-    ) -> None:
-        self.stream, self.encode, self.packer, self.cycle = stream, encode, packer, cycle
-        self.counts = counts if counts is not None else StreamCounts()
-        self.on_loss, self.reshuffle, self.required = on_loss, reshuffle, required
-        self.leave_out, self.on_left_out = leave_out, on_left_out
-        self.epoch = 0
-
-    def __iter__(self):
-        info = get_worker_info()
-        slot = info.id if info is not None else 0
-        if slot >= len(self.counts.table):
-            raise ValueError(
-                f"StreamCounts has a row for {len(self.counts.table)} loader worker(s), and this is "
-                f"worker {slot}: build it with StreamCounts(num_workers)."
-            )
-        passes = 0
-        while True:
-            if self.reshuffle and hasattr(self.stream, "set_epoch"):
-                self.stream.set_epoch(self.epoch + passes)
-            start, counts, warned = self.counts.table[slot].clone(), Counter(), False
-            mine = (self.encode(i, ex, counts) for i, ex in enumerate(self.kept(counts)))
-            for row in self.packer(mine, counts, steady=info is not None):
-                self.counts.publish(slot, start, counts)
-                if not warned and (counts["tokens_truncated"] or counts["tokens_dropped"]):
-                    warned = True
-                    if self.on_loss is not None:
-                        self.on_loss()
-                yield row
-            self.counts.publish(slot, start, counts)
-            passes += 1
-            message = left_out_warning(counts[LEFT_OUT], self.leave_out.held) if self.leave_out else None
-            if message and self.on_left_out is not None:
-                self.on_left_out(message)
-            if self.required and not counts["rows"]:
-                if info is not None:
-                    return  # a loader worker with no file to read: it stops (repeating nothing would spin forever)
-                raise ValueError(
-                    f"This process's share of the training stream holds no document to train on "
-                    f"({counts['documents']} read, all empty or dropped): a training loop would run empty epochs. "
-                    "Give the stream more documents, or files (shards) that every rank can have one of."
-                )
-            if not self.cycle:
-                return
-
-    def kept(self, counts: Counter):
-        """The stream's documents less those ``leave_out`` takes (counted under ``LEFT_OUT``)."""
-        for example in self.stream:
-            if self.leave_out is None or self.leave_out(example):
-                yield example
-            else:
-                counts[LEFT_OUT] += 1
-
-
 class DealtBatches(IterableDataset):
     """Rank ``rank``'s batches of a whole stream's rows, dealt as the map-style samplers deal them
     (``sampling.balanced_batch_sizes``): every rank the same number of batches, no row repeated or left out.
@@ -191,18 +115,6 @@ class DealtBatches(IterableDataset):
                 yield batch
 
 
-class StreamingLoader(DataLoader):
-    """A ``DataLoader`` over :class:`StreamingRows` that moves the stream's epoch on each time it is iterated
-    (Lightning sets epochs on samplers only, and a stream has none)."""
-
-    epochs_started = 0
-
-    def __iter__(self):
-        self.dataset.epoch = self.epochs_started  # before the workers copy the dataset
-        self.epochs_started += 1
-        return super().__iter__()
-
-
 def check_streaming(strategies: dict[str, Strategy]) -> None:
     """Refuse a stream for strategies that need the whole dataset (every split must pack)."""
     if not all(strategy.packs for strategy in strategies.values()):
@@ -211,14 +123,6 @@ def check_streaming(strategies: dict[str, Strategy]) -> None:
             f"{strategies['train'].options!r}, eval_batching={strategies['validation'].options!r}; the others need the "
             "whole dataset), or load it without streaming=True."
         )
-
-
-def rank_share(stream: Any) -> Any:
-    """This rank's share of a stream: whole shards per rank where the shard count divides by the world size, else
-    every ``world``-th document (``datasets.distributed.split_dataset_by_node``)."""
-    from datasets.distributed import split_dataset_by_node
-
-    return split_dataset_by_node(stream, rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
 def streaming_loader(
@@ -261,9 +165,9 @@ def streaming_loader(
         total = sum(1 for _ in StreamingRows(stream, encode, packer, reshuffle=False))
         dealt = DealtBatches(rows, total, per_batch, dist.get_rank(), dist.get_world_size())
         return DataLoader(dealt, batch_size=None, collate_fn=collate)
-    share = rank_share(stream) if distributed else stream
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     rows = StreamingRows(
-        share,
+        stream,
         encode,
         packer,
         cycle=distributed and train,
@@ -273,12 +177,16 @@ def streaming_loader(
         required=train,
         leave_out=leave_out,
         on_left_out=warn,
+        rank=rank,
+        world=world,
+        on_replay=warn,
     )
     held = isinstance(stream, list)  # validation documents held in memory: one reader, or each would read all
     num_workers = 0 if held else num_workers
-    world = dist.get_world_size() if distributed else 1
     for message in layout_warnings(split, getattr(stream, "num_shards", None), world, num_workers):
         warn(message)
+    if not train:
+        return DataLoader(rows, batch_size=per_batch, collate_fn=collate, num_workers=num_workers)
     return StreamingLoader(rows, batch_size=per_batch, collate_fn=collate, num_workers=num_workers)
 
 
@@ -346,21 +254,6 @@ class Streams:
             self.counts[split],
             self.leave_out if split == "train" else None,
         )
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of a stream: how many training documents this process had read."""
-        return {"stream_documents_read": self.counts["train"].totals()["documents"]}
-
-    def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
-        """A stream has no position to return to: say that a resumed run reads it again from the start."""
-        read = state_dict.get("stream_documents_read")
-        if read:
-            warn(
-                f"Resuming from a checkpoint with a stream: a stream has no position to return to, so training "
-                f"reads it again from its first document (the checkpointed run had read {read:,} training "
-                "documents on rank 0). To go on with unseen data, pass the stream from where it stopped (its later "
-                "files), or train on a map-style dataset, whose loader position is restored exactly."
-            )
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split, the counts so far on this process (a stream's totals are known only once it is read); for

@@ -1,0 +1,104 @@
+"""The train stream's loader: torchdata's ``StatefulDataLoader`` over :class:`StreamingRows`, with what it lacks
+for a Lightning run: the batches fetched ahead, every rank's position, and a resume with other readers.
+
+- **Fetched ahead.** Lightning fetches one batch ahead of the one it trains on when a loader has no length (a
+  stream): at a checkpoint the loader has yielded a batch that was never trained on. ``lookahead`` (set by the
+  DataModule) says how many; those batches are saved with the position and yielded first on resume.
+- **Every rank.** Lightning writes rank 0's checkpoint, and each rank reads its own share of the stream: the
+  positions of all ranks are gathered into it (``state_dict`` is a collective under DDP/FSDP, as checkpointing is).
+- **Other readers.** torchdata resumes only the same number of workers. With another number of workers or ranks,
+  the saved readers are dealt out anew (``stream_rows.Regrouped``): no document lost or read twice in the epoch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lightning_seqmem.datamodule.stream_rows import Regrouped
+
+_SNAPSHOT, _WORKERS = "_snapshot", "_worker_snapshots"
+_DATASET_STATE = "dataset_state"  # torchdata's key of a dataset's state, in the main process and in a worker's
+
+__all__ = ["StreamingLoader", "reader_states"]
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class StreamingLoader(StatefulDataLoader):
+    """A ``StatefulDataLoader`` over :class:`StreamingRows` that moves the stream's epoch on each time it is
+    iterated (Lightning sets epochs on samplers only, and a stream has none), and resumes as the module says."""
+
+    def __init__(self, dataset, *args, **kwargs) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        self.epochs_started = 0
+        self.lookahead: Callable[[], int] | None = None  # batches yielded but not yet trained on (the DataModule)
+        self._recent: deque = deque(maxlen=8)
+        self._pending: list = []  # batches to yield first: fetched ahead of the checkpoint this run resumed from
+        self.gather = True  # every rank's position in the state (a collective); False for one rank's own
+
+    def __iter__(self):
+        if self.next_iter_state is None and self._pending == []:
+            self.dataset.epoch = self.epochs_started  # before the workers copy the dataset
+            self.epochs_started += 1
+        pending, self._pending = self._pending, []
+        for batch in pending:
+            self._recent.append(batch)
+            yield batch
+        for batch in super().__iter__():
+            self._recent.append(batch)
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position (torchdata's, whose workers' states are :class:`StreamingRows`'), the batches it
+        yielded ahead of training, the epoch; under DDP/FSDP every rank's, gathered (call it on every rank)."""
+        ahead = self.lookahead() if self.lookahead is not None else 0
+        mine = {
+            "loader": super().state_dict(),
+            "ahead": list(self._recent)[len(self._recent) - ahead :] if ahead else [],
+            "epochs_started": self.epochs_started,
+            "workers": self.num_workers,
+        }
+        rank, world = _world()
+        if world == 1 or not self.gather:
+            return {"ranks": [mine]}
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine)
+        return {"ranks": everyone}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume exactly with the same readers; deal the saved readers out again with other ones."""
+        ranks = state_dict.get("ranks")
+        if not ranks:
+            return
+        rank, world = _world()
+        same = len(ranks) == world and all(r["workers"] == self.num_workers for r in ranks)
+        if same:
+            mine = ranks[rank]
+            self.epochs_started = mine["epochs_started"]
+            self.dataset.epoch = max(0, self.epochs_started - 1)
+            self._pending = list(mine["ahead"])
+            super().load_state_dict(mine["loader"])
+            return
+        readers = [reader for saved in ranks for reader in reader_states(saved["loader"], saved["workers"])]
+        self.epochs_started = ranks[0]["epochs_started"]
+        self.dataset.epoch = max(0, self.epochs_started - 1)
+        self.dataset.regrouped = Regrouped(readers, self.dataset.counts.FIELDS)
+        self._pending = [b for j, saved in enumerate(ranks) if j % world == rank for b in saved["ahead"]]
+        self.next_iter_state = None
+
+
+def reader_states(loader_state: dict[str, Any], workers: int) -> list[dict[str, Any]]:
+    """Each reader's :class:`StreamingRows` state in a torchdata loader state, by worker."""
+    if workers == 0:
+        return [loader_state.get(_DATASET_STATE) or {"fresh": True}]
+    snapshots = loader_state[_SNAPSHOT][_WORKERS]
+    return [(snapshots[f"worker_{w}"] or {}).get(_DATASET_STATE) or {"fresh": True} for w in range(workers)]

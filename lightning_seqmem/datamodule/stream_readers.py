@@ -1,0 +1,118 @@
+"""Who reads which shard of a stream, and where each reader stands in it: the position a checkpoint keeps.
+
+A reader is one loader worker of one rank. Shards (a stream's files, or the pieces ``to_iterable_dataset`` cut) are
+dealt whole: to ranks when their count divides by the world size, else every rank reads every shard and keeps every
+``world``-th document of it (as ``datasets.distributed.split_dataset_by_node`` does); then a rank's shards to its
+loader workers in turn (as ``datasets`` does). ``datasets`` reads each shard and keeps its place in it
+(``IterableDataset.state_dict``: the table and the row), so a resumed reader seeks to it instead of reading again.
+The position of every shard is kept by its index in the whole stream, so a checkpoint can be dealt again to another
+number of workers or ranks (:func:`merge_positions`). No Lightning import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DONE = "done"
+"""The position of a shard read to its end."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a stream of ``shards`` shards is dealt to ``world`` ranks of ``workers`` readers each."""
+
+    shards: int
+    world: int = 1
+    workers: int = 1
+
+    @property
+    def whole(self) -> bool:
+        """Whether each shard goes to one rank (else every rank reads it and keeps every ``world``-th document)."""
+        return self.shards % self.world == 0
+
+    def shards_of(self, rank: int, worker: int) -> list[int]:
+        """The shards reader ``(rank, worker)`` reads, in order."""
+        mine = range(rank, self.shards, self.world) if self.whole else range(self.shards)
+        return list(mine)[worker :: self.workers]
+
+    def stride(self, rank: int) -> tuple[int, int]:
+        """``(offset, step)``: which documents of each of its shards the rank keeps."""
+        return (0, 1) if self.whole else (rank, self.world)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def can_shard(stream: Any) -> bool:
+    """Whether ``stream`` is a ``datasets`` stream whose shards can be read one by one (else it is read in order)."""
+    return hasattr(stream, "shard") and hasattr(stream, "num_shards") and hasattr(stream, "load_state_dict")
+
+
+class ShardReader:
+    """The documents of one reader's shards, in order, with the position in each (``positions``: shard index ->
+    ``DONE``, or ``{"hf": the shard's datasets state, "rows": rows read of it}``)."""
+
+    def __init__(self, stream: Any, shards: list[int], stride: tuple[int, int], positions: dict | None = None) -> None:
+        self.stream, self.shards, self.stride = stream, shards, stride
+        self.positions: dict[int, Any] = dict(positions or {})
+        self._current: list | None = None  # [shard, its datasets stream, rows read of it]
+
+    def __iter__(self) -> Iterator[dict]:
+        offset, step = self.stride
+        for s in self.shards:
+            position = self.positions.get(s)
+            if position == DONE:
+                continue
+            shard = self.stream.shard(num_shards=self.stream.num_shards, index=s, contiguous=True)
+            if position is not None:
+                shard.load_state_dict(position["hf"])
+            self._current = [s, shard, position["rows"] if position else 0]
+            # ``iter`` reads in this process as it is: ``__iter__`` inside a loader worker would deal the one shard
+            # to the workers again. ``datasets`` counts a row as read once it has handed it out.
+            for batch in shard.iter(batch_size=1):
+                index = self._current[2]
+                self._current[2] += 1
+                if step == 1 or index % step == offset:
+                    yield {k: v[0] for k, v in batch.items()}
+            self.positions[s] = DONE
+            self._current = None
+
+    def state_dict(self) -> dict[int, Any]:
+        """Every shard's position (those not yet started are absent)."""
+        positions = dict(self.positions)
+        if self._current is not None:
+            s, shard, rows = self._current
+            positions[s] = {"hf": shard.state_dict(), "rows": rows}
+        return positions
+
+
+class OrderedReader:
+    """A source that cannot be dealt by shard (a list, a generator): read in order, its position the number of
+    documents read; a resumed reader reads those again and drops them (``replay`` says so first)."""
+
+    def __init__(self, stream: Any, read: int = 0, replay: Callable[[int], None] | None = None) -> None:
+        self.stream, self.read, self.replay = stream, read, replay
+
+    def __iter__(self) -> Iterator[dict]:
+        skip, self.read = self.read, 0
+        if skip and self.replay is not None:
+            self.replay(skip)
+        for row in self.stream:
+            self.read += 1
+            if self.read > skip:
+                yield row
+
+    def state_dict(self) -> int:
+        return self.read
+
+
+def merge_positions(states: list[dict[int, Any]]) -> dict[int, Any]:
+    """The position of every shard over several readers' saved positions (each shard was one reader's)."""
+    merged: dict[int, Any] = {}
+    for positions in states:
+        for shard, position in positions.items():
+            if merged.get(shard) != DONE:
+                merged[shard] = position
+    return merged

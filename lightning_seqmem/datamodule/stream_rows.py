@@ -1,0 +1,213 @@
+"""A stream tokenized and packed on the fly, one reader per loader worker, its whole position a state.
+
+What decides the next row of a reader is all here, behind ``state_dict``/``load_state_dict``: the position in each
+of its shards (``stream_readers``), the documents waiting in the packing window and the rows packed but not yet
+handed out (``PackingWindow``), the pass and the document count, and what it has counted so far. torchdata's
+``StatefulDataLoader`` asks each loader worker for it after every batch; a resumed worker starts where its saved
+self stopped. A resume with other readers (workers or ranks) gets :class:`Regrouped` instead. No Lightning import.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from lightning_seqmem.batching.streaming_packer import StreamingPacker, pieces_state, window_pieces
+from lightning_seqmem.datamodule.stream_readers import Layout, OrderedReader, ShardReader, can_shard
+from lightning_seqmem.datamodule.stream_splits import LEFT_OUT, left_out_warning
+
+__all__ = ["Regrouped", "StreamingRows"]
+
+
+class StreamingRows(IterableDataset):
+    """A stream tokenized and packed on the fly.
+
+    ``stream`` is the whole stream; each reader (rank ``rank`` of ``world``, and its loader worker) reads its own
+    shards of it (``stream_readers.Layout``). Memory is bounded by the packer's window. With ``cycle`` the stream
+    restarts when it ends, so DDP ranks (whose shares differ in length) never wait on each other; stop training with
+    ``max_steps``. With ``reshuffle`` every pass sets the stream's epoch (``set_epoch``), so a shuffled stream
+    (``stream.shuffle(...)``) is dealt anew each epoch. With ``required`` (training), a pass that gives no row is an
+    error in the main process, and ends a loader worker (one with no file of its own) instead of repeating nothing
+    forever. With ``leave_out`` (a training stream whose validation head was carved out of it,
+    ``stream_splits.NotIn``), each document equal to a validation document is left out and counted, and a pass that
+    left out copies of them says so (``on_left_out``). ``on_replay``: told how many documents a source that cannot
+    seek reads again on resume.
+    """
+
+    def __init__(
+        self,
+        stream,
+        encode,
+        packer: StreamingPacker,
+        cycle: bool = False,
+        counts: Any = None,
+        on_loss: Callable[[], None] | None = None,
+        reshuffle: bool = True,
+        required: bool = False,
+        leave_out: Any = None,
+        on_left_out: Callable[[str], None] | None = None,
+        rank: int = 0,
+        world: int = 1,
+        on_replay: Callable[[str], None] | None = None,
+    ) -> None:
+        from lightning_seqmem.datamodule.streaming import StreamCounts
+
+        self.stream, self.encode, self.packer, self.cycle = stream, encode, packer, cycle
+        self.counts = counts if counts is not None else StreamCounts()
+        self.on_loss, self.reshuffle, self.required = on_loss, reshuffle, required
+        self.leave_out, self.on_left_out, self.on_replay = leave_out, on_left_out, on_replay
+        self.rank, self.world = rank, world
+        self.epoch = 0
+        self.live: dict[str, Any] | None = None  # this reader's position while it reads
+        self.saved: dict[str, Any] | None = None  # where the next pass starts (load_state_dict)
+        self.regrouped: Regrouped | None = None  # a resume with other readers
+
+    def layout(self, workers: int) -> Layout | None:
+        """How the stream is dealt to ``workers`` loader workers per rank (``None``: read in order, one reader)."""
+        if not can_shard(self.stream):
+            return None
+        return Layout(self.stream.num_shards, self.world, max(1, workers))
+
+    def _start(self, worker: int, workers: int) -> dict[str, Any]:
+        """The reader's position at the start of iteration: saved, regrouped, or the epoch's first document."""
+        fresh = {"epoch": self.epoch, "passes": 0, "index": 0, "positions": {}, "window": None, "counts": None}
+        if self.saved is not None:
+            state, self.saved = self.saved, None
+            return state if state.get("epoch") == self.epoch else fresh
+        if self.regrouped is not None and self.regrouped.epoch == self.epoch:
+            return dict(fresh, **self.regrouped.share(self.rank, self.world, worker, workers))
+        return fresh
+
+    def __iter__(self):
+        info = get_worker_info()
+        slot, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if slot >= len(self.counts.table):
+            raise ValueError(
+                f"StreamCounts has a row for {len(self.counts.table)} loader worker(s), and this is "
+                f"worker {slot}: build it with StreamCounts(num_workers)."
+            )
+        state = self._start(slot, workers)
+        layout = self.layout(workers)
+        total = Counter(dict(zip(self.counts.FIELDS, state["counts"]))) if state["counts"] else None
+        total = total if total is not None else Counter(dict(zip(self.counts.FIELDS, self.counts.table[slot].tolist())))
+        window = self.packer.window()
+        if state["window"] is not None:
+            window.load_state_dict(state["window"])
+        positions, passes, index = state["positions"], state["passes"], state["index"]
+        live = self.live = {"epoch": self.epoch, "layout": layout and layout.as_dict(), "rank": self.rank}
+        live.update(worker=slot, passes=passes, index=index, window=window, counts=total)
+        while True:
+            if self.reshuffle and hasattr(self.stream, "set_epoch"):
+                self.stream.set_epoch(self.epoch + passes)
+            reader = self._reader(layout, slot, positions)
+            live["reader"], pass_rows, warned = reader, total["rows"], False
+            for example in reader:
+                if self.leave_out is not None and not self.leave_out(example):
+                    total[LEFT_OUT] += 1
+                    continue
+                item = self.encode(live["index"], example, total)
+                live["index"] += 1
+                window.add(live["index"] - 1, item, total)
+                for _ in range(window.due(steady=info is not None)):
+                    row = window.pop(total)
+                    self._publish(slot, total)
+                    if not warned and (total["tokens_truncated"] or total["tokens_dropped"]):
+                        warned = self.on_loss is not None
+                        if warned:
+                            self.on_loss()
+                    yield row
+            window.finish()
+            while window.ready:
+                row = window.pop(total)
+                self._publish(slot, total)
+                yield row
+            self._publish(slot, total)
+            live["passes"] += 1
+            positions, live["index"] = {}, 0
+            message = left_out_warning(total[LEFT_OUT], self.leave_out.held) if self.leave_out else None
+            if message and self.on_left_out is not None:
+                self.on_left_out(message)
+            if self.required and total["rows"] == pass_rows:
+                if info is not None:
+                    return  # a loader worker with no file to read: it stops (repeating nothing would spin forever)
+                raise ValueError(
+                    f"This process's share of the training stream holds no document to train on "
+                    f"({total['documents']} read, all empty or dropped): a training loop would run empty epochs. "
+                    "Give the stream more documents, or files (shards) that every rank can have one of."
+                )
+            if not self.cycle:
+                return
+
+    def _reader(self, layout: Layout | None, worker: int, positions: Any):
+        if layout is None:
+            if worker > 0:
+                return iter(())  # a source read in order has one reader: the first worker
+            return OrderedReader(self.stream, positions or 0, self._replay)
+        return ShardReader(self.stream, layout.shards_of(self.rank, worker), layout.stride(self.rank), positions)
+
+    def _replay(self, count: int) -> None:
+        if self.on_replay is not None:
+            self.on_replay(
+                f"train stream: this source cannot seek (it is read in order, not by shard), so the resumed run "
+                f"reads its first {count:,} documents again and drops them before training goes on."
+            )
+
+    def _publish(self, slot: int, total: Counter) -> None:
+        self.counts.table[slot] = torch.tensor([total[name] for name in self.counts.FIELDS], dtype=torch.int64)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This reader's position: torchdata asks each loader worker after each batch (the main process when it
+        has none). Before the first row: where the next pass would start."""
+        live = self.live
+        if live is None:
+            return dict(self.saved) if self.saved is not None else {"epoch": self.epoch, "fresh": True}
+        reader = live.get("reader")
+        return {
+            "epoch": live["epoch"],
+            "layout": live["layout"],
+            "rank": live["rank"],
+            "worker": live["worker"],
+            "passes": live["passes"],
+            "index": live["index"],
+            "positions": reader.state_dict() if reader is not None else {},
+            "window": live["window"].state_dict(),
+            "counts": [live["counts"][name] for name in self.counts.FIELDS],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Start the next pass where ``state`` stopped (torchdata calls this in each worker before it iterates)."""
+        self.saved = None if state.get("fresh") else state
+        self.live = None
+
+
+class Regrouped:
+    """Saved readers dealt to another number of readers (workers or ranks): each shard goes on from its position
+    (positions are by shard, so any reader can take any shard), and the documents that were in the saved packing
+    windows are dealt out to be packed again, saved reader ``j`` to new reader ``j`` mod their count. No document
+    is lost or read twice; the rows in flight are packed anew.
+    """
+
+    def __init__(self, readers: list[dict[str, Any]], fields: tuple[str, ...]) -> None:
+        from lightning_seqmem.datamodule.stream_readers import merge_positions
+
+        self.epoch = readers[0]["epoch"] if readers else 0
+        self.passes = max((r.get("passes", 0) for r in readers), default=0)
+        self.positions = merge_positions([r.get("positions") or {} for r in readers if not r.get("fresh")])
+        self.readers = [r for r in readers if not r.get("fresh")]
+        self.fields = fields
+
+    def share(self, rank: int, world: int, worker: int, workers: int) -> dict[str, Any]:
+        """Reader ``(rank, worker)``'s start: every shard's position and its deal of the saved windows and counts
+        (readers numbered rank-major, as they were saved)."""
+        me, count = rank * workers + worker, world * workers
+        mine = [r for j, r in enumerate(self.readers) if j % count == me]
+        pieces = [p for r in mine if r.get("window") for p in window_pieces(r["window"])]
+        counts = None
+        if mine:
+            columns = list(zip(*(r["counts"] for r in mine)))
+            counts = [max(c) if f == "longest_document" else sum(c) for f, c in zip(self.fields, columns)]
+        return {"positions": self.positions, "window": pieces_state(pieces), "counts": counts, "passes": self.passes}
