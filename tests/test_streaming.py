@@ -421,46 +421,6 @@ def test_streaming_true_serves_a_map_style_dataset_as_shards(tokenizer):
         SeqMemDataModule(dataset=ds, streaming=True, strategy="pad").setup("fit")
 
 
-def test_resuming_a_streamed_run_says_the_stream_starts_again(tmp_path, tokenizer):
-    import lightning.pytorch as L
-
-    from lightning_seqmem import CausalLM
-
-    texts = [f"doc {i} " + "word " * (1 + i % 9) for i in range(200)]
-
-    def fit(max_steps, ckpt=None):
-        dm = SeqMemDataModule(
-            dataset=datasets.Dataset.from_dict({"text": texts}),
-            streaming=True,
-            max_length=32,
-            micro_batch_size=2,
-            strategy="pack",
-            streaming_validation_documents=4,
-        )
-        trainer = L.Trainer(
-            max_steps=max_steps,
-            accelerator="cpu",
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            default_root_dir=tmp_path,
-        )
-        trainer.fit(CausalLM(), datamodule=dm, ckpt_path=ckpt)
-        return trainer, dm
-
-    trainer, dm = fit(2)
-    read = dm.stats()["train"]["documents"]
-    trainer.save_checkpoint(tmp_path / "two.ckpt")
-    with pytest.warns(
-        UserWarning,
-        match=rf"reads it again from its first document \(the checkpointed run had "
-        rf"read {read:,} training documents",
-    ):
-        trainer, _ = fit(4, str(tmp_path / "two.ckpt"))
-    assert trainer.global_step == 4
-
-
 def test_streaming_packer_hands_rows_out_evenly_not_in_bursts():
     """Rows are spread over the documents read while the window fills again, so a loader worker yields batches at
     a steady rate (the DataLoader takes batches from its workers in turn: a burst on one worker stalls the

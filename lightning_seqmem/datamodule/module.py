@@ -253,7 +253,10 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
         """Build what is cached on disk, once per node (Lightning calls this on local rank 0 only): the built-in
         corpus, the default tokenizer and the tokenized dataset; ``setup`` on every rank then only reads them."""
         if self._open_stream():
-            _ = self.tokenizer  # a hub tokenizer downloaded once per node; a stream itself is read as trained on
+            # token ids need no tokenizer: know the kind before asking for one (a hub tokenizer is downloaded once
+            # per node); a stream itself is read as trained on
+            self._pretokenized = detect_stream(self.dataset, self.settings.data.text_column).pretokenized
+            _ = self.tokenizer
             return
         if isinstance(self.dataset, str) and self.dataset in ("builtin", BUILTIN_CHAT):
             from lightning_seqmem.data.corpus import load_builtin_corpus

@@ -43,13 +43,16 @@ class StreamingLoader(StatefulDataLoader):
         self.lookahead: Callable[[], int] | None = None  # batches yielded but not yet trained on (the DataModule)
         self._recent: deque = deque(maxlen=8)
         self._pending: list = []  # batches to yield first: fetched ahead of the checkpoint this run resumed from
+        self._resuming = False  # the next iteration goes on with the epoch a checkpoint was in
+        self.skip_resume_state = False  # the checkpoint's data differ (restart_epoch): start the epoch afresh
+        self.on_mismatch, self.warn = "error", print  # on_resume_mismatch, and where its warning goes
         self.gather = True  # every rank's position in the state (a collective); False for one rank's own
 
     def __iter__(self):
-        if self.next_iter_state is None and self._pending == []:
+        if not self._resuming:
             self.dataset.epoch = self.epochs_started  # before the workers copy the dataset
             self.epochs_started += 1
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._resuming = self._pending, [], False
         for batch in pending:
             self._recent.append(batch)
             yield batch
@@ -77,7 +80,7 @@ class StreamingLoader(StatefulDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume exactly with the same readers; deal the saved readers out again with other ones."""
         ranks = state_dict.get("ranks")
-        if not ranks:
+        if not ranks or self.skip_resume_state:
             return
         rank, world = _world()
         same = len(ranks) == world and all(r["workers"] == self.num_workers for r in ranks)
@@ -86,14 +89,39 @@ class StreamingLoader(StatefulDataLoader):
             self.epochs_started = mine["epochs_started"]
             self.dataset.epoch = max(0, self.epochs_started - 1)
             self._pending = list(mine["ahead"])
-            super().load_state_dict(mine["loader"])
+            self._resuming = not mine["loader"].get("_iterator_finished", False)
+            super().load_state_dict(mine["loader"] if self._resuming else {})
             return
         readers = [reader for saved in ranks for reader in reader_states(saved["loader"], saved["workers"])]
+        if not self._can_regroup(readers, len(ranks), world):
+            return
         self.epochs_started = ranks[0]["epochs_started"]
         self.dataset.epoch = max(0, self.epochs_started - 1)
         self.dataset.regrouped = Regrouped(readers, self.dataset.counts.FIELDS)
         self._pending = [b for j, saved in enumerate(ranks) if j % world == rank for b in saved["ahead"]]
-        self.next_iter_state = None
+        self.next_iter_state, self._resuming = None, True
+
+    def _can_regroup(self, readers: list[dict[str, Any]], saved_world: int, world: int) -> bool:
+        """Whether positions saved with ``saved_world`` ranks can be dealt to ``world``: each shard must have been
+        one rank's (a stream whose shards do not divide by the ranks is read by every rank, each keeping its
+        ``world``-th documents, and such positions mean nothing for another world size)."""
+        shards = {r["layout"]["shards"] for r in readers if r.get("layout")}
+        whole = all(n % saved_world == 0 and n % world == 0 for n in shards)
+        if whole or saved_world == world:
+            return True
+        message = (
+            f"Cannot deal this checkpoint's stream position to {world} rank(s): it was saved by {saved_world}, and "
+            f"the stream's {sorted(shards)} shard(s) cannot be dealt whole to both, so each rank read every shard "
+            "and kept its own share of the documents."
+        )
+        if self.on_mismatch == "error":
+            raise ValueError(
+                f"{message} Resume with {saved_world} rank(s), give the stream a number of files that both world "
+                "sizes divide, or pass on_resume_mismatch='restart_epoch' to keep the model and optimizer and start "
+                "the epoch afresh."
+            )
+        self.warn(f"{message} The current epoch restarts from its first batch (on_resume_mismatch='restart_epoch').")
+        return False
 
 
 def reader_states(loader_state: dict[str, Any], workers: int) -> list[dict[str, Any]]:

@@ -66,6 +66,8 @@ class ShardReader:
             if position == DONE:
                 continue
             shard = self.stream.shard(num_shards=self.stream.num_shards, index=s, contiguous=True)
+            if hasattr(self.stream, "epoch"):
+                shard.set_epoch(self.stream.epoch)  # a shuffled stream's order in the shard (not copied by ``shard``)
             if position is not None:
                 shard.load_state_dict(position["hf"])
             self._current = [s, shard, position["rows"] if position else 0]

@@ -17,7 +17,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_seqmem.batching.streaming_packer import StreamingPacker, pieces_state, window_pieces
-from lightning_seqmem.datamodule.stream_readers import Layout, OrderedReader, ShardReader, can_shard
+from lightning_seqmem.datamodule.stream_counts import StreamCounts
+from lightning_seqmem.datamodule.stream_readers import Layout, OrderedReader, ShardReader, can_shard, merge_positions
 from lightning_seqmem.datamodule.stream_splits import LEFT_OUT, left_out_warning
 
 __all__ = ["Regrouped", "StreamingRows"]
@@ -54,8 +55,6 @@ class StreamingRows(IterableDataset):
         world: int = 1,
         on_replay: Callable[[str], None] | None = None,
     ) -> None:
-        from lightning_seqmem.datamodule.streaming import StreamCounts
-
         self.stream, self.encode, self.packer, self.cycle = stream, encode, packer, cycle
         self.counts = counts if counts is not None else StreamCounts()
         self.on_loss, self.reshuffle, self.required = on_loss, reshuffle, required
@@ -75,6 +74,7 @@ class StreamingRows(IterableDataset):
     def _start(self, worker: int, workers: int) -> dict[str, Any]:
         """The reader's position at the start of iteration: saved, regrouped, or the epoch's first document."""
         fresh = {"epoch": self.epoch, "passes": 0, "index": 0, "positions": {}, "window": None, "counts": None}
+        fresh["pass_start"] = None  # the counts' rows and documents left out when this pass began
         if self.saved is not None:
             state, self.saved = self.saved, None
             return state if state.get("epoch") == self.epoch else fresh
@@ -99,12 +99,14 @@ class StreamingRows(IterableDataset):
             window.load_state_dict(state["window"])
         positions, passes, index = state["positions"], state["passes"], state["index"]
         live = self.live = {"epoch": self.epoch, "layout": layout and layout.as_dict(), "rank": self.rank}
-        live.update(worker=slot, passes=passes, index=index, window=window, counts=total)
+        live.update(worker=slot, passes=passes, index=index, window=window, counts=total, pass_start=None)
         while True:
             if self.reshuffle and hasattr(self.stream, "set_epoch"):
                 self.stream.set_epoch(self.epoch + passes)
             reader = self._reader(layout, slot, positions)
-            live["reader"], pass_rows, warned = reader, total["rows"], False
+            live["reader"], warned = reader, False
+            live["pass_start"] = state.get("pass_start") or [total["rows"], total[LEFT_OUT]]
+            state["pass_start"] = None
             for example in reader:
                 if self.leave_out is not None and not self.leave_out(example):
                     total[LEFT_OUT] += 1
@@ -113,22 +115,17 @@ class StreamingRows(IterableDataset):
                 live["index"] += 1
                 window.add(live["index"] - 1, item, total)
                 for _ in range(window.due(steady=info is not None)):
-                    row = window.pop(total)
-                    self._publish(slot, total)
-                    if not warned and (total["tokens_truncated"] or total["tokens_dropped"]):
-                        warned = self.on_loss is not None
-                        if warned:
-                            self.on_loss()
-                    yield row
+                    warned = self._hand_out(slot, total, warned)
+                    yield window.pop(total)
             window.finish()
             while window.ready:
-                row = window.pop(total)
-                self._publish(slot, total)
-                yield row
+                warned = self._hand_out(slot, total, warned)
+                yield window.pop(total)
             self._publish(slot, total)
             live["passes"] += 1
             positions, live["index"] = {}, 0
-            message = left_out_warning(total[LEFT_OUT], self.leave_out.held) if self.leave_out else None
+            pass_rows, pass_left = live["pass_start"]
+            message = left_out_warning(total[LEFT_OUT] - pass_left, self.leave_out.held) if self.leave_out else None
             if message and self.on_left_out is not None:
                 self.on_left_out(message)
             if self.required and total["rows"] == pass_rows:
@@ -156,6 +153,16 @@ class StreamingRows(IterableDataset):
                 f"reads its first {count:,} documents again and drops them before training goes on."
             )
 
+    def _hand_out(self, slot: int, total: Counter, warned: bool) -> bool:
+        """Before a row leaves: publish the counts (with it), and warn once a pass about tokens lost."""
+        total["rows"] += 1
+        self._publish(slot, total)
+        total["rows"] -= 1  # ``pop`` counts it
+        if not warned and (total["tokens_truncated"] or total["tokens_dropped"]) and self.on_loss is not None:
+            self.on_loss()
+            return True
+        return warned
+
     def _publish(self, slot: int, total: Counter) -> None:
         self.counts.table[slot] = torch.tensor([total[name] for name in self.counts.FIELDS], dtype=torch.int64)
 
@@ -173,6 +180,7 @@ class StreamingRows(IterableDataset):
             "worker": live["worker"],
             "passes": live["passes"],
             "index": live["index"],
+            "pass_start": live["pass_start"],
             "positions": reader.state_dict() if reader is not None else {},
             "window": live["window"].state_dict(),
             "counts": [live["counts"][name] for name in self.counts.FIELDS],
@@ -192,8 +200,6 @@ class Regrouped:
     """
 
     def __init__(self, readers: list[dict[str, Any]], fields: tuple[str, ...]) -> None:
-        from lightning_seqmem.datamodule.stream_readers import merge_positions
-
         self.epoch = readers[0]["epoch"] if readers else 0
         self.passes = max((r.get("passes", 0) for r in readers), default=0)
         self.positions = merge_positions([r.get("positions") or {} for r in readers if not r.get("fresh")])

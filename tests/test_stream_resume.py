@@ -1,0 +1,181 @@
+"""Streams resume exactly where they stopped: the loader's state (per worker, the batch Lightning fetched ahead),
+through real Trainers and checkpoints, with another number of workers (no document lost or repeated), and a
+changed stream refused."""
+
+import glob
+import json
+import os
+
+import datasets
+import lightning.pytorch as L
+import pytest
+import torch
+from _recorder import Recorder
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_seqmem import SeqMemDataModule
+
+FIRST = 1000  # pre-tokenized documents: token FIRST + i opens document i, so every packed segment names its document
+
+
+def _write_text_shards(directory, shards=4, per_shard=40):
+    os.makedirs(directory, exist_ok=True)
+    for s in range(shards):
+        with open(os.path.join(directory, f"part{s}.jsonl"), "w") as f:
+            for i in range(per_shard):
+                f.write(json.dumps({"text": f"shard {s} doc {i} " + "word " * (1 + (i * 7 + s) % 23)}) + "\n")
+    return sorted(glob.glob(os.path.join(directory, "*.jsonl")))
+
+
+def _id_stream(documents=120, shards=4):
+    """Token-id documents of varied lengths as a stream of ``shards`` shards; document i starts with FIRST + i."""
+    rows = [[FIRST + i] + [5 + (i * 13 + j) % 90 for j in range(1 + (i * 7) % 29)] for i in range(documents)]
+    return datasets.Dataset.from_dict({"input_ids": rows}).to_iterable_dataset(num_shards=shards)
+
+
+def _dm(dataset, workers=0, buffer=6, **kw):
+    args = dict(max_length=48, micro_batch_size=2, strategy="pack", num_workers=workers, streaming_buffer_size=buffer)
+    if not isinstance(dataset, datasets.IterableDataset) or "input_ids" not in (dataset.features or {}):
+        args["streaming"] = True
+    else:
+        args.update(pad_token_id=0, streaming_validation_documents=0)
+    return SeqMemDataModule(dataset=dataset, **{**args, **kw})
+
+
+def _as_lists(batch):
+    return {k: v.tolist() for k, v in batch.items()}
+
+
+def _documents(batches):
+    """The documents (by their first token) in packed batches, in order."""
+    out = []
+    for batch in batches:
+        for ids, pos in zip(batch["input_ids"], batch["position_ids"]):
+            out += [t for t, p in zip(ids, pos) if p == 0 and t >= FIRST]
+    return out
+
+
+# ----------------------------------------------------------------------------------- the loader, cut anywhere
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(0, 40), buffer=st.sampled_from([1, 3, 8]), shards=st.sampled_from([1, 3, 4]))
+def test_a_stream_loader_cut_anywhere_goes_on_with_the_same_batches(cut, buffer, shards):
+    full = [_as_lists(b) for b in _dm(_id_stream(shards=shards), buffer=buffer).train_dataloader()]
+    cut = min(cut, len(full))
+    loader = _dm(_id_stream(shards=shards), buffer=buffer).train_dataloader()
+    it = iter(loader)
+    head = [_as_lists(next(it)) for _ in range(cut)]
+    state = loader.state_dict()
+    again = _dm(_id_stream(shards=shards), buffer=buffer).train_dataloader()
+    again.load_state_dict(state)
+    assert head + [_as_lists(b) for b in again] == full
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None)
+@given(cut=st.integers(0, 30))
+def test_a_stream_loader_with_two_workers_cut_anywhere_goes_on_with_the_same_batches(cut):
+    full = [_as_lists(b) for b in _dm(_id_stream(), workers=2).train_dataloader()]
+    loader = _dm(_id_stream(), workers=2).train_dataloader()
+    it = iter(loader)
+    head = [_as_lists(next(it)) for _ in range(min(cut, len(full)))]
+    state = loader.state_dict()
+    again = _dm(_id_stream(), workers=2).train_dataloader()
+    again.load_state_dict(state)
+    assert head + [_as_lists(b) for b in again] == full
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (0, 2), (2, 0)])
+def test_another_worker_count_reads_every_document_of_the_epoch_once(before, after):
+    """Regrouped readers: the batches differ (rows in flight are packed again), the documents do not."""
+    full = [_as_lists(b) for b in _dm(_id_stream(), workers=before).train_dataloader()]
+    loader = _dm(_id_stream(), workers=before).train_dataloader()
+    it = iter(loader)
+    head = [_as_lists(next(it)) for _ in range(7)]
+    state = loader.state_dict()
+    again = _dm(_id_stream(), workers=after).train_dataloader()
+    again.load_state_dict(state)
+    rest = [_as_lists(b) for b in again]
+    assert sorted(_documents(head + rest)) == sorted(_documents(full)) == list(range(FIRST, FIRST + 120))
+
+
+# ------------------------------------------------------------------------------------------- real Trainers
+def _fit(dm, max_steps, root, ckpt=None, save=False, model=None, **trainer):
+    model = model or Recorder()
+    callbacks = trainer.pop("callbacks", [])
+    if save:
+        callbacks.append(L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1))
+    t = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        enable_checkpointing=save,
+        default_root_dir=root,
+        **trainer,
+    )
+    t.fit(model, datamodule=dm, ckpt_path=ckpt)
+    return model, t
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_run_resumed_from_a_checkpoint_trains_on_the_batches_of_the_uninterrupted_run(tmp_path, workers):
+    """Lightning fetches one batch ahead of a stream: the checkpoint keeps it, and the resumed run trains on it."""
+    files = _write_text_shards(tmp_path / "data")
+    full, _ = _fit(_dm(files, workers), 10, tmp_path / "full", save=True)
+    dm = _dm(files, workers)
+    resumed, _ = _fit(dm, 10, tmp_path / "resumed", ckpt=str(tmp_path / "full" / "epoch=0-step=4.ckpt"))
+    assert resumed.seen == full.seen[4:]
+    cut = torch.load(tmp_path / "full" / "epoch=0-step=4.ckpt", weights_only=True)
+    assert cut["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["ranks"][0]["ahead"]  # the fetched batch
+    assert dm.stats()["train"]["documents"] > 0
+
+
+def test_resume_is_exact_with_warmup_accumulation_and_a_real_model(tmp_path):
+    from lightning_seqmem import CausalLM, SeqLengthWarmup
+
+    files = _write_text_shards(tmp_path / "data", per_shard=80)  # the cut mid-epoch
+
+    def run(root, ckpt=None, save=False):
+        torch.manual_seed(0)
+        model = CausalLM(model_config="tiny_llama", learning_rate=1e-3)
+        warmup = SeqLengthWarmup(duration=0.5, min_seq_length=8, max_seq_length=48)
+        kw = dict(accumulate_grad_batches=2, callbacks=[warmup], gradient_clip_val=1.0)
+        return _fit(_dm(files, 0, buffer=4), 8, root, ckpt=ckpt, save=save, model=model, **kw)[0]
+
+    full = run(tmp_path / "full", save=True)
+    resumed = run(tmp_path / "resumed", ckpt=str(tmp_path / "full" / "epoch=0-step=3.ckpt"))
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_streamed_conversation_run_resumes_exactly(tmp_path):
+    def dm():
+        return SeqMemDataModule(
+            dataset="builtin_chat", streaming=True, max_length=96, micro_batch_size=2, streaming_buffer_size=4
+        )
+
+    full, _ = _fit(dm(), 6, tmp_path / "full", save=True)
+    resumed, _ = _fit(dm(), 6, tmp_path / "resumed", ckpt=str(tmp_path / "full" / "epoch=0-step=2.ckpt"))
+    assert resumed.seen == full.seen[2:]
+
+
+def test_a_changed_file_list_is_refused_naming_it_or_restarts_the_epoch(tmp_path):
+    files = _write_text_shards(tmp_path / "data")
+    _fit(_dm(files), 3, tmp_path / "full", save=True)
+    ckpt = str(tmp_path / "full" / "epoch=0-step=2.ckpt")
+    with pytest.raises(ValueError, match=r"stream_files.*on_resume_mismatch='restart_epoch'"):
+        _fit(_dm(files[:3]), 4, tmp_path / "other", ckpt=ckpt)
+    fresh, _ = _fit(_dm(files[:3]), 2, tmp_path / "fresh")
+    with pytest.warns(UserWarning, match="the current epoch restarts from its first batch"):
+        restarted, _ = _fit(_dm(files[:3], on_resume_mismatch="restart_epoch"), 4, tmp_path / "r", ckpt=ckpt)
+    assert restarted.seen == fresh.seen
+
+
+def test_a_pretokenized_stream_without_a_tokenizer_trains_under_fit(tmp_path):
+    dm = _dm(_id_stream())
+    _fit(dm, 2, tmp_path)
+    assert dm.tokenizer is None and dm.stats()["train"]["documents"] > 0
