@@ -113,7 +113,7 @@ def _fit(dm, max_steps, root, ckpt=None, save=False, model=None, **trainer):
         enable_model_summary=False,
         limit_val_batches=0,
         callbacks=callbacks,
-        enable_checkpointing=save,
+        enable_checkpointing=any(isinstance(c, L.callbacks.ModelCheckpoint) for c in callbacks),
         default_root_dir=root,
         **trainer,
     )
@@ -179,3 +179,86 @@ def test_a_pretokenized_stream_without_a_tokenizer_trains_under_fit(tmp_path):
     dm = _dm(_id_stream())
     _fit(dm, 2, tmp_path)
     assert dm.tokenizer is None and dm.stats()["train"]["documents"] > 0
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (0, 2)])
+def test_a_map_style_run_resumes_with_another_worker_count_exactly(small_text_dataset, tmp_path, before, after):
+    """The batches are the sampler's, whatever the workers: the resumed run trains on the uninterrupted run's (was
+    a bare AssertionError in torchdata, shown as Lightning's "call iter(combined_loader) first")."""
+
+    def dm(workers):
+        return SeqMemDataModule(
+            dataset=small_text_dataset, max_length=32, micro_batch_size=2, strategy="pack", num_workers=workers
+        )
+
+    full, _ = _fit(dm(before), 8, tmp_path / "full", save=True)
+    resumed, _ = _fit(dm(after), 8, tmp_path / "resumed", ckpt=str(tmp_path / "full" / "epoch=0-step=3.ckpt"))
+    assert resumed.seen == full.seen[3:]
+
+
+# ------------------------------------------------------------------------------------- ranks, and SIGKILL
+class _Batches(Recorder):
+    """Records whole batches (ids and positions: each document by its first token)."""
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append({k: batch[k].tolist() for k in ("input_ids", "position_ids")})
+        return (self.w * batch["input_ids"].float().mean()).sum()
+
+
+def _rank_run(rank, root, max_steps, ckpt, save):
+    model, _ = _fit(
+        _dm(_id_stream()), max_steps, root, ckpt=ckpt, save=save, model=_Batches(), strategy="ddp", devices=2
+    )
+    return model.seen
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_exactly_and_one_rank_goes_on_with_every_document(tmp_path):
+    from _forked_ranks import run_ranks
+
+    full = run_ranks(_rank_run, tmp_path / "full", 6, None, True)
+    ckpt = str(tmp_path / "full" / "epoch=0-step=2.ckpt")
+    resumed = run_ranks(_rank_run, tmp_path / "resumed", 6, ckpt, False)
+    assert [r for r in resumed] == [f[2:] for f in full]
+    # one rank now: the two ranks' positions are dealt to it; the epoch reads each document once
+    alone, _ = _fit(_dm(_id_stream()), -1, tmp_path / "alone", ckpt=ckpt, model=_Batches(), max_epochs=1)
+    before = [batch for rank in full for batch in rank[:2]]
+    documents = _documents(before + alone.seen)  # the batches fetched ahead of the cut come first in alone.seen
+    assert sorted(documents) == list(range(FIRST, FIRST + 120))
+
+
+def _killed_run(files, root, log, kill_at):
+    import hashlib
+    import signal
+
+    class Log(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if kill_at is not None and trainer.global_step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # preempted between two checkpoints, mid-stream
+            with open(log, "a") as f:
+                f.write(hashlib.sha1(batch["input_ids"].numpy().tobytes()).hexdigest() + "\n")
+
+    every_two = L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1)
+    ckpts = sorted(glob.glob(os.path.join(root, "*.ckpt")), key=os.path.getmtime)
+    _fit(_dm(files, workers=2), 9, root, ckpt=ckpts[-1] if ckpts else None, callbacks=[Log(), every_two])
+
+
+@pytest.mark.slow
+def test_a_run_killed_with_sigkill_resumes_from_its_last_checkpoint_exactly(tmp_path):
+    import multiprocessing as mp
+
+    files = _write_text_shards(tmp_path / "data")
+    context = mp.get_context("fork")
+    child = context.Process(target=_killed_run, args=(files, str(tmp_path / "run"), tmp_path / "killed.log", 5))
+    child.start()
+    child.join(120)
+    assert child.exitcode == -9  # killed by the signal, not stopped
+    assert sorted(p.name for p in (tmp_path / "run").glob("*.ckpt")) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    again = context.Process(target=_killed_run, args=(files, str(tmp_path / "run"), tmp_path / "resumed.log", None))
+    again.start()
+    again.join(120)
+    assert again.exitcode == 0
+    _killed_run(files, str(tmp_path / "full"), tmp_path / "full.log", None)
+    full = (tmp_path / "full.log").read_text().split()
+    assert (tmp_path / "resumed.log").read_text().split() == full[4:]
+    assert (tmp_path / "killed.log").read_text().split() == full[:5]

@@ -29,8 +29,23 @@ class ResumableLoader(_Loader):
     skip_resume_state = False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not self.skip_resume_state and hasattr(_Loader, "load_state_dict"):
+        if self.skip_resume_state or not hasattr(_Loader, "load_state_dict"):
+            return
+        saved_workers = state_dict.get("_snapshot", {}).get("_main_snapshot", {}).get("_num_workers", 0)
+        if saved_workers == self.num_workers or not hasattr(self.sampler, "load_state_dict"):
             super().load_state_dict(state_dict)
+            return
+        # Another number of workers (torchdata resumes only the same): the batches are the sampler's, the same for
+        # any number of workers, so the sampler alone goes on after the batches the saved run had yielded.
+        snapshot = state_dict.get("_snapshot")
+        if snapshot is None:
+            index_state, done = state_dict.get("_index_sampler_state"), state_dict.get("_num_yielded", 0)
+        else:
+            main = snapshot["_main_snapshot"]
+            index_state = main.get("_index_sampler_state")
+            done = snapshot["_snapshot_step"] + state_dict.get("_steps_since_snapshot", 0)
+        if index_state is not None and not state_dict.get("_iterator_finished"):
+            self.sampler.load_state_dict(dict(index_state, batches_yielded=done))
 
 
 def data_signature(settings: dict[str, Any], train_lengths: np.ndarray | None) -> dict[str, Any]:
