@@ -58,15 +58,25 @@ def _documents(batches):
 
 # ----------------------------------------------------------------------------------- the loader, cut anywhere
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(cut=st.integers(0, 40), buffer=st.sampled_from([1, 3, 8]), shards=st.sampled_from([1, 3, 4]))
-def test_a_stream_loader_cut_anywhere_goes_on_with_the_same_batches(cut, buffer, shards):
-    full = [_as_lists(b) for b in _dm(_id_stream(shards=shards), buffer=buffer).train_dataloader()]
+@given(
+    cut=st.integers(0, 40),
+    buffer=st.sampled_from([1, 3, 8]),
+    shards=st.sampled_from([1, 3, 4]),
+    shuffle=st.sampled_from([0, 5]),
+)
+def test_a_stream_loader_cut_anywhere_goes_on_with_the_same_batches(cut, buffer, shards, shuffle):
+    """The packing window, the shard positions and the shuffle buffer: all of it comes back."""
+
+    def dm():
+        return _dm(_id_stream(shards=shards), buffer=buffer, streaming_shuffle_buffer=shuffle)
+
+    full = [_as_lists(b) for b in dm().train_dataloader()]
     cut = min(cut, len(full))
-    loader = _dm(_id_stream(shards=shards), buffer=buffer).train_dataloader()
+    loader = dm().train_dataloader()
     it = iter(loader)
     head = [_as_lists(next(it)) for _ in range(cut)]
     state = loader.state_dict()
-    again = _dm(_id_stream(shards=shards), buffer=buffer).train_dataloader()
+    again = dm().train_dataloader()
     again.load_state_dict(state)
     assert head + [_as_lists(b) for b in again] == full
 
@@ -87,13 +97,14 @@ def test_a_stream_loader_with_two_workers_cut_anywhere_goes_on_with_the_same_bat
 
 @pytest.mark.parametrize("before, after", [(2, 1), (0, 2), (2, 0)])
 def test_another_worker_count_reads_every_document_of_the_epoch_once(before, after):
-    """Regrouped readers: the batches differ (rows in flight are packed again), the documents do not."""
+    """Regrouped readers: the batches differ (rows in flight are packed again), the documents do not (those in the
+    shuffle buffers included)."""
     full = [_as_lists(b) for b in _dm(_id_stream(), workers=before).train_dataloader()]
-    loader = _dm(_id_stream(), workers=before).train_dataloader()
+    loader = _dm(_id_stream(), workers=before, streaming_shuffle_buffer=4).train_dataloader()
     it = iter(loader)
     head = [_as_lists(next(it)) for _ in range(7)]
     state = loader.state_dict()
-    again = _dm(_id_stream(), workers=after).train_dataloader()
+    again = _dm(_id_stream(), workers=after, streaming_shuffle_buffer=4).train_dataloader()
     again.load_state_dict(state)
     rest = [_as_lists(b) for b in again]
     assert sorted(_documents(head + rest)) == sorted(_documents(full)) == list(range(FIRST, FIRST + 120))
@@ -262,3 +273,9 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_checkpoint_exactly(tmp_
     full = (tmp_path / "full.log").read_text().split()
     assert (tmp_path / "resumed.log").read_text().split() == full[4:]
     assert (tmp_path / "killed.log").read_text().split() == full[:5]
+
+
+def test_the_shuffle_buffer_draws_another_order_of_the_same_documents():
+    in_order = _documents(_as_lists(b) for b in _dm(_id_stream(), buffer=1).train_dataloader())
+    drawn = _documents(_as_lists(b) for b in _dm(_id_stream(), buffer=1, streaming_shuffle_buffer=8).train_dataloader())
+    assert drawn != in_order and sorted(drawn) == sorted(in_order)

@@ -92,6 +92,9 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
         streaming_buffer_size: streams (``datasets.IterableDataset``): documents held in the best-fit window.
         streaming_validation_documents: a stream without a ``validation`` split gives its first this many
             documents to validation (held in memory; training leaves them out).
+        streaming_shuffle_buffer: streams: each reader draws its next document at random from this many (seeded by
+            ``seed``, the epoch, the rank and the worker) before packing; ``0`` (default) reads in order. Unlike
+            ``datasets``' own ``shuffle(buffer_size=...)``, whose buffer a checkpoint loses, it resumes exactly.
         num_proc: processes for tokenization; ``None``: 1 for small datasets, else ``min(8, cpus // 2)``.
         cache_dir: where tokenized datasets are cached (keyed by the data, the tokenizer's content and the
             framing); ``None``: ``$XDG_CACHE_HOME/lightning_seqmem`` (or ``~/.cache/lightning_seqmem``).
@@ -144,6 +147,7 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
         streaming: bool = False,
         streaming_buffer_size: int = 1000,
         streaming_validation_documents: int = 100,
+        streaming_shuffle_buffer: int = 0,
         num_proc: int | None = None,
         cache_dir: str | os.PathLike | None = None,
         pad_token_id: int | None = None,

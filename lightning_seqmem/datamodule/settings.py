@@ -36,6 +36,8 @@ class DataSettings:
     """Streaming datasets: documents held in the best-fit window."""
     streaming_validation_documents: int = integer(100, 0)
     """A stream without a ``validation`` split gives its first this many documents to validation."""
+    streaming_shuffle_buffer: int = integer(0, 0)
+    """Streams: documents each reader draws from at random (seeded by ``seed``) before packing; 0 reads in order."""
     num_proc: int | None = integer(None, 1, " or None (automatic)", optional=True)
     """Processes for tokenization; ``None``: chosen from the dataset's size."""
     cache_dir: str | os.PathLike | None = None

@@ -11,6 +11,8 @@ number of workers or ranks (:func:`merge_positions`). No Lightning import.
 
 from __future__ import annotations
 
+import hashlib
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -108,6 +110,47 @@ class OrderedReader:
 
     def state_dict(self) -> int:
         return self.read
+
+
+class ShuffleBuffer:
+    """Documents drawn at random from a buffer of ``size`` (seeded): each new document takes the place of the one
+    drawn, and at the end what is left comes out in random order. Its documents and its generator's state are the
+    state, so a resumed reader draws exactly as the uninterrupted one (``datasets``' buffer is lost on resume)."""
+
+    def __init__(self, source: Any, size: int, seed: tuple[int, ...], state: dict | None = None) -> None:
+        self.source, self.size = source, size
+        self.rng = random.Random(hash_seed(seed))
+        self.buffer: list[dict] = []
+        if state is not None:  # a regrouped reader gets documents and a generator of its own
+            self.buffer = list(state["buffer"])
+            if state["rng"] is not None:
+                self.rng.setstate(_as_tuple(state["rng"]))
+
+    def __iter__(self) -> Iterator[dict]:
+        for example in self.source:
+            if len(self.buffer) < self.size:
+                self.buffer.append(example)
+                continue
+            j = self.rng.randrange(self.size)
+            out, self.buffer[j] = self.buffer[j], example
+            yield out
+        while self.buffer:
+            j = self.rng.randrange(len(self.buffer))
+            self.buffer[j], self.buffer[-1] = self.buffer[-1], self.buffer[j]
+            yield self.buffer.pop()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buffer": list(self.buffer), "rng": self.rng.getstate()}
+
+
+def hash_seed(parts: tuple[int, ...]) -> int:
+    """One integer seed from several (the same in every process, unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+
+
+def _as_tuple(value: Any) -> Any:
+    """A generator state back from a checkpoint (tuples may come back as lists)."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def merge_positions(states: list[dict[int, Any]]) -> dict[int, Any]:

@@ -18,7 +18,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_seqmem.batching.streaming_packer import StreamingPacker, pieces_state, window_pieces
 from lightning_seqmem.datamodule.stream_counts import StreamCounts
-from lightning_seqmem.datamodule.stream_readers import Layout, OrderedReader, ShardReader, can_shard, merge_positions
+from lightning_seqmem.datamodule.stream_readers import (
+    Layout,
+    OrderedReader,
+    ShardReader,
+    ShuffleBuffer,
+    can_shard,
+    merge_positions,
+)
 from lightning_seqmem.datamodule.stream_splits import LEFT_OUT, left_out_warning
 
 __all__ = ["Regrouped", "StreamingRows"]
@@ -54,12 +61,14 @@ class StreamingRows(IterableDataset):
         rank: int = 0,
         world: int = 1,
         on_replay: Callable[[str], None] | None = None,
+        shuffle: int = 0,
+        seed: int = 0,
     ) -> None:
         self.stream, self.encode, self.packer, self.cycle = stream, encode, packer, cycle
         self.counts = counts if counts is not None else StreamCounts()
         self.on_loss, self.reshuffle, self.required = on_loss, reshuffle, required
         self.leave_out, self.on_left_out, self.on_replay = leave_out, on_left_out, on_replay
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.shuffle, self.seed = rank, world, shuffle, seed
         self.epoch = 0
         self.live: dict[str, Any] | None = None  # this reader's position while it reads
         self.saved: dict[str, Any] | None = None  # where the next pass starts (load_state_dict)
@@ -75,6 +84,7 @@ class StreamingRows(IterableDataset):
         """The reader's position at the start of iteration: saved, regrouped, or the epoch's first document."""
         fresh = {"epoch": self.epoch, "passes": 0, "index": 0, "positions": {}, "window": None, "counts": None}
         fresh["pass_start"] = None  # the counts' rows and documents left out when this pass began
+        fresh["shuffled"] = None  # the shuffle buffer's documents and generator
         if self.saved is not None:
             state, self.saved = self.saved, None
             return state if state.get("epoch") == self.epoch else fresh
@@ -100,14 +110,19 @@ class StreamingRows(IterableDataset):
         positions, passes, index = state["positions"], state["passes"], state["index"]
         live = self.live = {"epoch": self.epoch, "layout": layout and layout.as_dict(), "rank": self.rank}
         live.update(worker=slot, passes=passes, index=index, window=window, counts=total, pass_start=None)
+        live["shuffled"] = None
         while True:
             if self.reshuffle and hasattr(self.stream, "set_epoch"):
                 self.stream.set_epoch(self.epoch + passes)
             reader = self._reader(layout, slot, positions)
-            live["reader"], warned = reader, False
+            live["reader"], warned, drawn = reader, False, reader
+            if self.shuffle:
+                seed = (self.seed, self.epoch, live["passes"], self.rank, slot)
+                drawn = live["shuffled"] = ShuffleBuffer(reader, self.shuffle, seed, state.get("shuffled"))
+            state["shuffled"] = None
             live["pass_start"] = state.get("pass_start") or [total["rows"], total[LEFT_OUT]]
             state["pass_start"] = None
-            for example in reader:
+            for example in drawn:
                 if self.leave_out is not None and not self.leave_out(example):
                     total[LEFT_OUT] += 1
                     continue
@@ -181,6 +196,7 @@ class StreamingRows(IterableDataset):
             "passes": live["passes"],
             "index": live["index"],
             "pass_start": live["pass_start"],
+            "shuffled": live["shuffled"].state_dict() if live["shuffled"] is not None else None,
             "positions": reader.state_dict() if reader is not None else {},
             "window": live["window"].state_dict(),
             "counts": [live["counts"][name] for name in self.counts.FIELDS],
@@ -216,4 +232,7 @@ class Regrouped:
         if mine:
             columns = list(zip(*(r["counts"] for r in mine)))
             counts = [max(c) if f == "longest_document" else sum(c) for f, c in zip(self.fields, columns)]
-        return {"positions": self.positions, "window": pieces_state(pieces), "counts": counts, "passes": self.passes}
+        drawn = [e for r in mine if r.get("shuffled") for e in r["shuffled"]["buffer"]]
+        shuffled = {"buffer": drawn, "rng": None} if drawn else None
+        out = {"positions": self.positions, "window": pieces_state(pieces), "counts": counts, "passes": self.passes}
+        return dict(out, shuffled=shuffled)

@@ -100,6 +100,8 @@ def streaming_loader(
     warn: Callable[[str], None],
     counts: StreamCounts | None = None,
     leave_out: Any = None,
+    shuffle: int = 0,
+    seed: int = 0,
 ) -> DataLoader:
     """The loader of one stream: this rank's share of documents, packed by ``strategy``'s settings; what it reads
     counted in ``counts``, and the first token lost to ``max_length`` on each pass warned about.
@@ -107,6 +109,7 @@ def streaming_loader(
     Under DDP/FSDP the train stream is split by rank and repeats (``cycle``); a validation stream is read whole by
     every rank and its rows dealt out in equal numbers of batches (:class:`DealtBatches`). ``leave_out``: the
     training documents to leave out (copies of validation documents, ``stream_splits.NotIn``), counted and warned.
+    ``shuffle``: the training readers' shuffle buffer (``streaming_shuffle_buffer``), seeded by ``seed``.
     """
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     train = split == "train"
@@ -144,6 +147,8 @@ def streaming_loader(
         rank=rank,
         world=world,
         on_replay=warn,
+        shuffle=shuffle,
+        seed=seed,
     )
     held = isinstance(stream, list)  # validation documents held in memory: one reader, or each would read all
     num_workers = 0 if held else num_workers
@@ -217,6 +222,8 @@ class Streams:
             warn,
             self.counts[split],
             self.leave_out if split == "train" else None,
+            settings.data.streaming_shuffle_buffer if split == "train" else 0,
+            settings.batching.seed,
         )
 
     def stats(self) -> dict[str, dict[str, Any]]:
