@@ -279,3 +279,27 @@ def test_the_shuffle_buffer_draws_another_order_of_the_same_documents():
     in_order = _documents(_as_lists(b) for b in _dm(_id_stream(), buffer=1).train_dataloader())
     drawn = _documents(_as_lists(b) for b in _dm(_id_stream(), buffer=1, streaming_shuffle_buffer=8).train_dataloader())
     assert drawn != in_order and sorted(drawn) == sorted(in_order)
+
+
+def _generated():
+    for i in range(200):
+        yield {"input_ids": [FIRST + i] + [7] * (1 + i % 31)}
+
+
+def test_a_generator_stream_cannot_seek_says_so_once_and_still_resumes_exactly():
+    def dm():
+        stream = datasets.IterableDataset.from_generator(_generated)
+        return _dm(stream, pad_token_id=0, streaming_validation_documents=0)
+
+    full = [_as_lists(b) for b in dm().train_dataloader()]
+    loader = dm().train_dataloader()
+    it = iter(loader)
+    head = [_as_lists(next(it)) for _ in range(len(full) // 2)]
+    again = dm()
+    again.setup("fit")
+    resumed = again.train_dataloader()
+    resumed.load_state_dict(loader.state_dict())
+    with pytest.warns(UserWarning, match=r"cannot seek .* reads \d+ documents again") as said:
+        rest = [_as_lists(b) for b in resumed]
+    assert sum("cannot seek" in str(w.message) for w in said) == 1
+    assert head + rest == full

@@ -54,10 +54,18 @@ def can_shard(stream: Any) -> bool:
 
 class ShardReader:
     """The documents of one reader's shards, in order, with the position in each (``positions``: shard index ->
-    ``DONE``, or ``{"hf": the shard's datasets state, "rows": rows read of it}``)."""
+    ``DONE``, or ``{"hf": the shard's datasets state, "rows": rows read of it}``). ``replay`` is told how many rows
+    a shard that cannot seek (a generator's) reads again, before it does."""
 
-    def __init__(self, stream: Any, shards: list[int], stride: tuple[int, int], positions: dict | None = None) -> None:
-        self.stream, self.shards, self.stride = stream, shards, stride
+    def __init__(
+        self,
+        stream: Any,
+        shards: list[int],
+        stride: tuple[int, int],
+        positions: dict | None = None,
+        replay: Callable[[int], None] | None = None,
+    ) -> None:
+        self.stream, self.shards, self.stride, self.replay = stream, shards, stride, replay
         self.positions: dict[int, Any] = dict(positions or {})
         self._current: list | None = None  # [shard, its datasets stream, rows read of it]
 
@@ -70,12 +78,20 @@ class ShardReader:
             shard = self.stream.shard(num_shards=self.stream.num_shards, index=s, contiguous=True)
             if hasattr(self.stream, "epoch"):
                 shard.set_epoch(self.stream.epoch)  # a shuffled stream's order in the shard (not copied by ``shard``)
-            if position is not None:
+            skip = 0
+            if position is not None and seeks(position["hf"]):
                 shard.load_state_dict(position["hf"])
+            elif position is not None:  # a generator: read its first rows again, and say so
+                skip = position["rows"]
+                if self.replay is not None:
+                    self.replay(skip)
             self._current = [s, shard, position["rows"] if position else 0]
             # ``iter`` reads in this process as it is: ``__iter__`` inside a loader worker would deal the one shard
             # to the workers again. ``datasets`` counts a row as read once it has handed it out.
-            for batch in shard.iter(batch_size=1):
+            rows = shard.iter(batch_size=1)
+            if skip:
+                _skip(rows, skip, f"Replaying shard {s} to its position")
+            for batch in rows:
                 index = self._current[2]
                 self._current[2] += 1
                 if step == 1 or index % step == offset:
@@ -92,6 +108,22 @@ class ShardReader:
         return positions
 
 
+def seeks(state: dict) -> bool:
+    """Whether a shard's ``datasets`` state can be gone back to without reading its rows again: tables (files,
+    Arrow) are skipped whole; a generator (``IterableDataset.from_generator``) would be run through from its start."""
+    while "shard_example_idx" not in state and "examples_iterable" in state:
+        state = state["examples_iterable"]
+    return state.get("type") != "ExamplesIterable"
+
+
+def _skip(rows: Iterator, count: int, description: str) -> None:
+    """Read and drop ``count`` rows, with a progress bar where the output is a terminal."""
+    from tqdm.auto import tqdm
+
+    for _ in tqdm(range(count), desc=description, unit=" rows", disable=None, leave=False):
+        next(rows)
+
+
 class OrderedReader:
     """A source that cannot be dealt by shard (a list, a generator): read in order, its position the number of
     documents read; a resumed reader reads those again and drops them (``replay`` says so first)."""
@@ -103,10 +135,13 @@ class OrderedReader:
         skip, self.read = self.read, 0
         if skip and self.replay is not None:
             self.replay(skip)
-        for row in self.stream:
+        rows = iter(self.stream)
+        if skip:
+            _skip(rows, skip, "Replaying the stream to its position")
+            self.read = skip
+        for row in rows:
             self.read += 1
-            if self.read > skip:
-                yield row
+            yield row
 
     def state_dict(self) -> int:
         return self.read

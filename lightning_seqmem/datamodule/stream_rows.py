@@ -73,6 +73,7 @@ class StreamingRows(IterableDataset):
         self.live: dict[str, Any] | None = None  # this reader's position while it reads
         self.saved: dict[str, Any] | None = None  # where the next pass starts (load_state_dict)
         self.regrouped: Regrouped | None = None  # a resume with other readers
+        self._replay_said = False  # a source that cannot seek says so once
 
     def layout(self, workers: int) -> Layout | None:
         """How the stream is dealt to ``workers`` loader workers per rank (``None``: read in order, one reader)."""
@@ -159,13 +160,16 @@ class StreamingRows(IterableDataset):
             if worker > 0:
                 return iter(())  # a source read in order has one reader: the first worker
             return OrderedReader(self.stream, positions or 0, self._replay)
-        return ShardReader(self.stream, layout.shards_of(self.rank, worker), layout.stride(self.rank), positions)
+        shards = layout.shards_of(self.rank, worker)
+        return ShardReader(self.stream, shards, layout.stride(self.rank), positions, self._replay)
 
     def _replay(self, count: int) -> None:
-        if self.on_replay is not None:
+        if self.on_replay is not None and not self._replay_said:
+            self._replay_said = True
             self.on_replay(
-                f"train stream: this source cannot seek (it is read in order, not by shard), so the resumed run "
-                f"reads its first {count:,} documents again and drops them before training goes on."
+                f"train stream: this source cannot seek (a generator, or a list read in order), so the resumed run "
+                f"reads {count:,} documents again and drops them before training goes on (exactly where it stopped, "
+                "at the cost of reading them). Files and Arrow data seek: stream those to resume at once."
             )
 
     def _hand_out(self, slot: int, total: Counter, warned: bool) -> bool:
