@@ -136,13 +136,26 @@ def _fit(dm, max_steps, root, ckpt=None, save=False, model=None, **trainer):
 def test_a_run_resumed_from_a_checkpoint_trains_on_the_batches_of_the_uninterrupted_run(tmp_path, workers):
     """Lightning fetches one batch ahead of a stream: the checkpoint keeps it, and the resumed run trains on it."""
     files = _write_text_shards(tmp_path / "data")
-    full, _ = _fit(_dm(files, workers), 10, tmp_path / "full", save=True)
+    whole = _dm(files, workers)
+    full, _ = _fit(whole, 10, tmp_path / "full", save=True)
     dm = _dm(files, workers)
     resumed, _ = _fit(dm, 10, tmp_path / "resumed", ckpt=str(tmp_path / "full" / "epoch=0-step=4.ckpt"))
     assert resumed.seen == full.seen[4:]
     cut = torch.load(tmp_path / "full" / "epoch=0-step=4.ckpt", weights_only=True)
     assert cut["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["ranks"][0]["ahead"]  # the fetched batch
-    assert dm.stats()["train"]["documents"] > 0
+    assert dm.stats()["train"] == whole.stats()["train"]  # the counts go on from the cut: not restarted, not doubled
+
+
+def test_a_cut_in_a_later_epoch_resumes_into_that_epoch_exactly(tmp_path):
+    files = _write_text_shards(tmp_path / "data", shards=2, per_shard=12)
+    full, trainer = _fit(_dm(files, streaming_validation_documents=4), 30, tmp_path / "full", save=True)
+    assert trainer.current_epoch >= 2  # the stream was read more than once
+    name = next(p.name for p in sorted((tmp_path / "full").glob("epoch=1-*.ckpt"), key=os.path.getmtime)[1:])
+    step = int(name.split("step=")[1].split(".")[0])
+    resumed, _ = _fit(
+        _dm(files, streaming_validation_documents=4), 30, tmp_path / "r", ckpt=str(tmp_path / "full" / name)
+    )
+    assert resumed.seen == full.seen[step:]
 
 
 def test_resume_is_exact_with_warmup_accumulation_and_a_real_model(tmp_path):
@@ -303,3 +316,44 @@ def test_a_generator_stream_cannot_seek_says_so_once_and_still_resumes_exactly()
         rest = [_as_lists(b) for b in resumed]
     assert sum("cannot seek" in str(w.message) for w in said) == 1
     assert head + rest == full
+
+
+def _source(kind, directory):
+    """The same kind of shards written as ``kind``: what ``dataset=`` is given."""
+    os.makedirs(directory, exist_ok=True)
+    texts = [[f"shard {s} doc {i} " + "word " * (1 + (i * 7 + s) % 23) for i in range(30)] for s in range(3)]
+    if kind == "builtin":
+        return "builtin"
+    if kind == "parquet":
+        for s, part in enumerate(texts):
+            datasets.Dataset.from_dict({"text": part}).to_parquet(os.path.join(directory, f"p{s}.parquet"))
+        return os.path.join(directory, "*.parquet")
+    if kind == "txt":
+        for s, part in enumerate(texts):
+            with open(os.path.join(directory, f"t{s}.txt"), "w") as f:
+                f.write("\n".join(part) + "\n")
+        return sorted(glob.glob(os.path.join(directory, "*.txt")))
+    if kind == "prompt_completion":
+        with open(os.path.join(directory, "pc.jsonl"), "w") as f:
+            for part in texts:
+                for t in part:
+                    f.write(json.dumps({"prompt": t[:12], "completion": t[12:]}) + "\n")
+        return os.path.join(directory, "pc.jsonl")
+    files = _write_text_shards(directory, shards=3, per_shard=30)
+    return datasets.load_dataset("json", data_files=files, split="train", streaming=True)  # a datasets stream
+
+
+@pytest.mark.parametrize("kind", ["parquet", "txt", "prompt_completion", "datasets_stream", "builtin"])
+def test_every_kind_of_source_resumes_exactly(tmp_path, kind):
+    source = _source(kind, tmp_path)
+
+    def loader():
+        return _dm(source, streaming_validation_documents=4).train_dataloader()
+
+    full = [_as_lists(b) for _, b in zip(range(40), loader())]
+    first = loader()
+    it = iter(first)
+    head = [_as_lists(next(it)) for _ in range(7)]
+    again = loader()
+    again.load_state_dict(first.state_dict())
+    assert head + [_as_lists(b) for _, b in zip(range(33), again)] == full
