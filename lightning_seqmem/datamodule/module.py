@@ -27,6 +27,7 @@ from lightning_seqmem.datamodule.batch_answers import BatchAnswers
 from lightning_seqmem.datamodule.map_style import MapStyle
 from lightning_seqmem.datamodule.pipeline import load_documents
 from lightning_seqmem.datamodule.read_mode import ReadMode
+from lightning_seqmem.datamodule.resume_hooks import ResumeHooks
 from lightning_seqmem.datamodule.settings import SeqMemSettings
 from lightning_seqmem.datamodule.stream_mode import StreamMode
 from lightning_seqmem.datamodule.streaming import is_stream
@@ -35,7 +36,7 @@ from lightning_seqmem.kinds.detect import detect_stream
 _SPECIAL_IDS = ("pad_token_id", "eos_token_id")
 
 
-class SeqMemDataModule(BatchAnswers, LightningDataModule):
+class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
     """Variable-length text for causal-LM training.
 
     Map-style data lives in the Arrow tables ``datasets`` keeps memory-mapped: tokens are read as numpy views,
@@ -342,11 +343,6 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
             loader.lookahead = self._batches_fetched_ahead
         return loader
 
-    def _batches_fetched_ahead(self) -> int:
-        """Train batches Lightning has fetched but not yet trained on (its fetcher keeps one ahead of a stream)."""
-        fetcher = getattr(getattr(self.trainer, "fit_loop", None), "_data_fetcher", None)
-        return len(getattr(fetcher, "batches", None) or ())
-
     @override
     def val_dataloader(self) -> DataLoader:
         return self._ready().loader("validation", self.tokenizer, self.pad_token_id)
@@ -369,27 +365,3 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
         """The ``test`` split when the data have one, else the validation split (batched as validation)."""
         split = "test" if "test" in self._ready().datasets else "validation"
         return self.read_mode.loader(split, self.tokenizer, self.pad_token_id)
-
-    # ------------------------------------------------------------------------------------------------ resume
-    def data_signature(self) -> dict[str, Any]:
-        """What a saved loader position refers to: the settings that decide the train rows and their batches
-        (``BatchingSettings.signature``; for conversations also which tokens carry loss), and a checksum of the
-        train row lengths."""
-        return self._ready().data_signature()
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """Saved in Lightning checkpoints: the data signature, checked when a run resumes from it (a stream: what
-        it had read, ``Streams.state_dict``)."""
-        return {} if self.read_mode is None else self.read_mode.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Compare the checkpoint's data signature with this run's before the loader position is restored
-        (Lightning restores the DataModule first): a changed dataset or batching makes that position meaningless.
-        A checkpoint saved here before ``micro_batch_size`` was set (the batch-size finder restores the model it
-        saved before its trials) restarts the epoch without a word: it holds no position of the rows now served."""
-        if state_dict.get("data_signature") in self._superseded:
-            self._ready().skip_resume_state = True  # map-style only: a stream's checkpoint has no signature
-            return
-        self._ready().load_state_dict(state_dict, rank_zero_warn)
