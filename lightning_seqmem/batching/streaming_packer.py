@@ -10,12 +10,14 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from lightning_seqmem.batching.packed_rows import check_packing, pack_sequences
+from lightning_seqmem.batching.packed_rows import check_packing, pack_lengths
 from lightning_seqmem.batching.truncation import check_max_length
 
-Piece = tuple[list[int], "list[int] | None"]
+Piece = tuple[np.ndarray, "np.ndarray | None"]
+"""A document (or a piece of a split one) in the window: its int32 tokens and labels (``None``: its tokens)."""
 
 
 class StreamingPacker:
@@ -75,12 +77,14 @@ class PackingWindow:
     """The documents waiting in a :class:`StreamingPacker`'s window and the rows packed but not yet handed out.
 
     ``add`` one document, then ``pop`` ``due(steady)`` rows; ``finish`` packs what is left at the end of a pass.
+    Documents are kept as int32 arrays, so the window's state (after every batch, in every loader worker) is a few
+    concatenations, not a Python list per token.
     """
 
     def __init__(self, packer: StreamingPacker) -> None:
         self.packer = packer
         self.buffer: list[Piece] = []
-        self.ready: deque[dict] = deque()
+        self.ready: deque[list[Piece]] = deque()  # each ready row as its documents
 
     def add(self, index: int, item: Sequence[int] | Mapping[str, Sequence[int]], counts: Counter) -> None:
         """Take document ``index`` (cut to ``max_length`` as ``overflow`` says); pack when the window is full."""
@@ -108,7 +112,7 @@ class PackingWindow:
 
     def pop(self, counts: Counter) -> dict[str, list[int]]:
         counts["rows"] += 1
-        return self.ready.popleft()
+        return _row(self.ready.popleft())
 
     def finish(self) -> None:
         """The end of a pass: pack every waiting document."""
@@ -116,7 +120,7 @@ class PackingWindow:
             self.ready.extend(self._emit(self.buffer, final=True)[0])
             self.buffer = []
 
-    def _pieces(self, index: int, ids: list[int], labels: list[int] | None, counts: Counter) -> list[Piece]:
+    def _pieces(self, index: int, ids: np.ndarray, labels: np.ndarray | None, counts: Counter) -> list[Piece]:
         m, overflow = self.packer.max_length, self.packer.overflow
         if len(ids) <= m:
             return [(ids, labels)]
@@ -137,33 +141,33 @@ class PackingWindow:
         cuts = [0] if overflow == "truncate" else range(0, len(ids), m)
         return [(ids[i : i + m], labels[i : i + m] if labels is not None else None) for i in cuts]
 
-    def _emit(self, pieces: list[Piece], final: bool) -> tuple[list[dict], list[Piece]]:
-        res = pack_sequences([ids for ids, _ in pieces], self.packer.max_length, overflow="error")
-        shortest = min(len(ids) for ids, _ in pieces)
+    def _emit(self, pieces: list[Piece], final: bool) -> tuple[list[list[Piece]], list[Piece]]:
+        lengths = np.fromiter((len(ids) for ids, _ in pieces), dtype=np.int64, count=len(pieces))
+        res = pack_lengths(lengths, self.packer.max_length, "bfd", "error")
+        shortest = int(lengths.min())
         rows, keep = [], []
         for r in range(res.num_rows):
             members = [pieces[i] for i in res.segment_doc[res.seg_row_offsets[r] : res.seg_row_offsets[r + 1]]]
             used = sum(len(ids) for ids, _ in members)
             if final or self.packer.max_length - used < shortest:
-                rows.append(_row(members))
+                rows.append(members)
             else:  # still room: give its documents another chance with the next window
                 keep.extend(members)
         return rows, keep
 
     # ----------------------------------------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
-        """The waiting documents and the ready rows as five flat int32 tensors (cheap to send from a loader worker
+        """The ready rows' documents and the waiting ones as five flat tensors (cheap to send from a loader worker
         after every batch, and loadable with ``torch.load(weights_only=True)``)."""
-        rows = [list(zip(_split(row["input_ids"], row["seq_lengths"]), _labels_of(row))) for row in self.ready]
-        state = pieces_state([p for members in rows for p in members] + self.buffer)
-        state["ready_rows"] = torch.tensor([len(members) for members in rows], dtype=torch.int32)
+        state = pieces_state([p for members in self.ready for p in members] + self.buffer)
+        state["ready_rows"] = torch.tensor([len(members) for members in self.ready], dtype=torch.int32)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pieces = _unpack_pieces(state)
         self.ready = deque()
         for size in state["ready_rows"].tolist():
-            self.ready.append(_row(pieces[:size]))
+            self.ready.append(pieces[:size])
             pieces = pieces[size:]
         self.buffer = pieces
 
@@ -176,50 +180,46 @@ def window_pieces(state: dict[str, Any]) -> list[Piece]:
 
 def pieces_state(pieces: list[Piece]) -> dict[str, Any]:
     """A window state holding ``pieces`` as waiting documents (nothing packed yet)."""
-    labels = [t for _, labels in pieces if labels is not None for t in labels]
+    labelled = [labels for _, labels in pieces if labels is not None]
     return {
         "lengths": torch.tensor([len(ids) for ids, _ in pieces], dtype=torch.int32),
         "has_labels": torch.tensor([labels is not None for _, labels in pieces], dtype=torch.bool),
-        "ids": torch.tensor([t for ids, _ in pieces for t in ids], dtype=torch.int32),
-        "labels": torch.tensor(labels, dtype=torch.int32),
+        "ids": torch.from_numpy(_concatenate([ids for ids, _ in pieces])),
+        "labels": torch.from_numpy(_concatenate(labelled)),
         "ready_rows": torch.zeros(0, dtype=torch.int32),
     }
 
 
+def _concatenate(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays).astype(np.int32, copy=False) if arrays else np.zeros(0, dtype=np.int32)
+
+
 def _unpack_pieces(state: dict[str, Any]) -> list[Piece]:
-    lengths, flags = state["lengths"].tolist(), state["has_labels"].tolist()
-    ids = _split(state["ids"].tolist(), lengths)
-    labelled = iter(_split(state["labels"].tolist(), [n for n, f in zip(lengths, flags) if f]))
-    return [(doc, next(labelled) if flag else None) for doc, flag in zip(ids, flags)]
+    lengths, flags = state["lengths"].numpy().astype(np.int64), state["has_labels"].numpy()
+    ids = np.split(state["ids"].numpy(), np.cumsum(lengths)[:-1]) if len(lengths) else []
+    labels = np.split(state["labels"].numpy(), np.cumsum(lengths[flags])[:-1]) if flags.any() else []
+    labelled = iter(labels)
+    return [(doc, next(labelled) if flag else None) for doc, flag in zip(ids, flags.tolist())]
 
 
-def _split(tokens: list[int], lengths: list[int]) -> list[list[int]]:
-    out, start = [], 0
-    for n in lengths:
-        out.append(list(tokens[start : start + n]))
-        start += n
-    return out
-
-
-def _labels_of(row: dict) -> list[list[int] | None]:
-    """Each document's labels in a packed row (``None`` for all when the row carries none). A row's labels are the
-    documents' own, or their tokens where they brought none: both come back as labels, which packs the same."""
-    if "labels" not in row:
-        return [None] * len(row["seq_lengths"])
-    return _split(row["labels"], row["seq_lengths"])
-
-
-def _ids_and_labels(item: Sequence[int] | Mapping[str, Sequence[int]]) -> tuple[list[int], list[int] | None]:
+def _ids_and_labels(item: Sequence[int] | Mapping[str, Sequence[int]]) -> tuple[np.ndarray, np.ndarray | None]:
     """A stream item: token ids, or ``{"input_ids", "labels"}`` (a conversation's loss on its assistant turns)."""
     if isinstance(item, Mapping):
         labels = item.get("labels")
-        return list(item["input_ids"]), (list(labels) if labels is not None else None)
-    return list(item), None
+        return _int32(item["input_ids"]), (_int32(labels) if labels is not None else None)
+    return _int32(item), None
+
+
+def _int32(tokens: Sequence[int]) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int32).reshape(-1)
 
 
 def _row(members: list[Piece]) -> dict[str, list[int]]:
     """One packed row (what ``PackCollator`` takes); ``labels`` where any of its documents brought its own."""
-    row = {"input_ids": [t for ids, _ in members for t in ids], "seq_lengths": [len(ids) for ids, _ in members]}
+    row = {
+        "input_ids": np.concatenate([ids for ids, _ in members]).tolist(),
+        "seq_lengths": [len(ids) for ids, _ in members],
+    }
     if any(labels is not None for _, labels in members):
-        row["labels"] = [t for ids, labels in members for t in (labels if labels is not None else ids)]
+        row["labels"] = np.concatenate([labels if labels is not None else ids for ids, labels in members]).tolist()
     return row
