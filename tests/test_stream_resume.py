@@ -363,3 +363,15 @@ def test_every_kind_of_source_resumes_exactly(tmp_path, kind):
     again = loader()
     again.load_state_dict(first.state_dict())
     assert head + [_as_lists(b) for _, b in zip(range(33), again)] == full
+
+
+def test_a_checkpoint_at_the_end_of_an_epoch_resumes_into_the_next_epoch_exactly(tmp_path):
+    files = _write_text_shards(tmp_path / "data", shards=2, per_shard=12)
+    at_end = L.callbacks.ModelCheckpoint(dirpath=tmp_path / "full", every_n_epochs=1, save_top_k=-1)
+    full, _ = _fit(_dm(files, streaming_validation_documents=4), 14, tmp_path / "full", callbacks=[at_end])
+    name = sorted(p.name for p in (tmp_path / "full").glob("epoch=0-*.ckpt"))[0]
+    step = int(name.split("step=")[1].split(".")[0])
+    resumed, t = _fit(
+        _dm(files, streaming_validation_documents=4), 14, tmp_path / "r", ckpt=str(tmp_path / "full" / name)
+    )
+    assert resumed.seen == full.seen[step:] and t.current_epoch >= 1
