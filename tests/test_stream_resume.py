@@ -375,3 +375,43 @@ def test_a_checkpoint_at_the_end_of_an_epoch_resumes_into_the_next_epoch_exactly
         _dm(files, streaming_validation_documents=4), 14, tmp_path / "r", ckpt=str(tmp_path / "full" / name)
     )
     assert resumed.seen == full.seen[step:] and t.current_epoch >= 1
+
+
+def test_a_big_line_file_is_cut_into_ranges_a_resume_seeks_to(tmp_path, monkeypatch):
+    """One jsonl file becomes many shards (dealt to workers like files), and a resumed reader opens its range at
+    its byte offset: the rows before the cut are not read again beyond one range, and nothing is said about it."""
+    import lightning_seqmem.data.line_ranges as line_ranges
+
+    monkeypatch.setattr(line_ranges, "CHUNK_BYTES", 600)
+    files = _write_text_shards(tmp_path, shards=1, per_shard=120)
+    ranges = line_ranges.line_ranges(files)
+    assert len(ranges) > 4 and ranges[0][1] == 0 and ranges[-1][2] == os.path.getsize(files[0])
+    assert all(a[2] == b[1] for a, b in zip(ranges, ranges[1:]))  # contiguous, each on a line
+    rows = list(line_ranges.read_ranges(ranges, "json"))
+    assert [r["text"] for r in rows] == [json.loads(line)["text"] for line in open(files[0])]
+
+    def loader():
+        return _dm(files, workers=0, streaming_validation_documents=4).train_dataloader()
+
+    full = [_as_lists(b) for b in loader()]
+    first = loader()
+    it = iter(first)
+    head = [_as_lists(next(it)) for _ in range(len(full) * 3 // 4)]
+    again = loader()
+    again.load_state_dict(first.state_dict())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "cannot seek"
+        rest = [_as_lists(b) for b in again]
+    assert head + rest == full
+    assert again.dataset.stream.num_shards == len(ranges)
+
+
+def test_a_bad_line_in_a_streamed_jsonl_file_names_the_file_and_byte(tmp_path):
+    from lightning_seqmem.data.line_ranges import read_ranges
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": oops}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl: the line at byte 17 is not JSON"):
+        list(read_ranges([(str(path), 0, path.stat().st_size)], "json"))

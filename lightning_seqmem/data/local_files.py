@@ -111,6 +111,11 @@ def load_local_files(files: Sequence[str], streaming: bool = False):
         problem = disagreeing_files(files, builder, loaded["train"].features)
         if problem:
             raise ValueError(problem)
+        if all(f.lower().endswith((".jsonl", ".txt")) for f in files):  # line files: shards a resume can seek to
+            from lightning_seqmem.data.line_ranges import line_range_stream
+
+            ranges = line_range_stream(files, builder, loaded["train"].features)
+            return datasets.IterableDatasetDict(train=ranges)
     return loaded
 
 

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_seqmem.batching.streaming_packer import StreamingPacker, pieces_state, window_pieces
+from lightning_seqmem.data.line_ranges import MARK as LINE_RANGES
 from lightning_seqmem.datamodule.stream_counts import StreamCounts
 from lightning_seqmem.datamodule.stream_readers import (
     Layout,
@@ -164,6 +165,8 @@ class StreamingRows(IterableDataset):
         return ShardReader(self.stream, shards, layout.stride(self.rank), positions, self._replay)
 
     def _replay(self, count: int) -> None:
+        if getattr(getattr(self.stream, "info", None), "description", None) == LINE_RANGES:
+            return  # local line files: at most one range is read again, a seek in all but name
         if self.on_replay is not None and not self._replay_said:
             self._replay_said = True
             self.on_replay(

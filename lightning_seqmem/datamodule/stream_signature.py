@@ -20,6 +20,9 @@ def stream_files(stream: Any) -> list[str] | None:
     ex = getattr(stream, "_ex_iterable", None)
     while ex is not None:
         kwargs = getattr(ex, "kwargs", None) or {}
+        ranges = kwargs.get("ranges")  # local line files cut into byte ranges (``data.line_ranges``)
+        if isinstance(ranges, list) and ranges:
+            return [f"{path}:{start}-{end}" for path, start, end in ranges]
         for key in ("base_files", "files"):
             files = kwargs.get(key)
             if isinstance(files, list) and files:
