@@ -5,8 +5,9 @@ keeps the place per shard), with its packing window restored. So the time to the
 with how far the run had gone. This script writes ``--docs`` short documents into ``--shards`` jsonl files, reads the
 stream to each cut once (not timed) and saves the loader's state there, then, for each cut, starts a fresh process
 that builds the DataModule and its train loader, loads the state and takes one batch: that process's time from its
-first line to the batch, and the part after the loader is built. For scale, the last column is the time the same
-process takes to read the stream up to the cut (what resuming without a position, by replaying, would cost).
+first line to the batch, and the part after the loader is built (the median of ``--repeats`` processes per cut, run in
+turn). For scale, the last column is the time one process takes to read the stream up to the cut (what resuming
+without a position, by replaying, would cost).
 
     python benchmarks/stream_resume.py                      # 1,000,000 documents in 8 shards, cuts at 1 % and 90 %
     python benchmarks/stream_resume.py --docs 20000         # smoke test
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,6 +83,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--cuts", type=float, nargs="+", default=[0.01, 0.9])
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per cut (the median is shown)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -92,19 +95,25 @@ def main() -> None:
         paths = write_shards(tmp, args.docs, args.shards)
         size = sum(os.path.getsize(p) for p in paths) / 1e6
         print(f"{args.docs:,} documents in {args.shards} jsonl shards ({size:.0f} MB), {args.workers} loader workers")
+        states = {}
+        for fraction in args.cuts:
+            path = os.path.join(tmp, f"cut{fraction}.pt")
+            states[fraction] = (path, cut_state(paths, fraction, args.docs, args.workers, path))
+        timings: dict[float, list[dict]] = {fraction: [] for fraction in args.cuts}
+        for _ in range(args.repeats):  # the cuts side by side, in turn, so the machine's load hits both alike
+            for fraction in args.cuts:
+                child = [sys.executable, __file__, "--workers", str(args.workers), "--child", json.dumps(paths)]
+                out = subprocess.run([*child, states[fraction][0]], capture_output=True, text=True, check=True)
+                timings[fraction].append(json.loads(out.stdout.strip().split("\n")[-1]))
         rows = []
         for fraction in args.cuts:
-            state = os.path.join(tmp, f"cut{fraction}.pt")
-            replay = cut_state(paths, fraction, args.docs, args.workers, state)
-            child = [sys.executable, __file__, "--workers", str(args.workers), "--child", json.dumps(paths), state]
-            timing = json.loads(
-                subprocess.run(child, capture_output=True, text=True, check=True).stdout.split("\n")[-2]
-            )
-            rows.append((fraction, timing["total"], timing["after_build"], replay))
+            total = statistics.median(t["total"] for t in timings[fraction])
+            after = statistics.median(t["after_build"] for t in timings[fraction])
+            rows.append((fraction, total, after, states[fraction][1]))
         print("| cut | to first resumed batch (fresh process) | of it after the loader is built | reading to the cut |")
         print("|---|---|---|---|")
         for fraction, total, after, replay in rows:
-            print(f"| {fraction:.0%} | {total:.2f} s | {after:.2f} s | {replay:.1f} s |")
+            print(f"| {fraction:.0%} | {total:.2f} s | {after:.3f} s | {replay:.1f} s |")
         first, last = rows[0], rows[-1]
         print(
             f"ratio, late cut / early cut: {last[1] / first[1]:.2f} (whole process), {last[2] / first[2]:.2f} (after build)"

@@ -132,7 +132,7 @@ def _fit(dm, max_steps, root, ckpt=None, save=False, model=None, **trainer):
     return model, t
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 1, 2])
 def test_a_run_resumed_from_a_checkpoint_trains_on_the_batches_of_the_uninterrupted_run(tmp_path, workers):
     """Lightning fetches one batch ahead of a stream: the checkpoint keeps it, and the resumed run trains on it."""
     files = _write_text_shards(tmp_path / "data")
@@ -415,3 +415,20 @@ def test_a_bad_line_in_a_streamed_jsonl_file_names_the_file_and_byte(tmp_path):
     path.write_text('{"text": "fine"}\n{"text": oops}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl: the line at byte 17 is not JSON"):
         list(read_ranges([(str(path), 0, path.stat().st_size)], "json"))
+
+
+def _map_rank_run(rank, root, dataset):
+    dm = SeqMemDataModule(dataset=dataset, max_length=32, micro_batch_size=2, strategy="pack")
+    return _fit(dm, 3, root, save=True, strategy="ddp", devices=2)[0].seen
+
+
+@pytest.mark.slow
+def test_a_map_style_checkpoint_of_two_ranks_resumed_on_one_is_refused_naming_the_world_size(
+    small_text_dataset, tmp_path
+):
+    from _forked_ranks import run_ranks
+
+    run_ranks(_map_rank_run, tmp_path / "two", small_text_dataset)
+    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=32, micro_batch_size=2, strategy="pack")
+    with pytest.raises(ValueError, match=r"world_size: 2 -> 1.*on_resume_mismatch='restart_epoch'"):
+        _fit(dm, 6, tmp_path / "one", ckpt=str(tmp_path / "two" / "epoch=0-step=2.ckpt"))

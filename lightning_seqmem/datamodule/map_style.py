@@ -87,9 +87,13 @@ class MapStyle:
         return self.strategies["train"].worst_layout(rows, length, self.lengths.get("train"))
 
     def data_signature(self) -> dict[str, Any]:
-        """The settings that decide the train rows and their batches (``Kind.signature``) and a checksum of the
-        train row lengths."""
-        return data_signature(self.kind.signature(self.settings), self.lengths.get("train"))
+        """The settings that decide the train rows and their batches (``Kind.signature``), the number of ranks that
+        share them, and a checksum of the train row lengths."""
+        import torch.distributed as dist
+
+        # the batches a rank has yielded are every world-th of the epoch's: another world size would skip others
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return data_signature(dict(self.kind.signature(self.settings), world_size=world), self.lengths.get("train"))
 
     def state_dict(self) -> dict[str, Any]:
         return {"data_signature": self.data_signature()}

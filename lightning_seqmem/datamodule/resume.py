@@ -58,7 +58,8 @@ def data_signature(settings: dict[str, Any], train_lengths: np.ndarray | None) -
 def check_signature(saved: dict[str, Any], now: dict[str, Any], on_mismatch: str, warn: Callable[[str], None]) -> bool:
     """Whether the loader must skip the checkpoint's position: ``False`` for the same data; for other data raise
     (``on_mismatch="error"``) or warn and return ``True`` (``"restart_epoch"``)."""
-    changed = {k: (saved.get(k), now.get(k)) for k in now if saved.get(k) != now.get(k)}
+    # a setting the checkpoint did not record (saved by an earlier version) is not compared
+    changed = {k: (saved.get(k), now.get(k)) for k in now if k in saved and saved.get(k) != now.get(k)}
     if not changed:
         return False
     if "train_lengths_crc32" in changed and "train_rows" not in changed and len(changed) == 1:
