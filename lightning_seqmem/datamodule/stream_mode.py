@@ -42,7 +42,7 @@ class StreamMode:
         self.streams = Streams(dataset, kind, settings.data)
         self.datasets = self.streams.splits
         self.skip_resume_state = False  # set by load_state_dict when the checkpoint's data differ (restart_epoch)
-        self.tokenizer = tokenizer
+        self.tokenizer, self._tokenizer_key = tokenizer, None
 
     def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
         loader = self.streams.loader(split, self.strategies[split], tokenizer, self.settings, pad_token_id, self.warn)
@@ -77,9 +77,11 @@ class StreamMode:
             streaming_buffer_size=self.settings.data.streaming_buffer_size,
             **identity,
         )
-        tokenizer = self.tokenizer()
-        if tokenizer is not None:
-            settings["tokenizer"] = tokenizer_fingerprint(tokenizer)
+        if self._tokenizer_key is None:  # once: hashing a large vocabulary takes a while, and it does not change
+            tokenizer = self.tokenizer()
+            self._tokenizer_key = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
+        if self._tokenizer_key:
+            settings["tokenizer"] = self._tokenizer_key
         return data_signature(settings, None)
 
     def state_dict(self) -> dict[str, Any]:
