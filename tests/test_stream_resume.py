@@ -57,6 +57,7 @@ def _documents(batches):
 
 
 # ----------------------------------------------------------------------------------- the loader, cut anywhere
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     cut=st.integers(0, 40),
@@ -164,6 +165,7 @@ def test_a_cut_in_a_later_epoch_resumes_into_that_epoch_exactly(tmp_path):
     assert resumed.seen == full.seen[step:]
 
 
+@pytest.mark.slow
 def test_resume_is_exact_with_warmup_accumulation_and_a_real_model(tmp_path):
     from lightning_seqmem import CausalLM, SeqLengthWarmup
 
@@ -182,6 +184,7 @@ def test_resume_is_exact_with_warmup_accumulation_and_a_real_model(tmp_path):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_a_streamed_conversation_run_resumes_exactly(tmp_path):
     def dm():
         return SeqMemDataModule(
