@@ -1,0 +1,229 @@
+"""``on_oom="split"``: an out-of-memory micro-batch is run again in parts, and training ends on the same weights.
+
+The GPU running out of memory is stood in for by :class:`OomInjector`: ``torch.OutOfMemoryError`` raised by a hook on
+one module of the model (the Hugging Face model, a decoder layer) when it is fed more than N tokens, in its forward or
+in the backward through it — where the CUDA caching allocator raises it on a GPU. Every run is compared with the
+same run on ``on_oom="raise"`` and no injection: the weights after training agree within float reassociation.
+"""
+
+import lightning.pytorch as L
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from lightning_seqmem import DPO, CausalLM
+from lightning_seqmem.batch import COMPLETION_MASK, SEQUENCE_INDEX
+from lightning_seqmem.memory.worst_batch import make_dummy_batch
+from lightning_seqmem.training.oom_runner import OomSplitter, RowDoesNotFit
+from lightning_seqmem.training.oom_split import OomInjector, batch_tokens, pre_split, split_batch
+
+VOCAB = 97
+TINY = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+TOL = 1e-6
+
+
+def padded(rows=4, length=24, seed=0, short=(1, 9)):
+    """Rows of different real lengths (right padding), so the two halves hold different token counts."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, keep in zip(short, (7, 15)):
+        if row < rows:
+            mask[row, keep:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, :5] = -100  # a prompt without loss
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def packed(rows=1, seed=0):
+    layout = ((5, 9, 4, 6), (12, 3, 7))[:rows] if rows <= 2 else tuple((5, 9, 4, 6) for _ in range(rows))
+    return make_dummy_batch(rows, 24, ("input_ids", "labels", "position_ids"), VOCAB, seed=seed, layout=layout)
+
+
+def _model(cls=CausalLM, **kwargs):
+    torch.manual_seed(0)
+    return cls(model_config=TINY, vocab_size=VOCAB, pad_token_id=0, **kwargs)
+
+
+def _fit(model, batches, accumulate=1, epochs=1, **trainer_kwargs):
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        accumulate_grad_batches=accumulate,
+        **trainer_kwargs,
+    )
+    trainer.fit(model, DataLoader(batches, batch_size=None))
+    return trainer
+
+
+def _weights(model):
+    return {n: p.detach().clone() for n, p in model.model.named_parameters()}
+
+
+def worst_relative(a, b):
+    """Relative L2 distance of all weights (or gradients) together: parts add in another order than one batch, and
+    Adam's first steps (sign-like) turn that rounding into ~1e-6 of single entries whose gradient nearly cancels."""
+    diff = torch.cat([(a[n] - b[n]).flatten() for n in b])
+    return (diff.norm() / torch.cat([t.flatten() for t in b.values()]).norm()).item()
+
+
+def _unsplit(batches, accumulate=1, cls=CausalLM, **kwargs):
+    model = _model(cls, **kwargs)
+    _fit(model, batches, accumulate)
+    return _weights(model)
+
+
+def _split(batches, injector, accumulate=1, cls=CausalLM, module=lambda m: m.model, **kwargs):
+    model = _model(cls, on_oom="split", **kwargs)
+    handle = injector.install(module(model))
+    trainer = _fit(model, batches, accumulate)
+    handle.remove()
+    return model, trainer
+
+
+# ------------------------------------------------------------------------------------------------ pure cuts
+def test_halves_keep_rows_and_documents():
+    batch = padded(rows=5)
+    first, second = split_batch(batch)
+    assert first["input_ids"].shape[0] == 2 and second["input_ids"].shape[0] == 3
+    assert torch.equal(torch.cat([first["labels"], second["labels"]]), batch["labels"])
+    row = packed(rows=1)  # documents of 5, 9, 4, 6 tokens: the start nearest the middle is 14
+    left, right = split_batch(row)
+    assert left["input_ids"].shape[1] == 14 and int(right["position_ids"][0, 0]) == 0
+    assert split_batch(padded(rows=1)) is None  # one padded row: one document
+    one_doc = make_dummy_batch(1, 24, ("input_ids", "labels", "position_ids"), VOCAB, layout=((24,),))
+    assert split_batch(one_doc) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), limit=st.integers(1, 200))
+def test_pre_split_parts_cover_the_batch(rows, limit):
+    """Whatever the remembered size, the parts hold every row (every token) once, each below the size or uncuttable."""
+    batch = packed(rows=rows) if rows > 2 else padded(rows=rows)
+    parts = pre_split(batch, limit)
+    assert sum(int((p["labels"] != -100).sum()) for p in parts) == int((batch["labels"] != -100).sum())
+    assert all(batch_tokens(p) < limit or split_batch(p) is None for p in parts)
+
+
+def test_runner_gives_the_unsplit_gradient_wherever_backward_fails():
+    """A backward that fails halfway leaves the parameters nearest the loss with their share: they get zeros from
+    the halves, the others the halves' sum (fp32, ≤ 1e-6 of the unsplit gradient)."""
+    model = _model().model
+    batch = packed(rows=2)
+    n = int((batch["labels"][:, 1:] != -100).sum())
+
+    def forward(part):
+        return model(**part, num_items_in_batch=n, use_cache=False).loss, {}
+
+    forward(batch)[0].backward()
+    reference = {k: p.grad.clone() for k, p in model.named_parameters()}
+    for layer in range(2):
+        model.zero_grad(set_to_none=True)
+        handle = OomInjector(30, where="backward", times=1).install(model.model.layers[layer])
+        splitter = OomSplitter()
+        splitter.run(batch, forward, lambda loss: loss.backward(), model.parameters())
+        handle.remove()
+        assert splitter.splits == 1 and splitter.limit == 48
+        assert worst_relative({k: p.grad for k, p in model.named_parameters()}, reference) <= TOL
+
+
+# ------------------------------------------------------------------------------------------- real Trainer
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_padded_and_packed_batches_train_to_the_same_weights(where):
+    batches = [padded(rows=4, seed=0), packed(rows=2, seed=1), padded(rows=4, seed=2), packed(rows=1, seed=3)]
+    reference = _unsplit(batches)
+    model, trainer = _split(batches, OomInjector(40, where=where))
+    assert worst_relative(_weights(model), reference) <= TOL
+    assert model.oom_splits >= 2 and model._oom.limit is not None
+    assert trainer.callback_metrics["train/oom_splits"] == model.oom_splits
+
+
+def test_oom_on_the_second_micro_batch_keeps_the_first_ones_gradient():
+    """Accumulation over 3: only the second micro-batch is too large; its layer-0 forward fails."""
+    batches = [padded(rows=2, seed=0), padded(rows=4, seed=1), padded(rows=2, seed=2)] * 2
+    for normalization in ("token", "micro_batch"):
+        reference = _unsplit(batches, accumulate=3, loss_normalization=normalization)
+        model, _ = _split(
+            batches,
+            OomInjector(60, where="forward"),
+            accumulate=3,
+            module=lambda m: m.model.model.layers[0],
+            loss_normalization=normalization,
+        )
+        assert worst_relative(_weights(model), reference) <= TOL
+        assert [e["tokens"] for e in model.oom_events] == [96]  # the second time, split before it runs
+
+
+def test_a_single_row_too_large_stops_with_the_fixes():
+    model = _model(on_oom="split")
+    OomInjector(10).install(model.model)
+    with pytest.raises(RowDoesNotFit, match=r"train step 0: a single row of 24 tokens.*max_length.*seqmem-plan"):
+        _fit(model, [padded(rows=1)])
+
+
+def test_validation_batches_split_too():
+    batches = [padded(rows=4, seed=s) for s in range(2)]
+    plain = _model()
+    plain_trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    expected = plain_trainer.validate(plain, DataLoader(batches, batch_size=None), verbose=False)[0]["val/loss"]
+    model = _model(on_oom="split")
+    OomInjector(50).install(model.model)
+    got = plain_trainer.validate(model, DataLoader(batches, batch_size=None), verbose=False)[0]["val/loss"]
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert {e["stage"] for e in model.oom_events} == {"validation"}
+
+
+def _pairs(packed_layout: bool, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if not packed_layout:  # [2P, L]: 3 pairs, chosen rows then rejected
+        ids = torch.randint(1, VOCAB, (6, 16), generator=g)
+        completion = torch.zeros_like(ids)
+        completion[:, 6:] = 1
+        completion[4, 12:] = 0
+        mask = torch.ones_like(ids)
+        mask[4, 12:] = 0
+        labels = ids.masked_fill(completion == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, COMPLETION_MASK: completion, "labels": labels}
+    # one packed row: pairs 0 and 1 whole, sequences numbered chosen first (0, 1) then rejected (2, 3)
+    lengths, owners = (6, 5, 7, 6), (0, 2, 1, 3)
+    ids = torch.randint(1, VOCAB, (1, 24), generator=g)
+    position = torch.cat([torch.arange(n) for n in lengths])[None]
+    index = torch.cat([torch.full((n,), o) for n, o in zip(lengths, owners)])[None]
+    completion = (position >= 3).long()
+    return {
+        "input_ids": ids,
+        "labels": ids.masked_fill(completion == 0, -100),
+        "position_ids": position,
+        COMPLETION_MASK: completion,
+        SEQUENCE_INDEX: index,
+    }
+
+
+@pytest.mark.parametrize("packed_layout", [False, True])
+def test_dpo_pairs_split_whole(packed_layout):
+    batches = [_pairs(packed_layout, seed=s) for s in range(3)]
+    reference = _unsplit(batches, cls=DPO, cross_entropy="full")
+    model, _ = _split(batches, OomInjector(20 if packed_layout else 60), cls=DPO, cross_entropy="full")
+    assert model.oom_splits >= 1
+    assert worst_relative(_weights(model), reference) <= TOL
+
+
+def test_on_oom_is_checked():
+    with pytest.raises(ValueError, match="on_oom"):
+        CausalLM(on_oom="retry")
