@@ -227,3 +227,57 @@ def test_dpo_pairs_split_whole(packed_layout):
 def test_on_oom_is_checked():
     with pytest.raises(ValueError, match="on_oom"):
         CausalLM(on_oom="retry")
+
+
+def test_a_datamodule_run_survives_and_reports(small_text_dataset, tokenizer, tmp_path):
+    """What a user meets: SeqMemDataModule (packed rows, built-in tokenizer), validation, MemoryMonitor and
+    RunSummary; the injected out-of-memory errors change nothing in the weights and show in the reports."""
+    from lightning_seqmem import MemoryMonitor, SeqMemDataModule
+    from lightning_seqmem.apps.summary import RunSummary
+
+    def run(on_oom, inject):
+        dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=4, strategy="pack")
+        torch.manual_seed(0)
+        model = CausalLM(model_config=TINY, vocab_size=len(tokenizer), on_oom=on_oom)
+        if inject:
+            OomInjector(128).install(model.model.model.layers[1])
+        monitor, summary = MemoryMonitor(every_n_steps=1), RunSummary(print_table=False)
+        L.seed_everything(0)
+        trainer = L.Trainer(
+            max_steps=3,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=2,
+            val_check_interval=3,
+            default_root_dir=tmp_path,
+            callbacks=[monitor, summary],
+        )
+        trainer.fit(model, datamodule=dm)
+        return _weights(model), monitor, summary.summary, float(trainer.callback_metrics["val/loss"])
+
+    reference, _, plain, val_loss = run("raise", False)
+    weights, monitor, summary, split_val_loss = run("split", True)
+    assert "oom_splits" not in plain
+    assert worst_relative(weights, reference) <= TOL
+    assert split_val_loss == pytest.approx(val_loss, rel=1e-6)  # validation batches of 256 tokens: split before
+    assert summary["oom_splits"] == len(monitor.oom_events) == 1  # one failure, remembered for every later batch
+    assert summary["oom_split_tokens"] == 256  # 4 rows x 64: halves of 128 fit
+    assert monitor.oom_events[0]["step"] == 0 and monitor.oom_events[0]["tokens"] == 256
+
+
+def test_hydra_and_the_cli_take_on_oom(monkeypatch):
+    import sys
+
+    from hydra.utils import instantiate
+    from test_cli import SMALL
+    from test_conf import compose_cfg
+
+    from lightning_seqmem.apps.cli import cli_main
+
+    assert instantiate(compose_cfg(["model.on_oom=split"]).model)._oom is not None
+    assert instantiate(compose_cfg([]).model)._oom is None
+    monkeypatch.setattr(sys, "argv", ["seqmem-cli"])
+    assert cli_main([*SMALL, "--model.on_oom=split"], run=False).model._oom is not None

@@ -79,8 +79,13 @@ class SplitsOnOom:
 
     @property
     def oom_splits(self) -> int:
-        """Failed attempts this rank split (``protocols.SplitsOnOom``); 0 with ``on_oom="raise"``."""
+        """Failed attempts this rank split (``protocols.SurvivesOom``); 0 with ``on_oom="raise"``."""
         return 0 if self._oom is None else self._oom.splits
+
+    @property
+    def oom_split_tokens(self) -> int | None:
+        """The size (tokens) micro-batches are split below, after a failure; ``None`` before any."""
+        return None if self._oom is None else self._oom.limit
 
     @property
     def oom_events(self) -> list[dict[str, Any]]:
