@@ -281,3 +281,57 @@ def test_hydra_and_the_cli_take_on_oom(monkeypatch):
     assert instantiate(compose_cfg([]).model)._oom is None
     monkeypatch.setattr(sys, "argv", ["seqmem-cli"])
     assert cli_main([*SMALL, "--model.on_oom=split"], run=False).model._oom is not None
+
+
+_MODEL = {}
+
+
+def _shared_model():
+    if not _MODEL:
+        _MODEL["lm"] = _model().model
+    return _MODEL["lm"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layout=st.sampled_from(["padded", "packed"]),
+    rows=st.integers(1, 4),
+    module=st.sampled_from(["model", "layer0", "layer1", "head"]),
+    where=st.sampled_from(["forward", "backward"]),
+    max_tokens=st.integers(10, 100),
+    times=st.sampled_from([1, 2, None]),
+)
+def test_wherever_and_however_often_it_fails_the_gradient_is_the_same(layout, rows, module, where, max_tokens, times):
+    """Out-of-memory errors from any module, in forward or backward, once, twice or every time above a size: the
+    micro-batch's gradient equals the unsplit one (or a single row that cannot fit is reported, nothing raised)."""
+    model = _shared_model()
+    batch = packed(rows=min(rows, 2)) if layout == "packed" else padded(rows=rows)
+    n = int((batch["labels"][:, 1:] != -100).sum())
+
+    def forward(part):
+        return model(**part, num_items_in_batch=n, use_cache=False).loss, {}
+
+    model.zero_grad(set_to_none=True)
+    forward(batch)[0].backward()
+    reference = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    target = {"model": model, "layer0": model.model.layers[0], "layer1": model.model.layers[1], "head": model.lm_head}
+    handle = OomInjector(max_tokens, where=where, times=times).install(target[module])
+    try:
+        splitter = OomSplitter()
+        outcome = splitter.run(batch, forward, lambda loss: loss.backward(), model.parameters())
+    finally:
+        handle.remove()
+    if outcome.failed is not None:
+        assert split_batch_chain_ends_in_a_row_over(batch, max_tokens)
+        return
+    assert outcome.loss.item() == pytest.approx(float(forward(batch)[0]), rel=1e-5)
+    assert worst_relative({k: p.grad for k, p in model.named_parameters()}, reference) <= TOL
+
+
+def split_batch_chain_ends_in_a_row_over(batch, max_tokens):
+    """Some part that cannot be cut further holds more than ``max_tokens`` tokens."""
+    halves = split_batch(batch)
+    if halves is None:
+        return batch_tokens(batch) > max_tokens
+    return any(split_batch_chain_ends_in_a_row_over(h, max_tokens) for h in halves)
