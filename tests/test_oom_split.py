@@ -229,6 +229,7 @@ def test_on_oom_is_checked():
         CausalLM(on_oom="retry")
 
 
+@pytest.mark.slow
 def test_a_datamodule_run_survives_and_reports(small_text_dataset, tokenizer, tmp_path):
     """What a user meets: SeqMemDataModule (packed rows, built-in tokenizer), validation, MemoryMonitor and
     RunSummary; the injected out-of-memory errors change nothing in the weights and show in the reports."""
@@ -335,3 +336,35 @@ def split_batch_chain_ends_in_a_row_over(batch, max_tokens):
     if halves is None:
         return batch_tokens(batch) > max_tokens
     return any(split_batch_chain_ends_in_a_row_over(h, max_tokens) for h in halves)
+
+
+@pytest.mark.slow
+def test_pre_allocation_still_reports_what_does_not_fit(small_text_dataset, tokenizer, tmp_path):
+    """CachePreallocator's trial step runs with splitting paused: it meets the error it exists to report, and its
+    own backward of the worst batch runs (a detached loss would fail it)."""
+    from lightning_seqmem import CachePreallocator, SeqMemDataModule
+    from lightning_seqmem.memory.preallocate import PreallocationOOMError
+
+    def fit(inject):
+        dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=4, strategy="pack")
+        torch.manual_seed(0)
+        model = CausalLM(model_config=TINY, vocab_size=len(tokenizer), on_oom="split")
+        if inject:
+            OomInjector(128).install(model.model)
+        trainer = L.Trainer(
+            max_steps=1,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=tmp_path,
+            callbacks=[CachePreallocator()],
+        )
+        trainer.fit(model, datamodule=dm)
+        return model
+
+    assert fit(False).oom_splits == 0
+    with pytest.raises(PreallocationOOMError, match="rows=4, length=64"):
+        fit(True)

@@ -143,7 +143,7 @@ class DPO(CausalLM):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self._oom is not None:  # on_oom="split": each part's share of the mean over pairs, backward done here
+        if self.splitting:  # on_oom="split": each part's share of the mean over pairs, backward done here
             pairs = pair_count(batch)
             out = self.split_backward(batch, batch_idx, lambda part: self.pair_loss(part, pairs))
             loss, values = out.loss, out.extras
@@ -158,7 +158,7 @@ class DPO(CausalLM):
 
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self._oom is not None:
+        if self.splitting:
             pairs = pair_count(batch)
             out = self.split_evaluate(batch, lambda part: self.pair_loss(part, pairs), "validation")
             loss, values = out.loss, out.extras

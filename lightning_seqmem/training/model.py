@@ -315,7 +315,7 @@ class CausalLM(SplitsOnOom, FsdpAwareClipping, LightningModule):
         rows, token = batch["input_ids"].shape[0], self.hparams.loss_normalization == "token"
         # "token": sum of token losses / a fixed scale; on_after_backward turns the step into the per-token mean
         items = self._token_loss.add(batch["labels"]) if token else None
-        if self._oom is not None:  # each part's share of the micro-batch's loss, backward done here
+        if self.splitting:  # each part's share of the micro-batch's loss, backward done here
             whole = items if token else count_label_tokens(batch)
             loss = self.split_backward(batch, batch_idx, lambda part: (self.loss(part, whole), {})).loss
         else:
@@ -370,7 +370,7 @@ class CausalLM(SplitsOnOom, FsdpAwareClipping, LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # Weight by predicted tokens so the epoch loss is the per-token loss, whatever the batch composition.
         n = count_label_tokens(batch)
-        if self._oom is not None:
+        if self.splitting:
             loss = self.split_evaluate(batch, lambda part: (self.loss(part, n), {}), "validation").loss
         else:
             loss = self.loss(batch)

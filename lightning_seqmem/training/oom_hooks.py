@@ -22,7 +22,8 @@ DeepSpeed gather and reduce inside every forward and backward, so a rank's failu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,6 +69,20 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@contextlib.contextmanager
+def pause_splitting(module: Any) -> Iterator[None]:
+    """Run a module's steps as with ``on_oom="raise"`` for a while: a callback's trial step (``CachePreallocator``)
+    must see the out-of-memory error it is there to report, and does its own backward."""
+    paused = isinstance(module, SplitsOnOom) and not module._oom_paused
+    if paused:
+        module._oom_paused = True
+    try:
+        yield
+    finally:
+        if paused:
+            module._oom_paused = False
+
+
 class SplitsOnOom:
     """Mixed into a LightningModule: the split path of its steps (see the module docstring)."""
 
@@ -76,6 +91,12 @@ class SplitsOnOom:
         self._oom = OomSplitter() if on_oom == "split" else None
         self._oom_backward_done = False
         self._oom_sync: bool | None = None  # DDP's require_backward_grad_sync, to put back after the step
+        self._oom_paused = False
+
+    @property
+    def splitting(self) -> bool:
+        """Whether the steps take the split path now (``on_oom="split"``, not paused by :func:`pause_splitting`)."""
+        return self._oom is not None and not self._oom_paused
 
     @property
     def oom_splits(self) -> int:

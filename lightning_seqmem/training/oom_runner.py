@@ -143,8 +143,8 @@ class OomSplitter:
                     outcome.add(*value)
                 continue
             tokens = batch_tokens(part)
+            allocated, reserved = memory_now(device)  # at the failure, before the cache is emptied
             free_memory(device)
-            allocated, reserved = memory_now(device)
             event = dict(stage=stage, step=step, tokens=tokens, allocated=allocated, reserved=reserved)
             self.events.append(event)
             self.splits += 1
