@@ -368,3 +368,26 @@ def test_pre_allocation_still_reports_what_does_not_fit(small_text_dataset, toke
     assert fit(False).oom_splits == 0
     with pytest.raises(PreallocationOOMError, match="rows=4, length=64"):
         fit(True)
+
+
+@pytest.mark.slow
+def test_the_grad_scaler_skips_the_same_steps_under_fp16():
+    """16-mixed with a GradScaler (CPU autocast to fp16): a start scale that overflows the first steps' gradients,
+    clipping on. The split run's parts are scaled as Lightning scales the step: the scaler skips the same steps
+    (same final scale) and the weights agree within fp16's rounding of differently shaped matmuls."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    batches = [padded(rows=4, seed=s) for s in range(4)]
+
+    def run(on_oom, inject):
+        model = _model(on_oom=on_oom)
+        if inject:
+            OomInjector(40).install(model.model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
+        _fit(model, batches, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], gradient_clip_val=0.5)
+        return _weights(model), scaler.get_scale(), model.oom_splits
+
+    reference, scale, _ = run("raise", False)
+    weights, split_scale, splits = run("split", True)
+    assert splits == 3 and split_scale == scale < 2.0**30  # 96 tokens, then 48 failed: quarters from then on
+    assert worst_relative(weights, reference) <= 1e-3
