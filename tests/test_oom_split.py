@@ -391,3 +391,20 @@ def test_the_grad_scaler_skips_the_same_steps_under_fp16():
     weights, split_scale, splits = run("split", True)
     assert splits == 3 and split_scale == scale < 2.0**30  # 96 tokens, then 48 failed: quarters from then on
     assert worst_relative(weights, reference) <= 1e-3
+
+
+def test_the_size_that_failed_survives_a_restart_and_fsdp_is_refused():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    model = _model(on_oom="split")
+    model._oom.limit, model._oom.splits = 48, 3
+    checkpoint = {}
+    model.on_save_checkpoint(checkpoint)
+    resumed = _model(on_oom="split")
+    resumed.on_load_checkpoint(checkpoint)
+    assert (resumed.oom_split_tokens, resumed.oom_splits) == (48, 3)
+    resumed._trainer = SimpleNamespace(world_size=2, strategy=FSDPStrategy())
+    with pytest.raises(ValueError, match="not under FSDPStrategy.*strategy='ddp'"):
+        resumed._check_oom_strategy()

@@ -8,7 +8,9 @@ the precision plugin's ``GradScaler`` when there is one. It returns the micro-ba
 :meth:`SplitsOnOom.backward` (the hook Lightning's precision plugin calls) skips the backward already done. The rest
 of Lightning's step is untouched: ``on_before_backward``/``on_after_backward`` once per micro-batch, the optimizer
 stepped on the window's last one, clipping and the scaler's unscale/skip on the gradients the parts left, the
-learning-rate schedule, ``SeqLengthWarmup`` (it reshapes the batch before the step).
+learning-rate schedule, ``SeqLengthWarmup`` (it reshapes the batch before the step). One hook moves: the window's
+gradients are zeroed before its first forward (Lightning zeroes them between ``training_step`` and the backward,
+which would drop the micro-batch's), so ``on_before_zero_grad`` runs after that micro-batch's backward.
 
 Under DDP the gradient must be reduced once per window, and never in a backward that may fail halfway (a rank that
 fails after launching some bucket all-reduces leaves the others waiting on buckets it will never send). So every
