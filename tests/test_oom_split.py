@@ -154,6 +154,7 @@ def test_padded_and_packed_batches_train_to_the_same_weights(where):
     assert trainer.callback_metrics["train/oom_splits"] == model.oom_splits
 
 
+@pytest.mark.slow
 def test_oom_on_the_second_micro_batch_keeps_the_first_ones_gradient():
     """Accumulation over 3: only the second micro-batch is too large; its layer-0 forward fails."""
     batches = [padded(rows=2, seed=0), padded(rows=4, seed=1), padded(rows=2, seed=2)] * 2
@@ -269,6 +270,7 @@ def test_a_datamodule_run_survives_and_reports(small_text_dataset, tokenizer, tm
     assert monitor.oom_events[0]["step"] == 0 and monitor.oom_events[0]["tokens"] == 256
 
 
+@pytest.mark.slow
 def test_hydra_and_the_cli_take_on_oom(monkeypatch):
     import sys
 
@@ -293,7 +295,7 @@ def _shared_model():
     return _MODEL["lm"]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     layout=st.sampled_from(["padded", "packed"]),
     rows=st.integers(1, 4),
