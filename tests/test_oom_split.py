@@ -178,16 +178,23 @@ def test_a_single_row_too_large_stops_with_the_fixes():
         _fit(model, [padded(rows=1)])
 
 
-def test_validation_batches_split_too():
-    batches = [padded(rows=4, seed=s) for s in range(2)]
-    plain = _model()
-    plain_trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
-    expected = plain_trainer.validate(plain, DataLoader(batches, batch_size=None), verbose=False)[0]["val/loss"]
-    model = _model(on_oom="split")
+@pytest.mark.parametrize("cls", [CausalLM, DPO])
+def test_validation_and_test_batches_split_too(cls):
+    batches = [padded(rows=4, seed=s) for s in range(2)] if cls is CausalLM else [_pairs(False, s) for s in range(2)]
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    loader = DataLoader(batches, batch_size=None)
+    plain = _model(cls, cross_entropy="full")
+    expected = (
+        trainer.validate(plain, loader, verbose=False)[0]["val/loss"],
+        trainer.test(plain, loader, verbose=False)[0],
+    )
+    model = _model(cls, cross_entropy="full", on_oom="split")
     OomInjector(50).install(model.model)
-    got = plain_trainer.validate(model, DataLoader(batches, batch_size=None), verbose=False)[0]["val/loss"]
-    assert got == pytest.approx(expected, rel=1e-6)
+    assert trainer.validate(model, loader, verbose=False)[0]["val/loss"] == pytest.approx(expected[0], rel=1e-6)
     assert {e["stage"] for e in model.oom_events} == {"validation"}
+    model._oom.limit = None  # forget the size, so that the test batches fail too
+    assert trainer.test(model, loader, verbose=False)[0]["test/loss"] == pytest.approx(expected[1]["test/loss"])
+    assert {e["stage"] for e in model.oom_events} == {"validation", "test"}
 
 
 def _pairs(packed_layout: bool, seed=0):

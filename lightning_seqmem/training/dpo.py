@@ -156,14 +156,17 @@ class DPO(CausalLM):
             self.log(f"train/{name}", value, batch_size=rows)
         return loss
 
+    def evaluation_pair_loss(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict]:
+        """:meth:`pair_loss` of an evaluation batch; with ``on_oom="split"`` in parts of whole pairs where needed."""
+        if not self.splitting:
+            return self.pair_loss(batch)
+        pairs = pair_count(batch)
+        out = self.split_evaluate(batch, lambda part: self.pair_loss(part, pairs), stage)
+        return out.loss, out.extras
+
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self.splitting:
-            pairs = pair_count(batch)
-            out = self.split_evaluate(batch, lambda part: self.pair_loss(part, pairs), "validation")
-            loss, values = out.loss, out.extras
-        else:
-            loss, values = self.pair_loss(batch)
+        loss, values = self.evaluation_pair_loss(batch, "validation")
         rows = batch["input_ids"].shape[0]
         self.log("val/loss", loss, prog_bar=True, batch_size=rows)
         for name, value in values.items():
@@ -176,6 +179,6 @@ class DPO(CausalLM):
 
     @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, _ = self.pair_loss(batch)
+        loss, _ = self.evaluation_pair_loss(batch, "test")
         self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0])
         return loss

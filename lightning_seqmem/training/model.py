@@ -370,10 +370,7 @@ class CausalLM(SplitsOnOom, FsdpAwareClipping, LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # Weight by predicted tokens so the epoch loss is the per-token loss, whatever the batch composition.
         n = count_label_tokens(batch)
-        if self.splitting:
-            loss = self.split_evaluate(batch, lambda part: (self.loss(part, n), {}), "validation").loss
-        else:
-            loss = self.loss(batch)
+        loss = self.evaluation_loss(batch, n, "validation")
         self.val_loss.update(loss.detach(), weight=n)
         self.log("val/loss", self.val_loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
@@ -385,7 +382,7 @@ class CausalLM(SplitsOnOom, FsdpAwareClipping, LightningModule):
             self.log("val/ppl", torch.exp(value.clamp(max=50)))
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
+        loss = self.evaluation_loss(batch, count_label_tokens(batch), "test")
         self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0])
         return loss
 

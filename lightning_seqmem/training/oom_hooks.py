@@ -175,6 +175,13 @@ class SplitsOnOom:
         """The loss of an evaluation batch, in parts where needed (no backward)."""
         return self._split_run(batch, forward, None, stage)
 
+    def evaluation_loss(self, batch: Batch, label_tokens: torch.Tensor, stage: str) -> torch.Tensor:
+        """``CausalLM``'s mean loss of an evaluation batch: ``self.loss(batch)``, or with ``on_oom="split"`` the sum
+        of its parts' token losses over the batch's ``label_tokens``."""
+        if not self.splitting:
+            return self.loss(batch)
+        return self.split_evaluate(batch, lambda part: (self.loss(part, label_tokens), {}), stage).loss
+
     def _split_run(self, batch, forward, backward, stage: str) -> Outcome:
         trainer = self.trainer
         device = trainer.strategy.root_device
