@@ -103,6 +103,23 @@ class CountsTrainingTokens(Protocol):
     def train_seconds(self) -> float: ...
 
 
+@runtime_checkable
+class SurvivesOom(Protocol):
+    """A LightningModule that survives out-of-memory micro-batches by running them in parts (``CausalLM(on_oom=
+    "split")``; ``MemoryMonitor`` and ``RunSummary`` read it): the failed attempts it split, the size it now splits
+    at (tokens, ``None`` before any failure) and one event per failure (``stage``, ``step``, ``tokens``,
+    ``allocated``, ``reserved``)."""
+
+    @property
+    def oom_splits(self) -> int: ...
+
+    @property
+    def oom_split_tokens(self) -> int | None: ...
+
+    @property
+    def oom_events(self) -> list[dict[str, Any]]: ...
+
+
 def find_pad_token_id(*owners: object) -> int | None:
     """The first int ``pad_token_id`` among ``owners``: an attribute, or a key of a mapping such as ``hparams``.
 

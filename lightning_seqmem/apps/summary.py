@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_seqmem.apps.run_files import SUMMARY_FILE
 from lightning_seqmem.memory.stats import peak_rss_bytes
-from lightning_seqmem.protocols import CountsTrainingTokens, DescribesBatching, GivesDataStats
+from lightning_seqmem.protocols import CountsTrainingTokens, DescribesBatching, GivesDataStats, SurvivesOom
 
 
 def peak_memory_bytes(device: torch.device | None = None) -> tuple[int, str]:
@@ -94,6 +94,13 @@ class RunSummary(Callback):
         summary["wall_clock_s"] = wall
         if counts:
             summary["real_tokens_per_s"] = real / max(pl_module.train_seconds or wall, 1e-9)
+        if isinstance(pl_module, SurvivesOom):  # on_oom="split": out-of-memory micro-batches survived, all ranks
+            splits = trainer.strategy.reduce(
+                torch.tensor(float(pl_module.oom_splits), device=trainer.strategy.root_device), reduce_op="sum"
+            )
+            if splits > 0:
+                summary["oom_splits"] = int(splits)
+                summary["oom_split_tokens"] = pl_module.oom_split_tokens
         peak, what = peak_memory_bytes(pl_module.device)
         summary[f"peak_memory_mib ({what})"] = peak / 2**20
         for key in ("val/loss", "train/loss"):

@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_seqmem.memory import stats
 from lightning_seqmem.memory.allocator import expandable_segments_on
+from lightning_seqmem.protocols import SurvivesOom
 
 
 def _is_cuda(device: torch.device) -> bool:
@@ -38,6 +39,10 @@ class MemoryMonitor(Callback):
     ``num_ooms`` and ``num_device_alloc`` (cudaMalloc calls). On CPU it logs the process's
     ``rss_gib`` and ``peak_rss_gib``. Values go to every logger with ``log_metrics`` (``self.log`` would be averaged
     or dropped by Lightning's logging cadence) and to :attr:`history`.
+
+    A model that survives out-of-memory micro-batches (``CausalLM(on_oom="split")``, ``protocols.SurvivesOom``) has
+    each failure recorded in :attr:`oom_events` (``stage``, ``step``, ``tokens``, and ``allocated``/``reserved`` bytes
+    on CUDA at the time), logged as ``memory/oom_splits`` and counted in the summary.
 
     At the end of fit :attr:`summary` holds the peaks, the reserved-memory growth after the first step, the retries
     and the largest fragmentation seen; a warning with the fixes the run does not have yet (expandable segments,
@@ -77,6 +82,7 @@ class MemoryMonitor(Callback):
         self.snapshot_dir = snapshot_dir
         self.max_history_entries = max_history_entries
         self.history: list[dict[str, float]] = []
+        self.oom_events: list[dict[str, Any]] = []
         self.summary: dict[str, float] = {}
         self.snapshot_path: str | None = None
         self._recording = False
@@ -85,7 +91,7 @@ class MemoryMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self.history, self.summary = [], {}
+        self.history, self.summary, self.oom_events = [], {}, []
         on_cuda = _is_cuda(_training_device(trainer))
         if (self.record_history or self.snapshot_dir) and not on_cuda:
             rank_zero_warn("MemoryMonitor: record_history and snapshot_dir need CUDA; ignored on this device.")
@@ -101,6 +107,7 @@ class MemoryMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._take_oom_events(trainer, pl_module)
         step = trainer.global_step
         if step == 0 or (self.history and self.history[-1]["step"] == step):
             return  # no optimizer step yet, or still accumulating the same step
@@ -113,7 +120,25 @@ class MemoryMonitor(Callback):
             logger.log_metrics(logged, step=step)
 
     @override
+    def on_validation_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, *args: Any
+    ) -> None:
+        self._take_oom_events(trainer, pl_module)
+
+    def _take_oom_events(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Record the model's out-of-memory events since the last batch (a list the model only appends to)."""
+        if not isinstance(pl_module, SurvivesOom):
+            return
+        new = pl_module.oom_events[len(self.oom_events) :]
+        if not new:
+            return
+        self.oom_events.extend(new)
+        for logger in trainer.loggers:
+            logger.log_metrics({"memory/oom_splits": float(len(self.oom_events))}, step=trainer.global_step)
+
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._take_oom_events(trainer, pl_module)
         if not self.history or self.history[-1]["step"] != trainer.global_step:
             self.history.append({"step": trainer.global_step, **self.collect(_training_device(trainer))})
         first, last = self.history[0], self.history[-1]
@@ -133,6 +158,8 @@ class MemoryMonitor(Callback):
             reserved = [row["reserved_gib"] for row in self.history if "reserved_gib" in row]
             summary["reserved_growth_gib"] = max(reserved) - first["reserved_gib"]
             summary["max_fragmentation"] = max(row.get("fragmentation", 0.0) for row in self.history)
+        if self.oom_events:
+            summary["oom_splits"] = float(len(self.oom_events))
         self.summary = summary
         rank_zero_info("MemoryMonitor summary: " + ", ".join(f"{k}={v:.3g}" for k, v in summary.items()))
         from lightning_seqmem.memory.preallocate import CachePreallocator

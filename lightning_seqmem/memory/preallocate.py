@@ -37,6 +37,7 @@ from lightning_seqmem.protocols import (
     GivesWorstBatchLayout,
     find_pad_token_id,
 )
+from lightning_seqmem.training.oom_hooks import pause_splitting
 
 __all__ = ["CachePreallocator", "PreallocationOOMError", "PreallocationReport"]
 
@@ -350,8 +351,8 @@ class CachePreallocator(Callback):
         batch = trainer.precision_plugin.convert_input(batch)
         if wrapper is not None:  # FSDP: through the wrapped module (gathers shards, reduce-scatters gradients)
             loss = _loss(trainer.strategy.training_step(batch, 0))
-        else:
-            with trainer.precision_plugin.train_step_context():
+        else:  # on_oom="split" paused: this pass must meet the error it reports, and runs its own backward
+            with trainer.precision_plugin.train_step_context(), pause_splitting(pl_module):
                 loss = _loss(pl_module.training_step(batch, 0))
         if trainer.accumulate_grad_batches == 1:
             del grads[:]  # Lightning zeroes gradients after the forward, before backward

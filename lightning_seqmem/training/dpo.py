@@ -25,6 +25,7 @@ from lightning_seqmem.training import checks
 from lightning_seqmem.training.adapters import is_peft_model
 from lightning_seqmem.training.loss_layer import completion_token_logps
 from lightning_seqmem.training.model import CausalLM
+from lightning_seqmem.training.oom_split import pair_count
 from lightning_seqmem.training.preference_loss import (
     completion_positions,
     dpo_loss,
@@ -53,7 +54,7 @@ class DPO(CausalLM):
             ``loss_chunk_size``); the loss is a mean over pairs, so ``loss_normalization`` is always
             ``"micro_batch"``. ``cross_entropy="chunked"`` runs the head on the completion tokens only, chunk by
             chunk, for the policy and the reference alike; ``"liger"`` is not offered (its kernel returns a loss,
-            not per-token log-probabilities).
+            not per-token log-probabilities). ``on_oom="split"`` splits a micro-batch by whole pairs.
 
     Example::
 
@@ -115,8 +116,11 @@ class DPO(CausalLM):
         finally:
             reference.train(mode)
 
-    def pair_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The mean DPO loss over the batch's pairs and the values to log (reward margin and accuracy)."""
+    def pair_loss(
+        self, batch: dict[str, torch.Tensor], pairs: int | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The mean DPO loss over the batch's pairs and the values to log (reward margin and accuracy); with
+        ``pairs``, their sums over the batch divided by ``pairs`` instead (a part's share of a split micro-batch)."""
         checks.check_pair_batch(batch)
         chosen, rejected = self.sequence_logps(self.model, batch)
         out = dpo_loss(
@@ -127,14 +131,24 @@ class DPO(CausalLM):
             label_smoothing=self.hparams.label_smoothing,
         )
         margin = out.chosen_rewards - out.rejected_rewards
-        return out.losses.mean().float(), {
-            "reward_margin": margin.mean().float(),
-            "reward_accuracy": (margin > 0).float().mean(),
+        if pairs is None:
+            return out.losses.mean().float(), {
+                "reward_margin": margin.mean().float(),
+                "reward_accuracy": (margin > 0).float().mean(),
+            }
+        return out.losses.sum().float() / pairs, {
+            "reward_margin": margin.sum().float() / pairs,
+            "reward_accuracy": (margin > 0).float().sum() / pairs,
         }
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, values = self.pair_loss(batch)
+        if self.splitting:  # on_oom="split": each part's share of the mean over pairs, backward done here
+            pairs = pair_count(batch)
+            out = self.split_backward(batch, batch_idx, lambda part: self.pair_loss(part, pairs))
+            loss, values = out.loss, out.extras
+        else:
+            loss, values = self.pair_loss(batch)
         rows = batch["input_ids"].shape[0]
         self._count_train_tokens(batch, rows)
         self.log("train/loss", loss, prog_bar=True, batch_size=rows)
@@ -142,9 +156,17 @@ class DPO(CausalLM):
             self.log(f"train/{name}", value, batch_size=rows)
         return loss
 
+    def evaluation_pair_loss(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict]:
+        """:meth:`pair_loss` of an evaluation batch; with ``on_oom="split"`` in parts of whole pairs where needed."""
+        if not self.splitting:
+            return self.pair_loss(batch)
+        pairs = pair_count(batch)
+        out = self.split_evaluate(batch, lambda part: self.pair_loss(part, pairs), stage)
+        return out.loss, out.extras
+
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, values = self.pair_loss(batch)
+        loss, values = self.evaluation_pair_loss(batch, "validation")
         rows = batch["input_ids"].shape[0]
         self.log("val/loss", loss, prog_bar=True, batch_size=rows)
         for name, value in values.items():
@@ -157,6 +179,6 @@ class DPO(CausalLM):
 
     @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, _ = self.pair_loss(batch)
+        loss, _ = self.evaluation_pair_loss(batch, "test")
         self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0])
         return loss

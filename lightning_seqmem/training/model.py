@@ -24,6 +24,7 @@ from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
 from lightning_seqmem.training import adapter_checkpoints, adapters, checks
 from lightning_seqmem.training.attention import AUTO, resolve_attn_implementation
 from lightning_seqmem.training.building import build_causal_lm, datamodule_max_length, positions_problem
+from lightning_seqmem.training.clipping import FsdpAwareClipping
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from lightning_seqmem.training.loss import TokenLossNormalizer
 from lightning_seqmem.training.loss_layer import (
@@ -35,6 +36,7 @@ from lightning_seqmem.training.loss_layer import (
     resolve_cross_entropy,
 )
 from lightning_seqmem.training.metrics import TokenEfficiency
+from lightning_seqmem.training.oom_hooks import SplitsOnOom
 from lightning_seqmem.training.optimization import check_optimizer, make_optimizer, no_decay_names, warmup_cosine
 from lightning_seqmem.training.varlen import TORCH_VARLEN, batch_varlen_kwargs, needs_varlen_kwargs
 
@@ -42,7 +44,7 @@ MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 LOSS_NORMALIZATIONS = ("token", "micro_batch")
 
 
-class CausalLM(LightningModule):
+class CausalLM(SplitsOnOom, FsdpAwareClipping, LightningModule):
     """Train a Hugging Face causal LM on padded or packed batches.
 
     Args:
@@ -88,6 +90,9 @@ class CausalLM(LightningModule):
             ``quantize="nf4"``: QLoRA, a 4-bit base from ``pretrained_path`` on CUDA). Only the adapter trains and
             is in the optimizer; with ``pretrained_path`` checkpoints leave the frozen base out (it is loaded from
             there again). ``SaveAdapter`` writes the adapter in PEFT's format; ``merge_adapter(model.model)`` merges.
+        on_oom: ``"raise"``: an out-of-memory error stops the run; ``"split"``: the micro-batch is run again in
+            halves (a packed row cut between documents), its gradient unchanged, and later ones as large are split
+            before they run (:mod:`~lightning_seqmem.training.oom_hooks`, ``docs/oom.md``).
 
     Example::
 
@@ -116,6 +121,7 @@ class CausalLM(LightningModule):
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
         lora: dict[str, Any] | None = None,
         optimizer: str = "adamw",
+        on_oom: str = "raise",
     ) -> None:
         super().__init__()
         checks.positive_finite("learning_rate", learning_rate, "use e.g. 1e-4 (AdamW's usual range is 1e-5 to 1e-3)")
@@ -142,6 +148,7 @@ class CausalLM(LightningModule):
         self._token_loss = TokenLossNormalizer()
         self._no_decay: set[str] | None = None  # names, fixed at setup: FSDP flattens parameters to 1-D shards
         self._loss_layer: str | None = None  # cross_entropy as resolved ("auto" decided), at setup or first use
+        self._init_oom(on_oom)
         if pretrained_path is not None or vocab_size is not None:
             self._build()
 
@@ -184,6 +191,7 @@ class CausalLM(LightningModule):
             hp, device = self.hparams, self.trainer.strategy.root_device
             adapters.check_quantization(adapters.resolve_lora(hp.get("lora"), hp.pretrained_path), device)
             check_optimizer(hp.get("optimizer", "adamw"), device)
+        self._check_oom_strategy()
         self._choose_attention()
         self._check_positions(dm)
         checks.check_vocab_fits(self.model, tok, dm)
@@ -257,10 +265,12 @@ class CausalLM(LightningModule):
         """With an adapter on a ``pretrained_path`` base, the frozen base is left out (loaded from there again)."""
         if self.hparams.get("pretrained_path") is not None:
             adapter_checkpoints.drop_frozen_base(self, checkpoint)
+        self._save_oom_state(checkpoint)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         adapter_checkpoints.restore_frozen_base(self, checkpoint)  # the base left out, from pretrained_path's model
+        self._load_oom_state(checkpoint)  # on_oom="split": the size that failed, remembered
 
     # ------------------------------------------------------------------------------------------------- steps
     def forward(self, batch: dict[str, torch.Tensor], **kwargs: Any):
@@ -302,13 +312,17 @@ class CausalLM(LightningModule):
         return self._train_time
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        rows = batch["input_ids"].shape[0]
-        if self.hparams.loss_normalization == "token":
-            # sum of token losses / a fixed scale; on_after_backward turns the step into the per-token mean
-            loss = self.loss(batch, num_items_in_batch=self._token_loss.add(batch["labels"]))
+        rows, token = batch["input_ids"].shape[0], self.hparams.loss_normalization == "token"
+        # "token": sum of token losses / a fixed scale; on_after_backward turns the step into the per-token mean
+        items = self._token_loss.add(batch["labels"]) if token else None
+        if self.splitting:  # each part's share of the micro-batch's loss, backward done here
+            whole = items if token else count_label_tokens(batch)
+            loss = self.split_backward(batch, batch_idx, lambda part: (self.loss(part, whole), {})).loss
+        else:
+            loss = self.loss(batch, num_items_in_batch=items)
+        if token:
             self._token_loss.add_loss(loss)
         else:
-            loss = self.loss(batch)
             self._log_train_loss(loss, batch_size=rows)
         real, slots = self._count_train_tokens(batch, rows)
         self.log("train/real_token_fraction", real / max(slots, 1), batch_size=rows)
@@ -339,6 +353,8 @@ class CausalLM(LightningModule):
         """Token loss: after the step's last backward, rescale its gradients to the per-token mean over
         micro-batches and ranks, so that every ``on_before_optimizer_step`` hook, clipping and the optimizer see
         them; log the step's true per-token loss. Nothing waits for the device."""
+        if self._oom is not None:
+            self._oom_after_backward()  # DDP: the window's gradient averaged once, before the rescale
         if self.hparams.loss_normalization == "token":
             loss = self._token_loss.finish_step(self)
             if loss is not None:
@@ -352,9 +368,9 @@ class CausalLM(LightningModule):
             self._train_time += time.perf_counter() - self._batch_start
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
         # Weight by predicted tokens so the epoch loss is the per-token loss, whatever the batch composition.
         n = count_label_tokens(batch)
+        loss = self.evaluation_loss(batch, n, "validation")
         self.val_loss.update(loss.detach(), weight=n)
         self.log("val/loss", self.val_loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
@@ -366,7 +382,7 @@ class CausalLM(LightningModule):
             self.log("val/ppl", torch.exp(value.clamp(max=50)))
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
+        loss = self.evaluation_loss(batch, count_label_tokens(batch), "test")
         self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0])
         return loss
 
@@ -377,23 +393,3 @@ class CausalLM(LightningModule):
         optimizer = make_optimizer(choice, self.named_parameters(), names, hp.learning_rate, hp.weight_decay, hp.betas)
         scheduler = warmup_cosine(optimizer, self.trainer.estimated_stepping_batches, hp.warmup_ratio, hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    @override
-    def configure_gradient_clipping(
-        self,
-        optimizer: torch.optim.Optimizer,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
-        """Clip as the Trainer asks. Under FSDP, norm clipping goes through FSDP's own ``clip_grad_norm_`` (the norm
-        of the whole gradient, over every rank's shards), which Lightning's FSDP precision plugin does not do."""
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        if (
-            gradient_clip_val
-            and isinstance(self.trainer.strategy, FSDPStrategy)
-            and gradient_clip_algorithm in (None, "norm")
-        ):
-            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
-            return
-        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)

@@ -1,0 +1,225 @@
+"""``on_oom="split"`` wired into Lightning's automatic optimization (``CausalLM`` and ``DPO`` mix it in).
+
+Why the backward moves into ``training_step``: an out-of-memory error in backward happens after ``training_step`` has
+returned, inside Lightning's closure, where nothing can retry the micro-batch. So with ``on_oom="split"`` the step
+runs the forward *and* the backward of its parts itself (:class:`~lightning_seqmem.training.oom_runner.OomSplitter`),
+each part's loss treated as Lightning would treat the step's: divided by ``accumulate_grad_batches`` and scaled by
+the precision plugin's ``GradScaler`` when there is one. It returns the micro-batch's loss detached, and
+:meth:`SplitsOnOom.backward` (the hook Lightning's precision plugin calls) skips the backward already done. The rest
+of Lightning's step is untouched: ``on_before_backward``/``on_after_backward`` once per micro-batch, the optimizer
+stepped on the window's last one, clipping and the scaler's unscale/skip on the gradients the parts left, the
+learning-rate schedule, ``SeqLengthWarmup`` (it reshapes the batch before the step). One hook moves: the window's
+gradients are zeroed before its first forward (Lightning zeroes them between ``training_step`` and the backward,
+which would drop the micro-batch's), so ``on_before_zero_grad`` runs after that micro-batch's backward.
+
+Under DDP the gradient must be reduced once per window, and never in a backward that may fail halfway (a rank that
+fails after launching some bucket all-reduces leaves the others waiting on buckets it will never send). So every
+backward of a split run is local (DDP's ``require_backward_grad_sync`` off while the step's forward returns, put back
+after), the ranks agree after each micro-batch (one all-reduce of a flag and the smallest size that failed: every
+rank then splits the same sizes, and a row that fits nowhere stops every rank, none left in a collective), and the
+window's averaged gradient is one bucketed all-reduce in ``on_after_backward`` of its last micro-batch. That
+reduction is not overlapped with the backward as DDP's is: the price of never hanging (``docs/oom.md``). FSDP and
+DeepSpeed gather and reduce inside every forward and backward, so a rank's failure there is mid-collective: refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lightning_seqmem.messages import check_choice
+from lightning_seqmem.training.oom_runner import (
+    FIXES,
+    ON_OOM,
+    OomSplitter,
+    Outcome,
+    RowDoesNotFit,
+    does_not_fit_message,
+)
+from lightning_seqmem.training.oom_split import Batch
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+def average_gradients_(grads: list[torch.Tensor], world_size: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Average gradients over the default process group in place, as DDP does: flattened into buckets of about
+    ``bucket_bytes`` per dtype (few collectives, no whole-model copy), summed, divided by ``world_size``."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault(grad.dtype, []).append(grad)
+    for group in groups.values():
+        bucket, size = [], 0
+        for grad in [*group, None]:
+            if grad is not None:
+                bucket.append(grad)
+                size += grad.numel() * grad.element_size()
+            if bucket and (grad is None or size >= bucket_bytes):
+                flat = torch._utils._flatten_dense_tensors(bucket)
+                torch.distributed.all_reduce(flat)
+                flat.div_(world_size)
+                for grad_, value in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                    grad_.copy_(value)
+                bucket, size = [], 0
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return tensor
+
+
+@contextlib.contextmanager
+def pause_splitting(module: Any) -> Iterator[None]:
+    """Run a module's steps as with ``on_oom="raise"`` for a while: a callback's trial step (``CachePreallocator``)
+    must see the out-of-memory error it is there to report, and does its own backward."""
+    paused = isinstance(module, SplitsOnOom) and not module._oom_paused
+    if paused:
+        module._oom_paused = True
+    try:
+        yield
+    finally:
+        if paused:
+            module._oom_paused = False
+
+
+class SplitsOnOom:
+    """Mixed into a LightningModule: the split path of its steps (see the module docstring)."""
+
+    def _init_oom(self, on_oom: str) -> None:
+        check_choice("on_oom", on_oom, ON_OOM)
+        self._oom = OomSplitter() if on_oom == "split" else None
+        self._oom_backward_done = False
+        self._oom_sync: bool | None = None  # DDP's require_backward_grad_sync, to put back after the step
+        self._oom_paused = False
+
+    @property
+    def splitting(self) -> bool:
+        """Whether the steps take the split path now (``on_oom="split"``, not paused by :func:`pause_splitting`)."""
+        return self._oom is not None and not self._oom_paused
+
+    @property
+    def oom_splits(self) -> int:
+        """Failed attempts this rank split (``protocols.SurvivesOom``); 0 with ``on_oom="raise"``."""
+        return 0 if self._oom is None else self._oom.splits
+
+    @property
+    def oom_split_tokens(self) -> int | None:
+        """The size (tokens) micro-batches are split below, after a failure; ``None`` before any."""
+        return None if self._oom is None else self._oom.limit
+
+    @property
+    def oom_events(self) -> list[dict[str, Any]]:
+        """One dict per out-of-memory error survived: ``stage``, ``step``, ``tokens``, ``allocated``, ``reserved``."""
+        return [] if self._oom is None else list(self._oom.events)
+
+    def _save_oom_state(self, checkpoint: dict[str, Any]) -> None:
+        if self._oom is not None:
+            checkpoint["oom_split"] = self._oom.state_dict()
+
+    def _load_oom_state(self, checkpoint: dict[str, Any]) -> None:
+        if self._oom is not None and "oom_split" in checkpoint:
+            self._oom.load_state_dict(checkpoint["oom_split"])
+
+    def _check_oom_strategy(self) -> None:
+        """Refuse a strategy whose forward and backward talk to the other ranks (FSDP, DeepSpeed, model parallel)."""
+        if self._oom is None or self._trainer is None or self.trainer.world_size == 1:
+            return
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, DDPStrategy):
+            raise ValueError(
+                f"on_oom='split' runs on one device or under DDP, not under {type(strategy).__name__}: its forward "
+                "and backward gather and reduce with the other ranks, so a rank that runs out of memory halfway "
+                "would leave them waiting. Use strategy='ddp', or on_oom='raise'."
+            )
+
+    def _ddp(self) -> Any:
+        model = self.trainer.strategy.model if self._trainer is not None else None
+        return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+    def _distributed(self) -> bool:
+        return self._trainer is not None and self.trainer.world_size > 1 and torch.distributed.is_initialized()
+
+    def split_backward(
+        self, batch: Batch, batch_idx: int, forward: Callable[[Batch], tuple[torch.Tensor, dict]]
+    ) -> Outcome:
+        """Forward and backward of the micro-batch, in parts where needed; the parts' gradients scaled as Lightning
+        scales the step's. Lightning's own backward of the returned (detached) loss is then skipped, and so is its
+        ``zero_grad`` (it comes after ``training_step``): the window's first micro-batch zeroes them here."""
+        trainer, ddp = self.trainer, self._ddp()
+        if batch_idx % trainer.accumulate_grad_batches == 0:  # Lightning's first micro-batch of a window
+            for optimizer in trainer.optimizers:
+                optimizer.zero_grad()
+        if ddp is not None:  # no reducer armed by this forward: every backward stays on this rank
+            self._oom_sync, ddp.require_backward_grad_sync = ddp.require_backward_grad_sync, False
+        k, scaler = int(trainer.accumulate_grad_batches), getattr(trainer.precision_plugin, "scaler", None)
+
+        def backward(loss: torch.Tensor) -> None:
+            loss = loss / k
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+
+        outcome = self._split_run(batch, forward, backward, "train")
+        self._oom_backward_done = True
+        self.log("train/oom_splits", float(self._oom.splits), batch_size=1, reduce_fx="max")
+        if self._oom.limit is not None:
+            self.log("train/oom_split_tokens", float(self._oom.limit), batch_size=1, reduce_fx="min")
+        return outcome
+
+    def split_evaluate(
+        self, batch: Batch, forward: Callable[[Batch], tuple[torch.Tensor, dict]], stage: str = "validation"
+    ) -> Outcome:
+        """The loss of an evaluation batch, in parts where needed (no backward)."""
+        return self._split_run(batch, forward, None, stage)
+
+    def evaluation_loss(self, batch: Batch, label_tokens: torch.Tensor, stage: str) -> torch.Tensor:
+        """``CausalLM``'s mean loss of an evaluation batch: ``self.loss(batch)``, or with ``on_oom="split"`` the sum
+        of its parts' token losses over the batch's ``label_tokens``."""
+        if not self.splitting:
+            return self.loss(batch)
+        return self.split_evaluate(batch, lambda part: (self.loss(part, label_tokens), {}), stage).loss
+
+    def _split_run(self, batch, forward, backward, stage: str) -> Outcome:
+        trainer = self.trainer
+        device = trainer.strategy.root_device
+        params = self.parameters() if backward is not None else ()
+        outcome = self._oom.run(batch, forward, backward, params, trainer.global_step, device, stage)
+        failed = outcome.failed is not None
+        if self._distributed():
+            failed = self._oom.agree(failed, all_reduce_max, device)
+        if failed:
+            message = (
+                does_not_fit_message(outcome.failed, trainer.global_rank if self._distributed() else None)
+                if outcome.failed is not None
+                else f"on_oom='split': {stage} step {trainer.global_step}: a single row on another rank ran out of "
+                f"memory (see that rank's error); this rank stops with it. Fixes: {FIXES}."
+            )
+            raise RowDoesNotFit(message)
+        return outcome
+
+    @override
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Skip the backward :meth:`split_backward` has done; otherwise Lightning's."""
+        if self._oom_backward_done:
+            self._oom_backward_done = False
+            return
+        super().backward(loss, *args, **kwargs)
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Lightning zeroes gradients between ``training_step`` and the backward: after :meth:`split_backward` that
+        would drop the micro-batch's gradient, zeroed already before it ran."""
+        if not self._oom_backward_done:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def _oom_after_backward(self) -> None:
+        """Put DDP's flag back; at the window's last micro-batch, average the gradient over the ranks once."""
+        ddp = self._ddp()
+        if ddp is not None and self._oom_sync is not None:
+            ddp.require_backward_grad_sync, self._oom_sync = self._oom_sync, None
+        if self._distributed() and not self.trainer.fit_loop._should_accumulate():
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            average_gradients_(grads, self.trainer.world_size)
