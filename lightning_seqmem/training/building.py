@@ -17,7 +17,13 @@ import torch
 from lightning_seqmem.messages import short_repr
 from lightning_seqmem.protocols import GivesMaxBatchShape
 from lightning_seqmem.training.adapter_checkpoints import admit_rebuilt_base
-from lightning_seqmem.training.adapters import LoraSettings, apply_lora, quantized_load_kwargs, resolve_lora
+from lightning_seqmem.training.adapters import (
+    NON_REENTRANT,
+    LoraSettings,
+    apply_lora,
+    quantized_load_kwargs,
+    resolve_lora,
+)
 from lightning_seqmem.training.attention import AUTO, register_varlen_attention
 from lightning_seqmem.training.varlen import TORCH_VARLEN
 
@@ -106,7 +112,7 @@ def build_causal_lm(
         config._attn_implementation = attn
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     if lora is not None:
         model = apply_lora(model, lora)
         if pretrained_path is not None:  # a checkpoint may leave this base out: it is loaded from there again
@@ -114,6 +120,15 @@ def build_causal_lm(
     if compile:
         model.compile()  # in place (nn.Module.compile): parameter names and checkpoints unchanged
     return model
+
+
+def enable_checkpointing(model) -> None:
+    """Recompute each layer in backward, non-reentrant (torch's recommended mode, the one the memory estimate
+    traces). transformers 5 renamed the method; the older name warns."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(NON_REENTRANT))
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(NON_REENTRANT))
 
 
 # ------------------------------------------------------------------------------------------------- positions
