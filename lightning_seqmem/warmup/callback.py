@@ -178,13 +178,21 @@ class SeqLengthWarmup(Callback):
             self._total_steps = 1  # warmup is off: always max_seq_length, whatever the run length
         elif self.total_tokens is None:
             total = trainer.estimated_stepping_batches
-            if not math.isfinite(total) or total < 1:
+            if total == 0:
+                rank_zero_warn(
+                    f"SeqLengthWarmup: this run takes no optimizer step (Trainer(max_steps={trainer.max_steps}, "
+                    f"max_epochs={trainer.max_epochs}): {total} steps), so warmup never cuts a batch; fit trains "
+                    "nothing (validation may still run). Give max_steps > 0 (or max_epochs > 0) to train."
+                )
+                self._total_steps = 1
+            elif not math.isfinite(total) or total < 1:  # -1: an unsized loader and no max_steps
                 raise MisconfigurationException(
                     "SeqLengthWarmup follows the optimizer step out of `trainer.estimated_stepping_batches`, which is "
                     f"unknown here ({total}: an unsized train loader, e.g. an IterableDataset, and no max_steps). Set "
                     "Trainer(max_steps=...) or give the callback a token budget: SeqLengthWarmup(total_tokens=...)."
                 )
-            self._total_steps = max(int(total), 1)
+            else:
+                self._total_steps = int(total)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -252,7 +260,13 @@ class SeqLengthWarmup(Callback):
         except Exception:  # the DataModule cannot tell yet; the per-batch check still applies
             return
         self._warned_long_batch = True  # the DataModule answered; no need to look at batches
-        if self.max_seq_length > length:
+        if self.duration > 0 and self.min_seq_length < self.max_seq_length and self.min_seq_length >= length:
+            rank_zero_warn(
+                f"SeqLengthWarmup(min_seq_length={self.min_seq_length}) starts at or above the longest batch the "
+                f"DataModule yields ({length} tokens per row): no batch is ever cut, so warmup changes nothing. "
+                f"Lower min_seq_length below {length} (and max_seq_length to {length}), or drop the callback."
+            )
+        elif self.max_seq_length > length:
             rank_zero_warn(
                 f"SeqLengthWarmup(max_seq_length={self.max_seq_length}) is longer than the longest batch the "
                 f"DataModule yields ({length} tokens): lengths above {length} cut nothing, so that part of warmup is "
