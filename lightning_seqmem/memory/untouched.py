@@ -18,7 +18,7 @@ from lightning_seqmem.training.loss import TokenLossNormalizer
 @contextlib.contextmanager
 def untouched(pl_module: LightningModule, wrapper: torch.nn.Module | None = None) -> Iterator[None]:
     """Run a throw-away training step: afterwards RNGs, buffers, torchmetrics states, plain scalar attributes of the
-    LightningModule, its ``TokenLossNormalizer``\ s and module modes are as before, ``self.log`` calls were no-ops
+    LightningModule, its ``TokenLossNormalizer`` objects and module modes are as before, ``self.log`` calls were no-ops
     and all gradients are ``None``."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
