@@ -177,7 +177,8 @@ def test_unsized_loader_needs_max_steps_or_token_budget(tmp_path):
 def test_unsized_loader_is_fine_when_warmup_is_off(tmp_path):
     unsized = DataLoader(Tokens(), batch_size=ROWS, collate_fn=pad_collate)
     model = TinyLM()
-    trainer(tmp_path, [SeqLengthWarmup(duration=0, max_seq_length=32)], limit_val_batches=0).fit(model, unsized)
+    with pytest.warns(UserWarning, match="got a training batch of 64 tokens per row"):  # 32 of them, on purpose
+        trainer(tmp_path, [SeqLengthWarmup(duration=0, max_seq_length=32)], limit_val_batches=0).fit(model, unsized)
     assert {r["seq"] for r in model.train_seen} == {32}
 
 
