@@ -22,9 +22,7 @@ def test_tokenizer_without_pad_token_gets_eos_with_a_warning(tokenizer, tmp_path
 
     tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="</s>")
     assert tok.pad_token_id is None
-    with pytest.warns(
-        UserWarning, match=r"Tokenizer \w+ \(built in memory, 4,096 tokens\) has no pad"
-    ):
+    with pytest.warns(UserWarning, match=r"Tokenizer \w+ \(built in memory, 4,096 tokens\) has no pad"):
         fixed = load_tokenizer(tok)
     assert fixed.pad_token_id == fixed.eos_token_id
     tokenizer.save_pretrained(tmp_path / "no_pad")
