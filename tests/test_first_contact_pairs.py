@@ -195,3 +195,24 @@ def test_pairs_that_mix_text_and_turns_are_refused_by_row_and_column(tmp_path, c
     data = rows if container == "list" else pytest.importorskip("pandas").DataFrame(rows)
     with pytest.raises(ValueError, match=r"row 7, column 'prompt' holds turns .* where row 0 holds text"):
         SeqMemDataModule(data, max_length=32, micro_batch_size=4, cache_dir=tmp_path).setup("fit")
+
+
+def test_reference_logps_stay_with_their_pair_in_a_selected_dataset(tmp_path):
+    """A dataset that is a selection of another (``select``, a shuffle): each pair keeps its own reference values."""
+    rows = _pairs_with_reference(lambda i: 0.0)
+    for i, row in enumerate(rows):
+        row["chosen_ids"] = [40 + i, 8]
+        row["ref_chosen_logps"] = -float(40 + i)  # names the pair by its first chosen token
+    data = datasets.Dataset.from_list(rows).select(list(range(23, -1, -1)))  # an indices mapping over the table
+    dm = SeqMemDataModule(data, max_length=16, micro_batch_size=4, pad_token_id=0, strategy="pad", cache_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dm.setup("fit")
+    checked = 0
+    for batch in dm.train_dataloader():
+        pairs = batch["ref_chosen_logps"].shape[0]
+        for row in range(pairs):  # chosen rows first: the first completion token is the pair's 40 + i
+            first = batch["input_ids"][row][batch["completion_mask"][row].bool()][0]
+            assert batch["ref_chosen_logps"][row].item() == -float(first)
+            checked += 1
+    assert checked == dm.stats()["train"]["documents"]

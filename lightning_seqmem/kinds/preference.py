@@ -132,10 +132,9 @@ def reference_logps(dataset: Any) -> dict[str, np.ndarray]:
     for key in REF_LOGPS_KEYS:
         if key not in dataset.column_names:
             continue
-        column = dataset.data.column(key)
-        kind = column.type
+        kind = dataset.data.schema.field(key).type  # the rows themselves through dataset[...]: it keeps a selection
         if pa.types.is_floating(kind) or pa.types.is_integer(kind) or pa.types.is_null(kind):
-            out[key] = column.to_numpy(zero_copy_only=False).astype(np.float64)
+            out[key] = np.asarray(dataset[key], dtype=np.float64)  # a missing value is NaN (named by row later)
             continue
         value = dataset[0][key]
         if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
