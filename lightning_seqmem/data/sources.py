@@ -15,6 +15,7 @@ all look like file names (no whitespace, a known extension) that do not exist, i
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,7 +47,7 @@ def _value_kind(value: Any) -> str | None:
         return "text"
     if isinstance(value, Mapping):
         return "a dict"
-    if isinstance(value, (bool, int, float)):
+    if isinstance(value, numbers.Number):  # numpy's scalars too (a DataFrame's cells)
         return "a number"
     if _is_conversation(value) and len(value) > 0:
         return "turns (a list of {'role', 'content'} dicts)"
