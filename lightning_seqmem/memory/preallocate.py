@@ -127,9 +127,10 @@ class CachePreallocator(Callback):
     optimizer step's temporaries (:mod:`~lightning_seqmem.memory.optimizer_state`: plain tensors of the same
     sizes, dropped afterwards; Adam, AdamW and SGD are known). Then every gradient is set to ``None``. Nothing else
     changes: no optimizer or scheduler step, and parameters, optimizer state, buffers, torchmetrics states, scalar
-    attributes of the LightningModule (counters) and its ``TokenLossNormalizer`` objects, ``global_step`` and the python,
-    numpy, torch and CUDA RNGs are as before. ``self.log`` calls inside ``training_step`` are no-ops for this pass. A shape the model cannot take
-    (longer than its position embeddings, say) fails here too, in the first minute.
+    attributes of the LightningModule (counters) and its ``TokenLossNormalizer`` objects, ``global_step`` and the
+    python, numpy, torch and CUDA RNGs are as before. ``self.log`` calls inside ``training_step`` are no-ops for
+    this pass. A shape the model cannot take (longer than its position embeddings, say) fails here too, in the
+    first minute.
 
     The shape comes from ``trainer.datamodule.max_batch_shape()`` (keys from ``batch_keys()``; the
     :mod:`~lightning_seqmem.protocols` ``GivesMaxBatchShape`` and ``GivesBatchKeys``), or from ``rows`` and ``length``.
