@@ -410,3 +410,12 @@ def test_max_steps_zero_says_the_run_trains_nothing(tmp_path):
     with pytest.warns(UserWarning, match=r"no optimizer step \(Trainer\(max_steps=0, .*fit trains nothing"):
         trainer(tmp_path, [warmup], limit_val_batches=0, max_steps=0).fit(model, datamodule=ShapeDataModule(LENGTH))
     assert model.train_seen == []
+
+
+def test_min_seq_length_above_every_batch_without_a_datamodule_is_reported_when_warmup_ends(tmp_path):
+    """A plain loader (no DataModule to ask): rows of at most 64 tokens, warmup from 96; said once, at its end."""
+    warmup = SeqLengthWarmup(duration=0.5, min_seq_length=96, max_seq_length=128)
+    model = TinyLM()
+    with pytest.warns(UserWarning, match=r"ended without cutting a batch: .* 64 tokens per row, .*min_seq_length=96"):
+        trainer(tmp_path, [warmup], limit_val_batches=0).fit(model, loader(4))
+    assert {r["seq"] for r in model.train_seen} == {LENGTH}
