@@ -11,30 +11,53 @@ configure_allocator()  # before torch is imported: the CUDA allocator reads its 
 
 import lightning.pytorch as L  # noqa: E402
 import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from lightning_seqmem import SeqLengthWarmup, SeqMemDataModule  # noqa: E402
+from lightning_seqmem import SeqLengthWarmup, SeqMemDataModule, TokenLossNormalizer  # noqa: E402
 from lightning_seqmem.apps.summary import RunSummary  # noqa: E402
+from lightning_seqmem.batch import count_label_tokens  # noqa: E402
 from lightning_seqmem.memory import CachePreallocator, MemoryMonitor  # noqa: E402
 
 
 class MyLM(L.LightningModule):
     """Any module that takes our batch dicts: ``input_ids``/``labels`` ``[batch, seq]`` plus ``position_ids``
-    (packed) or ``attention_mask`` (padded)."""
+    (packed) or ``attention_mask`` (padded).
 
-    def __init__(self, vocab_size: int, lr: float = 2e-3) -> None:
+    The loss is token-weighted: every label token of an optimizer step counts the same, whichever micro-batch it is
+    in (the warmup's short early batches, the last batch of an epoch, gradient accumulation, DDP ranks). A plain
+    per-micro-batch ``.loss`` would weigh a micro-batch of 40 tokens like one of 4,000.
+    """
+
+    def __init__(self, vocab_size: int, pad_token_id: int, lr: float = 2e-3) -> None:
         super().__init__()
-        self.model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_embd=128, n_layer=2, n_head=4))
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            pad_token_id=pad_token_id,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=4096,
+        )
+        self.model = LlamaForCausalLM(config)
         self.lr = lr
+        self.token_loss = TokenLossNormalizer()  # CachePreallocator's synthetic step leaves it as it was
 
     def training_step(self, batch, batch_idx):
-        loss = self.model(**batch, use_cache=False).loss
-        # Warmup may change the number of rows after Lightning read it: say the batch size.
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        # The sum of this micro-batch's token losses over a fixed scale; on_after_backward makes the step's mean.
+        loss = self.model(**batch, use_cache=False, num_items_in_batch=self.token_loss.add(batch["labels"])).loss
+        self.token_loss.add_loss(loss)  # for logging the step's true per-token loss
         return loss
 
+    def on_after_backward(self):
+        loss = self.token_loss.finish_step(self)  # rescales the gradients at the step's last micro-batch
+        if loss is not None:
+            self.log("train/loss", loss, prog_bar=True, batch_size=1)
+
     def validation_step(self, batch, batch_idx):
-        self.log("val/loss", self.model(**batch, use_cache=False).loss, batch_size=batch["input_ids"].shape[0])
+        # Weighted by label tokens, the epoch's value is the per-token mean over the whole validation split.
+        tokens = int(count_label_tokens(batch))
+        self.log("val/loss", self.model(**batch, use_cache=False).loss, batch_size=max(tokens, 1))
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
@@ -56,10 +79,11 @@ if __name__ == "__main__":
     ]
     trainer = L.Trainer(
         max_steps=args.max_steps,
+        accumulate_grad_batches=2,  # two micro-batches per step: their tokens weigh the same (token_loss)
         val_check_interval=max(1, args.max_steps // 2),
         limit_val_batches=4,
         callbacks=callbacks,
         default_root_dir=args.out,
         enable_checkpointing=False,
     )
-    trainer.fit(MyLM(vocab_size=len(dm.tokenizer)), datamodule=dm)
+    trainer.fit(MyLM(vocab_size=len(dm.tokenizer), pad_token_id=dm.pad_token_id), datamodule=dm)

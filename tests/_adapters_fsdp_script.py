@@ -6,13 +6,10 @@ A run can save a Lightning checkpoint at its end, or resume from one.
 """
 
 import datasets
-import lightning.fabric.strategies.fsdp as fabric_fsdp
 import lightning.pytorch as L
-import lightning.pytorch.strategies.fsdp as pytorch_fsdp
 import numpy as np
 from _memory_cpu_fsdp import CPUFSDPStrategy
-from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
-from torch.distributed.fsdp.api import FullOptimStateDictConfig
+from torch.distributed.fsdp import FullyShardedDataParallel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from lightning_seqmem import CausalLM, SeqMemDataModule
@@ -20,18 +17,6 @@ from lightning_seqmem.training.adapter_export import SaveAdapter
 
 LORA = dict(r=4, alpha=8, dropout=0.0)
 MAX_STEPS = 3  # two steps an epoch on each rank
-
-
-def full_state_dict_on_cpu_ranks(module, world_size, rank0_only=True):
-    """Lightning's full-state-dict context without ``offload_to_cpu``: FSDP's offload of parameters that already are
-    on the CPU crashes the process (a segmentation fault in its post-state-dict clone, torch 2.13), so CPU ranks
-    gather in place; on GPUs Lightning's own context (offload to the CPU) is what runs."""
-    return FullyShardedDataParallel.state_dict_type(
-        module=module,
-        state_dict_type=StateDictType.FULL_STATE_DICT,
-        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
-        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
-    )
 
 
 def clean(name):
@@ -68,8 +53,6 @@ def main(
     stopped after ``stop_at``; ``save``: a checkpoint written at the end (a file; ``sharded``: FSDP's folder of
     shards); ``resume``: the checkpoint to resume from. Returns ``{"steps": {global step: adapter}, "saved_to": ...}``
     (steps on rank 0 only)."""
-    # In this forked rank only: Lightning's checkpoint save and load (and _load_raw_module_state) gather through it.
-    pytorch_fsdp._get_full_state_dict_context = fabric_fsdp._get_full_state_dict_context = full_state_dict_on_cpu_ranks
     g = np.random.default_rng(0)
     docs = [g.integers(2, 64, n).tolist() for n in g.integers(8, 30, 32)]
     L.seed_everything(0)

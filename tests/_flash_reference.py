@@ -101,15 +101,47 @@ def use_reference_flash(monkeypatch) -> None:
 CALLS = []  # (form, number of segments) of every call of the torch varlen stand-in
 
 
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(message)
+
+
+def check_flash_varlen_inputs(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k) -> None:
+    """The checks torch's flash varlen kernel makes before it runs (``mha_varlen_fwd`` in
+    ``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``), with its messages: a stand-in that
+    accepted what the CUDA kernel refuses would pass a test that fails on the first GPU step."""
+    _check(q.dtype in (torch.float16, torch.bfloat16), "FlashAttention only support fp16 and bf16 data type")
+    _check(k.dtype == q.dtype, "query and key must have the same dtype")
+    _check(v.dtype == q.dtype, "query and value must have the same dtype")
+    for name, cu in (("cu_seqlens_q", cu_seq_q), ("cu_seqlens_k", cu_seq_k)):
+        _check(cu.dtype == torch.int32, f"{name} must have dtype int32")
+        _check(cu.is_contiguous() and cu.ndim == 1, f"{name} must be contiguous")
+    _check(len({t.device for t in (q, k, v, cu_seq_q, cu_seq_k)}) == 1, "Tensor must be on CUDA device")
+    _check(all(t.stride(-1) == 1 for t in (q, k, v)), "Input tensor must have contiguous last dimension")
+    _check(q.ndim == k.ndim == v.ndim == 3, "q, k, v must be [total, heads, head_size]")
+    total_q, heads, head_size = q.shape
+    _check(head_size <= 256, "FlashAttention forward only supports head dimension at most 256")
+    _check(head_size % 8 == 0, "head_size must be a multiple of 8, this is ensured by padding!")
+    _check(heads % k.shape[1] == 0, "Number of heads in key/value must divide number of heads in query")
+    _check(k.shape == v.shape and k.shape[2] == head_size, "k and v sizes check failed")
+    _check(cu_seq_q.numel() == cu_seq_k.numel() and cu_seq_q.numel() >= 2, "batch size must be positive")
+    # What the kernel trusts and a wrong value would make silently wrong (it reads out of bounds): checked here.
+    _check(int(cu_seq_q[-1]) == total_q and int(cu_seq_k[-1]) == k.shape[0], "cu_seqlens do not end at total")
+    _check(isinstance(max_q, int) and isinstance(max_k, int), "max_q and max_k are host integers")
+    _check(int((cu_seq_q[1:] - cu_seq_q[:-1]).max()) == max_q, "max_q is not the longest query sequence")
+
+
 def _torch_varlen(form, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale=None, enable_gqa=False):
-    """What torch's kernel computes, with the checks its CUDA implementation makes."""
-    assert q.ndim == k.ndim == v.ndim == 3 and cu_seq_q is cu_seq_k and cu_seq_q.dtype == torch.int32
-    assert int(cu_seq_q[-1]) == q.shape[0] == k.shape[0] and isinstance(max_q, int) and max_q == max_k
-    assert int((cu_seq_q[1:] - cu_seq_q[:-1]).max()) == max_q
-    assert enable_gqa or k.shape[1] == q.shape[1], "this form needs as many key/value heads as query heads"
+    """What torch's kernel computes (in fp32, the output in the inputs' dtype, as flash accumulates), after the
+    checks its CUDA implementation makes."""
+    check_flash_varlen_inputs(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k)
+    assert cu_seq_q is cu_seq_k and max_q == max_k, "self-attention: the same segments for queries and keys"
+    if not enable_gqa and k.shape[1] != q.shape[1]:  # varlen_attn's own check, before the kernel
+        raise ValueError("Expect query and key/value to have the same number of heads; try enable_gqa=True")
     assert causal, "a causal LM must ask for causal attention"
     CALLS.append((form, cu_seq_q.numel() - 1))
-    return _segments(q, k, v, cu_seq_q, scale, True)
+    out = _segments(q.float(), k.float(), v.float(), cu_seq_q, scale, True)
+    return out.to(q.dtype)
 
 
 def _form_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):

@@ -190,3 +190,26 @@ def test_missing_peft_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
     with pytest.raises(ImportError, match=r"pip install lightning_seqmem\[peft\]"):
         adapters.import_peft()
+
+
+def test_qlora_keeps_non_reentrant_checkpointing_and_casts_every_half_parameter_to_fp32():
+    """PEFT's real ``prepare_model_for_kbit_training`` on a bf16 base with checkpointing on. Only the 4-bit load is
+    stood in for (``is_loaded_in_4bit``: bitsandbytes runs on CUDA only); the layers stay plain ``nn.Linear``."""
+    import warnings
+
+    from lightning_seqmem.training.building import enable_checkpointing
+
+    base = tiny_llama().to(torch.bfloat16)
+    base.is_loaded_in_4bit = True
+    enable_checkpointing(base)
+    model = apply_lora(base, dict(r=4, alpha=8, dropout=0.0, quantize="nf4"))
+    # Every parameter the 4-bit load leaves in half precision is fp32 now: norms, embeddings (tied head), adapter.
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    layers = model.get_base_model().model.layers
+    assert all(layer.gradient_checkpointing for layer in layers)
+    assert {layer._gradient_checkpointing_func.keywords["use_reentrant"] for layer in layers} == {False}
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when use_reentrant is left to its (reentrant) default
+        model(**batch()).loss.backward()
+    assert all(p.grad is not None for _, p in trainable_parameters(model))

@@ -163,7 +163,8 @@ def _enc(tok, messages, row=0):
 
 def test_llama2_system_prompt_folded_into_the_first_user_turn_survives_truncation(minilm_dir):
     tok = _minilm(minilm_dir, LLAMA2)
-    enc = encode_conversation(LONG, ChatRenderer(tok), 0)  # no markers: by prefix difference
+    with pytest.warns(UserWarning, match="no {% generation %} markers"):  # no markers: by prefix difference, said once
+        enc = encode_conversation(LONG, ChatRenderer(tok), 0)
     assert enc.input_ids.tolist() == _oracle(tok, LONG, masks=False)["input_ids"]
     cut = truncate(enc, 450)
     text = tok.decode(cut.input_ids.tolist())
@@ -195,7 +196,8 @@ CALL = [
 
 def test_tool_calls_render_with_a_tool_branch_and_are_refused_without_one(minilm_dir):
     tok = _minilm(minilm_dir, QWEN_TOOLS)
-    enc = encode_conversation(CALL, ChatRenderer(tok), 0)
+    with pytest.warns(UserWarning, match="no {% generation %} markers"):
+        enc = encode_conversation(CALL, ChatRenderer(tok), 0)
     assert enc.input_ids.tolist() == _oracle(tok, CALL, masks=False)["input_ids"]
     assert "weather" in tok.decode(enc.input_ids[enc.trained_mask()].tolist())  # the call is trained on
     with pytest.raises(ValueError, match=r"Conversation 3, turn 1 \(assistant\) has tool_calls.*no tool branch"):
@@ -208,7 +210,8 @@ def test_content_parts_render_as_apply_chat_template_or_joined_and_other_parts_a
         {"role": "assistant", "content": "Looked."},
     ]
     tok = _minilm(minilm_dir, PARTS)
-    renderer = ChatRenderer(tok)
+    with pytest.warns(UserWarning, match="no {% generation %} markers"):
+        renderer = ChatRenderer(tok)
     assert _enc(tok, parts).input_ids.tolist() == _oracle(tok, parts, masks=False)["input_ids"]
     assert encode_conversation(parts, renderer, 0).input_ids.tolist() == _oracle(tok, parts, masks=False)["input_ids"]
     # A template that takes a string: the text parts joined with a newline (apply_chat_template raises here).

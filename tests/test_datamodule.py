@@ -97,3 +97,23 @@ def test_bad_datasets(tmp_path):
         SeqMemDataModule(dataset=datasets.Dataset.from_dict({"text": []})).setup("fit")
     with pytest.raises(TypeError, match="Row 1 of split 'train', column 'text' is NoneType"):
         SeqMemDataModule(dataset=datasets.Dataset.from_dict({"text": ["ok", None, "fine"]})).setup("fit")
+
+
+def test_a_micro_batch_larger_than_the_training_split_is_reported_once(tmp_path):
+    """512 rows asked, 5 documents given: one batch of 5 rows an epoch, said once with both figures."""
+    import warnings
+
+    docs = [f"document {i}: " + "words " * (4 + i) for i in range(6)]
+    dm = SeqMemDataModule(docs, strategy="pad", micro_batch_size=512, max_length=64, cache_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm.setup("fit")
+    said = [str(w.message) for w in caught if "micro_batch_size=512" in str(w.message)]
+    rows = dm.stats()["train"]["rows"]
+    assert len(said) == 1 and f"larger than the {rows} row(s) the split holds (with batching=Pad())" in said[0]
+    assert next(iter(dm.train_dataloader()))["input_ids"].shape[0] == rows  # what it says: one batch of them
+    quiet = SeqMemDataModule(docs, strategy="pad", micro_batch_size=rows, max_length=64, cache_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet.setup("fit")
+    assert not [w for w in caught if "micro_batch_size" in str(w.message)]

@@ -144,3 +144,75 @@ def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused_at_setup(tmp_p
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match=rf"vocabulary has 64 tokens .* tokenizer has {size} .*vocab_size={size}"):
             quiet_trainer().fit(CausalLM(model_config=TINY, vocab_size=64), datamodule=dm)
+
+
+def _pairs_with_reference(chosen_logps):
+    return [
+        {
+            "prompt_ids": [5 + i % 7, 6],
+            "chosen_ids": [7, 8 + i % 5],
+            "rejected_ids": [9 + i % 3],
+            "ref_chosen_logps": chosen_logps(i),
+            "ref_rejected_logps": -2.5,
+        }
+        for i in range(24)
+    ]
+
+
+@pytest.mark.parametrize(
+    "chosen_logps,found",
+    [
+        (lambda i: [-1.0, -0.5], "holds a list of 2 numbers"),  # per-token, one length: would pass as a 2-D array
+        (lambda i: [-1.0] * (2 + i % 3), "holds a list of 2 numbers"),  # per-token, ragged
+        (lambda i: str(-1.0 - i), r"is '-\d+.0' \(string\)"),  # train row 0 is some dataset row
+    ],
+)
+def test_reference_logps_that_are_not_one_number_per_sequence_are_refused_by_column_and_row(
+    tmp_path, chosen_logps, found
+):
+    data = datasets.Dataset.from_list(_pairs_with_reference(chosen_logps))
+    dm = SeqMemDataModule(data, max_length=16, micro_batch_size=4, pad_token_id=0, cache_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=rf"split 'train': row 0: column 'ref_chosen_logps' {found}.*one number"):
+            dm.setup("fit")
+
+
+def test_the_pair_collator_refuses_per_token_reference_logps_by_example():
+    from lightning_seqmem.batching.pair_collate import ref_logps
+
+    examples = _pairs_with_reference(lambda i: -1.0)
+    assert ref_logps(examples)["ref_chosen_logps"].shape == (24,)
+    examples[3]["ref_chosen_logps"] = [-1.0, -0.5]
+    with pytest.raises(ValueError, match=r"example 3: 'ref_chosen_logps' is \[-1.0, -0.5\]; .*not one per token"):
+        ref_logps(examples)
+
+
+@pytest.mark.parametrize("container", ["list", "DataFrame"])
+def test_pairs_that_mix_text_and_turns_are_refused_by_row_and_column(tmp_path, container):
+    rows = pair_rows(12, long_prompt_at=())
+    rows.insert(7, {"prompt": [{"role": "user", "content": "Hi?"}], "chosen": "Hello.", "rejected": "Go."})
+    data = rows if container == "list" else pytest.importorskip("pandas").DataFrame(rows)
+    with pytest.raises(ValueError, match=r"row 7, column 'prompt' holds turns .* where row 0 holds text"):
+        SeqMemDataModule(data, max_length=32, micro_batch_size=4, cache_dir=tmp_path).setup("fit")
+
+
+def test_reference_logps_stay_with_their_pair_in_a_selected_dataset(tmp_path):
+    """A dataset that is a selection of another (``select``, a shuffle): each pair keeps its own reference values."""
+    rows = _pairs_with_reference(lambda i: 0.0)
+    for i, row in enumerate(rows):
+        row["chosen_ids"] = [40 + i, 8]
+        row["ref_chosen_logps"] = -float(40 + i)  # names the pair by its first chosen token
+    data = datasets.Dataset.from_list(rows).select(list(range(23, -1, -1)))  # an indices mapping over the table
+    dm = SeqMemDataModule(data, max_length=16, micro_batch_size=4, pad_token_id=0, strategy="pad", cache_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dm.setup("fit")
+    checked = 0
+    for batch in dm.train_dataloader():
+        pairs = batch["ref_chosen_logps"].shape[0]
+        for row in range(pairs):  # chosen rows first: the first completion token is the pair's 40 + i
+            first = batch["input_ids"][row][batch["completion_mask"][row].bool()][0]
+            assert batch["ref_chosen_logps"][row].item() == -float(first)
+            checked += 1
+    assert checked == dm.stats()["train"]["documents"]

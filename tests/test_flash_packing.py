@@ -10,6 +10,8 @@ The same for ``torch_varlen`` (torch's own varlen kernel, ``lightning_seqmem.tra
 attention dispatch, ``torch.nn.attention.varlen.varlen_attn`` replaced by the exact reference under each keyword
 form torch has had; packed documents and padded rows get their logits alone; ``"auto"`` and the errors."""
 
+import functools
+
 import lightning.pytorch as L
 import pytest
 import torch
@@ -78,6 +80,11 @@ def _segments(position_ids):
     cu = cu_seqlens(position_ids).tolist()
     length = position_ids.shape[1]
     return [(a // length, a % length, b - a) for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _bf16_mixed():
+    """Where ``"auto"`` picks ``torch_varlen``: bf16-mixed (the kernel takes fp16/bf16 only), here on the CPU."""
+    return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
 def _max_error_against_alone(lm, batch, packed_logits):
@@ -215,7 +222,7 @@ def test_torch_varlen_packed_documents_get_their_logits_alone(monkeypatch, packe
     ).eval()
     assert lm.model.config._attn_implementation == "torch_varlen"
     rows, length = batch["input_ids"].shape
-    with torch.no_grad():
+    with torch.no_grad(), _bf16_mixed():
         fixed = lm(batch).logits
         segments = CALLS[-1][1]
         # Without cu_seq_lens the segments come from position_ids (a model called directly): exact as well.
@@ -232,9 +239,10 @@ def test_torch_varlen_packed_documents_get_their_logits_alone(monkeypatch, packe
             max_length_k=length,
         ).logits
     assert {form} == {f for f, _ in CALLS} and segments == len(_segments(batch["position_ids"]))
-    assert _max_error_against_alone(lm, batch, fixed) <= 1e-5
-    assert _max_error_against_alone(lm, batch, direct) <= 1e-5
-    assert _max_error_against_alone(lm, batch, leaky) > 1e-3
+    with _bf16_mixed():
+        assert _max_error_against_alone(lm, batch, fixed) <= 1e-5
+        assert _max_error_against_alone(lm, batch, direct) <= 1e-5
+        assert _max_error_against_alone(lm, batch, leaky) > 1e-3
 
 
 def test_torch_varlen_padded_rows_get_their_logits_alone(monkeypatch):
@@ -247,7 +255,7 @@ def test_torch_varlen_padded_rows_get_their_logits_alone(monkeypatch):
     mask[0, 9:] = 0
     mask[1, :5] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    with torch.no_grad():
+    with torch.no_grad(), _bf16_mixed():
         logits = lm({"input_ids": ids, "attention_mask": mask}).logits
         assert CALLS[-1][1] == 5  # three runs of real tokens and two of padding
         for row in range(3):
@@ -310,3 +318,49 @@ def test_trainer_fit_auto_picks_torch_varlen_where_it_runs_and_sdpa_elsewhere(mo
 def test_trainer_fit_with_torch_varlen_on_cpu_fails_before_the_first_step(tmp_path):
     with pytest.raises(ValueError, match=r"'torch_varlen' cannot run here: torch's varlen kernel runs on CUDA only"):
         _fit(tmp_path, "torch_varlen")
+
+
+def test_the_varlen_stand_in_refuses_what_the_cuda_kernel_refuses():
+    """The stand-in's checks are the CUDA kernel's (``mha_varlen_fwd``): fp32, mixed dtypes, int64 offsets."""
+    from _flash_reference import check_flash_varlen_inputs
+
+    q = torch.randn(6, 4, 8, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    check_flash_varlen_inputs(q, q, q, cu, cu, 4, 4)
+    for args, message in [
+        ((q.float(), q.float(), q.float(), cu, cu), "only support fp16 and bf16"),
+        ((q, q.float(), q, cu, cu), "query and key must have the same dtype"),
+        ((q, q, q.half(), cu, cu), "query and value must have the same dtype"),
+        ((q, q, q, cu.long(), cu.long()), "cu_seqlens_q must have dtype int32"),
+        ((q.transpose(0, 2).contiguous().transpose(0, 2), q, q, cu, cu), "contiguous last dimension"),
+        ((q[..., :6], q[..., :6], q[..., :6], cu, cu), "multiple of 8"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            check_flash_varlen_inputs(*args, 4, 4)
+
+
+def test_torch_varlen_under_bf16_autocast_casts_rotary_fp32_query_and_key_back(monkeypatch):
+    """Rotary embeddings under autocast hand q, k in fp32 and v in bf16: the kernel gets all three in bf16, as
+    transformers' flash path casts them; without autocast a model in fp32 is refused by name."""
+    use_reference_torch_varlen(monkeypatch)
+    seen = []
+    kernel = TORCH_VARLEN_FORMS["2.12"]
+
+    @functools.wraps(kernel)  # the same signature: the adapter picks its keywords from it
+    def recording(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return kernel(q, k, v, *args, **kwargs)
+
+    import torch.nn.attention.varlen as torch_varlen
+
+    monkeypatch.setattr(torch_varlen, "varlen_attn", recording)
+    torch.manual_seed(0)
+    lm = CausalLM(model_config=TINY["llama"], vocab_size=64, pad_token_id=0, attn_implementation="torch_varlen")
+    batch = {"input_ids": torch.randint(4, 64, (2, 16)), "position_ids": torch.arange(16).repeat(2, 1)}
+    with _bf16_mixed():
+        loss = lm.model(**batch, labels=batch["input_ids"], use_cache=False).loss
+    loss.backward()  # the backward runs through the same (cast) tensors
+    assert set(seen) == {(torch.bfloat16,) * 3} and len(seen) == TINY["llama"]["num_hidden_layers"]
+    assert lm.model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    with pytest.raises(ValueError, match=r"'torch_varlen' runs in fp16/bf16 only.*torch.float32.*bf16-mixed"):
+        lm.model(**batch, use_cache=False)

@@ -135,7 +135,7 @@ def test_normalizer_without_lightning():
 
 
 class UserLM(L.LightningModule):
-    """A user's own module following TokenLossNormalizer's docstring example."""
+    """A user's own module following TokenLossNormalizer's docstring example (no ``on_train_start`` reset)."""
 
     def __init__(self):
         super().__init__()
@@ -148,9 +148,6 @@ class UserLM(L.LightningModule):
         loss = self.model(**batch, num_items_in_batch=self.token_loss.add(batch["labels"])).loss
         self.token_loss.add_loss(loss)
         return loss
-
-    def on_train_start(self):
-        self.token_loss.reset()
 
     def on_before_optimizer_step(self, optimizer):
         loss = self.token_loss.rescale_gradients(self)
@@ -213,13 +210,14 @@ def test_last_partial_window_and_a_step_without_label_tokens(tmp_path):
     assert "train/loss" not in trainer.callback_metrics or torch.isfinite(trainer.callback_metrics["train/loss"])
 
 
-def test_a_preallocation_pass_does_not_count_in_the_first_step(tmp_path):
+@pytest.mark.parametrize("module", [_model, UserLM], ids=["CausalLM", "users_own_module_without_reset"])
+def test_a_preallocation_pass_does_not_count_in_the_first_step(tmp_path, module):
     """CachePreallocator runs training_step + backward on a dummy batch in on_fit_start: its tokens must not join
-    the first optimizer step's count."""
+    the first optimizer step's count, in CausalLM and in a user's module that never calls reset()."""
     from lightning_seqmem.memory import CachePreallocator
 
     batches = [micro_batch(46), micro_batch(4, seed=1)]
-    model = _model()
+    model = module()
     _fit(model, batches, 2, tmp_path, callbacks=[CachePreallocator(rows=2, length=LENGTH)])
     ((params, grads),) = model.steps
     assert relative_error(grads, _reference_grads(params, batches)) <= 1e-5

@@ -263,5 +263,13 @@ def test_with_seq_length_warmup_in_reshape_mode(tmp_path, small_text_dataset):
     )
     warmup = SeqLengthWarmup(duration=0.5, min_seq_length=8, max_seq_length=32, truncate=False)
     cb = CachePreallocator()
-    trainer(tmp_path, [warmup, cb], max_steps=2).fit(model, datamodule=dm)
+    with pytest.warns(UserWarning, match="reshaped into extra rows"):  # 64-token rows, max 32: reshaped on purpose
+        trainer(tmp_path, [warmup, cb], max_steps=2).fit(model, datamodule=dm)
     assert cb.report.shapes == [warmup.max_warmup_shape(*dm.max_batch_shape())] == [(4, 32)]
+
+
+def test_says_once_that_the_modules_training_step_meets_a_synthetic_batch(tmp_path, caplog):
+    caplog.set_level("INFO")
+    trainer(tmp_path, [CachePreallocator()], max_steps=2).fit(TinyLM(), datamodule=TinyData())
+    said = [r.getMessage() for r in caplog.records if "synthetic batch" in r.getMessage()]
+    assert len(said) == 1 and "TinyLM.training_step(batch, 0) and backward run once" in said[0] and "2x48" in said[0]

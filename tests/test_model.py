@@ -1,3 +1,5 @@
+import logging
+
 import lightning.pytorch as L
 import pytest
 import torch
@@ -151,3 +153,31 @@ def test_rows_longer_than_rope_positions_warn(small_text_dataset, tmp_path):
     with pytest.warns(UserWarning, match=r"max_position_embeddings=32.*max_length to 32 or less"):
         trainer.fit(CausalLM(model_config=config), datamodule=dm)  # RoPE runs past the limit: a warning only
     assert trainer.global_step == 1
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_a_gpt2_config_of_our_vocabulary_builds_and_trains_without_transformers_warnings():
+    """GPT-2's config defaults (bos/eos 50256) do not fit a 4,096-token vocabulary, and its class name maps to no
+    loss: both made right, so transformers says nothing at build or at the first loss; what the caller gives stays."""
+    logging.Logger.warning_once.cache_clear()  # transformers warns once per process: make this test see it
+    records, hf_logger = _Records(), logging.getLogger("transformers")
+    hf_logger.addHandler(records)  # transformers' own handler writes to the stream it found at import
+    try:
+        lm = CausalLM(model_config=dict(model_type="gpt2", n_embd=32, n_layer=1, n_head=2), vocab_size=4096)
+        ids = torch.randint(0, 4096, (2, 16))
+        lm.model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False).loss.backward()
+    finally:
+        hf_logger.removeHandler(records)
+    assert records.messages == []
+    assert lm.model.config.bos_token_id is None and lm.model.loss_type == "ForCausalLM"
+    kept = build_model_config(dict(model_type="gpt2", bos_token_id=7), vocab_size=4096, pad_token_id=0)
+    assert kept.bos_token_id == 7 and kept.eos_token_id is None
+    assert build_model_config("tiny_llama", 4096, 0).bos_token_id == 1  # in range: Llama's default stays

@@ -22,9 +22,14 @@ def test_tokenizer_without_pad_token_gets_eos_with_a_warning(tokenizer, tmp_path
 
     tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="</s>")
     assert tok.pad_token_id is None
-    with pytest.warns(UserWarning, match="no pad token"):
+    with pytest.warns(UserWarning, match=r"Tokenizer \w+ \(built in memory, 4,096 tokens\) has no pad"):
         fixed = load_tokenizer(tok)
     assert fixed.pad_token_id == fixed.eos_token_id
+    tokenizer.save_pretrained(tmp_path / "no_pad")
+    saved = PreTrainedTokenizerFast.from_pretrained(tmp_path / "no_pad", pad_token=None)
+    saved.pad_token = None
+    with pytest.warns(UserWarning, match=rf"Tokenizer '{tmp_path / 'no_pad'}' has no pad token"):
+        load_tokenizer(saved)
 
 
 def test_local_tokenizer_directory_loads(tokenizer, tmp_path):

@@ -177,7 +177,8 @@ def test_unsized_loader_needs_max_steps_or_token_budget(tmp_path):
 def test_unsized_loader_is_fine_when_warmup_is_off(tmp_path):
     unsized = DataLoader(Tokens(), batch_size=ROWS, collate_fn=pad_collate)
     model = TinyLM()
-    trainer(tmp_path, [SeqLengthWarmup(duration=0, max_seq_length=32)], limit_val_batches=0).fit(model, unsized)
+    with pytest.warns(UserWarning, match="got a training batch of 64 tokens per row"):  # 32 of them, on purpose
+        trainer(tmp_path, [SeqLengthWarmup(duration=0, max_seq_length=32)], limit_val_batches=0).fit(model, unsized)
     assert {r["seq"] for r in model.train_seen} == {32}
 
 
@@ -391,3 +392,30 @@ def test_with_causal_lm_and_datamodule(tmp_path, strategy, truncate):
     assert warmup.tokens_seen == model.real_tokens_seen
     assert torch.isfinite(t.callback_metrics["val/loss"])
     assert warmup.max_warmup_shape(*dm.max_batch_shape()) == (4, 64)
+
+
+def test_min_seq_length_above_the_longest_batch_is_reported_once_with_the_figures(tmp_path):
+    """Rows of at most 64 tokens and a warmup that starts at 96: nothing is ever cut; one warning says so."""
+    warmup = SeqLengthWarmup(min_seq_length=96, max_seq_length=128)
+    model = TinyLM()
+    with pytest.warns(UserWarning, match=r"min_seq_length=96\) starts at or above .*\(64 tokens per row\)") as record:
+        trainer(tmp_path, [warmup], limit_val_batches=0).fit(model, datamodule=ShapeDataModule(LENGTH))
+    assert sum("SeqLengthWarmup" in str(w.message) for w in record) == 1  # not also the max_seq_length warning
+    assert {r["seq"] for r in model.train_seen} == {LENGTH}  # what it says: nothing was cut
+
+
+def test_max_steps_zero_says_the_run_trains_nothing(tmp_path):
+    warmup = SeqLengthWarmup(max_seq_length=LENGTH)
+    model = TinyLM()
+    with pytest.warns(UserWarning, match=r"no optimizer step \(Trainer\(max_steps=0, .*fit trains nothing"):
+        trainer(tmp_path, [warmup], limit_val_batches=0, max_steps=0).fit(model, datamodule=ShapeDataModule(LENGTH))
+    assert model.train_seen == []
+
+
+def test_min_seq_length_above_every_batch_without_a_datamodule_is_reported_when_warmup_ends(tmp_path):
+    """A plain loader (no DataModule to ask): rows of at most 64 tokens, warmup from 96; said once, at its end."""
+    warmup = SeqLengthWarmup(duration=0.5, min_seq_length=96, max_seq_length=128)
+    model = TinyLM()
+    with pytest.warns(UserWarning, match=r"ended without cutting a batch: .* 64 tokens per row, .*min_seq_length=96"):
+        trainer(tmp_path, [warmup], limit_val_batches=0).fit(model, loader(4))
+    assert {r["seq"] for r in model.train_seen} == {LENGTH}

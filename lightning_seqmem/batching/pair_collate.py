@@ -5,6 +5,7 @@ collators run in dataloader workers."""
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -123,11 +124,18 @@ def pair_sequences(
 
 def ref_logps(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     """The precomputed reference log-probabilities the examples carry, as ``[pairs]`` tensors (TRL's keys)."""
-    return {
-        key: torch.tensor([float(ex[key]) for ex in examples])
-        for key in REF_LOGPS_KEYS
-        if examples and key in examples[0]
-    }
+    out = {}
+    for key in REF_LOGPS_KEYS:
+        if not examples or key not in examples[0]:
+            continue
+        for i, ex in enumerate(examples):
+            if not isinstance(ex[key], numbers.Real) and not (hasattr(ex[key], "ndim") and ex[key].ndim == 0):
+                raise ValueError(
+                    f"example {i}: {key!r} is {short_repr(ex[key])}; DPO takes one reference log-probability per "
+                    "sequence (the sum over the completion's tokens), not one per token."
+                )
+        out[key] = torch.tensor([float(ex[key]) for ex in examples])
+    return out
 
 
 class PreferenceCollator:

@@ -105,6 +105,19 @@ class BatchingSettings:
         """Rows per batch of ``split`` (validation: ``eval_batch_size``, else ``micro_batch_size``)."""
         return self.micro_batch_size if split == "train" else self.eval_batch_size or self.micro_batch_size
 
+    def oversized_batch(self, rows: int) -> str | None:
+        """A warning when ``micro_batch_size`` is larger than the ``rows`` the training split holds (a token budget
+        decides its own rows): every epoch is then one batch of fewer rows than asked, and what was planned for
+        ``micro_batch_size`` rows (memory, speed) is not what runs."""
+        if self.max_tokens_per_batch is not None or rows >= self.micro_batch_size:
+            return None
+        return (
+            f"train: micro_batch_size={self.micro_batch_size} is larger than the {rows:,} row(s) the split holds "
+            f"(with batching={self.batching!r}): each epoch is one batch of {rows:,} rows, not "
+            f"{self.micro_batch_size}, so memory and speed planned for {self.micro_batch_size} rows are not what runs. "
+            f"Lower micro_batch_size to {rows:,} or fewer, or give more data."
+        )
+
     def packs_any(self) -> bool:
         """Whether the train or the validation loader packs documents (packing is planned at ``prepare_data``)."""
         return any(self.batching_for(s).packs for s in SPLITS)

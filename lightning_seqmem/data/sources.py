@@ -15,6 +15,7 @@ all look like file names (no whitespace, a known extension) that do not exist, i
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,6 +39,42 @@ def _is_conversation(item: Any) -> bool:
     )
 
 
+def _value_kind(value: Any) -> str | None:
+    """What a cell holds, in a user's words; ``None`` for a missing value (it fits any column)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, Mapping):
+        return "a dict"
+    if isinstance(value, numbers.Number):  # numpy's scalars too (a DataFrame's cells)
+        return "a number"
+    if _is_conversation(value) and len(value) > 0:
+        return "turns (a list of {'role', 'content'} dicts)"
+    if isinstance(value, Sequence) or hasattr(value, "__array__"):
+        return "a list"
+    return type(value).__name__
+
+
+def mixed_rows(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """The first row whose value in some column is of another kind than the column's first value (text where
+    row 0 has turns, a list where it has a number), named with its row and column; ``None`` when every column holds
+    one kind."""
+    first: dict[str, tuple[int, str]] = {}
+    for i, row in enumerate(rows):
+        for column, value in row.items():
+            kind = _value_kind(value)
+            if kind is None:
+                continue
+            seen = first.setdefault(column, (i, kind))
+            if seen[1] != kind:
+                return (
+                    f"row {i}, column {column!r} holds {kind} ({short_repr(value)}) where row {seen[0]} holds "
+                    f"{seen[1]}; a column holds one kind in every row (preference pairs: all text, or all turns)"
+                )
+    return None
+
+
 def _dataset_from_items(items: Sequence[Any]):
     """A list given as ``dataset=``: files (every item names existing files), else documents or rows.
 
@@ -58,8 +95,9 @@ def _dataset_from_items(items: Sequence[Any]):
             return datasets.DatasetDict(train=datasets.Dataset.from_list(rows))
         except Exception as err:  # ragged or mixed-type rows
             raise ValueError(
-                f"dataset is a list of {len(rows)} dicts that do not form a table: {type(err).__name__}: "
-                f"{short_repr(str(err))}. Give every row the same keys with values of one type."
+                f"dataset is a list of {len(rows)} dicts that do not form a table: "
+                f"{mixed_rows(rows) or f'{type(err).__name__}: {short_repr(str(err))}'}. Give every row the same keys "
+                "with values of one kind."
             ) from err
     if not all(isinstance(x, (str, os.PathLike)) for x in items):
         kinds = sorted({type(x).__name__ for x in items})
@@ -133,7 +171,13 @@ def load_text_dataset(dataset: Any = "builtin"):
             "a datasets.Dataset or a hub name (seqmem-train: data.dataset=<path or name>)."
         )
     elif _is_data_frame(dataset):
-        dsd = datasets.DatasetDict(train=datasets.Dataset.from_pandas(dataset, preserve_index=False))
+        try:
+            dsd = datasets.DatasetDict(train=datasets.Dataset.from_pandas(dataset, preserve_index=False))
+        except Exception as err:  # a column of mixed kinds (object dtype)
+            mixed = mixed_rows(dataset.to_dict("records"))
+            if mixed is None:
+                raise
+            raise ValueError(f"dataset (a DataFrame) does not form a table: {mixed}.") from err
     elif isinstance(dataset, (str, os.PathLike)):
         dsd = load_path_or_name(dataset)
     elif isinstance(dataset, Sequence):  # list, tuple, OmegaConf ListConfig

@@ -66,6 +66,16 @@ def _with_chat_template(tokenizer):
     return tokenizer
 
 
+def tokenizer_name(tok: Any) -> str:
+    """How messages name a tokenizer: its name or path where it has one, else its class and vocabulary size (a
+    tokenizer built in memory has an empty ``name_or_path``)."""
+    name = getattr(tok, "name_or_path", "")
+    if name:
+        return repr(str(name))
+    size = len(tok) if hasattr(tok, "__len__") else None
+    return f"{type(tok).__name__} (built in memory{f', {size:,} tokens' if size is not None else ''})"
+
+
 def load_tokenizer(tokenizer: Any = None):
     """Resolve a tokenizer argument: ``None``/``"builtin"`` (the default BPE), a name or path, or an object.
 
@@ -99,13 +109,13 @@ def load_tokenizer(tokenizer: Any = None):
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
             raise ValueError(
-                f"Tokenizer {getattr(tok, 'name_or_path', tok)!r} has neither a pad nor an EOS token; add one "
+                f"Tokenizer {tokenizer_name(tok)} has neither a pad nor an EOS token; add one "
                 "with tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the model's embeddings."
             )
         from lightning.pytorch.utilities import rank_zero_warn
 
         rank_zero_warn(
-            f"Tokenizer {getattr(tok, 'name_or_path', '')!r} has no pad token; using its EOS token "
+            f"Tokenizer {tokenizer_name(tok)} has no pad token; using its EOS token "
             f"{tok.eos_token!r} (id {tok.eos_token_id}) for padding. Padding never reaches the loss (labels -100)."
         )
         tok.pad_token = tok.eos_token

@@ -57,6 +57,9 @@ class MapStyle:
             self.datasets[split], self.rows[split] = prepared.dataset, prepared.rows
             self.lengths[split], self.labels[split] = prepared.lengths, prepared.labels
             self._stats[split] = prepared.stats
+        oversized = settings.batching.oversized_batch(len(self.lengths["train"])) if "train" in self.lengths else None
+        if oversized:
+            warn(oversized)
 
     def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
         strategy, data = self.strategies[split], self.settings.data

@@ -15,6 +15,7 @@ from lightning_seqmem.batching.pair_strategies import make_pair_strategy
 from lightning_seqmem.batching.strategies import Strategy
 from lightning_seqmem.data.columns import PREFERENCE_IDS, PREFERENCE_TEXT
 from lightning_seqmem.kinds.base import Documents, Kind, PreparedSplit, epoch_stats, lost_tokens
+from lightning_seqmem.messages import short_repr
 
 
 class Preference(Kind):
@@ -91,12 +92,8 @@ class Preference(Kind):
         prompt, chosen, rejected = (docs.parts[name] for name in PREFERENCE_TEXT)
         if split == "train" and len(prompt) == 0:
             raise ValueError("The training split holds no preference pairs: there is nothing to train on.")
-        ref = {
-            key: np.asarray(docs.dataset[key], dtype=np.float64)
-            for key in REF_LOGPS_KEYS
-            if key in docs.dataset.column_names
-        }
         try:
+            ref = reference_logps(docs.dataset)
             source, spans, warnings = plan_pairs(prompt, chosen, rejected, ref, strategy.pair_limits)
         except ValueError as error:
             raise ValueError(f"Preference data, split {split!r}: {error}") from None
@@ -117,3 +114,40 @@ class Preference(Kind):
         warnings = [f"{split}: {message}" for message in warnings]
         warnings += lost_tokens(split, stats, strategy, max_length, self.lost_tokens_fix(strategy))
         return PreparedSplit(docs.dataset, planned.rows, planned.lengths, None, stats, warnings)
+
+
+def reference_logps(dataset: Any) -> dict[str, np.ndarray]:
+    """The precomputed reference log-probability columns a split holds, as ``[pairs]`` float64 arrays.
+
+    One number per sequence, as TRL precomputes them: the reference model's log-probability of the whole
+    completion (the sum over its tokens). A column of lists (per-token log-probabilities) or of text is refused here,
+    by name, before it reaches collation; a missing value becomes NaN, which ``check_ref_logps`` names by row.
+
+    Raises:
+        ValueError: a reference column that is not one number per row, naming the column, a row and the fix.
+    """
+    import pyarrow as pa
+
+    out = {}
+    for key in REF_LOGPS_KEYS:
+        if key not in dataset.column_names:
+            continue
+        kind = dataset.data.schema.field(key).type  # the rows themselves through dataset[...]: it keeps a selection
+        if pa.types.is_floating(kind) or pa.types.is_integer(kind) or pa.types.is_null(kind):
+            out[key] = np.asarray(dataset[key], dtype=np.float64)  # a missing value is NaN (named by row later)
+            continue
+        value = dataset[0][key]
+        if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+            shape = f"a list of {len(value)} numbers" if value is not None else "a list"
+            raise ValueError(
+                f"row 0: column {key!r} holds {shape} (per-token log-probabilities?), and every row of it is a list; "
+                "DPO takes one number per sequence: the reference model's log-probability of the whole completion, "
+                f"the sum over its tokens (TRL's {key}). Sum each row's list over the completion's tokens, e.g. "
+                f"dataset.map(lambda row: {{{key!r}: sum(row[{key!r}])}}), or drop the column and use "
+                "DPO(reference='copy')."
+            )
+        raise ValueError(
+            f"row 0: column {key!r} is {short_repr(value)} ({kind}); reference log-probabilities are one number "
+            "per sequence (a float column). Convert the column to floats, or drop it and use DPO(reference='copy')."
+        )
+    return out

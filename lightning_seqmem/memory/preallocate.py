@@ -121,15 +121,17 @@ def _loss(output: Any) -> torch.Tensor | None:
 class CachePreallocator(Callback):
     """Run the run's costliest training step once before training starts, leaving its memory reserved.
 
-    In ``on_fit_start`` a batch of the worst-case shape goes through the LightningModule's own ``training_step``
+    In ``on_fit_start`` a synthetic batch (random token ids) of the worst-case shape goes through the
+    LightningModule's own ``training_step`` (said once in the log, since a user's step meets a batch it did not load)
     under the Trainer's precision context (autocast), then ``backward``, with what a steady-state step also holds:
     the optimizer state its first step will make, the previous step's gradients during the forward, and the
     optimizer step's temporaries (:mod:`~lightning_seqmem.memory.optimizer_state`: plain tensors of the same
     sizes, dropped afterwards; Adam, AdamW and SGD are known). Then every gradient is set to ``None``. Nothing else
     changes: no optimizer or scheduler step, and parameters, optimizer state, buffers, torchmetrics states, scalar
-    attributes of the LightningModule (counters), ``global_step`` and the python, numpy, torch and CUDA RNGs are as
-    before. ``self.log`` calls inside ``training_step`` are no-ops for this pass. A shape the model cannot take
-    (longer than its position embeddings, say) fails here too, in the first minute.
+    attributes of the LightningModule (counters) and its ``TokenLossNormalizer`` objects, ``global_step`` and the
+    python, numpy, torch and CUDA RNGs are as before. ``self.log`` calls inside ``training_step`` are no-ops for
+    this pass. A shape the model cannot take (longer than its position embeddings, say) fails here too, in the
+    first minute.
 
     The shape comes from ``trainer.datamodule.max_batch_shape()`` (keys from ``batch_keys()``; the
     :mod:`~lightning_seqmem.protocols` ``GivesMaxBatchShape`` and ``GivesBatchKeys``), or from ``rows`` and ``length``.
@@ -261,6 +263,11 @@ class CachePreallocator(Callback):
         self._predicted = self._predicted_shortfall(trainer, pl_module)
         if self._predicted:
             rank_zero_warn(f"CachePreallocator: {self._predicted}")
+        rank_zero_info(
+            f"CachePreallocator: {type(pl_module).__name__}.training_step(batch, 0) and backward run once on a "
+            f"synthetic batch ({', '.join(f'{r}x{n}' for r, n in shapes)}, random token ids) before training; "
+            "the module's state is put back, other side effects of the step (lists, files, loggers) see that batch."
+        )
         self._run(trainer, pl_module, "fit_start")
         rank_zero_info(self.report.summary())
 

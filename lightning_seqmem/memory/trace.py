@@ -54,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_seqmem.memory.precision import autocast_dtype, parameter_dtype
 from lightning_seqmem.training.adapters import is_peft_model
+from lightning_seqmem.training.building import enable_checkpointing
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE, distinct_chunks_only
 from lightning_seqmem.training.loss_layer import causal_lm_loss
 
@@ -318,15 +319,6 @@ def traced_attention(attn_implementation: str) -> str:
         f"attn_implementation={attn_implementation!r} cannot be estimated; use 'sdpa', 'eager', 'auto', "
         "'torch_varlen' or 'flash_attention_2'."
     )
-
-
-def enable_checkpointing(model) -> None:
-    """Recompute each layer in backward (transformers 5 renamed the method; the older name warns)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def build_model(

@@ -12,11 +12,14 @@ import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 
+from lightning_seqmem.training.loss import TokenLossNormalizer
+
 
 @contextlib.contextmanager
 def untouched(pl_module: LightningModule, wrapper: torch.nn.Module | None = None) -> Iterator[None]:
     """Run a throw-away training step: afterwards RNGs, buffers, torchmetrics states, plain scalar attributes of the
-    LightningModule and module modes are as before, ``self.log`` calls were no-ops and all gradients are ``None``."""
+    LightningModule, its ``TokenLossNormalizer`` objects and module modes are as before, ``self.log`` calls were no-ops
+    and all gradients are ``None``."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -25,6 +28,9 @@ def untouched(pl_module: LightningModule, wrapper: torch.nn.Module | None = None
     metrics = _metric_states(pl_module)
     # Plain counters a training_step may bump (e.g. CausalLM.real_tokens_seen).
     scalars = {k: v for k, v in vars(pl_module).items() if isinstance(v, (int, float, str, type(None)))}
+    # A TokenLossNormalizer counts the throw-away batch's tokens into the step it opens: put its bookkeeping back,
+    # so a user's module needs no reset() after the pass.
+    normalizers = [(n, dict(vars(n))) for n in vars(pl_module).values() if isinstance(n, TokenLossNormalizer)]
     # self.log is not allowed in on_fit_start (and has no result collection yet): make it a no-op for this step.
     pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None  # instance attributes shadow the methods
     pl_module.train()
@@ -43,6 +49,9 @@ def untouched(pl_module: LightningModule, wrapper: torch.nn.Module | None = None
                     buf.copy_(buffers[name])
         _restore_metric_states(metrics)
         vars(pl_module).update(scalars)
+        for normalizer, state in normalizers:
+            vars(normalizer).clear()
+            vars(normalizer).update(state)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])

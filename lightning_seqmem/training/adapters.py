@@ -224,10 +224,13 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings | Mapping[str, Any
     """``model`` (a Hugging Face causal LM) wrapped with a LoRA adapter: PEFT's ``get_peft_model``. The base is
     frozen, only the adapter's parameters (and the biases ``lora.bias`` names) require grad.
 
-    A QLoRA base (``quantize="nf4"``: loaded 4-bit, :func:`quantized_load_kwargs`) is first made trainable
-    (PEFT's ``prepare_model_for_kbit_training``: norms in fp32, input gradients for checkpointing). Under
-    gradient checkpointing the input embeddings' output requires grad, so that the checkpointed layers still reach
-    the adapter with a frozen embedding in front of them.
+    A QLoRA base (``quantize="nf4"``: loaded 4-bit, :func:`quantized_load_kwargs`) is first made trainable by
+    PEFT's ``prepare_model_for_kbit_training``: every parameter left in fp16/bf16 (norms, embeddings, the LM head:
+    all but the 4-bit weights) is cast to fp32, and checkpointing, when on, is enabled again. That call passes its
+    own (empty) checkpoint arguments, so torch would fall back to reentrant checkpointing; we pass
+    ``use_reentrant=False``, the mode the memory estimate models and transformers' default. Under plain LoRA with
+    checkpointing the input embeddings' output requires grad, so that the checkpointed layers still reach the
+    adapter with a frozen embedding in front of them.
 
     Raises:
         ImportError: PEFT is not installed.
@@ -243,10 +246,15 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings | Mapping[str, Any
                 "lora.quantize='nf4' needs a base loaded in 4-bit: build it with quantized_load_kwargs(settings) "
                 "(CausalLM(pretrained_path=..., lora=dict(quantize='nf4')) does)."
             )
-        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
+        model = peft.prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs=NON_REENTRANT
+        )
     elif checkpointing and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
     return peft.get_peft_model(model, settings.peft_config())
+
+
+NON_REENTRANT = {"use_reentrant": False}  # torch.utils.checkpoint's recommended mode (reentrant is its old default)
 
 
 def _is_checkpointing(model: torch.nn.Module) -> bool:

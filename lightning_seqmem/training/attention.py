@@ -12,6 +12,10 @@ the signature it finds.
 passes). No mask function is registered for it, so transformers builds no mask (and runs none of its packed-sequence
 detection) before calling it.
 
+The kernel takes fp16/bf16 only, with one dtype for query, key and value; under autocast, rotary embeddings hand
+query and key over in fp32 and value in the autocast dtype, so all three are cast back first, as transformers' own
+flash path does (``tests/_flash_reference.py`` holds a CPU stand-in that makes the CUDA kernel's checks).
+
 ``attn_implementation="auto"`` (:func:`resolve_attn_implementation`): ``torch_varlen`` where the kernel runs (CUDA,
 half precision, the kernel present), ``sdpa`` elsewhere.
 """
@@ -113,6 +117,24 @@ def call_varlen_kernel(query, key, value, cu_seqlens, max_length, scale=None):
     return kernel(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length, **kwargs)
 
 
+def _half_inputs(module: torch.nn.Module, query, key, value):
+    """``query``, ``key``, ``value`` in the one half-precision dtype the flash kernel takes.
+
+    Under autocast, rotary embeddings (computed in fp32) upcast ``query`` and ``key`` while ``value`` leaves its
+    projection in the autocast dtype; the kernel refuses fp32 and mixed dtypes. Cast back to the dtype
+    transformers' own flash path picks (the autocast dtype, else the quantized model's, else its first ``Linear``'s).
+    """
+    from transformers.integrations.flash_attention import get_target_dtype
+
+    target = get_target_dtype(query, module) or query.dtype
+    if target not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"attn_implementation={TORCH_VARLEN!r} runs in fp16/bf16 only, and the attention inputs are {target}: "
+            "train with precision='bf16-mixed' (or '16-mixed', 'bf16-true'), or use attn_implementation='sdpa'."
+        )
+    return query.to(target), key.to(target), value.to(target)
+
+
 def varlen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -148,6 +170,7 @@ def varlen_attention_forward(
     elif cu is None:
         cu = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=query.device)
         longest = length
+    query, key, value = _half_inputs(module, query, key, value)
     flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)]
     out = call_varlen_kernel(*flat, cu, int(longest), scale=scaling)
     return out.view(batch, length, heads, dim), None

@@ -17,7 +17,13 @@ import torch
 from lightning_seqmem.messages import short_repr
 from lightning_seqmem.protocols import GivesMaxBatchShape
 from lightning_seqmem.training.adapter_checkpoints import admit_rebuilt_base
-from lightning_seqmem.training.adapters import LoraSettings, apply_lora, quantized_load_kwargs, resolve_lora
+from lightning_seqmem.training.adapters import (
+    NON_REENTRANT,
+    LoraSettings,
+    apply_lora,
+    quantized_load_kwargs,
+    resolve_lora,
+)
 from lightning_seqmem.training.attention import AUTO, register_varlen_attention
 from lightning_seqmem.training.varlen import TORCH_VARLEN
 
@@ -66,7 +72,27 @@ def build_model_config(model_config: str | dict[str, Any], vocab_size: int, pad_
     fields.setdefault("vocab_size", vocab_size)
     if pad_token_id is not None:
         fields.setdefault("pad_token_id", pad_token_id)
+    fields.update(_quiet_defaults(model_type, fields))
     return AutoConfig.for_model(model_type, **fields)
+
+
+def _quiet_defaults(model_type: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """Defaults of the config class that do not fit a model built from scratch, set right so transformers does
+    not warn about them: a ``bos_token_id``/``eos_token_id`` outside this vocabulary (GPT-2's 50256 in a 4,096-token
+    one) becomes ``None`` (the tokenizer's own ids are the data's business: we train with labels, not by them). A
+    value the caller gave is kept."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return {}  # AutoConfig.for_model names the unknown type
+    defaults = CONFIG_MAPPING[model_type]()
+    vocab = fields.get("vocab_size", getattr(defaults, "vocab_size", None))
+    out: dict[str, Any] = {}
+    for name in ("bos_token_id", "eos_token_id"):
+        value = getattr(defaults, name, None)
+        if name not in fields and isinstance(value, int) and isinstance(vocab, int) and not 0 <= value < vocab:
+            out[name] = None
+    return out
 
 
 def build_causal_lm(
@@ -105,8 +131,10 @@ def build_causal_lm(
         config = build_model_config(model_config, vocab_size, pad_token_id)
         config._attn_implementation = attn
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    if getattr(model, "loss_type", "") is None:  # a class name transformers does not map (GPT2LMHeadModel)
+        model.loss_type = "ForCausalLM"  # the loss it falls back to, with a warning, at the first step
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     if lora is not None:
         model = apply_lora(model, lora)
         if pretrained_path is not None:  # a checkpoint may leave this base out: it is loaded from there again
@@ -114,6 +142,15 @@ def build_causal_lm(
     if compile:
         model.compile()  # in place (nn.Module.compile): parameter names and checkpoints unchanged
     return model
+
+
+def enable_checkpointing(model) -> None:
+    """Recompute each layer in backward, non-reentrant (torch's recommended mode, the one the memory estimate
+    traces). transformers 5 renamed the method; the older name warns."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(NON_REENTRANT))
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(NON_REENTRANT))
 
 
 # ------------------------------------------------------------------------------------------------- positions

@@ -79,10 +79,12 @@ class TokenLossNormalizer:
     (it rescales at the step's last micro-batch, so every ``on_before_optimizer_step`` hook, clipping and the optimizer
     see the per-token mean's gradients), or :meth:`rescale_gradients` in ``on_before_optimizer_step`` (then only hooks
     that run after it do). Lightning calls both after the fp16 grad scaler's backward; the rescale is linear, so
-    before or after its unscale is the same. No state outlives a step, so a resumed run is bit-identical. A callback
-    that runs ``training_step`` before training (``CachePreallocator``) leaves a count behind: call :meth:`reset` in
-    ``on_train_start`` (``CausalLM`` does). Made for single-device, DDP and FSDP (gradients averaged over ranks);
-    not for DeepSpeed, which scales accumulated gradients itself.
+    before or after its unscale is the same. No state outlives a step, so a resumed run is bit-identical.
+    ``CachePreallocator`` runs ``training_step`` on a synthetic batch before training and puts every normalizer held
+    as an attribute of the LightningModule back as it was, so no reset is needed after it; a normalizer kept
+    elsewhere (a submodule, a dict) is not found: call :meth:`reset` in ``on_train_start`` then. Made for
+    single-device, DDP and FSDP (gradients averaged over ranks); not for DeepSpeed, which scales accumulated
+    gradients itself.
 
     Example::
 
@@ -96,9 +98,6 @@ class TokenLossNormalizer:
                 loss = self.model(**batch, num_items_in_batch=self.token_loss.add(batch["labels"])).loss
                 self.token_loss.add_loss(loss)  # only for logging the true per-token loss
                 return loss
-
-            def on_train_start(self):
-                self.token_loss.reset()
 
             def on_after_backward(self):
                 loss = self.token_loss.finish_step(self)  # the step's per-token loss over all ranks, at its end

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
 from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
-from lightning_seqmem.training import adapter_checkpoints, adapters, checks
+from lightning_seqmem.training import adapter_checkpoints, adapters, checks, fsdp_cpu
 from lightning_seqmem.training.attention import AUTO, resolve_attn_implementation
 from lightning_seqmem.training.building import build_causal_lm, datamodule_max_length, positions_problem
 from lightning_seqmem.training.clipping import FsdpAwareClipping
@@ -189,6 +189,7 @@ class CausalLM(SplitsOnOom, FsdpAwareClipping, LightningModule):
             self._build()
         if self._trainer is not None:  # bitsandbytes' kernels (QLoRA, the 8-bit optimizer) run on CUDA only
             hp, device = self.hparams, self.trainer.strategy.root_device
+            fsdp_cpu.gather_full_state_dict_in_place(self.trainer.strategy)  # FSDP on CPU ranks: saving crashed
             adapters.check_quantization(adapters.resolve_lora(hp.get("lora"), hp.pretrained_path), device)
             check_optimizer(hp.get("optimizer", "adamw"), device)
         self._check_oom_strategy()

@@ -117,6 +117,8 @@ class SeqLengthWarmup(Callback):
         self._rows = 0
         self._pad_token_id: int | None = pad_token_id
         self._warned_long_batch = False
+        self._longest_seen = 0  # the longest training batch so far, before the cut (when no DataModule tells)
+        self._checked_cut = False  # whether warmup was found to cut nothing (told once)
 
     # ------------------------------------------------------------------------------------------ public API
 
@@ -178,13 +180,21 @@ class SeqLengthWarmup(Callback):
             self._total_steps = 1  # warmup is off: always max_seq_length, whatever the run length
         elif self.total_tokens is None:
             total = trainer.estimated_stepping_batches
-            if not math.isfinite(total) or total < 1:
+            if total == 0:
+                rank_zero_warn(
+                    f"SeqLengthWarmup: this run takes no optimizer step (Trainer(max_steps={trainer.max_steps}, "
+                    f"max_epochs={trainer.max_epochs}): {total} steps), so warmup never cuts a batch; fit trains "
+                    "nothing (validation may still run). Give max_steps > 0 (or max_epochs > 0) to train."
+                )
+                self._total_steps = 1
+            elif not math.isfinite(total) or total < 1:  # -1: an unsized loader and no max_steps
                 raise MisconfigurationException(
                     "SeqLengthWarmup follows the optimizer step out of `trainer.estimated_stepping_batches`, which is "
                     f"unknown here ({total}: an unsized train loader, e.g. an IterableDataset, and no max_steps). Set "
                     "Trainer(max_steps=...) or give the callback a token budget: SeqLengthWarmup(total_tokens=...)."
                 )
-            self._total_steps = max(int(total), 1)
+            else:
+                self._total_steps = int(total)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -200,6 +210,7 @@ class SeqLengthWarmup(Callback):
         else:
             seq_len = self.seq_length(trainer.global_step, self._total_steps or trainer.estimated_stepping_batches)
         self._warn_long_batch(batch)
+        self._warn_nothing_cut(batch, seq_len)
         # The same dict object goes on to training_step, so the in-place change is what the model sees.
         set_batch_sequence_length(batch, seq_len, self.truncate, self.preserve_end_of_sequence, self._pad_token_id)
         first = (
@@ -251,8 +262,14 @@ class SeqLengthWarmup(Callback):
             _, length = trainer.datamodule.max_batch_shape()
         except Exception:  # the DataModule cannot tell yet; the per-batch check still applies
             return
-        self._warned_long_batch = True  # the DataModule answered; no need to look at batches
-        if self.max_seq_length > length:
+        self._warned_long_batch = self._checked_cut = True  # the DataModule answered; no need to look at batches
+        if self.duration > 0 and self.min_seq_length < self.max_seq_length and self.min_seq_length >= length:
+            rank_zero_warn(
+                f"SeqLengthWarmup(min_seq_length={self.min_seq_length}) starts at or above the longest batch the "
+                f"DataModule yields ({length} tokens per row): no batch is ever cut, so warmup changes nothing. "
+                f"Lower min_seq_length below {length} (and max_seq_length to {length}), or drop the callback."
+            )
+        elif self.max_seq_length > length:
             rank_zero_warn(
                 f"SeqLengthWarmup(max_seq_length={self.max_seq_length}) is longer than the longest batch the "
                 f"DataModule yields ({length} tokens): lengths above {length} cut nothing, so that part of warmup is "
@@ -264,6 +281,23 @@ class SeqLengthWarmup(Callback):
                 f"SeqLengthWarmup(max_seq_length={self.max_seq_length}) is shorter than the DataModule's batches "
                 f"({length} tokens): even after warmup, tokens past {self.max_seq_length} {what}. Set "
                 f"max_seq_length={length} to train at full length after warmup."
+            )
+
+    def _warn_nothing_cut(self, batch: Any, seq_len: int) -> None:
+        """Without a DataModule that tells its longest batch: at the end of warmup, say so if no batch was longer
+        than ``min_seq_length`` (nothing was ever cut)."""
+        if self._checked_cut or not isinstance(batch, dict) or self.min_seq_length == self.max_seq_length:
+            return
+        lengths = [v.shape[-1] for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim == 2]
+        self._longest_seen = max([self._longest_seen, *lengths])
+        if seq_len < self.max_seq_length or self.duration == 0:
+            return
+        self._checked_cut = True
+        if 0 < self._longest_seen <= self.min_seq_length:
+            rank_zero_warn(
+                f"SeqLengthWarmup ended without cutting a batch: the longest training batch had {self._longest_seen} "
+                f"tokens per row, at or below min_seq_length={self.min_seq_length}, so warmup changed nothing. "
+                f"Lower min_seq_length below {self._longest_seen}, or drop the callback."
             )
 
     def _warn_long_batch(self, batch: Any) -> None:
