@@ -94,9 +94,13 @@ def test_optimizer_steps_follow_devices_and_accumulation(small_text_dataset):
 def test_bad_input_says_what_is_wrong():
     lengths = {"train": np.array([3, 5, 9]), "validation": np.array([4])}
     settings = BatchingSettings()
-    with pytest.raises(ValueError, match=r"Unknown strategy 'paddington'; choose one of \['pad', 'truncate', 'pack'\]"):
+    with pytest.raises(
+        ValueError, match=r"Unknown strategy 'paddington'; choose one of \['pad', 'truncate', 'pack_bfd'"
+    ):
         build_plan(lengths, [Pad(), "paddington"], [64], settings, (Pad(), 64))
-    with pytest.raises(ValueError, match=r"No strategies to plan; give batching objects, e.g. \[Pad\(\), "):
+    with pytest.raises(
+        ValueError, match=r"No strategies to plan; give batching names, e.g. \['pad', 'pad\(to_max_length=True\)', "
+    ):
         build_plan(lengths, [], [64], settings, (Pad(), 64))
     with pytest.raises(ValueError, match="non-empty list of ints >= 2"):
         build_plan(lengths, [Pad()], [], settings, (Pad(), 64))
@@ -181,7 +185,7 @@ def test_plan_api_from_a_datamodule_and_a_model_config(small_text_dataset):
         precision="32-true",
     )
     assert (result.configured.batching, result.configured.max_length) == (Pack(method="bfd"), 64)
-    assert result.configured.strategy == "Pack(method='bfd')"
+    assert result.configured.strategy == "pack_bfd"
     assert result.configured.max_batch_shape == dm.max_batch_shape()
     assert result.memory.fits == {False: 2, True: 2}
     assert result.recommended["micro_batch_size"] == 2

@@ -198,7 +198,15 @@ def _hydra_entry() -> None:
 
         quiet_upstream_noise()
         log_each_line_once()  # after Hydra has set up the job's logging, as seqmem-train: each log line once
-        plan, notes = plan_from_config(cfg, HydraConfig.get().runtime.output_dir)
+        from lightning_seqmem.apps.errors import for_hydra
+
+        try:
+            plan, notes = plan_from_config(cfg, HydraConfig.get().runtime.output_dir)
+        except Exception as err:
+            reported = for_hydra(err)  # a user's mistake: its message alone (errors.py)
+            if reported is err:
+                raise
+            raise reported from err
         print(format_plan(plan))
         for note in notes:
             print(f"Note: {note}")
@@ -209,6 +217,9 @@ def _hydra_entry() -> None:
 def main() -> None:
     """Console-script entry point (``seqmem-plan``)."""
     sys.argv[1:] = choose_trainer(sys.argv[1:], doing="planning for")
+    from lightning_seqmem.apps.overrides import exit_on_unknown_override
+
+    exit_on_unknown_override(sys.argv[1:], "plan")  # "did you mean" before Hydra's advice to add the key with +
     _hydra_entry()
 
 

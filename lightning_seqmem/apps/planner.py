@@ -65,10 +65,10 @@ def check_text(kind: Kind, detail: str = "") -> None:
 
 
 def check_strategies(strategies: Sequence[Batching | str]) -> tuple[Batching, ...]:
-    """The batchings to compare, as objects (a shorthand name, ``"pack"``, is ``Pack()``); a ``ValueError`` for an
-    empty list or an unknown name."""
+    """The batchings to compare, as objects (a name of ``options.NAMES``, ``"pack_wrapped"``, is its object); a
+    ``ValueError`` for an empty list or an unknown name."""
     if not strategies:
-        raise ValueError(f"No strategies to plan; give batching objects, e.g. {list(STRATEGIES)}.")
+        raise ValueError(f"No strategies to plan; give batching names, e.g. {[s.spelling for s in STRATEGIES]}.")
     return tuple(dict.fromkeys(as_batching(s, "strategy") for s in strategies))
 
 
@@ -131,7 +131,7 @@ def plan_strategy(
         lengths: split name -> what ``kind.plan_lengths`` gives (``[documents]`` token counts, empty documents
             already left out; ``[pairs, 3]`` prompt/chosen/rejected counts; ``ConversationLengths``), with
             ``"train"``.
-        strategy: the batching options (``Pad(...)``, ``Truncate()``, ``Pack(...)``; ``"pack"`` is ``Pack()``).
+        strategy: the batching options (``Pad(...)``, ``Truncate()``, ``Pack(...)``, or a name: ``"pack_wrapped"``).
         max_length: row capacity.
         settings: the DataModule's batching settings (``dm.settings.batching``): all but batching and max_length.
         devices: data-parallel processes (optimizer steps count each rank's batches).
@@ -159,7 +159,7 @@ def plan_strategy(
                 trained_share=None if trained is None else trained / max(int(rows.sum()), 1),
             )
     return StrategyPlan(
-        strategy=repr(strategy),
+        strategy=strategy.spelling,
         max_length=max_length,
         max_batch_shape=largest_shape([batcher], largest),
         batching=strategy,
