@@ -52,7 +52,7 @@ def test_console_script_run(tmp_path):
     the files of the run (summary, progress against time and tokens, the logger's metrics with the warmup's
     length). One run answers all of these; the in-process runs below vary the data."""
     run_dir = tmp_path / "run"
-    shrink = [o for o in SHRINK if "enable_progress_bar" not in o and "max_steps" not in o]
+    shrink = [o for o in SHRINK if not o.startswith(("+trainer.enable_progress_bar", "trainer.max_steps", "print_"))]
     cmd = [
         sys.executable,
         "-m",
@@ -92,7 +92,14 @@ def test_console_script_run(tmp_path):
     assert any(m.startswith("Seed set to") for m in logged)
     assert len(logged) == len(set(logged)), "a log line printed twice"
     assert not [line for line in lines if line.startswith("INFO: ")]  # Lightning's own handler is gone
-    assert re.search(r"Training \(epoch 0\):.* 5/5 ", output)  # steps out of max_steps, not "Epoch 0/-2"
+    # Output to a pipe, as under SLURM or nohup: plain lines, no carriage return, no escape code, and the summary.
+    assert "\r" not in output and "\x1b[" not in output
+    assert re.search(r"step 5/5 \(100%\), epoch 0, [0-9.]+ s/step, elapsed 0:00:\d\d, left 0:00:00", output)
+    assert re.search(r"validation at step 2: 2 batches in [0-9.]+ s, val/loss=", output)
+    assert (
+        re.search(r"\nreal_token_fraction +1\.0000\n", proc.stdout)
+        and "final_val_loss" in proc.stdout.split("step 5/5")[-1]
+    )
     for noise in ("set_vital", "LeafSpec", "Tip:", "litlogger"):
         assert noise not in output
     assert "Epoch 0/-2" not in output

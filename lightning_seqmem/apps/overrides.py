@@ -121,7 +121,8 @@ def check_overrides(overrides: Sequence[str], config_name: str) -> str | None:
         except Exception:
             continue  # an interval sweep, a value with no string form: Hydra's to judge
         if name in groups:
-            for option in values:
+            listed = o.value() if not o.is_sweep_override() else None
+            for option in [str(v) for v in listed] if isinstance(listed, list) else values:  # logger=[csv,tb]
                 message = _group_message(name, option, groups)
                 if message:
                     return message

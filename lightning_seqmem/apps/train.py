@@ -163,10 +163,15 @@ def _hydra_entry() -> None:
     def _main(cfg) -> float | None:
         from hydra.core.hydra_config import HydraConfig
 
-        from lightning_seqmem.apps.console import log_each_line_once, quiet_upstream_noise
+        from lightning_seqmem.apps.console import (
+            log_each_line_once,
+            no_bars_unless_a_terminal,
+            quiet_upstream_noise,
+        )
         from lightning_seqmem.apps.errors import for_hydra
 
         quiet_upstream_noise()
+        no_bars_unless_a_terminal()
         log_each_line_once()  # after Hydra has set up the job's logging
         output_dir = HydraConfig.get().runtime.output_dir
         if _is_rank_zero():
