@@ -160,7 +160,7 @@ def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset):
     )
     text = format_plan(plan)
     assert len(plan.strategies) == 10 and "<- config" in text and "Recommended:" in text
-    assert plan.recommended["strategy"].startswith("Pack(")  # packing loses nothing and wastes the least
+    assert plan.recommended["strategy"].startswith("pack_")  # packing loses nothing and wastes the least
     assert plan.recommended["micro_batch_size"] == 4  # everything fits 1 GiB
     assert plan.distribution["percentiles"][100] == int(lengths["train"].max())
     # The memory table says where each peak falls and why a column is short there, never a bare "0 B".

@@ -268,3 +268,31 @@ def test_trainer_auto_follows_the_machine(monkeypatch, capsys, gpus):
         assert "2 CUDA GPUs visible: training with trainer=gpu" in line and "trainer=cpu keeps the CPU" in line
     else:
         assert overrides == ["batching=pad"] and chosen == cpu and line == ""
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_multirun_at_once(tmp_path):
+    """A real SIGTERM to a sweep in training: the job stops within seconds (Lightning alone waits for the end of
+    the epoch, here the whole run, and the sweep then starts its next job), status 143, recorded as failed."""
+    import signal
+    import time
+
+    sweep = tmp_path / "sweep"
+    shrink = [o for o in SHRINK if not o.startswith(("trainer.max_steps", "trainer.val_check_interval"))]
+    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", "-m", *shrink, "trainer.max_steps=100000"]
+    cmd += ["trainer.val_check_interval=100000", "~callbacks.preallocate", "seed=1,2", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (sweep / "0" / "train_progress.csv").exists():  # a row per step: the job is in fit
+            assert proc.poll() is None and time.monotonic() < deadline, "the job ended before training"
+            time.sleep(0.2)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and took < 10, (proc.returncode, took, proc.stderr.read()[-2000:])
+    assert json.load(open(sweep / "0" / "job_status.json"))["status"] == "failed"
+    assert not (sweep / "1").exists()  # the sweep stopped: no next job

@@ -145,6 +145,24 @@ def train(cfg) -> dict[str, Any]:
     }
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (``scancel``, a pre-emption, ``kill``, the end of a multirun's allotted time) stop the job at
+    once: Lightning's own handler only notes the signal and stops at the end of an epoch, which for a run bounded by
+    ``max_steps`` is its end, and a multirun then went on to its next job. Lightning calls this handler after its
+    own (which passes the signal on to DDP ranks it launched); ``SIGTERMException`` is a ``SystemExit`` that no
+    sweep catches, with status 128 + 15 as a shell reports a process ended by SIGTERM."""
+    import signal
+    import threading
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SIGTERMException(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():  # signals are set from the main thread only
+        signal.signal(signal.SIGTERM, stop)
+
+
 def _write_status(output_dir: str, status: str, error: BaseException | None = None) -> None:
     """``<job dir>/job_status.json``: whether the job finished; seqmem-report lists the jobs that did not."""
     record: dict[str, Any] = {"status": status}
@@ -173,6 +191,7 @@ def _hydra_entry() -> None:
         quiet_upstream_noise()
         no_bars_unless_a_terminal()
         log_each_line_once()  # after Hydra has set up the job's logging
+        stop_on_sigterm()
         output_dir = HydraConfig.get().runtime.output_dir
         if _is_rank_zero():
             _write_status(output_dir, RUNNING)
