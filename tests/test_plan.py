@@ -236,3 +236,32 @@ def test_memory_table_says_where_the_peak_falls_and_what_is_live_there():
             assert f"none yet of {format_bytes(e.state['gradients'])}" in line and " 0 B " not in line
     assert {"forward", "backward"} <= phases
     assert [line for line in lines if line.startswith("Peak in backward")]
+
+
+@pytest.mark.slow
+def test_the_shorter_length_advice_is_left_to_the_fit_search():
+    """``seqmem-plan`` with a budget runs the fit search, which estimates what fits: the plan then traces no shorter
+    max_length for its own advice (two traces of an 8B shape it used to pay for)."""
+    inner, asked = _tiny_estimate(), []
+
+    def estimate(rows, length, ckpt):
+        asked.append(length)
+        return inner(rows, length, ckpt)
+
+    lengths = {"train": np.full(40, 500), "validation": np.full(4, 500)}
+    budget = int(inner(1, 512, False).peak * 0.95)  # nothing fits at 512 without checkpointing
+    for shorter_advice in (True, False):
+        asked.clear()
+        plan = build_plan(
+            lengths,
+            [Pad()],
+            [128, 512],
+            BatchingSettings(),
+            (Pad(), 512),
+            estimate,
+            [1],
+            budget,
+            0.0,
+            shorter_advice=shorter_advice,
+        )
+        assert (128 in asked) == shorter_advice and "No micro_batch_size fits" in plan.memory.advice
