@@ -39,6 +39,20 @@ def test_our_checks_are_mistakes_and_other_errors_are_bugs():
     assert user_mistake(runtime) is None
 
 
+def test_a_mistake_in_an_instantiated_node_is_spelt_for_that_node():
+    from hydra.errors import InstantiationException
+    from omegaconf import OmegaConf
+
+    from lightning_seqmem.kinds.detect import detect
+
+    check = _raised(lambda: detect(["txt"]))
+    wrapped = InstantiationException("Error in call to target 'lightning_seqmem.SeqMemDataModule':\nfull_key: data")
+    wrapped.__cause__ = check
+    cfg = OmegaConf.create({"data": {"text_column": "text"}, "model": {"lora": None}})
+    assert "Pass data.text_column=<name>, or rename" in str(for_hydra(wrapped, cfg))
+    assert "Pass text_column=<name> to SeqMemDataModule" in str(for_hydra(wrapped))  # no config: as raised
+
+
 def test_python_spelling_becomes_hydra_spelling():
     text = "it has ['txt']. Pass text_column=<name> to SeqMemDataModule, or set SeqMemDataModule(cache_dir=...)."
     got = hydra_spelling(text, ["text_column", "cache_dir"], "data")
@@ -71,12 +85,23 @@ def test_full_error_shows_the_traceback(tmp_path):
 
 
 @pytest.mark.slow
-def test_missing_column_names_the_hydra_option_before_the_model(tmp_path):
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"txt": f"words {i}"}) + "\n" for i in range(8)))
-    proc = _train(tmp_path, "data=local", f"data.dataset={tmp_path / 'd.jsonl'}")
+@pytest.mark.parametrize(
+    "rows, option, expected",
+    [
+        ([{"txt": f"words {i}"} for i in range(8)], "local", "Pass data.text_column=<name>, or rename"),
+        (
+            [{"prompt": f"q{i}", "chosen": "" if i == 3 else "yes", "rejected": "no"} for i in range(8)],
+            "preference",
+            "empty chosen completion",
+        ),
+    ],
+)
+def test_data_mistakes_arrive_before_the_model_in_hydra_spelling(tmp_path, rows, option, expected):
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = _train(tmp_path, f"data={option}", f"data.dataset={tmp_path / 'd.jsonl'}")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "Pass data.text_column=<name>" in proc.stderr and "to SeqMemDataModule" not in proc.stderr
-    assert "GPU available" not in proc.stderr + proc.stdout
+    assert expected in proc.stderr and "to SeqMemDataModule" not in proc.stderr
+    assert "GPU available" not in proc.stderr + proc.stdout  # the Trainer was never built
 
 
 @pytest.mark.slow
@@ -98,7 +123,7 @@ def test_planner_typo_is_its_message_alone(tmp_path):
     argv = ["seqmem-plan", "plan.strategies=[pack_bdf]", "plan.memory=false", f"hydra.run.dir={tmp_path}"]
     proc = run_forked_main(main, argv, cwd=tmp_path)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "Unknown strategy 'pack_bdf': did you mean 'pack_bfd'?" in proc.stderr
+    assert "Unknown strategy 'pack_bdf'; choose one of" in proc.stderr and "Did you mean 'pack_bfd'?" in proc.stderr
 
 
 def test_non_hydra_entry_points_print_a_mistake_alone(capsys, monkeypatch):

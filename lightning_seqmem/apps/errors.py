@@ -61,13 +61,30 @@ def message(err: BaseException) -> str:
     return text or type(err).__name__
 
 
-def for_hydra(err: BaseException) -> BaseException:
+def _node(err: BaseException, default: str | None) -> str | None:
+    """The config node whose instantiation failed (Hydra's ``full_key: data``), else ``default``."""
+    import re
+
+    while isinstance(err, InstantiationException):
+        found = re.search(r"full_key: ([\w.]+)", str(err))
+        if found:
+            return found[1]
+        err = err.__cause__
+    return default
+
+
+def for_hydra(err: BaseException, cfg: Any = None, node: str | None = None) -> BaseException:
     """What a Hydra task raises for ``err``: a :class:`UserMistake` carrying the message (the original chained, for
-    ``HYDRA_FULL_ERROR=1``) for a user's mistake, ``err`` itself otherwise."""
+    ``HYDRA_FULL_ERROR=1``) for a user's mistake, ``err`` itself otherwise. With the composed ``cfg``, the message
+    is in the Hydra spelling of the node that failed (``InstantiationException``'s, else ``node``)."""
     mistake = user_mistake(err) if isinstance(err, Exception) else None
     if mistake is None:
         return err
-    reported = UserMistake(message(mistake))
+    text, where = message(mistake), _node(err, node)
+    keys = cfg.get(where) if cfg is not None and where is not None and "." not in where else None
+    if hasattr(keys, "keys"):
+        text = hydra_spelling(text, keys.keys(), where)
+    reported = UserMistake(text)
     reported.__cause__ = err
     return reported
 

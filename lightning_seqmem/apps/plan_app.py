@@ -254,7 +254,7 @@ def _hydra_entry() -> None:
         try:
             plan, notes = plan_from_config(cfg, HydraConfig.get().runtime.output_dir)
         except Exception as err:
-            reported = for_hydra(err)  # a user's mistake: its message alone (errors.py)
+            reported = for_hydra(err, cfg, "data")  # a user's mistake: its message alone, data.<key> (errors.py)
             if reported is err:
                 raise
             raise reported from err

@@ -200,7 +200,7 @@ def _hydra_entry() -> None:
         except BaseException as err:  # KeyboardInterrupt too: the report must not count this job as finished
             if _is_rank_zero():
                 _write_status(output_dir, FAILED, err)
-            reported = for_hydra(err)  # a user's mistake: its message alone (errors.py)
+            reported = for_hydra(err, cfg)  # a user's mistake: its message alone (errors.py)
             if reported is err:
                 raise
             raise reported from err
