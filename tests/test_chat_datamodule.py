@@ -254,7 +254,7 @@ def test_seqmem_train_data_chat_trains_on_the_builtin_conversations(tmp_path, bu
     HydraConfig.instance().set_config(cfg)
     summary = train(cfg)
     assert summary["optimizer_steps"] == 3 and np.isfinite(summary["final_val_loss"])
-    assert summary["strategy"] == "pack (bfd)" and summary["dataset_documents_split"] == 0
+    assert summary["strategy"] == "pack_bfd" and summary["dataset_documents_split"] == 0
 
 
 @pytest.mark.slow

@@ -113,11 +113,11 @@ def test_setup_does_not_change_the_strategies_or_the_settings(tokenizer):
     "kwargs, label, constant, packs",
     [
         (dict(strategy="pad"), "pad", False, False),
-        (dict(batching=Pad(to_max_length=True)), "pad", True, False),
-        (dict(batching=Pad(to_max_length=True), max_tokens_per_batch=256), "pad", False, False),
+        (dict(batching=Pad(to_max_length=True)), "pad(to_max_length=True)", True, False),
+        (dict(batching=Pad(to_max_length=True), max_tokens_per_batch=256), "pad(to_max_length=True)", False, False),
         (dict(strategy="truncate"), "truncate", True, False),
-        (dict(batching=Pack(method="wrapped")), "pack (wrapped)", True, True),
-        (dict(batching=Pack(), eval_batching=Pad()), "pack (bfd)", False, True),
+        (dict(batching=Pack(method="wrapped")), "pack_wrapped", True, True),
+        (dict(batching=Pack(), eval_batching=Pad()), "pack_bfd", False, True),
         (dict(strategy="truncate", eval_strategy="pack"), "truncate", True, True),
     ],
 )

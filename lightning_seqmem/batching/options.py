@@ -46,8 +46,8 @@ class Batching:
 
     @property
     def label(self) -> str:
-        """For reports: ``"pad"``, ``"truncate"``, ``"pack (bfd)"``."""
-        return self.name
+        """For reports (the run summary's ``strategy``): its :attr:`spelling`, ``"pad"``, ``"pack_bfd"``."""
+        return self.spelling
 
     @property
     def base_name(self) -> str:
@@ -173,10 +173,6 @@ class Pack(Batching):
                 f"Pack(allow_split_prompt_completion=True) only applies to overflow='split' (got "
                 f"overflow={self.overflow!r}); set overflow='split' too, or leave allow_split_prompt_completion out."
             )
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} ({self.method})"
 
     @property
     def base_name(self) -> str:
