@@ -27,6 +27,7 @@ import lightning.pytorch as L  # noqa: E402
 from lightning_seqmem import CausalLM, SeqMemDataModule  # noqa: E402
 from lightning_seqmem.apps.summary import RunSummary  # noqa: E402
 from lightning_seqmem.data.tokenizer import load_tokenizer  # noqa: E402
+from lightning_seqmem.training.progress import StepProgressBar  # noqa: E402
 
 COLOURS = ["red", "green", "blue", "yellow", "black", "white"]
 
@@ -83,7 +84,7 @@ if __name__ == "__main__":
         max_steps=args.max_steps,
         val_check_interval=max(1, args.max_steps // 2),
         limit_val_batches=4,
-        callbacks=[RunSummary()],
+        callbacks=[RunSummary(), StepProgressBar()],  # counts optimizer steps; plain lines in a log file
         default_root_dir=args.out,
         enable_checkpointing=False,
         logger=False,

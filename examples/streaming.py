@@ -22,6 +22,7 @@ import lightning.pytorch as L  # noqa: E402
 
 from lightning_seqmem import CausalLM, SeqMemDataModule  # noqa: E402
 from lightning_seqmem.apps.summary import RunSummary  # noqa: E402
+from lightning_seqmem.training.progress import StepProgressBar  # noqa: E402
 
 
 def write_files(directory: str, files: int = 4, documents: int = 2000, seed: int = 0) -> list[str]:
@@ -76,7 +77,7 @@ if __name__ == "__main__":
         val_check_interval=max(1, args.max_steps // 2),
         accelerator="cpu",
         devices=args.devices,
-        callbacks=[RunSummary()],
+        callbacks=[RunSummary(), StepProgressBar()],  # counts optimizer steps; plain lines in a log file
         default_root_dir=args.out,
         enable_checkpointing=False,
         logger=False,

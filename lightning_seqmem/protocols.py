@@ -75,7 +75,7 @@ class GivesLargestTokenId(Protocol):
 class DescribesBatching(Protocol):
     """A DataModule that says how its batches are made, for checks and reports (``ConfigChecks``, ``RunSummary``).
 
-    ``batching_label``: the train loader's batching in a few words (``"pad"``, ``"pack (bfd)"``);
+    ``batching_label``: the train loader's batching in a few words (``"pad"``, ``"pack_bfd"``);
     ``constant_shapes``: every batch of every loader (train and validation) has one shape, so the CUDA caching
     allocator reuses its blocks; ``packs_documents``: some loader puts several documents in one row (attention must
     then keep them apart).

@@ -81,9 +81,9 @@ def test_the_strategy_objects_are_built_from_the_options():
     assert pad.padded_length(17) == 32 and pad.options == Pad(to_multiple_of=16) and not pad.constant_shapes
     assert make_strategy(BatchingSettings(batching=Pad(to_max_length=True))).constant_shapes
     pack = PromptCompletion().strategy(BatchingSettings(batching=Pack(cu_seqlens=True)), "train")
-    assert "cu_seqlens" in pack.keys and pack.overflow == "truncate" and pack.label == "pack (bfd)"
+    assert "cu_seqlens" in pack.keys and pack.overflow == "truncate" and pack.label == "pack_bfd(cu_seqlens=True)"
     settings = BatchingSettings(batching=Pack(method="wrapped"), eval_batching=Truncate())
-    assert [make_strategy(settings, split).label for split in ("train", "validation")] == ["pack (wrapped)", "truncate"]
+    assert [make_strategy(settings, split).label for split in ("train", "validation")] == ["pack_wrapped", "truncate"]
 
 
 def test_the_options_are_saved_as_plain_values_that_build_the_same_datamodule():

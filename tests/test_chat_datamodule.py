@@ -254,7 +254,7 @@ def test_seqmem_train_data_chat_trains_on_the_builtin_conversations(tmp_path, bu
     HydraConfig.instance().set_config(cfg)
     summary = train(cfg)
     assert summary["optimizer_steps"] == 3 and np.isfinite(summary["final_val_loss"])
-    assert summary["strategy"] == "pack (bfd)" and summary["dataset_documents_split"] == 0
+    assert summary["strategy"] == "pack_bfd" and summary["dataset_documents_split"] == 0
 
 
 @pytest.mark.slow
@@ -269,11 +269,11 @@ def test_seqmem_plan_data_chat_reports_the_trained_share_the_datamodule_measures
     dm = instantiate(_compose("config", overrides).data)
     train = dm.stats()["train"]
     configured = plan.configured
-    assert (configured.strategy, configured.max_length) == ("Pack(method='bfd')", 256)
+    assert (configured.strategy, configured.max_length) == ("pack_bfd", 256)
     assert configured.token_efficiency == train["token_efficiency"]
     assert configured.trained_share == pytest.approx(train["trained_share"])
     assert configured.tokens_lost == train["tokens_truncated"] + train["tokens_dropped"]
-    assert "Pack(method='wrapped')" not in {s.strategy for s in plan.strategies}  # conversations: packed whole
+    assert "pack_wrapped" not in {s.strategy for s in plan.strategies}  # conversations: packed whole
     assert any("efficiency" in line and "trained" in line for line in format_plan(plan).splitlines())
 
 

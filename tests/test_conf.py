@@ -13,7 +13,7 @@ from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_seqmem.batching.options import Pack, Pad, Truncate
+from lightning_seqmem.batching.options import ALIASES, NAMES, Pack, Pad, Truncate, as_batching
 
 CONF_DIR = os.path.dirname(lightning_seqmem.conf.__file__)
 GROUPS = ("data", "batching", "model", "callbacks", "trainer", "logger", "experiment")
@@ -46,7 +46,7 @@ def _compose(overrides):
 
 def test_groups_mirror_the_concerns():
     assert set(options("data")) == {"builtin", "hf", "local", "chat", "preference"}  # where the data come from
-    assert set(options("batching")) == {"pad", "truncate", "pack_bfd", "pack_wrapped"}  # how they are batched
+    assert set(options("batching")) == set(NAMES) | set(ALIASES)  # how they are batched: the one vocabulary
     assert set(options("model")) >= {"tiny_llama", "tiny_gpt2", "local_path"}
     assert set(options("callbacks")) >= {"default", "seq_warmup", "preallocate", "memory_monitor", "checks", "summary"}
     assert set(options("trainer")) >= {"cpu", "gpu", "ddp", "ddp_spawn"}
@@ -106,6 +106,20 @@ def test_every_argument_has_a_comment():
             if value.strip() and "#" not in value and key not in ("defaults",):
                 missing.append(f"{rel}:{number}: {stripped}")
     assert not missing, "arguments without a comment:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("name", [*NAMES, *ALIASES])
+def test_a_batching_name_means_one_thing_everywhere(name):
+    """``batching=<name>`` (Hydra), ``strategy=<name>`` (Python, LightningCLI) and ``plan.strategies=[<name>]`` build
+    the same object, and the planner's table prints it by that name."""
+    from lightning_seqmem.apps.planner import check_strategies
+
+    hydra = instantiate(compose_cfg([f"batching={name}"]).data.batching)
+    assert hydra == as_batching(name) == check_strategies([name])[0]
+    assert hydra.spelling == ALIASES.get(name, name) and as_batching(hydra.spelling) == hydra
+    with initialize_config_module("lightning_seqmem.conf", version_base="1.3"):
+        planned = compose("plan", overrides=[f"plan.strategies=[{name}]"]).plan.strategies
+    assert check_strategies(instantiate(planned, _convert_="all")) == (hydra,)
 
 
 def test_callbacks_switch_off_and_none():

@@ -44,7 +44,7 @@ def run_example_process(script, *args, cwd):
         [sys.executable, str(EXAMPLES / script), *args], cwd=cwd, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return proc.stdout + proc.stderr
 
 
 def test_own_trainer(tmp_path, run_example):
@@ -135,6 +135,8 @@ def test_streaming_example_reads_its_files_as_a_stream(tmp_path):
     line = next(l for l in out.splitlines() if l.startswith("stream read so far"))
     documents = int(line.split(": ")[1].split(" documents")[0].replace(",", ""))
     assert 0 < documents <= 2000 - 64 and "final_val_loss" in out
+    # Its output to a pipe: the step bar's plain lines (optimizer steps of max_steps), not Rich's "Epoch 0/-2".
+    assert "step 1/1 (100%)" in out and "Epoch 0/" not in out and "\r" not in out and "\x1b[" not in out
 
 
 def test_dpo_defaults_keep_the_training_tokens(tmp_path, run_example, monkeypatch):

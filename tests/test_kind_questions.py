@@ -42,7 +42,7 @@ def test_each_kind_answers_the_questions_batching_and_the_planner_ask():
         "truncate",
         "truncate",
     ]
-    assert Preference().strategy(settings, "train").label == "pack (pairs, bfd)"
+    assert Preference().strategy(settings, "train").label == "pack_bfd (pairs)"
     assert (Text().planned, PromptCompletion().planned, Conversations().planned, Preference().planned) == (
         True,
         False,

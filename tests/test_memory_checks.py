@@ -19,7 +19,7 @@ class PackedTinyData(TinyData):
     """TinyData that says it packs (``protocols.DescribesBatching``), as ``SeqMemDataModule(strategy="pack")`` does."""
 
     def batching_label(self) -> str:
-        return "pack (bfd)"
+        return "pack_bfd"
 
     def constant_shapes(self) -> bool:
         return True

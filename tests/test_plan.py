@@ -94,9 +94,13 @@ def test_optimizer_steps_follow_devices_and_accumulation(small_text_dataset):
 def test_bad_input_says_what_is_wrong():
     lengths = {"train": np.array([3, 5, 9]), "validation": np.array([4])}
     settings = BatchingSettings()
-    with pytest.raises(ValueError, match=r"Unknown strategy 'paddington'; choose one of \['pad', 'truncate', 'pack'\]"):
+    with pytest.raises(
+        ValueError, match=r"Unknown strategy 'paddington'; choose one of \['pad', 'truncate', 'pack_bfd'"
+    ):
         build_plan(lengths, [Pad(), "paddington"], [64], settings, (Pad(), 64))
-    with pytest.raises(ValueError, match=r"No strategies to plan; give batching objects, e.g. \[Pad\(\), "):
+    with pytest.raises(
+        ValueError, match=r"No strategies to plan; give batching names, e.g. \['pad', 'pad\(to_max_length=True\)', "
+    ):
         build_plan(lengths, [], [64], settings, (Pad(), 64))
     with pytest.raises(ValueError, match="non-empty list of ints >= 2"):
         build_plan(lengths, [Pad()], [], settings, (Pad(), 64))
@@ -156,7 +160,7 @@ def test_build_plan_prints_tables_and_a_recommendation(small_text_dataset):
     )
     text = format_plan(plan)
     assert len(plan.strategies) == 10 and "<- config" in text and "Recommended:" in text
-    assert plan.recommended["strategy"].startswith("Pack(")  # packing loses nothing and wastes the least
+    assert plan.recommended["strategy"].startswith("pack_")  # packing loses nothing and wastes the least
     assert plan.recommended["micro_batch_size"] == 4  # everything fits 1 GiB
     assert plan.distribution["percentiles"][100] == int(lengths["train"].max())
     # The memory table says where each peak falls and why a column is short there, never a bare "0 B".
@@ -181,7 +185,7 @@ def test_plan_api_from_a_datamodule_and_a_model_config(small_text_dataset):
         precision="32-true",
     )
     assert (result.configured.batching, result.configured.max_length) == (Pack(method="bfd"), 64)
-    assert result.configured.strategy == "Pack(method='bfd')"
+    assert result.configured.strategy == "pack_bfd"
     assert result.configured.max_batch_shape == dm.max_batch_shape()
     assert result.memory.fits == {False: 2, True: 2}
     assert result.recommended["micro_batch_size"] == 2
@@ -232,3 +236,32 @@ def test_memory_table_says_where_the_peak_falls_and_what_is_live_there():
             assert f"none yet of {format_bytes(e.state['gradients'])}" in line and " 0 B " not in line
     assert {"forward", "backward"} <= phases
     assert [line for line in lines if line.startswith("Peak in backward")]
+
+
+@pytest.mark.slow
+def test_the_shorter_length_advice_is_left_to_the_fit_search():
+    """``seqmem-plan`` with a budget runs the fit search, which estimates what fits: the plan then traces no shorter
+    max_length for its own advice (two traces of an 8B shape it used to pay for)."""
+    inner, asked = _tiny_estimate(), []
+
+    def estimate(rows, length, ckpt):
+        asked.append(length)
+        return inner(rows, length, ckpt)
+
+    lengths = {"train": np.full(40, 500), "validation": np.full(4, 500)}
+    budget = int(inner(1, 512, False).peak * 0.95)  # nothing fits at 512 without checkpointing
+    for shorter_advice in (True, False):
+        asked.clear()
+        plan = build_plan(
+            lengths,
+            [Pad()],
+            [128, 512],
+            BatchingSettings(),
+            (Pad(), 512),
+            estimate,
+            [1],
+            budget,
+            0.0,
+            shorter_advice=shorter_advice,
+        )
+        assert (128 in asked) == shorter_advice and "No micro_batch_size fits" in plan.memory.advice

@@ -60,7 +60,14 @@ def test_seqmem_plan_command_prints_the_tables_and_writes_plan_json_and_histogra
     ]
     out = run_forked_main(main, argv, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    for text in ("Pack(method='bfd')", "token", "Peak training memory", "Recommended: strategy=", "Why: "):
+    for text in (
+        "pack_bfd ",
+        "pad(to_max_length=True) ",
+        "token",
+        "Peak training memory",
+        "Recommended: strategy=",
+        "Why: ",
+    ):
         assert text in out.stdout
     record = json.loads((tmp_path / "plan.json").read_text())
     assert record["recommended"]["micro_batch_size"] == 2 and len(record["strategies"]) == 10
@@ -88,7 +95,9 @@ def test_prompt_completion_data_gets_its_two_panel_histogram_and_a_clear_error(t
 
 def test_bad_plan_settings_fail_with_a_clear_message():
     cfg = _compose("plan", ["plan.strategies=[pad,zip]", "plan.memory=false"])
-    with pytest.raises(ValueError, match=r"Unknown strategy 'zip'; choose one of \['pad', 'truncate', 'pack'\]"):
+    with pytest.raises(
+        ValueError, match=r"Unknown strategy 'zip'; choose one of \['pad', 'truncate', 'pack_bfd', 'pack_wrapped'\]"
+    ):
         plan_from_config(cfg)
     cfg = _compose("plan", ["plan.max_lengths=[]", "plan.memory=false"])
     with pytest.raises(ValueError, match="non-empty list"):

@@ -82,5 +82,5 @@ def test_seqmem_train_data_preference_model_dpo(tmp_path):
             "callbacks.seq_warmup.duration=0.5",
         ],
     )
-    assert summary["optimizer_steps"] == 4 and summary["strategy"] == "pack (pairs, bfd)"
+    assert summary["optimizer_steps"] == 4 and summary["strategy"] == "pack_bfd (pairs)"
     assert summary["final_val_loss"] > 0 and summary["real_tokens_trained"] > 0

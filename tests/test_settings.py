@@ -38,13 +38,13 @@ def test_the_settings_are_frozen_and_built_once_from_the_arguments():
         (dict(max_length=1), "max_length must be an int >= 2 (a row needs an input and a target), got 1."),
         (
             dict(strategy="bogus"),
-            "Unknown strategy 'bogus'; choose one of ['pad', 'truncate', 'pack'], or pass an object: Pad(...), "
-            "Truncate() or Pack(...).",
+            "Unknown strategy 'bogus'; choose one of ['pad', 'truncate', 'pack_bfd', 'pack_wrapped'] ('pack' is 'pack_bfd'), options in brackets ('pad(to_max_length=True)'), "
+            "or pass an object: Pad(...), Truncate() or Pack(...).",
         ),
         (
             dict(eval_strategy="bogus"),
-            "Unknown eval_strategy 'bogus'; choose one of ['pad', 'truncate', 'pack'], or pass an object: Pad(...), "
-            "Truncate() or Pack(...).",
+            "Unknown eval_strategy 'bogus'; choose one of ['pad', 'truncate', 'pack_bfd', 'pack_wrapped'] ('pack' is 'pack_bfd'), options in brackets "
+            "('pad(to_max_length=True)'), or pass an object: Pad(...), Truncate() or Pack(...).",
         ),
         (
             dict(strategy="pack", max_length=32, max_tokens_per_batch=16),
@@ -113,11 +113,11 @@ def test_setup_does_not_change_the_strategies_or_the_settings(tokenizer):
     "kwargs, label, constant, packs",
     [
         (dict(strategy="pad"), "pad", False, False),
-        (dict(batching=Pad(to_max_length=True)), "pad", True, False),
-        (dict(batching=Pad(to_max_length=True), max_tokens_per_batch=256), "pad", False, False),
+        (dict(batching=Pad(to_max_length=True)), "pad(to_max_length=True)", True, False),
+        (dict(batching=Pad(to_max_length=True), max_tokens_per_batch=256), "pad(to_max_length=True)", False, False),
         (dict(strategy="truncate"), "truncate", True, False),
-        (dict(batching=Pack(method="wrapped")), "pack (wrapped)", True, True),
-        (dict(batching=Pack(), eval_batching=Pad()), "pack (bfd)", False, True),
+        (dict(batching=Pack(method="wrapped")), "pack_wrapped", True, True),
+        (dict(batching=Pack(), eval_batching=Pad()), "pack_bfd", False, True),
         (dict(strategy="truncate", eval_strategy="pack"), "truncate", True, True),
     ],
 )
@@ -143,18 +143,18 @@ def test_the_planner_reads_the_datamodules_settings(small_text_dataset, monkeypa
 
 
 def test_the_planner_compares_batching_objects_and_adds_the_configured_one():
-    """No names of its own: the candidates are options objects (a shorthand is the strategy's defaults), equal
-    objects are one candidate, and a configuration that is none of them gets its own row."""
-    assert planner.check_strategies(["pack", Pack(method="bfd"), Pad()]) == (Pack(), Pad())
-    with pytest.raises(ValueError, match="Unknown strategy 'pack_bfd'; choose one of"):
-        planner.check_strategies(["pack_bfd"])
+    """The candidates are options objects (a name is its object, ``options.NAMES``), equal objects are one
+    candidate, and a configuration that is none of them gets its own row, named in the same vocabulary."""
+    assert planner.check_strategies(["pack", Pack(method="bfd"), Pad(), "pack_bfd"]) == (Pack(), Pad())
+    with pytest.raises(ValueError, match="Unknown strategy 'pack_bdf'; choose one of .* Did you mean 'pack_bfd'"):
+        planner.check_strategies(["pack_bdf"])
     lengths = {"train": np.arange(1, 60), "validation": np.arange(1, 9)}
     settings = BatchingSettings(micro_batch_size=4)
     own = Pad(to_multiple_of=32)
     result = planner.build_plan(lengths, [Pad(), Pack()], [16], settings, (own, 16))
-    assert [p.strategy for p in result.strategies] == ["Pad()", "Pack(method='bfd')", "Pad(to_multiple_of=32)"]
+    assert [p.strategy for p in result.strategies] == ["pad", "pack_bfd", "pad(to_multiple_of=32)"]
     assert result.configured.batching == own and result.configured.max_batch_shape == (4, 16)
-    assert "Pad(to_multiple_of=32)         16" in planner.format_plan(result)
+    assert "pad(to_multiple_of=32)         16" in planner.format_plan(result)
     listed = planner.build_plan(lengths, [Pad(), Pack()], [16], settings, (Pack(method="bfd"), 16))
     assert len(listed.strategies) == 2 and listed.configured is listed.strategies[1]
 

@@ -387,7 +387,8 @@ def test_seqmem_cache_lists_entries_and_removes_the_old_ones(tmp_path, tokenizer
         dm = SeqMemDataModule(dataset=dataset, tokenizer=tokenizer, cache_dir=root, max_length=64)
         dm.prepare_data()
     entries = {e.dataset: e for e in cache_app.list_entries(root) if e.kind == "tokens"}
-    assert set(entries) == {f"{data} (train)", "an in-memory dataset of 48 rows (train)"}
+    made_by = " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:200]  # in-memory data: named by its run
+    assert set(entries) == {f"{data} (train)", f"in memory, 48 rows, from {made_by} (train)"}
     assert entries[f"{data} (train)"].rows == 30 and all(e.size > 0 for e in entries.values())
 
     listing = subprocess.run(
@@ -407,7 +408,7 @@ def test_seqmem_cache_lists_entries_and_removes_the_old_ones(tmp_path, tokenizer
     manifest = entries[f"{data} (train)"].path / "manifest.json"
     os.utime(manifest, (month_ago, month_ago))
     assert cache_app.main(["--cache-dir", str(root), "--older-than", "7d"]) == 0
-    assert not manifest.parent.exists() and entries["an in-memory dataset of 48 rows (train)"].path.exists()
+    assert not manifest.parent.exists() and entries[f"in memory, 48 rows, from {made_by} (train)"].path.exists()
     assert (
         cache_app.main(["--cache-dir", str(root), "--all", "--dry-run"]) == 0 and len(cache_app.list_entries(root)) == 1
     )
@@ -428,3 +429,14 @@ def test_seqmem_cache_finds_the_built_in_corpus_and_tokenizer_by_their_owners_na
         entry.mkdir(parents=True)
         (entry / "data").write_text("x")
     assert sorted(e.kind for e in list_entries()) == ["corpus", "tokenizer"]
+
+
+def test_seqmem_cache_lists_a_value_check_marker_at_its_size(tmp_path):
+    from lightning_seqmem.apps import cache as cache_app
+    from lightning_seqmem.data.value_checks import CHECKED
+
+    marker = tmp_path / CHECKED / ("ab" * 32)
+    marker.parent.mkdir(parents=True)
+    marker.write_text('{"largest": 4095, "column": "input_ids"}')
+    (entry,) = cache_app.list_entries(tmp_path)
+    assert entry.kind == "checked" and entry.size == marker.stat().st_size > 0

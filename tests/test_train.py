@@ -52,7 +52,7 @@ def test_console_script_run(tmp_path):
     the files of the run (summary, progress against time and tokens, the logger's metrics with the warmup's
     length). One run answers all of these; the in-process runs below vary the data."""
     run_dir = tmp_path / "run"
-    shrink = [o for o in SHRINK if "enable_progress_bar" not in o and "max_steps" not in o]
+    shrink = [o for o in SHRINK if not o.startswith(("+trainer.enable_progress_bar", "trainer.max_steps", "print_"))]
     cmd = [
         sys.executable,
         "-m",
@@ -92,7 +92,14 @@ def test_console_script_run(tmp_path):
     assert any(m.startswith("Seed set to") for m in logged)
     assert len(logged) == len(set(logged)), "a log line printed twice"
     assert not [line for line in lines if line.startswith("INFO: ")]  # Lightning's own handler is gone
-    assert re.search(r"Training \(epoch 0\):.* 5/5 ", output)  # steps out of max_steps, not "Epoch 0/-2"
+    # Output to a pipe, as under SLURM or nohup: plain lines, no carriage return, no escape code, and the summary.
+    assert "\r" not in output and "\x1b[" not in output
+    assert re.search(r"step 5/5 \(100%\), epoch 0, [0-9.]+ s/step, elapsed 0:00:\d\d, left 0:00:00", output)
+    assert re.search(r"validation at step 2: 2 batches in [0-9.]+ s, val/loss=", output)
+    assert (
+        re.search(r"\nreal_token_fraction +1\.0000\n", proc.stdout)
+        and "final_val_loss" in proc.stdout.split("step 5/5")[-1]
+    )
     for noise in ("set_vital", "LeafSpec", "Tip:", "litlogger"):
         assert noise not in output
     assert "Epoch 0/-2" not in output
@@ -157,7 +164,10 @@ def test_unknown_group_option_lists_valid_ones(tmp_path):
         timeout=300,
     )
     assert proc.returncode != 0
-    assert "Could not find 'trainer/tpu'" in proc.stderr and "ddp_spawn" in proc.stderr
+    assert (
+        "Unknown option trainer=tpu: did you mean trainer=gpu? trainer's options: auto, cpu, ddp, ddp_spawn, gpu."
+        in proc.stderr
+    )
 
 
 @pytest.mark.slow
@@ -258,3 +268,31 @@ def test_trainer_auto_follows_the_machine(monkeypatch, capsys, gpus):
         assert "2 CUDA GPUs visible: training with trainer=gpu" in line and "trainer=cpu keeps the CPU" in line
     else:
         assert overrides == ["batching=pad"] and chosen == cpu and line == ""
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_multirun_at_once(tmp_path):
+    """A real SIGTERM to a sweep in training: the job stops within seconds (Lightning alone waits for the end of
+    the epoch, here the whole run, and the sweep then starts its next job), status 143, recorded as failed."""
+    import signal
+    import time
+
+    sweep = tmp_path / "sweep"
+    shrink = [o for o in SHRINK if not o.startswith(("trainer.max_steps", "trainer.val_check_interval"))]
+    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", "-m", *shrink, "trainer.max_steps=100000"]
+    cmd += ["trainer.val_check_interval=100000", "~callbacks.preallocate", "seed=1,2", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (sweep / "0" / "train_progress.csv").exists():  # a row per step: the job is in fit
+            assert proc.poll() is None and time.monotonic() < deadline, "the job ended before training"
+            time.sleep(0.2)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and took < 10, (proc.returncode, took, proc.stderr.read()[-2000:])
+    assert json.load(open(sweep / "0" / "job_status.json"))["status"] == "failed"
+    assert not (sweep / "1").exists()  # the sweep stopped: no next job

@@ -31,6 +31,7 @@ from lightning_seqmem.data.value_checks import CHECKED
 from lightning_seqmem.memory.stats import format_bytes
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+IN_MEMORY = ("an in-memory dataset", "a list of")  # how token_cache.describe_source names data with no path
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,13 @@ def _tokens_entry(directory: Path) -> CacheEntry:
     except (OSError, ValueError):
         meta = {"dataset": "(incomplete: no manifest)"}
     split = f" ({meta['split']})" if meta.get("split") else ""
+    dataset = str(meta.get("dataset", "?"))
+    if meta.get("made_by") and dataset.startswith(IN_MEMORY):  # data with no path or name: the run that made them
+        dataset = f"in memory, {meta.get('rows', '?')} rows, from {meta['made_by']}"
     return CacheEntry(
         "tokens",
         directory,
-        f"{meta.get('dataset', '?')}{split}",
+        f"{dataset}{split}",
         str(meta.get("tokenizer", "?")),
         meta.get("rows"),
         size,
@@ -123,8 +127,9 @@ def list_entries(root: str | os.PathLike | None = None) -> list[CacheEntry]:
         elif path.is_dir():
             entries.append(_plan_entry(path))
     for path in sorted(root.glob(f"{CHECKED}/*")):
+        size, _ = _scan(path)
         entries.append(
-            CacheEntry("checked", path, "marker: pre-tokenized values checked", "-", None, 0, path.stat().st_mtime)
+            CacheEntry("checked", path, "marker: pre-tokenized values checked", "-", None, size, path.stat().st_mtime)
         )
     for path in sorted(root.glob(f"{CORPUS_PREFIX}*")):
         entries.append(CacheEntry("corpus", path, "built-in corpus", "-", None, *_scan(path)))

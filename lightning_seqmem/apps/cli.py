@@ -72,10 +72,12 @@ def cli_main(args: list[str] | None = None, run: bool = True):
 def main() -> None:
     """Console-script entry point (``seqmem-cli``)."""
     configure_allocator()  # first: torch reads the allocator settings once, when CUDA starts
-    from lightning_seqmem.apps.console import quiet_upstream_noise
+    from lightning_seqmem.apps.console import no_bars_unless_a_terminal, quiet_upstream_noise
+    from lightning_seqmem.apps.errors import exit_on_user_mistake
 
     quiet_upstream_noise()
-    cli_main()
+    no_bars_unless_a_terminal()
+    exit_on_user_mistake(cli_main)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ on ``import lightning_seqmem``: a user's own script keeps every warning and hand
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 
-__all__ = ["UPSTREAM_NOISE", "log_each_line_once", "quiet_upstream_noise"]
+__all__ = ["UPSTREAM_NOISE", "log_each_line_once", "no_bars_unless_a_terminal", "quiet_upstream_noise"]
 
 # Deprecation notices raised inside torchdata and Lightning (regex on the message), fixed upstream, not by users.
 UPSTREAM_NOISE = (
@@ -60,3 +62,21 @@ def log_each_line_once() -> None:
             if type(handler) is logging.StreamHandler:  # a console handler, not a file handler
                 logger.removeHandler(handler)
         logger.propagate = True
+
+
+def no_bars_unless_a_terminal() -> bool:
+    """When standard output is not a terminal (SLURM, ``nohup``, CI, ``| tee``), switch off every tqdm bar of this
+    process — datasets' tokenizing and saving, transformers' and the hub's downloads — whose carriage returns and
+    cursor codes would fill the log; progress then arrives as log lines (``StepProgressBar``'s own, the token
+    cache's line per split). Returns whether bars stay on."""
+    if sys.stdout.isatty():
+        return True
+    os.environ.setdefault("TQDM_DISABLE", "1")  # tqdm >= 4.66 reads its defaults from TQDM_*: every bar off
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:
+        pass
+    return False

@@ -91,6 +91,7 @@ def plan_from_config(cfg, output_dir: str | None = None):
             f"a stream: planned on its first {sampled:,} training documents (plan.stream_sample); "
             "lengths, efficiency and memory carry over, document counts and steps per epoch are the sample's"
         )
+    searches = p.get("memory", True) and p.get("gpu_memory") is not None  # the fit search follows the plan
     model_config, device = None, p.get("device") or ("cpu" if str(cfg.trainer.get("accelerator")) == "cpu" else "cuda")
     attention, optimizer = cfg.model.get("attn_implementation", "sdpa"), str(cfg.model.get("optimizer", "adamw"))
     if p.get("memory", True):
@@ -124,8 +125,10 @@ def plan_from_config(cfg, output_dir: str | None = None):
         cross_entropy=cfg.model.get("cross_entropy", "auto"),
         lora=run_lora(cfg) if model_config is not None else None,
         optimizer=optimizer,
+        shorter_advice=not searches,  # the fit search says what fits
     )
-    if model_config is not None and p.get("gpu_memory") is not None:  # the cheapest configuration that fits
+    pictures = _draw_aside(result, dm, max_lengths, output_dir, p, searches) if output_dir is not None else None
+    if searches:  # the cheapest configuration that fits
         from lightning_seqmem.apps.plan_report import attach_fit
         from lightning_seqmem.apps.plan_search import search_run
 
@@ -134,10 +137,53 @@ def plan_from_config(cfg, output_dir: str | None = None):
     if output_dir is not None:
         _write(result, output_dir)
         try:
-            notes += [f"pictures: {', '.join(_pictures(result, dm, max_lengths, output_dir, p))}"]
+            notes += [f"pictures: {', '.join(pictures())}"]
         except ImportError as error:
             notes.append(str(error))
     return result, notes
+
+
+def _draw_aside(plan, dm, max_lengths, output_dir: str, p, aside: bool):
+    """Start drawing the pictures (they need only ``plan``, not the fit search): in a forked child while this
+    process searches when ``aside`` (about 2 s of matplotlib off the command's critical path on a second core),
+    else here. Returns a function that gives the paths written, or raises the ``ImportError`` of a missing
+    matplotlib; a child that fails otherwise is drawn again here, so a bug shows its own traceback."""
+    if not aside or not hasattr(os, "fork"):
+        try:
+            paths = _pictures(plan, dm, max_lengths, output_dir, p)
+        except ImportError as error:
+            message = str(error)
+
+            def missing() -> list[str]:
+                raise ImportError(message)
+
+            return missing
+        return lambda: paths
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: draw, report, leave without running the parent's exit handlers
+        os.close(read)
+        try:
+            out = {"paths": _pictures(plan, dm, max_lengths, output_dir, p)}
+        except ImportError as error:
+            out = {"missing": str(error)}
+        except BaseException:
+            out = {"failed": True}
+        with os.fdopen(write, "w") as pipe:
+            json.dump(out, pipe)
+        os._exit(0)
+    os.close(write)
+
+    def wait() -> list[str]:
+        with os.fdopen(read) as pipe:
+            text = pipe.read()
+        os.waitpid(pid, 0)
+        out = json.loads(text) if text else {"failed": True}
+        if "missing" in out:
+            raise ImportError(out["missing"])
+        return out["paths"] if "paths" in out else _pictures(plan, dm, max_lengths, output_dir, p)
+
+    return wait
 
 
 def _reference_copy(cfg) -> bool:
@@ -193,12 +239,25 @@ def _hydra_entry() -> None:
     def _main(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        from lightning_seqmem.apps.console import log_each_line_once, quiet_upstream_noise
+        from lightning_seqmem.apps.console import (
+            log_each_line_once,
+            no_bars_unless_a_terminal,
+            quiet_upstream_noise,
+        )
         from lightning_seqmem.apps.planner import format_plan
 
         quiet_upstream_noise()
+        no_bars_unless_a_terminal()
         log_each_line_once()  # after Hydra has set up the job's logging, as seqmem-train: each log line once
-        plan, notes = plan_from_config(cfg, HydraConfig.get().runtime.output_dir)
+        from lightning_seqmem.apps.errors import for_hydra
+
+        try:
+            plan, notes = plan_from_config(cfg, HydraConfig.get().runtime.output_dir)
+        except Exception as err:
+            reported = for_hydra(err, cfg, "data")  # a user's mistake: its message alone, data.<key> (errors.py)
+            if reported is err:
+                raise
+            raise reported from err
         print(format_plan(plan))
         for note in notes:
             print(f"Note: {note}")
@@ -209,6 +268,9 @@ def _hydra_entry() -> None:
 def main() -> None:
     """Console-script entry point (``seqmem-plan``)."""
     sys.argv[1:] = choose_trainer(sys.argv[1:], doing="planning for")
+    from lightning_seqmem.apps.overrides import exit_on_unknown_override
+
+    exit_on_unknown_override(sys.argv[1:], "plan")  # "did you mean" before Hydra's advice to add the key with +
     _hydra_entry()
 
 

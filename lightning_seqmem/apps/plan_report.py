@@ -20,7 +20,7 @@ from lightning_seqmem.batching.options import Batching
 class StrategyPlan:
     """One batching at one max_length, on the train split (``max_batch_shape`` over train and validation)."""
 
-    strategy: str  # the batching in short (``repr``): "Pad()", "Pack(method='bfd')"; tables and charts show it
+    strategy: str  # the batching's name (``Batching.spelling``): "pad", "pack_bfd"; tables and charts show it
     max_length: int
     token_efficiency: float  # real tokens / slots fed to the model in one epoch
     tokens: int  # tokens of the train documents

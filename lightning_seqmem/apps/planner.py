@@ -65,10 +65,10 @@ def check_text(kind: Kind, detail: str = "") -> None:
 
 
 def check_strategies(strategies: Sequence[Batching | str]) -> tuple[Batching, ...]:
-    """The batchings to compare, as objects (a shorthand name, ``"pack"``, is ``Pack()``); a ``ValueError`` for an
-    empty list or an unknown name."""
+    """The batchings to compare, as objects (a name of ``options.NAMES``, ``"pack_wrapped"``, is its object); a
+    ``ValueError`` for an empty list or an unknown name."""
     if not strategies:
-        raise ValueError(f"No strategies to plan; give batching objects, e.g. {list(STRATEGIES)}.")
+        raise ValueError(f"No strategies to plan; give batching names, e.g. {[s.spelling for s in STRATEGIES]}.")
     return tuple(dict.fromkeys(as_batching(s, "strategy") for s in strategies))
 
 
@@ -131,7 +131,7 @@ def plan_strategy(
         lengths: split name -> what ``kind.plan_lengths`` gives (``[documents]`` token counts, empty documents
             already left out; ``[pairs, 3]`` prompt/chosen/rejected counts; ``ConversationLengths``), with
             ``"train"``.
-        strategy: the batching options (``Pad(...)``, ``Truncate()``, ``Pack(...)``; ``"pack"`` is ``Pack()``).
+        strategy: the batching options (``Pad(...)``, ``Truncate()``, ``Pack(...)``, or a name: ``"pack_wrapped"``).
         max_length: row capacity.
         settings: the DataModule's batching settings (``dm.settings.batching``): all but batching and max_length.
         devices: data-parallel processes (optimizer steps count each rank's batches).
@@ -159,7 +159,7 @@ def plan_strategy(
                 trained_share=None if trained is None else trained / max(int(rows.sum()), 1),
             )
     return StrategyPlan(
-        strategy=repr(strategy),
+        strategy=strategy.spelling,
         max_length=max_length,
         max_batch_shape=largest_shape([batcher], largest),
         batching=strategy,
@@ -191,11 +191,13 @@ def build_plan(
     devices: int = 1,
     accumulate_grad_batches: int = 1,
     kind: Kind = TEXT,
+    shorter_advice: bool = True,
 ) -> RunPlan:
     """The whole plan from the lengths ``kind.plan_lengths`` gives (``estimate`` ``None``: data half only); for
     preference pairs ``estimate`` takes a micro_batch_size in pairs.
     ``configured``: the DataModule's ``(batching, max_length)``, added to the rows when no candidate equals it and
-    its max_length is planned."""
+    its max_length is planned. ``shorter_advice``: when nothing fits, trace shorter max_lengths for the advice
+    (``False`` when the fit search follows, which estimates what fits and says so)."""
     strategies, max_lengths = check_strategies(strategies), check_max_lengths(max_lengths)
     config_length = configured[1]
     plans = plan_strategies(lengths, strategies, max_lengths, settings, devices, accumulate_grad_batches, kind)
@@ -205,12 +207,13 @@ def build_plan(
         plans.append(current)
     memory = None
     if estimate is not None:
-        memory = plan_memory(estimate, current.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
+        shorter = max_lengths if shorter_advice else ()
+        memory = plan_memory(estimate, current.max_batch_shape[1], micro_batch_sizes, budget, margin, shorter)
     recommended, reason = recommend(plans, memory, settings.micro_batch_size, config_length)
     best = next(p for p in plans if (p.strategy, p.max_length) == (recommended["strategy"], recommended["max_length"]))
     if memory is not None and best.max_batch_shape[1] != memory.length and budget is not None:
         # The recommended rows are longer or shorter than the configured run's: size its micro-batch on its own.
-        other = plan_memory(estimate, best.max_batch_shape[1], micro_batch_sizes, budget, margin, max_lengths)
+        other = plan_memory(estimate, best.max_batch_shape[1], micro_batch_sizes, budget, margin, shorter)
         recommended, reason = recommend(plans, other, settings.micro_batch_size, config_length)
     train = kind.sequence_lengths(whole_lengths(lengths["train"]))  # the distribution max_length cuts
     return RunPlan(
@@ -246,6 +249,7 @@ def plan(
     cross_entropy: str = "auto",
     lora: Any = None,
     optimizer: str = "adamw",
+    shorter_advice: bool = True,
 ) -> RunPlan:
     """Plan the run of ``datamodule`` (a ``SeqMemDataModule``, not set up) with a model of ``model_config``.
 
@@ -266,6 +270,8 @@ def plan(
         lora, optimizer: the model's adapter (``CausalLM(lora=...)``: LoRA, or QLoRA's 4-bit base) and optimizer
             (``"adamw"`` or ``"adamw_8bit"``), as the estimate traces them; with an adapter, DPO's reference is the
             base with the adapter off (no copy).
+        shorter_advice: when no micro_batch_size fits, trace shorter max_lengths for the advice (``seqmem-plan``
+            leaves it to its fit search).
 
     Example::
 
@@ -321,6 +327,7 @@ def plan(
         devices,
         accumulate_grad_batches,
         kind,
+        shorter_advice,
     )
 
 

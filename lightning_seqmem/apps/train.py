@@ -90,6 +90,32 @@ def _progress_bar_allowed(callback: Any, trainer_cfg: Any) -> bool:
     return not (isinstance(callback, ProgressBar) and trainer_cfg.get("enable_progress_bar") is False)
 
 
+def check_data(datamodule: Any, cfg) -> None:
+    """Read the data before the model and the Trainer are built, so that a missing file or column, or a row the
+    kind refuses, stops the job in seconds, its message in the Hydra spelling (``data.text_column=...``).
+
+    On rank zero only (the other ranks of a DDP job start after it, and Lightning's ``prepare_data`` runs once per
+    node); ``setup("fit")`` too when the job is one process (under DDP each rank sets up after the Trainer knows
+    its rank). A ``ddp_spawn`` job leaves it all to the Trainer, whose children receive the DataModule pickled.
+    Lightning's own calls find the work done (``prepare_data`` and ``setup`` keep what they read).
+    """
+    trainer = cfg.trainer
+    strategy = str(trainer.get("strategy", "auto"))
+    if not _is_rank_zero() or "spawn" in strategy or not hasattr(datamodule, "prepare_data"):
+        return
+    from lightning_seqmem.apps.errors import UserMistake, hydra_spelling, message, user_mistake
+
+    try:
+        datamodule.prepare_data()
+        if trainer.get("devices", 1) in (1, "1") and strategy in ("auto", "None", "single_device"):
+            datamodule.setup("fit")
+    except Exception as err:
+        mistake = user_mistake(err)
+        if mistake is None:
+            raise
+        raise UserMistake(hydra_spelling(message(mistake), cfg.data.keys(), "data")) from err
+
+
 def train(cfg) -> dict[str, Any]:
     """Fit with the composed config; returns the run summary (final validation loss included)."""
     import lightning.pytorch as L
@@ -100,6 +126,7 @@ def train(cfg) -> dict[str, Any]:
     _check_required(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
+    check_data(datamodule, cfg)
     model = instantiate(cfg.model)
     callbacks = [cb for cb in _instantiate_all(cfg.get("callbacks")) if _progress_bar_allowed(cb, cfg.trainer)]
     loggers = _instantiate_all(cfg.get("logger"))
@@ -118,11 +145,30 @@ def train(cfg) -> dict[str, Any]:
     }
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (``scancel``, a pre-emption, ``kill``, the end of a multirun's allotted time) stop the job at
+    once: Lightning's own handler only notes the signal and stops at the end of an epoch, which for a run bounded by
+    ``max_steps`` is its end, and a multirun then went on to its next job. Lightning calls this handler after its
+    own (which passes the signal on to DDP ranks it launched); ``SIGTERMException`` is a ``SystemExit`` that no
+    sweep catches, with status 128 + 15 as a shell reports a process ended by SIGTERM."""
+    import signal
+    import threading
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SIGTERMException(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():  # signals are set from the main thread only
+        signal.signal(signal.SIGTERM, stop)
+
+
 def _write_status(output_dir: str, status: str, error: BaseException | None = None) -> None:
     """``<job dir>/job_status.json``: whether the job finished; seqmem-report lists the jobs that did not."""
     record: dict[str, Any] = {"status": status}
-    if error is not None:
-        record["error"] = f"{type(error).__name__}: {error}"[:2000]
+    if error is not None:  # a user's mistake keeps the class of the error it reports (errors.UserMistake)
+        cause = error.__cause__ if type(error).__name__ == "UserMistake" and error.__cause__ is not None else error
+        record["error"] = f"{type(cause).__name__}: {error}"[:2000]
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, JOB_STATUS_FILE), "w") as f:
         json.dump(record, f, indent=2)
@@ -135,10 +181,17 @@ def _hydra_entry() -> None:
     def _main(cfg) -> float | None:
         from hydra.core.hydra_config import HydraConfig
 
-        from lightning_seqmem.apps.console import log_each_line_once, quiet_upstream_noise
+        from lightning_seqmem.apps.console import (
+            log_each_line_once,
+            no_bars_unless_a_terminal,
+            quiet_upstream_noise,
+        )
+        from lightning_seqmem.apps.errors import for_hydra
 
         quiet_upstream_noise()
+        no_bars_unless_a_terminal()
         log_each_line_once()  # after Hydra has set up the job's logging
+        stop_on_sigterm()
         output_dir = HydraConfig.get().runtime.output_dir
         if _is_rank_zero():
             _write_status(output_dir, RUNNING)
@@ -147,7 +200,10 @@ def _hydra_entry() -> None:
         except BaseException as err:  # KeyboardInterrupt too: the report must not count this job as finished
             if _is_rank_zero():
                 _write_status(output_dir, FAILED, err)
-            raise
+            reported = for_hydra(err, cfg)  # a user's mistake: its message alone (errors.py)
+            if reported is err:
+                raise
+            raise reported from err
         if _is_rank_zero():
             _write_status(output_dir, FINISHED)
         value = summary.get("final_val_loss")
@@ -160,6 +216,9 @@ def main() -> None:
     """Console-script entry point (``seqmem-train``)."""
     configure_allocator()  # first: torch reads the allocator settings once, when CUDA starts
     sys.argv[1:] = choose_trainer(sys.argv[1:])
+    from lightning_seqmem.apps.overrides import exit_on_unknown_override
+
+    exit_on_unknown_override(sys.argv[1:], "config")  # "did you mean" before Hydra's advice to add the key with +
     _hydra_entry()
 
 

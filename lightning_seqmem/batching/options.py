@@ -46,8 +46,25 @@ class Batching:
 
     @property
     def label(self) -> str:
-        """For reports: ``"pad"``, ``"truncate"``, ``"pack (bfd)"``."""
+        """For reports (the run summary's ``strategy``): its :attr:`spelling`, ``"pad"``, ``"pack_bfd"``."""
+        return self.spelling
+
+    @property
+    def base_name(self) -> str:
+        """Its name in the one vocabulary of :data:`NAMES` (``conf/batching``'s options): ``"pad"``, ``"pack_bfd"``."""
         return self.name
+
+    @property
+    def spelling(self) -> str:
+        """Its name with the options that differ from that name's defaults, as :func:`as_batching` reads it back and
+        ``seqmem-plan`` prints it: ``"pack_bfd"``, ``"pad(to_max_length=True)"``."""
+        named = NAMES[self.base_name]
+        given = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != named.get(f.name, f.default)
+        ]
+        return f"{self.base_name}({', '.join(given)})" if given else self.base_name
 
     def __repr__(self) -> str:
         """The options that differ from their defaults (and ``shown``): ``Pack(method='bfd', overflow='drop')``."""
@@ -158,8 +175,8 @@ class Pack(Batching):
             )
 
     @property
-    def label(self) -> str:
-        return f"{self.name} ({self.method})"
+    def base_name(self) -> str:
+        return f"{self.name}_{self.method}"
 
     def overflow_for(self, default: str) -> str:
         """The overflow rule: ``overflow``, else ``default``, the data kind's own (``kinds.Kind.default_overflow``:
@@ -170,22 +187,69 @@ class Pack(Batching):
 
 BY_NAME: dict[str, type[Batching]] = {cls.name: cls for cls in (Pad, Truncate, Pack)}
 STRATEGIES = tuple(BY_NAME)
-"""The shorthand names: ``"pad"``, ``"truncate"``, ``"pack"``."""
+"""The class names: ``"pad"``, ``"truncate"``, ``"pack"``."""
+NAMES: dict[str, dict[str, Any]] = {
+    "pad": {},
+    "truncate": {},
+    "pack_bfd": {"method": "bfd"},
+    "pack_wrapped": {"method": "wrapped"},
+}
+"""The one vocabulary of batchings: the ``conf/batching`` options (``batching=pack_wrapped``), ``strategy=`` in
+Python and LightningCLI, ``plan.strategies`` and the planner's table; each name's options (``pack`` is ``pack_bfd``)."""
+ALIASES = {"pack": "pack_bfd"}
+
+
+def _class_of(name: str) -> type[Batching]:
+    return BY_NAME[name.split("_")[0]]
+
+
+def _parse_name(value: str, option: str) -> Batching:
+    """``"pack_wrapped"`` or ``"pad(to_max_length=True)"`` (Hydra's ``true``/``null`` too) as its object."""
+    import ast
+    import difflib
+
+    text = value.strip()
+    name, _, rest = text.partition("(")
+    name = ALIASES.get(name.strip(), name.strip())
+    if name not in NAMES or (rest and not rest.endswith(")")):
+        close = difflib.get_close_matches(name, [*NAMES, *ALIASES], n=1, cutoff=0.6)
+        raise ValueError(
+            f"Unknown {option} {value!r}; choose one of {list(NAMES)} ('pack' is 'pack_bfd'), options in brackets "
+            "('pad(to_max_length=True)'), or pass an object: Pad(...), Truncate() or Pack(...)."
+            + (f" Did you mean {close[0]!r}?" if close else "")
+        )
+    options = dict(NAMES[name])
+    if rest:
+        words = {"true": True, "false": False, "null": None, "none": None}
+        try:
+            call = ast.parse(f"f({rest[:-1]})", mode="eval").body
+            if call.args:
+                raise ValueError("positional")
+            for keyword in call.keywords:
+                node = keyword.value
+                is_word = isinstance(node, ast.Name) and node.id.lower() in words
+                options[keyword.arg] = words[node.id.lower()] if is_word else ast.literal_eval(node)
+        except (SyntaxError, ValueError) as err:
+            raise ValueError(
+                f"Cannot read the options of {option} {value!r}: write them as name=value, e.g. "
+                f"'{name}(to_max_length=True)' ({err})."
+            ) from None
+    return _class_of(name)(**options)
 
 
 def as_batching(value: Batching | str | Mapping[str, Any], option: str = "strategy") -> Batching:
-    """``value`` as a batching object: a shorthand name becomes that strategy with its defaults
-    (``"pack"`` -> ``Pack()``), and the plain values :meth:`Batching.as_dict` saved (``hparams``, checkpoints) the
-    object again, so ``SeqMemDataModule(**dm.hparams)`` builds the same DataModule; ``option`` names the argument
-    in the message."""
+    """``value`` as a batching object: a name of :data:`NAMES` becomes that batching (``"pack_wrapped"`` ->
+    ``Pack(method="wrapped")``, ``"pack"`` -> ``Pack()``; options in brackets as :attr:`Batching.spelling` writes
+    them), and the plain values :meth:`Batching.as_dict` saved (``hparams``, checkpoints) the object again, so
+    ``SeqMemDataModule(**dm.hparams)`` builds the same DataModule; ``option`` names the argument in the message."""
     if isinstance(value, Batching):
         return value
-    if isinstance(value, str) and value in BY_NAME:
-        return BY_NAME[value]()
     if isinstance(value, Mapping) and value.get("strategy") in BY_NAME:
         options = dict(value)
         return BY_NAME[options.pop("strategy")](**options)
+    if isinstance(value, str):
+        return _parse_name(value, option)
     raise ValueError(
-        f"Unknown {option} {value!r}; choose one of {list(STRATEGIES)}, or pass an object: Pad(...), Truncate() "
-        "or Pack(...)."
+        f"Unknown {option} {value!r}; choose one of {list(NAMES)} ('pack' is 'pack_bfd'), or pass an object: "
+        "Pad(...), Truncate() or Pack(...)."
     )

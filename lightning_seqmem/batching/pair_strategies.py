@@ -108,7 +108,7 @@ class PairPadStrategy(_PairLimits):
 
     @property
     def label(self) -> str:
-        return f"{self.name} (pairs)"
+        return f"{self.options.spelling} (pairs)"
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -186,7 +186,7 @@ class PairPackStrategy(_PairLimits):
 
     @property
     def label(self) -> str:
-        return f"{self.name} (pairs, bfd)"
+        return f"{self.options.spelling} (pairs)"  # pairs are always packed best fit: Pack(method="bfd")
 
     @property
     def keys(self) -> tuple[str, ...]:

@@ -42,7 +42,7 @@ class Strategy(Protocol):
     full_length_rows: bool  # every row is ``max_length`` long (a token budget then fixes the rows per batch)
 
     @property
-    def label(self) -> str: ...  # for reports: "pad", "truncate", "pack (bfd)"
+    def label(self) -> str: ...  # for reports, in the batching vocabulary: "pad", "truncate", "pack_bfd"
 
     @property
     def keys(self) -> tuple[str, ...]: ...

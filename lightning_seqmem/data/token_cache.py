@@ -304,6 +304,7 @@ def tokenize_cached(
                 "split": split,
                 "rows": len(ds),
                 "dataset": describe_source(source, ds),
+                "made_by": made_by(),  # names an in-memory dataset in seqmem-cache's listing
                 "tokenizer": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
             }
             blocked = _cannot_write(directory)
@@ -321,6 +322,15 @@ def tokenize_cached(
         _say(f"[lightning_seqmem] {split}: tokens {how} the cache entry {directory} (seqmem-cache lists them)")
         out[split] = cached
     return datasets.DatasetDict(out)
+
+
+def made_by() -> str:
+    """The command that wrote a cache entry, its script's name and arguments (``dpo.py --steps 5``): the one name
+    data built in memory has."""
+    import sys
+
+    argv = sys.argv if sys.argv and sys.argv[0] else ["python"]
+    return " ".join([os.path.basename(argv[0]), *argv[1:]])[:200]
 
 
 def describe_source(source: Any, ds: Any = None) -> str:

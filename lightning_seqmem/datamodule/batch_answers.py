@@ -24,7 +24,7 @@ class BatchAnswers:
         return tuple(self._ready().strategies["train"].keys)
 
     def batching_label(self) -> str:
-        """The train loader's batching in a few words (``protocols.DescribesBatching``): ``"pack (bfd)"``."""
+        """The train loader's batching in a few words (``protocols.DescribesBatching``): ``"pack_bfd"``."""
         return self._ready().strategies["train"].label
 
     def constant_shapes(self) -> bool:

@@ -71,8 +71,9 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
             main job (``seqmem-train``'s ``batching=pack_bfd``): no token lost, long text documents split.
         eval_batching: the validation loader's; ``None`` (default): the training loader's. E.g.
             ``batching=Pack(), eval_batching=Pad()`` trains packed and validates one document per row.
-        strategy: shorthand for ``batching`` with its defaults: ``"pad"``, ``"truncate"`` or ``"pack"``
-            (``strategy="pack"`` is ``batching=Pack()``); give one of the two.
+        strategy: ``batching`` by name, the names of ``batching=`` in ``seqmem-train``: ``"pad"``, ``"truncate"``,
+            ``"pack_bfd"`` (or ``"pack"``: ``batching=Pack()``), ``"pack_wrapped"``, options in brackets
+            (``"pad(to_max_length=True)"``); give one of the two.
         eval_strategy: shorthand for ``eval_batching`` with its defaults.
         text_column: the column holding the text.
         num_workers: DataLoader worker processes.
