@@ -25,12 +25,14 @@ from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.batch_answers import BatchAnswers
 from lightning_seqmem.datamodule.map_style import MapStyle
+from lightning_seqmem.datamodule.mix_mode import MixMode
 from lightning_seqmem.datamodule.pipeline import load_documents
 from lightning_seqmem.datamodule.read_mode import ReadMode
 from lightning_seqmem.datamodule.settings import SeqMemSettings
 from lightning_seqmem.datamodule.stream_mode import StreamMode
 from lightning_seqmem.datamodule.streaming import is_stream
 from lightning_seqmem.kinds.detect import detect_stream
+from lightning_seqmem.mixing.spec import Mix
 
 _SPECIAL_IDS = ("pad_token_id", "eos_token_id")
 
@@ -252,6 +254,8 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
     def prepare_data(self) -> None:
         """Build what is cached on disk, once per node (Lightning calls this on local rank 0 only): the built-in
         corpus, the default tokenizer and the tokenized dataset; ``setup`` on every rank then only reads them."""
+        if isinstance(self.dataset, Mix):  # each source tokenized and planned (mix_mode.py)
+            return self.setup("fit")
         if self._open_stream():
             _ = self.tokenizer  # a hub tokenizer downloaded once per node; a stream itself is read as trained on
             return
@@ -292,6 +296,8 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
         the value check the data get once per dataset version, and remembered with it: later runs read no token.
         ``None`` for text (the tokenizer's size bounds its ids: ``CausalLM`` checks that) and for streams, whose
         ids are checked only against a given tokenizer, as they are read."""
+        if isinstance(self.dataset, Mix):
+            return self._ready().largest_token_id()
         if self._open_stream():
             return None
         self.tokenized_documents()
@@ -303,7 +309,11 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
         (``StreamMode``), else whole splits through the split pipeline (``MapStyle``)."""
         if self.read_mode is not None:
             return
-        if self._open_stream():
+        if isinstance(self.dataset, Mix):  # several sources mixed by weight, each read map-style (mix_mode.py)
+            args = (lambda: self.tokenizer, self._tokenizer_arg is not None, rank_zero_warn, rank_zero_info)
+            self.read_mode = MixMode(self.dataset, self.settings, *args)
+            self._pretokenized = self.read_mode.pretokenized
+        elif self._open_stream():
             kind = detect_stream(self.dataset, self.settings.data.text_column)
             self._pretokenized = kind.pretokenized
             self.read_mode = StreamMode(self.dataset, kind, self.settings, rank_zero_warn)

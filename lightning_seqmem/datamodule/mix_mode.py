@@ -1,0 +1,289 @@
+"""The mix read mode: each source of a ``Mix`` read map-style on its own, its training rows interleaved by weight.
+
+Each source goes through the same split pipeline as a single dataset (its own kind, strategy, validation split and
+statistics), so a source's rows are what it would give alone; only the order of training rows is the mix's
+(``mixing.sampler.MixedBatchSampler``). Validation keeps the sources apart: its batches come one source at a time,
+each tagged with its source (``batch.SOURCE_INDEX``) so the model logs ``val/loss/<name>`` beside ``val/loss``.
+No Lightning import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_seqmem.batch import SOURCE_INDEX
+from lightning_seqmem.batching.sampling import BatchFetcher, BatchList, _ShardedBatchSampler
+from lightning_seqmem.batching.strategies import largest_shape
+from lightning_seqmem.data.columns import largest_of
+from lightning_seqmem.datamodule.pipeline import load_documents, prepare_split, split_documents
+from lightning_seqmem.datamodule.read_mode import split_strategies
+from lightning_seqmem.datamodule.resume import ResumableLoader, check_signature, data_signature
+from lightning_seqmem.kinds.base import DOCUMENT_STATS, epoch_stats
+from lightning_seqmem.mixing.sampler import MixedBatchSampler
+from lightning_seqmem.mixing.spec import Mix
+
+
+class MixMode:
+    """A ``Mix`` of map-style sources (``read_mode.ReadMode``).
+
+    Args:
+        mix: the sources, weights, ``by`` and ``exhausted``.
+        settings: the DataModule's ``SeqMemSettings`` (each source may set its own ``text_column``).
+        tokenizer: gives the tokenizer (one for every source).
+        explicit_tokenizer: the user gave one (pre-tokenized ids are checked against it).
+        warn, info: where the pipeline's warnings and notes go, prefixed with the source's name.
+
+    Raises:
+        ValueError: sources whose batches cannot share a layout (preference pairs with anything else), a source
+            with no training row (empty, or every document dropped), each named.
+    """
+
+    def __init__(
+        self,
+        mix: Mix,
+        settings: Any,
+        tokenizer: Callable[[], Any],
+        explicit_tokenizer: bool,
+        warn: Callable[[str], None],
+        info: Callable[[str], None],
+    ) -> None:
+        if settings.data.streaming:
+            raise ValueError(
+                "A Mix is read map-style for now: pass streaming=False (a mix of streams is not supported yet)."
+            )
+        self.mix, self.settings = mix, settings
+        self.seed = settings.batching.seed if mix.seed is None else mix.seed
+        self.sources: list[dict[str, Any]] = []  # per source: kind, strategies, rows, lengths, units, stats
+        for source in mix.sources:
+            data = settings.data
+            if source.text_column is not None:
+                data = dataclasses.replace(data, text_column=source.text_column)
+            tokenized, kind, largest = load_documents(
+                source.dataset, data, tokenizer, explicit_tokenizer, settings.conversation
+            )
+            self.sources.append(self._prepare(source.name, tokenized, kind, tokenizer, warn, info))
+            self.sources[-1]["largest"] = largest
+        self._check_layouts()
+        self.kind = self.sources[0]["kind"]
+        self.strategies = self.sources[0]["strategies"]  # every source batches alike (``_check_layouts``)
+        self.datasets = {split: [s["datasets"][split] for s in self.sources] for split in ("train", "validation")}
+        self.skip_resume_state = False
+
+    def _prepare(self, name, tokenized, kind, tokenizer, warn, info) -> dict[str, Any]:
+        docs = split_documents(tokenized, kind, self.settings.batching.seed)
+        strategies = split_strategies(kind, self.settings, docs)
+        out = {
+            "name": name,
+            "kind": kind,
+            "strategies": strategies,
+            "datasets": {},
+            "rows": {},
+            "lengths": {},
+            "stats": {},
+        }
+        for split, split_docs in docs.items():
+            try:
+                prepared = prepare_split(split, split_docs, strategies[split], self.settings)
+            except ValueError as error:
+                raise ValueError(f"Mix source {name!r}: {error}") from error
+            prepared.stats.update(kind.tokenizer_stats(tokenizer))
+            for message in prepared.warnings:
+                warn(f"Mix source {name!r}: {message}")
+            for message in prepared.infos:
+                info(f"{message} (Mix source {name!r})")
+            out["datasets"][split], out["rows"][split] = prepared.dataset, prepared.rows
+            out["lengths"][split], out["stats"][split] = prepared.lengths, prepared.stats
+        if len(out["lengths"]["train"]) == 0 and self.mix.weight(name) > 0:
+            raise ValueError(
+                f"Mix source {name!r} gives no training row: every document was dropped "
+                f"({out['stats']['train'].get('tokens_dropped', 0)} tokens dropped). Check its column settings, "
+                "raise max_length, or give it weight 0."
+            )
+        out["units"] = self._units(out["rows"]["train"], out["lengths"]["train"])
+        return out
+
+    def _units(self, rows: Any, lengths: np.ndarray) -> np.ndarray:
+        """What a weight counts in each training row: its real tokens, or (``by="documents"``) its documents (the
+        pieces a packed row holds)."""
+        if self.mix.by == "tokens":
+            return np.asarray(lengths, dtype=np.int64)
+        packed = getattr(rows, "packed", None)
+        if packed is not None:
+            return np.diff(packed.seg_row_offsets).astype(np.int64)
+        return np.ones(len(lengths), dtype=np.int64)
+
+    def _check_layouts(self) -> None:
+        first = self.sources[0]
+        for source in self.sources[1:]:
+            if source["kind"].sequences != first["kind"].sequences:
+                raise ValueError(
+                    f"Mix source {source['name']!r} holds {source['kind'].name} data and {first['name']!r} "
+                    f"{first['kind'].name}: their batches have other layouts. Text, prompt/completion and "
+                    "conversations mix; preference pairs mix only with preference pairs."
+                )
+
+    # ------------------------------------------------------------------------------------------- loaders
+    def sampler(self, num_replicas: int | None = None, rank: int | None = None) -> MixedBatchSampler:
+        """The training sampler over the sources' rows laid end to end (``_rows("train")``)."""
+        b, strategy = self.settings.batching, self.strategies["train"]
+        budget = b.max_tokens_per_batch if strategy.budget_shapes else None
+        return MixedBatchSampler(
+            self.mix.weights,
+            [s["units"] for s in self.sources],
+            [s["lengths"]["train"] for s in self.sources],
+            self.mix.exhausted,
+            None if budget else strategy.rows_per_batch("train"),
+            seed=self.seed,
+            num_replicas=num_replicas,
+            rank=rank,
+            drop_last=b.drop_last,
+            max_tokens_per_batch=budget,
+            padded_length=strategy.padded_length if budget else None,
+        )
+
+    def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
+        if split not in ("train", "validation"):
+            raise ValueError(f"A Mix serves 'train' and 'validation', not {split!r}.")
+        collate = self.strategies[split].collator(pad_token_id)
+        if split == "train":
+            sampler = self.sampler()
+        else:
+            sampler = SourceBatches(
+                [s["strategies"][split].split_sampler(s["lengths"][split], split) for s in self.sources]
+            )
+            collate = SourceTagged(collate)
+        loader = ResumableLoader(
+            BatchFetcher(SourceRows([s["rows"][split] for s in self.sources], tag=split != "train")),
+            sampler=sampler,
+            batch_size=None,
+            collate_fn=collate,
+            num_workers=self.settings.data.num_workers,
+            persistent_workers=self.settings.data.num_workers > 0,
+        )
+        loader.skip_resume_state = self.skip_resume_state
+        return loader
+
+    @property
+    def pretokenized(self) -> bool:
+        """Every source holds token ids (then a given ``pad_token_id`` needs no tokenizer)."""
+        return all(s["kind"].pretokenized for s in self.sources)
+
+    def largest_token_id(self) -> Any:
+        """The largest id of the pre-tokenized sources (``GivesLargestTokenId``), ``None`` where none is."""
+        return largest_of([s["largest"] for s in self.sources])
+
+    def source_names(self) -> tuple[str, ...]:
+        """The names of the sources, in the order of ``batch[SOURCE_INDEX]`` (``protocols.NamesSources``)."""
+        return self.mix.names
+
+    # ------------------------------------------------------------------------------------------- answers
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per split the sums over the sources, and per source (``["sources"][name]``) its own statistics; the
+        training split adds what this process reads of each in epoch 0 (``rows_read``, ``tokens_read``, ``share``
+        of the tokens read, ``weight``, ``passes``, ``repeats``, ``rows_unread``)."""
+        out = {}
+        for split in ("train", "validation"):
+            per = {s["name"]: dict(s["stats"][split]) for s in self.sources}
+            total = {k: sum(v.get(k, 0) for v in per.values()) for k in DOCUMENT_STATS if k != "longest_document"}
+            out[split] = dict(total, sources=per)
+        sampler = self.sampler()
+        counts = sampler.source_counts(0)
+        read = sum(c["tokens"] for c in counts) or 1
+        for s, c in zip(self.sources, counts):
+            out["train"]["sources"][s["name"]].update(
+                rows_read=c["rows"],
+                tokens_read=c["tokens"],
+                share=c["tokens"] / read,
+                weight=self.mix.weight(s["name"]),
+                passes=c["passes"],
+                repeats=c["repeats"],
+                rows_unread=c["rows_unread"],
+            )
+        out["train"].update(batches=len(sampler), rows_dropped_per_epoch=sampler.num_dropped)
+        return out
+
+    def max_batch_shape(self) -> tuple[int, int]:
+        largest = [
+            epoch_stats(s["strategies"][split], s["lengths"][split], split).largest
+            for s in self.sources
+            for split in ("train", "validation")
+            if len(s["lengths"][split])
+        ]
+        return largest_shape(list(self.strategies.values()), [x for x in largest if x is not None])
+
+    def worst_batch_layout(self, rows: int, length: int) -> tuple[tuple[int, ...], ...]:
+        lengths = np.concatenate([s["lengths"]["train"] for s in self.sources])
+        return self.strategies["train"].worst_layout(rows, length, lengths)
+
+    # ------------------------------------------------------------------------------------------- resume
+    def data_signature(self) -> dict[str, Any]:
+        """The first source's batching settings, the mix (sources, weights, ``by``, ``exhausted``, seed) and a
+        checksum of every source's train row lengths, in source order."""
+        settings = dict(self.kind.signature(self.settings), **self.mix.signature(), mix_seed=self.seed)
+        return data_signature(settings, np.concatenate([s["lengths"]["train"] for s in self.sources]))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data_signature": self.data_signature()}
+
+    def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
+        """Another mix (weights, sources, their rows) makes a saved position meaningless: refuse it, or start the
+        epoch again (``on_resume_mismatch``)."""
+        saved = state_dict.get("data_signature")
+        if saved:
+            self.skip_resume_state = check_signature(
+                saved, self.data_signature(), self.settings.data.on_resume_mismatch, warn
+            )
+
+
+class SourceRows(Dataset):
+    """The sources' rows laid end to end; with ``tag`` each example also says its source (``"source"``)."""
+
+    def __init__(self, rows: list[Any], tag: bool = False) -> None:
+        self.rows, self.tag = rows, tag
+        self.offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        s = int(np.searchsorted(self.offsets, i, side="right") - 1)
+        example = self.rows[s][int(i - self.offsets[s])]
+        return dict(example, source=s) if self.tag else example
+
+
+class SourceTagged:
+    """A collator whose batch (all of one source) also carries ``SOURCE_INDEX``: ``LongTensor[rows]``."""
+
+    def __init__(self, collate: Callable) -> None:
+        self.collate = collate
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        sources = [ex.pop("source") for ex in examples]
+        batch = self.collate(examples)
+        batch[SOURCE_INDEX] = torch.tensor(sources, dtype=torch.long)
+        return batch
+
+
+class SourceBatches(_ShardedBatchSampler):
+    """Validation batches one source after another (each source's own sampler, in order, shared by the ranks
+    as it shares them), indices shifted to the sources' rows laid end to end: no batch mixes sources."""
+
+    def __init__(self, samplers: list[Any]) -> None:
+        self.samplers = samplers
+        self.offsets = np.concatenate([[0], np.cumsum([s.num_items for s in samplers])]).astype(np.int64)
+        first = samplers[0]
+        super().__init__(int(self.offsets[-1]), False, first.seed, first.num_replicas, first.rank)
+
+    def global_batches(self, epoch: int) -> BatchList:
+        parts = [s.global_batches(epoch) for s in self.samplers]
+        order = np.concatenate([p.order + k for p, k in zip(parts, self.offsets[:-1])])
+        shift = np.cumsum([0] + [len(p.order) for p in parts[:-1]])
+        starts = np.concatenate([p.starts + k for p, k in zip(parts, shift)])
+        ends = np.concatenate([p.ends + k for p, k in zip(parts, shift)])
+        return BatchList(order, starts, ends)
