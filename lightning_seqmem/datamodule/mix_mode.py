@@ -64,9 +64,12 @@ class MixMode:
             data = settings.data
             if source.text_column is not None:
                 data = dataclasses.replace(data, text_column=source.text_column)
-            tokenized, kind, largest = load_documents(
-                source.dataset, data, tokenizer, explicit_tokenizer, settings.conversation
-            )
+            try:
+                tokenized, kind, largest = load_documents(
+                    source.dataset, data, tokenizer, explicit_tokenizer, settings.conversation
+                )
+            except (ValueError, TypeError) as error:  # the same error, naming the source
+                raise type(error)(f"Mix source {source.name!r}: {error}") from error
             self.sources.append(self._prepare(source.name, tokenized, kind, tokenizer, warn, info))
             self.sources[-1]["largest"] = largest
         self._check_layouts()
@@ -225,7 +228,7 @@ class MixMode:
     def data_signature(self) -> dict[str, Any]:
         """The first source's batching settings, the mix (sources, weights, ``by``, ``exhausted``, seed) and a
         checksum of every source's train row lengths, in source order."""
-        settings = dict(self.kind.signature(self.settings), **self.mix.signature(), mix_seed=self.seed)
+        settings = dict(self.kind.signature(self.settings), **dict(self.mix.signature(), mix_seed=self.seed))
         return data_signature(settings, np.concatenate([s["lengths"]["train"] for s in self.sources]))
 
     def state_dict(self) -> dict[str, Any]:

@@ -76,10 +76,11 @@ class MixedBatchSampler(_ShardedBatchSampler):
                 longest = 0
             rows.append(int(self.offsets[s]) + r)
             longest = max(longest, length)
-        if len(rows) > bounds[-1]:
+        if len(rows) > bounds[-1] and (target is None or len(bounds) - 1 < target):
             full = self.budget is not None or len(rows) - bounds[-1] == self.batch_rows
-            if target is not None or full or not self.drop_last:
+            if full or not self.drop_last:  # the tail of a shorter batch, unless ``drop_last``
                 bounds.append(len(rows))
+        rows = rows[: bounds[-1]]  # a row read past the last batch (it opened the next) is not served
         return np.asarray(rows, dtype=np.int64), np.asarray(bounds, dtype=np.int64)
 
     def rank_plans(self, epoch: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -1,0 +1,152 @@
+"""``SeqMemDataModule(dataset=Mix(...))`` as users meet it: the share in every prefix of the real loader's batches
+(pad, truncate, pack, token budget), per-source counts, per-source validation loss through a real Trainer and CSV
+logger, exact resume through ``ckpt_path``, and bad sources named."""
+
+import csv
+
+import lightning.pytorch as L
+import numpy as np
+import pytest
+import torch
+from _recorder import fit_recording
+
+from lightning_seqmem import CausalLM, Mix, Pack, Pad, SeqMemDataModule, Truncate
+from lightning_seqmem.batch import SOURCE_INDEX
+
+MAX = 32
+RANGES = {"long": (10, 100), "short": (100, 200)}  # disjoint ids: a token's source is its id
+
+
+def _docs(seed=0, n_long=40, n_short=300):
+    """Pre-tokenized documents with very different lengths: ``long`` 20-120 tokens, ``short`` 2-8."""
+    rng = np.random.default_rng(seed)
+    long = [{"input_ids": rng.integers(10, 100, size=int(n)).tolist()} for n in rng.integers(20, 121, size=n_long)]
+    short = [{"input_ids": rng.integers(100, 200, size=int(n)).tolist()} for n in rng.integers(2, 9, size=n_short)]
+    return {"long": long, "short": short}
+
+
+def _mix(weights=None, **kw):
+    return Mix(_docs(), weights or {"long": 0.3, "short": 0.7}, **kw)
+
+
+def _dm(mix=None, **kw):
+    args = {"max_length": MAX, "micro_batch_size": 4, "pad_token_id": 0, "batching": Pack(), **kw}
+    return SeqMemDataModule(dataset=mix or _mix(), **args)
+
+
+def _source_tokens(batch):
+    ids = batch["input_ids"]
+    return [int(((ids >= lo) & (ids < hi)).sum()) for lo, hi in RANGES.values()]
+
+
+@pytest.mark.parametrize(
+    "batching",
+    [
+        {"batching": Pack()},
+        {"batching": Pad()},
+        {"batching": Truncate()},
+        {"batching": Pad(), "max_tokens_per_batch": 96},
+    ],
+    ids=["pack", "pad", "truncate", "pad-budget"],
+)
+def test_every_batch_prefix_holds_each_share_within_one_row(batching):
+    dm = _dm(**batching)
+    served, weights = np.zeros(2), np.asarray([0.3, 0.7])
+    for batch in dm.train_dataloader():
+        served += _source_tokens(batch)
+        assert np.abs(weights * served.sum() - served).max() <= MAX
+    train = dm.stats()["train"]
+    assert served.tolist() == [train["sources"][n]["tokens_read"] for n in RANGES]
+    assert train["sources"]["short"]["share"] == pytest.approx(0.7, abs=MAX / served.sum())
+
+
+def test_repeat_and_stop_are_counted_per_source():
+    repeat = _dm(_mix()).stats()["train"]["sources"]
+    assert repeat["long"]["passes"] == 1.0 and repeat["long"]["rows_unread"] == 0
+    assert repeat["short"]["repeats"] >= 1 and repeat["short"]["passes"] > 1  # short runs out and starts again
+    stop = _dm(_mix(exhausted="stop")).stats()["train"]
+    assert stop["sources"]["short"]["passes"] == 1.0 and stop["sources"]["short"]["repeats"] == 0
+    assert stop["sources"]["long"]["rows_unread"] > 0 and stop["rows_dropped_per_epoch"] > 0
+
+
+def test_validation_keeps_each_source_apart():
+    dm = _dm()
+    seen = {}
+    for batch in dm.val_dataloader():
+        (source,) = set(batch[SOURCE_INDEX].tolist())  # one source per batch
+        seen[source] = seen.get(source, 0) + sum(_source_tokens(batch))
+        assert _source_tokens(batch)[1 - source] == 0
+    assert sorted(seen) == [0, 1] and dm.source_names() == ("long", "short")
+    assert SOURCE_INDEX not in next(iter(dm.train_dataloader()))
+
+
+def test_per_source_validation_loss_is_logged_beside_the_total(tmp_path):
+    dm = _dm()
+    model = CausalLM(model_config="tiny_llama", vocab_size=256, pad_token_id=0)
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=L.loggers.CSVLogger(tmp_path, name="csv"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        val_check_interval=2,
+    )
+    trainer.fit(model, datamodule=dm)
+    with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+        row = [r for r in csv.DictReader(f) if r.get("val/loss")][-1]
+    per = {name: float(row[f"val/loss/{name}"]) for name in ("long", "short")}
+    # val/loss is the token-weighted total: the per-source losses weighted by their predicted tokens
+    tokens = {name: 0 for name in per}
+    for batch in dm.val_dataloader():
+        tokens[dm.source_names()[int(batch[SOURCE_INDEX][0])]] += int((batch["labels"][:, 1:] != -100).sum())
+    total = sum(per[n] * tokens[n] for n in per) / sum(tokens.values())
+    assert float(row["val/loss"]) == pytest.approx(total, rel=1e-4)
+    assert per["long"] != pytest.approx(per["short"])
+
+
+def test_resume_through_a_checkpoint_gives_the_same_batches(tmp_path):
+    data = {"dataset": _mix(), "pad_token_id": 0}
+    full, _ = fit_recording(tmp_path / "full", 8, **data)
+    fit_recording(tmp_path, 3, save=True, **data)
+    resumed, _ = fit_recording(tmp_path, 8, ckpt=str(tmp_path / "epoch=0-step=3.ckpt"), **data)
+    assert resumed == full[3:]
+    with pytest.raises(ValueError, match=r"mix_weights: \[0\.3, 0\.7\] -> \[0\.5, 0\.5\]"):
+        fit_recording(
+            tmp_path,
+            8,
+            ckpt=str(tmp_path / "epoch=0-step=3.ckpt"),
+            dataset=_mix({"long": 1, "short": 1}),
+            pad_token_id=0,
+        )
+    with pytest.warns(UserWarning, match="restarts from its first batch"):
+        fit_recording(
+            tmp_path,
+            5,
+            ckpt=str(tmp_path / "epoch=0-step=3.ckpt"),
+            dataset=_mix({"long": 1, "short": 1}),
+            pad_token_id=0,
+            on_resume_mismatch="restart_epoch",
+        )
+
+
+def test_bad_sources_are_named():
+    docs = _docs()
+    with pytest.raises(ValueError, match="Mix source 'empty'"):
+        _dm(Mix({"long": docs["long"], "empty": [{"input_ids": []}]})).setup("fit")
+    pairs = [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 8
+    with pytest.raises(ValueError, match="Mix source 'pairs' holds preference data.*preference pairs mix only"):
+        SeqMemDataModule(dataset=Mix({"text": "builtin", "pairs": pairs}), max_length=64).setup("fit")
+    with pytest.raises(ValueError, match="streaming=False"):
+        _dm(streaming=True).setup("fit")
+
+
+def test_text_sources_take_their_own_columns(tokenizer):
+    a = [{"text": f"alpha document {i} " * 3} for i in range(30)]
+    b = [{"body": f"beta {i} " * 20} for i in range(30)]
+    dm = SeqMemDataModule(dataset=Mix({"a": a, "b": {"dataset": b, "text_column": "body"}}), max_length=64)
+    stats = dm.stats()["train"]["sources"]
+    assert stats["a"]["documents"] > 0 and stats["b"]["documents"] > 0
+    assert abs(stats["a"]["share"] - 0.5) <= 64 / (stats["a"]["tokens_read"] + stats["b"]["tokens_read"])
+    assert isinstance(next(iter(dm.train_dataloader()))["input_ids"], torch.Tensor)
