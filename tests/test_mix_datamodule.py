@@ -150,3 +150,58 @@ def test_text_sources_take_their_own_columns(tokenizer):
     assert stats["a"]["documents"] > 0 and stats["b"]["documents"] > 0
     assert abs(stats["a"]["share"] - 0.5) <= 64 / (stats["a"]["tokens_read"] + stats["b"]["tokens_read"])
     assert isinstance(next(iter(dm.train_dataloader()))["input_ids"], torch.Tensor)
+
+
+class _Batches(L.Callback):
+    """Records each rank's training batches (their token counts per source and their row ids)."""
+
+    def __init__(self):
+        self.tokens, self.rows = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.tokens.append(_source_tokens(batch))
+        self.rows.append(batch["input_ids"].tolist())
+
+
+def _ddp_rank(rank, tmp):
+    dm = _dm(_mix(exhausted="stop"))
+    seen = _Batches()
+    trainer = L.Trainer(
+        strategy="ddp",
+        devices=2,
+        accelerator="cpu",
+        max_epochs=1,
+        logger=L.loggers.CSVLogger(tmp, name="csv"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        callbacks=[seen],
+        use_distributed_sampler=True,
+    )
+    trainer.fit(CausalLM(model_config="tiny_llama", vocab_size=256, pad_token_id=0), datamodule=dm)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/loss")}
+    return {"tokens": seen.tokens, "rows": seen.rows, "metrics": metrics, "log_dir": trainer.logger.log_dir}
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_each_hold_the_share_and_read_each_document_once(tmp_path):
+    from _forked_ranks import run_ranks
+
+    r0, r1 = run_ranks(_ddp_rank, str(tmp_path), timeout=300)
+    assert len(r0["tokens"]) == len(r1["tokens"]) > 0  # the same number of steps: no rank waits
+    for r in (r0, r1):
+        served = np.cumsum(np.asarray(r["tokens"]), axis=0)
+        assert np.abs(np.asarray([0.3, 0.7]) * served.sum(1, keepdims=True) - served).max() <= MAX
+    # exhausted="stop": no packed row twice, on a rank or across the two (each row's token ids are its fingerprint)
+    rows = [tuple(x for x in row if x) for r in (r0, r1) for batch in r["rows"] for row in batch]
+    assert len(set(rows)) == len(rows)
+    assert r0["metrics"] == r1["metrics"] and {"val/loss", "val/loss/long", "val/loss/short"} <= set(r0["metrics"])
+
+
+def test_warmup_reshape_keeps_every_mixed_token():
+    from lightning_seqmem.warmup.transform import set_batch_sequence_length
+
+    for batch in _dm().train_dataloader():
+        before = _source_tokens(batch)
+        assert _source_tokens(set_batch_sequence_length(batch, 8, truncate=False, pad_token_id=0)) == before

@@ -180,3 +180,19 @@ def test_mix_normalises_weights_and_reads_source_options():
         Mix({"code": {"dataset": "x", "column": "c"}})
     with pytest.raises(ValueError, match="at least one source"):
         Mix({})
+
+
+@settings(max_examples=12, deadline=None)
+@given(cut=st.integers(0, 60), exhausted=st.sampled_from(["stop", "repeat"]), world=st.sampled_from([1, 2]))
+def test_the_sampler_resumes_at_any_batch_on_every_rank(cut, exhausted, world):
+    for rank in range(world):
+        s = _sampler(world, rank, exhausted)
+        s.set_epoch(1)
+        batches = list(s.batches())
+        cut = min(cut, len(batches))
+        it = iter(s)
+        for _ in range(cut):
+            next(it)
+        again = _sampler(world, rank, exhausted)
+        again.load_state_dict(s.state_dict())
+        assert again.epoch == 1 and list(again) == batches[cut:]
