@@ -274,8 +274,10 @@ class SourceTagged:
 
 
 class SourceBatches(_ShardedBatchSampler):
-    """Validation batches one source after another (each source's own sampler, in order, shared by the ranks
-    as it shares them), indices shifted to the sources' rows laid end to end: no batch mixes sources."""
+    """Validation batches of every source (each source's own sampler, its batches in order), the sources taking
+    turns one round of ranks at a time, so each step gives every rank a batch of the same source and a limit on
+    validation batches (``limit_val_batches``) still sees every source; indices shifted to the sources' rows laid
+    end to end. No batch mixes sources."""
 
     def __init__(self, samplers: list[Any]) -> None:
         self.samplers = samplers
@@ -287,6 +289,13 @@ class SourceBatches(_ShardedBatchSampler):
         parts = [s.global_batches(epoch) for s in self.samplers]
         order = np.concatenate([p.order + k for p, k in zip(parts, self.offsets[:-1])])
         shift = np.cumsum([0] + [len(p.order) for p in parts[:-1]])
-        starts = np.concatenate([p.starts + k for p, k in zip(parts, shift)])
-        ends = np.concatenate([p.ends + k for p, k in zip(parts, shift)])
-        return BatchList(order, starts, ends)
+        starts = [p.starts + k for p, k in zip(parts, shift)]
+        ends = [p.ends + k for p, k in zip(parts, shift)]
+        w = self.num_replicas  # every source's batch count is a multiple of it: rounds of one batch per rank
+        rounds = max(len(p) for p in parts) // w
+        turns = [(r, s) for r in range(rounds) for s in range(len(parts)) if r * w < len(parts[s])]
+
+        def pick(spans: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate([spans[s][r * w : (r + 1) * w] for r, s in turns] or [np.zeros(0, np.int64)])
+
+        return BatchList(order, pick(starts), pick(ends))
