@@ -49,10 +49,11 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
             ``"builtin_preference"`` (it as preference pairs), a ``datasets.Dataset``/``DatasetDict``, a
             ``pandas.DataFrame``, local
             json/jsonl/parquet/txt/csv files (path, glob or list), a ``save_to_disk`` directory, a hub name, or a
-            Python list of documents, rows or conversations. A ``text`` column, ``prompt`` and ``completion``
-            columns, a ``messages`` column of conversations, or preference pairs (``prompt``, ``chosen``,
-            ``rejected``); or pre-tokenized: ``input_ids`` (optionally ``labels``), ``prompt_ids`` and
-            ``completion_ids``, or ``prompt_ids``, ``chosen_ids`` and ``rejected_ids``, used as they are.
+            Python list of documents, rows or conversations; or a ``Mix`` of several of these by weight
+            (docs/mixing.md). A ``text`` column, ``prompt`` and ``completion`` columns, a ``messages`` column of
+            conversations, or preference pairs (``prompt``, ``chosen``, ``rejected``); or pre-tokenized:
+            ``input_ids`` (optionally ``labels``), ``prompt_ids`` and ``completion_ids``, or ``prompt_ids``,
+            ``chosen_ids`` and ``rejected_ids``, used as they are.
             Pairs are batched in TRL's padded layout (``pad``/``truncate``: ``[2B, L]``, chosen rows then rejected
             rows, with ``completion_mask``) or packed whole (``pack``: ``B`` rows of ``2 * max_length``, with
             ``sequence_index``); optional ``ref_chosen_logps``/``ref_rejected_logps`` columns come along as
@@ -124,7 +125,7 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
 
     def __init__(
         self,
-        dataset: Any = "builtin",
+        dataset: Mix | Any = "builtin",
         tokenizer: Any = None,
         max_length: int = 512,
         micro_batch_size: int = 8,

@@ -28,7 +28,6 @@ class Source:
     text_column: str | None = None
 
 
-@dataclass(frozen=True, init=False)
 class Mix:
     """Sources mixed by weight: pass it as ``SeqMemDataModule(dataset=Mix(...))``.
 
@@ -58,11 +57,9 @@ class Mix:
         Mix(sources={"web": "builtin", "code": code_rows}, weights={"web": 0.7, "code": 0.3})
     """
 
+    __slots__ = ("sources", "weights", "by", "exhausted", "seed")
     sources: tuple[Source, ...]
-    weights: tuple[float, ...]
-    by: str
-    exhausted: str
-    seed: int | None
+    weights: tuple[float, ...]  # in source order, summing to 1
 
     def __init__(
         self,
@@ -87,6 +84,15 @@ class Mix:
         object.__setattr__(self, "by", by)
         object.__setattr__(self, "exhausted", exhausted)
         object.__setattr__(self, "seed", seed)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Mix is frozen: build another Mix instead of setting {name!r}.")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mix) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
+
+    def __hash__(self) -> int:
+        return hash((self.names, self.weights, self.by, self.exhausted, self.seed))
 
     @property
     def names(self) -> tuple[str, ...]:
