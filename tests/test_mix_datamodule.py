@@ -3,6 +3,7 @@
 logger, exact resume through ``ckpt_path``, and bad sources named."""
 
 import csv
+import json
 
 import lightning.pytorch as L
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from _recorder import fit_recording
 
 from lightning_seqmem import CausalLM, Mix, Pack, Pad, SeqMemDataModule, Truncate
+from lightning_seqmem.apps.summary import RunSummary
 from lightning_seqmem.batch import SOURCE_INDEX
 
 MAX = 32
@@ -92,6 +94,7 @@ def test_per_source_validation_loss_is_logged_beside_the_total(tmp_path):
         enable_checkpointing=False,
         num_sanity_val_steps=0,
         val_check_interval=2,
+        callbacks=[RunSummary(path=str(tmp_path / "summary.json"), print_table=False)],
     )
     trainer.fit(model, datamodule=dm)
     with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
@@ -104,6 +107,11 @@ def test_per_source_validation_loss_is_logged_beside_the_total(tmp_path):
     total = sum(per[n] * tokens[n] for n in per) / sum(tokens.values())
     assert float(row["val/loss"]) == pytest.approx(total, rel=1e-4)
     assert per["long"] != pytest.approx(per["short"])
+    summary = json.loads((tmp_path / "summary.json").read_text())  # the run summary: each source's numbers
+    assert summary["final_val_loss_long"] == pytest.approx(per["long"], rel=1e-4)
+    sources = dm.stats()["train"]["sources"]
+    assert summary["source_short_repeats"] == sources["short"]["repeats"] >= 1
+    assert summary["source_long_tokens_read"] == sources["long"]["tokens_read"]
 
 
 def test_resume_through_a_checkpoint_gives_the_same_batches(tmp_path):
