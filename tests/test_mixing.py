@@ -64,7 +64,7 @@ def test_stop_ends_when_the_first_source_runs_out_and_repeats_nothing():
     sizes = [np.full(10, 64), np.full(100, 4)]
     it = Interleaver([0.75, 0.25], sizes, pass_order(0, 0, [10, 100]), "stop")  # the first runs out first
     sources, rows = interleave(it)
-    assert it.passes.tolist() == [1, 0]
+    assert it.passes == [1, 0]
     assert sorted(rows[sources == 0].tolist()) == list(range(10))  # read once, all of it
     second = rows[sources == 1]
     assert len(set(second.tolist())) == len(second) < 100  # no row twice; the rest is left unread

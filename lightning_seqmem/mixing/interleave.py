@@ -22,6 +22,7 @@ every rank's order, and the state (``Interleaver.state_dict``) is a few integers
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,20 @@ def pass_order(seed: int, epoch: int, rows: Sequence[int], rank: int = 0, world:
     return order
 
 
+def choose(weights: Sequence[float], served: Sequence[int], total: int, next_sizes: Sequence[int]) -> int:
+    """The source of the next row: among the sources not ahead of their share (``w_s * total - served_s >= 0``,
+    with a rounding margin) the one whose next row would finish first in the fluid mix (the smallest
+    ``(served_s + next_s) / w_s``); ties to the earlier source; sources of weight 0 never. Plain Python: a step of
+    the order costs a few microseconds."""
+    best, best_finish, margin = -1, math.inf, 1e-9 * max(1, total)
+    for s, w in enumerate(weights):
+        if w > 0 and w * total - served[s] >= -margin:
+            finish = (served[s] + next_sizes[s]) / w
+            if finish < best_finish:
+                best, best_finish = s, finish
+    return best
+
+
 class Interleaver:
     """Which source gives each next row (module docstring: the rule and its bound).
 
@@ -59,48 +74,43 @@ class Interleaver:
     def __init__(
         self, weights: Sequence[float], sizes: Sequence[np.ndarray], order: PassOrder, exhausted: str = "repeat"
     ) -> None:
-        self.weights = np.asarray(weights, dtype=np.float64)
-        self.sizes = [np.asarray(s, dtype=np.int64) for s in sizes]
+        self.weights = [float(w) for w in weights]
+        self.sizes = [np.asarray(s, dtype=np.int64).tolist() for s in sizes]  # Python ints: read once per step
         self.order, self.exhausted = order, exhausted
-        self.active = self.weights > 0
-        self.served = np.zeros(len(self.sizes), dtype=np.int64)  # t_s: counted units put into rows
-        self.rows_served = np.zeros(len(self.sizes), dtype=np.int64)
-        self.position = np.zeros(len(self.sizes), dtype=np.int64)  # rows read in the current pass
-        self.passes = np.zeros(len(self.sizes), dtype=np.int64)  # passes finished
-        self._orders: dict[int, tuple[int, np.ndarray]] = {}
-        self._next = np.zeros(len(self.sizes), dtype=np.int64)  # r_s: the size of each source's next row
+        self.active = [s for s, w in enumerate(self.weights) if w > 0]
+        k = len(self.sizes)
+        self.served = [0] * k  # t_s: counted units put into rows
+        self.rows_served = [0] * k
+        self.position = [0] * k  # rows read in the current pass
+        self.passes = [0] * k  # passes finished
+        self._orders: dict[int, tuple[int, list[int]]] = {}
+        self._next = [0] * k  # r_s: the size of each source's next row
+        self._total = 0  # T, kept as it grows (the order asks for it every step)
+        for s in self.active:
+            self._refresh(s)
 
-        for s in np.flatnonzero(self.active):
-            self._refresh(int(s))
-
-    def _rows(self, s: int) -> np.ndarray:
+    def _rows(self, s: int) -> list[int]:
         cached = self._orders.get(s)
         if cached is None or cached[0] != self.passes[s]:
-            cached = (int(self.passes[s]), self.order(s, int(self.passes[s])))
+            cached = (self.passes[s], self.order(s, self.passes[s]).tolist())
             self._orders[s] = cached
         return cached[1]
 
     def _refresh(self, s: int) -> None:
         rows = self._rows(s)
-        if len(rows) == 0:
+        if not rows:
             raise ValueError(f"source {s} has no row to give")
         self._next[s] = self.sizes[s][rows[self.position[s]]]
 
     @property
     def done(self) -> bool:
         """Whether the order has ended (``stop``: a source ran out; ``repeat``: every source read once)."""
-        if self.exhausted == "stop":
-            return bool(np.any(self.passes[self.active] > 0))
-        return bool(np.all(self.passes[self.active] > 0))
+        finished = sum(1 for s in self.active if self.passes[s] > 0)
+        return finished > 0 if self.exhausted == "stop" else finished == len(self.active)
 
     def pick(self) -> int:
-        """The source of the next row (the rule in the module docstring)."""
-        total = self.served.sum()
-        deficit = self.weights * total - self.served
-        eligible = self.active & (deficit >= -1e-9 * max(1, total))  # rounding of w * T never excludes the fair one
-        finish = np.full(len(self.sizes), np.inf)
-        finish[eligible] = (self.served[eligible] + self._next[eligible]) / self.weights[eligible]
-        return int(np.argmin(finish))
+        """The source of the next row (:func:`choose`)."""
+        return choose(self.weights, self.served, self._total, self._next)
 
     def step(self, keep_going: bool = False) -> tuple[int, int]:
         """``(source, row)`` of the next row, and the state moved past it. After :attr:`done`, only with
@@ -108,11 +118,13 @@ class Interleaver:
         if self.done and not (keep_going and self.exhausted == "repeat"):
             raise StopIteration
         s = self.pick()
-        row = int(self._rows(s)[self.position[s]])
+        rows = self._rows(s)
+        row = rows[self.position[s]]
         self.served[s] += self._next[s]
+        self._total += self._next[s]
         self.rows_served[s] += 1
         self.position[s] += 1
-        if self.position[s] == len(self._rows(s)):
+        if self.position[s] == len(rows):
             self.passes[s] += 1
             self.position[s] = 0
         self._refresh(s)
@@ -121,35 +133,33 @@ class Interleaver:
     def state_dict(self) -> dict[str, Any]:
         """Enough to continue exactly: per source the units and rows served, the position in its pass and the passes
         finished (each pass's order is drawn again from its seed, so no random state is kept)."""
-        return {
-            "served": self.served.tolist(),
-            "rows_served": self.rows_served.tolist(),
-            "position": self.position.tolist(),
-            "passes": self.passes.tolist(),
-        }
+        keys = ("served", "rows_served", "position", "passes")
+        return {key: list(getattr(self, key)) for key in keys}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("served", "rows_served", "position", "passes"):
-            value = np.asarray(state[key], dtype=np.int64)
-            if value.shape != self.served.shape:
+            value = [int(v) for v in state[key]]
+            if len(value) != len(self.sizes):
                 raise ValueError(
-                    f"The saved mix state has {value.size} sources and this mix {self.served.size}: resume with "
+                    f"The saved mix state has {len(value)} sources and this mix {len(self.sizes)}: resume with "
                     "the same sources (or start the epoch again)."
                 )
             setattr(self, key, value)
-        for s in np.flatnonzero(self.active):
-            self._refresh(int(s))
+        self._total = sum(self.served)
+        for s in self.active:
+            self._refresh(s)
 
     @property
     def deficits(self) -> np.ndarray:
         """``[sources]`` ``w_s * T - t_s``: how far each source is behind (> 0) or ahead (< 0) of its share."""
-        return self.weights * self.served.sum() - self.served
+        total = sum(self.served)
+        return np.asarray([w * total - t for w, t in zip(self.weights, self.served)])
 
 
 def interleave(interleaver: Interleaver, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``([rows] source, [rows] row)`` until the order ends (or ``limit`` rows)."""
     sources, rows = [], []
-    while not interleaver.done and (limit is None or len(sources) < limit):
+    while (limit is None or len(sources) < limit) and not interleaver.done:
         s, r = interleaver.step()
         sources.append(s)
         rows.append(r)
