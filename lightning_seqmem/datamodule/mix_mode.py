@@ -29,6 +29,16 @@ from lightning_seqmem.mixing.sampler import MixedBatchSampler
 from lightning_seqmem.mixing.spec import Mix
 
 
+def mix_read_mode(mix: Mix, settings: Any, tokenizer: Callable[[], Any], explicit_tokenizer: bool, warn, info):
+    """The read mode of a ``Mix``: its sources as streams with ``streaming=True`` (``stream_mix_mode``), else
+    map-style (:class:`MixMode`)."""
+    if settings.data.streaming:
+        from lightning_seqmem.datamodule.stream_mix_mode import StreamMixMode
+
+        return StreamMixMode(mix, settings, warn)
+    return MixMode(mix, settings, tokenizer, explicit_tokenizer, warn, info)
+
+
 class MixMode:
     """A ``Mix`` of map-style sources (``read_mode.ReadMode``).
 
@@ -53,10 +63,6 @@ class MixMode:
         warn: Callable[[str], None],
         info: Callable[[str], None],
     ) -> None:
-        if settings.data.streaming:
-            raise ValueError(
-                "A Mix is read map-style for now: pass streaming=False (a mix of streams is not supported yet)."
-            )
         self.mix, self.settings = mix, settings
         self.seed = settings.batching.seed if mix.seed is None else mix.seed
         self.sources: list[dict[str, Any]] = []  # per source: kind, strategies, rows, lengths, units, stats

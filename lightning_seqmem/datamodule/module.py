@@ -25,7 +25,7 @@ from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.batch_answers import BatchAnswers
 from lightning_seqmem.datamodule.map_style import MapStyle
-from lightning_seqmem.datamodule.mix_mode import MixMode
+from lightning_seqmem.datamodule.mix_mode import mix_read_mode
 from lightning_seqmem.datamodule.pipeline import load_documents
 from lightning_seqmem.datamodule.read_mode import ReadMode
 from lightning_seqmem.datamodule.settings import SeqMemSettings
@@ -312,7 +312,7 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
             return
         if isinstance(self.dataset, Mix):  # several sources mixed by weight, each read map-style (mix_mode.py)
             args = (lambda: self.tokenizer, self._tokenizer_arg is not None, rank_zero_warn, rank_zero_info)
-            self.read_mode = MixMode(self.dataset, self.settings, *args)
+            self.read_mode = mix_read_mode(self.dataset, self.settings, *args)
             self._pretokenized = self.read_mode.pretokenized
         elif self._open_stream():
             kind = detect_stream(self.dataset, self.settings.data.text_column)
