@@ -49,6 +49,7 @@ class MixedBatchSampler(_ShardedBatchSampler):
         self.units = [np.asarray(u, dtype=np.int64) for u in units]
         self.lengths = [np.asarray(n, dtype=np.int64) for n in lengths]
         self.offsets = np.concatenate([[0], np.cumsum([len(n) for n in self.lengths])]).astype(np.int64)
+        self.flat_lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
         super().__init__(int(self.offsets[-1]), True, seed, num_replicas, rank, drop_last)
         self.batch_rows, self.budget = batch_rows, max_tokens_per_batch
         self.padded_length = padded_length or (lambda n: n)
@@ -59,39 +60,57 @@ class MixedBatchSampler(_ShardedBatchSampler):
         order = pass_order(self.seed, epoch, [len(n) for n in self.lengths], rank, self.num_replicas)
         return Interleaver(self.weights, self.units, order, self.exhausted)
 
-    def _fits(self, rows: int, longest: int, length: int) -> bool:
+    def _bounds(self, rows: np.ndarray, closed: bool) -> np.ndarray:
+        """``[batches + 1]`` bounds of consecutive batches along ``rows`` (global row indices): ``batch_rows`` each,
+        or as many as the token budget holds. ``closed``: the order has ended, so a last shorter batch is served
+        (unless ``drop_last``); else only batches the next row would not join."""
+        n = len(rows)
         if self.budget is None:
-            return rows < self.batch_rows
-        return (rows + 1) * self.padded_length(max(longest, length)) <= self.budget
+            bounds = list(range(0, n + 1, self.batch_rows))
+        else:
+            bounds, longest = [0], 0
+            for i, length in enumerate(self.flat_lengths[rows].tolist()):
+                widest = self.padded_length(max(longest, length))
+                if i > bounds[-1] and (i - bounds[-1] + 1) * widest > self.budget:
+                    bounds.append(i)
+                    longest = 0
+                longest = max(longest, length)
+        if bounds[-1] < n and closed and (self.budget is not None or not self.drop_last):
+            bounds.append(n)
+        return np.asarray(bounds, dtype=np.int64)
 
-    def _rank_plan(self, epoch: int, rank: int, target: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``([rows] global row index, [batches + 1] bounds)`` of ``rank``'s order: until it ends, or (``repeat``)
-        until ``target`` batches."""
-        it, rows, bounds, longest = self._interleaver(epoch, rank), [], [0], 0
-        while (not it.done) if target is None else len(bounds) - 1 < target:
-            s, r = it.step(keep_going=True)
-            length = int(self.lengths[s][r])
-            if len(rows) > bounds[-1] and not self._fits(len(rows) - bounds[-1], longest, length):
-                bounds.append(len(rows))
-                longest = 0
-            rows.append(int(self.offsets[s]) + r)
-            longest = max(longest, length)
-        if len(rows) > bounds[-1] and (target is None or len(bounds) - 1 < target):
-            full = self.budget is not None or len(rows) - bounds[-1] == self.batch_rows
-            if full or not self.drop_last:  # the tail of a shorter batch, unless ``drop_last``
-                bounds.append(len(rows))
-        rows = rows[: bounds[-1]]  # a row read past the last batch (it opened the next) is not served
-        return np.asarray(rows, dtype=np.int64), np.asarray(bounds, dtype=np.int64)
+    def _rank_plan(self, epoch: int, rank: int) -> tuple[Interleaver, list[int]]:
+        """``rank``'s interleaver run to the end of its order, and the order (global row indices)."""
+        it, rows, offsets = self._interleaver(epoch, rank), [], self.offsets.tolist()
+        while not it.done:
+            s, r = it.step()
+            rows.append(offsets[s] + r)
+        return it, rows
+
+    def _extend(self, it: Interleaver, rows: list[int], target: int) -> np.ndarray:
+        """``repeat``: read on (the sources repeating) until the order holds ``target`` whole batches."""
+        offsets = self.offsets.tolist()
+        while True:
+            bounds = self._bounds(np.asarray(rows, dtype=np.int64), closed=False)
+            if len(bounds) > target:
+                return np.asarray(rows[: bounds[target]], dtype=np.int64), bounds[: target + 1]
+            for _ in range(max(64, 2 * (target + 1 - len(bounds)) * (self.batch_rows or 8))):
+                s, r = it.step(keep_going=True)
+                rows.append(offsets[s] + r)
 
     def rank_plans(self, epoch: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Every rank's ``(rows, bounds)`` for ``epoch``, with the same batch count (computed once per epoch)."""
         if epoch not in self._plans:
-            plans = [self._rank_plan(epoch, r) for r in range(self.num_replicas)]
+            runs = [self._rank_plan(epoch, r) for r in range(self.num_replicas)]
+            plans = [
+                (np.asarray(rows, dtype=np.int64), self._bounds(np.asarray(rows, dtype=np.int64), True))
+                for _, rows in runs
+            ]
             counts = [len(b) - 1 for _, b in plans]
-            if self.exhausted == "repeat" and min(counts) < max(counts):
+            if self.exhausted == "repeat":
                 plans = [
-                    p if c == max(counts) else self._rank_plan(epoch, r, max(counts))
-                    for r, (p, c) in enumerate(zip(plans, counts))
+                    p if len(p[1]) - 1 == max(counts) else self._extend(it, rows, max(counts))
+                    for p, (it, rows) in zip(plans, runs)
                 ]
             else:
                 n = min(counts)
