@@ -5,7 +5,6 @@ import importlib
 import inspect
 import os
 
-import lightning_seqmem.conf
 import pytest
 import yaml
 from hydra import compose, initialize_config_module
@@ -13,6 +12,7 @@ from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+import lightning_seqmem.conf
 from lightning_seqmem.apps.train import MIX_KEYS
 from lightning_seqmem.batching.options import Pack, Pad, Truncate
 
@@ -186,10 +186,10 @@ def test_conf_ships_as_package():
 
 def test_mix_weights_are_overridden_from_the_command_line():
     from lightning_seqmem import Mix
-    from lightning_seqmem.apps.train import _datamodule_config
+    from lightning_seqmem.apps.train import datamodule_config
 
     cfg = compose_cfg(["data=mix", "data.weights.chat=0.5", "+data.sources.more=builtin", "+data.weights.more=0.5"])
-    data = _datamodule_config(cfg.data)
+    data = datamodule_config(cfg.data)
     assert not set(MIX_KEYS) & set(data)
     mix = instantiate(data["dataset"])
     assert isinstance(mix, Mix) and mix.names == ("prose", "chat", "more")

@@ -86,7 +86,7 @@ def _check_required(cfg) -> None:
 MIX_KEYS = ("sources", "weights", "by", "exhausted")  # data=mix: they feed data.dataset (a Mix), not the DataModule
 
 
-def _datamodule_config(data: Any) -> Any:
+def datamodule_config(data: Any) -> Any:
     """``data`` without the keys of ``data=mix`` that only its ``dataset`` (a ``Mix``) reads by interpolation, so
     ``data.weights.chat=0.5`` overrides a weight and the DataModule gets what it takes."""
     if data is None or not any(k in data for k in MIX_KEYS):
@@ -113,7 +113,7 @@ def train(cfg) -> dict[str, Any]:
 
     _check_required(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(_datamodule_config(cfg.data))
+    datamodule = instantiate(datamodule_config(cfg.data))
     model = instantiate(cfg.model)
     callbacks = [cb for cb in _instantiate_all(cfg.get("callbacks")) if _progress_bar_allowed(cb, cfg.trainer)]
     loggers = _instantiate_all(cfg.get("logger"))
