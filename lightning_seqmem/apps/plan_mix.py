@@ -44,7 +44,6 @@ def mix_sample(dm: Any) -> tuple[Any, list[str]]:
     """
     import datasets
 
-    from lightning_seqmem.apps.planner import length_distribution
     from lightning_seqmem.data.sources import ensure_validation_split
 
     if not isinstance(dm.dataset, Mix):
@@ -59,10 +58,10 @@ def mix_sample(dm: Any) -> tuple[Any, list[str]]:
         kinds.append(kind)
         units.append(int(lengths.sum()) if mix.by == "tokens" else len(lengths))
         counts.append(len(splits["train"]))
-        dist = length_distribution(lengths, [dm.settings.batching.max_length])
+        p50, p99 = (int(np.percentile(lengths, p, method="higher")) if len(lengths) else 0 for p in (50, 99))
         notes.append(
-            f"mix source {name!r} (weight {weight:.3g}): {dist['documents']:,} documents, {dist['tokens']:,} tokens, "
-            f"median {dist['percentiles'][50]:,}, p99 {dist['percentiles'][99]:,} tokens"
+            f"mix source {name!r} (weight {weight:.3g}): {len(lengths):,} documents, {int(lengths.sum()):,} tokens, "
+            f"median {p50:,}, p99 {p99:,} tokens"
         )
     if any(k != kinds[0] for k in kinds):
         found = ", ".join(f"{n!r}: {k.name}" for (n, *_), k in zip(parts, kinds))
