@@ -143,6 +143,11 @@ def test_bad_sources_are_named():
     docs = _docs()
     with pytest.raises(ValueError, match="Mix source 'empty'"):
         _dm(Mix({"long": docs["long"], "empty": [{"input_ids": []}]})).setup("fit")
+    with pytest.raises(ValueError, match="Mix source 'blank': Every training document is empty"):
+        _dm(Mix({"long": docs["long"], "blank": [{"text": ""}] * 20}), tokenizer=None).setup("fit")
+    too_long = [{"input_ids": list(range(100, 100 + MAX + 5))}] * 20  # every document dropped by the overflow rule
+    with pytest.raises(ValueError, match="Mix source 'long' gives no training row: every document was dropped"):
+        _dm(Mix({"long": too_long, "short": docs["short"]}), batching=Pack(overflow="drop")).setup("fit")
     pairs = [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 8
     with pytest.raises(ValueError, match="Mix source 'pairs' holds preference data.*preference pairs mix only"):
         SeqMemDataModule(dataset=Mix({"text": "builtin", "pairs": pairs}), max_length=64).setup("fit")
