@@ -54,9 +54,11 @@ def _source_tokens(batch):
 def test_every_batch_prefix_holds_each_share_within_one_row(batching):
     dm = _dm(**batching)
     served, weights = np.zeros(2), np.asarray([0.3, 0.7])
+    rows, length = dm.max_batch_shape()  # what pre-allocation sizes for: no mixed batch is larger
     for batch in dm.train_dataloader():
         served += _source_tokens(batch)
         assert np.abs(weights * served.sum() - served).max() <= MAX
+        assert batch["input_ids"].numel() <= rows * length
     train = dm.stats()["train"]
     assert served.tolist() == [train["sources"][n]["tokens_read"] for n in RANGES]
     assert train["sources"]["short"]["share"] == pytest.approx(0.7, abs=MAX / served.sum())

@@ -196,3 +196,20 @@ def test_the_sampler_resumes_at_any_batch_on_every_rank(cut, exhausted, world):
         again = _sampler(world, rank, exhausted)
         again.load_state_dict(s.state_dict())
         assert again.epoch == 1 and list(again) == batches[cut:]
+
+
+@pytest.mark.parametrize("exhausted", ["stop", "repeat"])
+def test_the_fast_loop_is_the_order_of_single_steps(exhausted):
+    sizes = _sizes(4, [40, 150, 9], [(20, 64), (1, 6), (64, 64)])
+    order = pass_order(1, 0, [40, 150, 9])
+    fast, slow = (Interleaver([0.2, 0.5, 0.3], sizes, order, exhausted) for _ in range(2))
+    steps = []
+    while not slow.done:
+        steps.append(slow.step())
+    while len(steps) < 500 and exhausted == "repeat":  # past the end, as a shorter rank reads on
+        steps.append(slow.step(keep_going=True))
+    ran = fast.run()
+    if exhausted == "repeat":
+        more = fast.run(500 - len(ran[0]), keep_going=True)
+        ran = (ran[0] + more[0], ran[1] + more[1])
+    assert list(zip(*ran)) == steps and fast.state_dict() == slow.state_dict()

@@ -83,6 +83,7 @@ class MixMode:
         self.strategies = self.sources[0]["strategies"]  # every source batches alike (``_check_layouts``)
         self.datasets = {split: [s["datasets"][split] for s in self.sources] for split in ("train", "validation")}
         self.skip_resume_state = False
+        self._epoch_stats: tuple[MixedBatchSampler, Any] | None = None
 
     def _prepare(self, name, tokenized, kind, tokenizer, warn, info) -> dict[str, Any]:
         docs = split_documents(tokenized, kind, self.settings.batching.seed)
@@ -201,7 +202,7 @@ class MixMode:
             per = {s["name"]: dict(s["stats"][split]) for s in self.sources}
             total = {k: sum(v.get(k, 0) for v in per.values()) for k in DOCUMENT_STATS if k != "longest_document"}
             out[split] = dict(total, sources=per)
-        sampler = self.sampler()
+        sampler, mixed = self._epoch0()
         counts = sampler.source_counts(0)
         read = sum(c["tokens"] for c in counts) or 1
         for s, c in zip(self.sources, counts):
@@ -214,15 +215,24 @@ class MixMode:
                 repeats=c["repeats"],
                 rows_unread=c["rows_unread"],
             )
-        out["train"].update(batches=len(sampler), rows_dropped_per_epoch=sampler.num_dropped)
+        out["train"].update(mixed.counts(), rows=int(sum(c["rows"] for c in counts)))  # the mixed epoch's batches
         return out
 
+    def _epoch0(self) -> tuple[MixedBatchSampler, Any]:
+        """A sampler of this process's mixed epoch 0 and its ``EpochStats`` (batches, rows ``drop_last`` or
+        ``stop`` leave out, efficiency, largest batch), planned once for ``stats()`` and the batch shapes."""
+        if self._epoch_stats is None:
+            sampler = self.sampler()
+            lengths = np.concatenate([s["lengths"]["train"] for s in self.sources])
+            self._epoch_stats = (sampler, self.strategies["train"].epoch_stats(lengths, sampler))
+        return self._epoch_stats
+
     def max_batch_shape(self) -> tuple[int, int]:
-        largest = [
-            epoch_stats(s["strategies"][split], s["lengths"][split], split).largest
+        """The largest of the mixed training batches (epoch 0) and of each source's validation batches."""
+        largest = [self._epoch0()[1].largest] + [
+            epoch_stats(s["strategies"]["validation"], s["lengths"]["validation"], "validation").largest
             for s in self.sources
-            for split in ("train", "validation")
-            if len(s["lengths"][split])
+            if len(s["lengths"]["validation"])
         ]
         return largest_shape(list(self.strategies.values()), [x for x in largest if x is not None])
 

@@ -81,22 +81,21 @@ class MixedBatchSampler(_ShardedBatchSampler):
 
     def _rank_plan(self, epoch: int, rank: int) -> tuple[Interleaver, list[int]]:
         """``rank``'s interleaver run to the end of its order, and the order (global row indices)."""
-        it, rows, offsets = self._interleaver(epoch, rank), [], self.offsets.tolist()
-        while not it.done:
-            s, r = it.step()
-            rows.append(offsets[s] + r)
-        return it, rows
+        it = self._interleaver(epoch, rank)
+        return it, self._global(*it.run())
 
-    def _extend(self, it: Interleaver, rows: list[int], target: int) -> np.ndarray:
-        """``repeat``: read on (the sources repeating) until the order holds ``target`` whole batches."""
+    def _global(self, sources: list[int], rows: list[int]) -> list[int]:
         offsets = self.offsets.tolist()
+        return [offsets[s] + r for s, r in zip(sources, rows)]
+
+    def _extend(self, it: Interleaver, rows: list[int], target: int) -> tuple[np.ndarray, np.ndarray]:
+        """``repeat``: read on (the sources repeating) until the order holds ``target`` whole batches."""
         while True:
             bounds = self._bounds(np.asarray(rows, dtype=np.int64), closed=False)
             if len(bounds) > target:
                 return np.asarray(rows[: bounds[target]], dtype=np.int64), bounds[: target + 1]
-            for _ in range(max(64, 2 * (target + 1 - len(bounds)) * (self.batch_rows or 8))):
-                s, r = it.step(keep_going=True)
-                rows.append(offsets[s] + r)
+            more = max(64, 2 * (target + 1 - len(bounds)) * (self.batch_rows or 8))
+            rows += self._global(*it.run(more, keep_going=True))
 
     def rank_plans(self, epoch: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Every rank's ``(rows, bounds)`` for ``epoch``, with the same batch count (computed once per epoch)."""
@@ -166,8 +165,7 @@ class MixedBatchSampler(_ShardedBatchSampler):
         epoch = self.epoch if epoch is None else epoch
         _, bounds = self.rank_plans(epoch)[self.rank]
         it = self._interleaver(epoch, self.rank)
-        for _ in range(int(bounds[min(batches, len(bounds) - 1)])):
-            it.step(keep_going=True)
+        it.run(int(bounds[min(batches, len(bounds) - 1)]), keep_going=True)
         return it.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
