@@ -220,3 +220,17 @@ def test_warmup_reshape_keeps_every_mixed_token():
     for batch in _dm().train_dataloader():
         before = _source_tokens(batch)
         assert _source_tokens(set_batch_sequence_length(batch, 8, truncate=False, pad_token_id=0)) == before
+
+
+def test_by_documents_holds_the_document_share_and_misses_the_token_share():
+    """The control: mixing by documents keeps the documents' share at every step, and with documents of very
+    different lengths puts far more than its weight of the tokens in from the long source."""
+    dm = _dm(_mix(by="documents"))
+    docs, tokens = np.zeros(2), np.zeros(2)
+    for batch in dm.train_dataloader():
+        starts = (batch["position_ids"] == 0) & (batch["input_ids"] != 0)  # a document (piece) starts a segment
+        ids = batch["input_ids"]
+        docs += [int((starts & (ids < 100)).sum()), int((starts & (ids >= 100)).sum())]
+        tokens += _source_tokens(batch)
+        assert np.abs(np.asarray([0.3, 0.7]) * docs.sum() - docs).max() <= MAX  # a packed row holds <= MAX pieces
+    assert tokens[0] / tokens.sum() > 0.6  # weight 0.3 of the documents: over 60 % of the tokens

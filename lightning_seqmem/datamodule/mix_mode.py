@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_seqmem.batch import SOURCE_INDEX
 from lightning_seqmem.batching.sampling import BatchFetcher, BatchList, _ShardedBatchSampler
-from lightning_seqmem.batching.strategies import largest_shape
+from lightning_seqmem.batching.strategies import PackedRows, largest_shape
 from lightning_seqmem.data.columns import largest_of
 from lightning_seqmem.datamodule.pipeline import load_documents, prepare_split, split_documents
 from lightning_seqmem.datamodule.read_mode import split_strategies
@@ -123,9 +123,8 @@ class MixMode:
         pieces a packed row holds)."""
         if self.mix.by == "tokens":
             return np.asarray(lengths, dtype=np.int64)
-        packed = getattr(rows, "packed", None)
-        if packed is not None:
-            return np.diff(packed.seg_row_offsets).astype(np.int64)
+        if isinstance(rows, PackedRows):
+            return np.diff(rows.packed.seg_row_offsets).astype(np.int64)
         return np.ones(len(lengths), dtype=np.int64)
 
     def _check_layouts(self) -> None:
