@@ -213,3 +213,15 @@ def test_the_fast_loop_is_the_order_of_single_steps(exhausted):
         more = fast.run(500 - len(ran[0]), keep_going=True)
         ran = (ran[0] + more[0], ran[1] + more[1])
     assert list(zip(*ran)) == steps and fast.state_dict() == slow.state_dict()
+
+
+def test_the_benchmark_prints_its_table_and_the_bound_holds(monkeypatch, capsys):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "mixing.py"
+    monkeypatch.setattr(sys, "argv", ["mixing.py", "--rows", "3000"])
+    runpy.run_path(str(script), run_name="__main__")
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 ")]
+    assert rows and float(rows[0][4]) <= 1.0 < float(rows[0][5])  # within one row; the random draw is not
