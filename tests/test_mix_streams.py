@@ -61,3 +61,27 @@ def test_mixed_rows_of_plain_iterables_stop_and_repeat():
     b_tokens = 3 * sum(r["input_ids"][0] == 2 for r in rows)
     assert abs(b_tokens - 0.5 * (150 + b_tokens)) <= 30
     assert list(MixedRows([a, []], [0.5, 0.5], "repeat")) == []  # an empty source cannot repeat forever
+
+
+def _stream_rank(rank):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        dm = _stream_dm()
+        loader = iter(dm.train_dataloader())  # under DDP a stream repeats on every rank: take a fixed number
+        batches = [next(loader) for _ in range(30)]
+        worst, served, _ = _gaps(batches)
+        val = [int(b[SOURCE_INDEX][0]) for b in dm.val_dataloader()]
+        return {"worst": worst, "served": served.tolist(), "val": val}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_each_hold_the_share_of_a_mix_of_streams():
+    from _forked_ranks import run_ranks
+
+    r0, r1 = run_ranks(_stream_rank)
+    assert r0["worst"] <= MAX and r1["worst"] <= MAX and min(r0["served"] + r1["served"]) > 0
+    assert r0["val"] == r1["val"] and sorted(set(r0["val"])) == [0, 1]  # the same turns: no rank waits
