@@ -44,18 +44,23 @@ def mix_sample(dm: Any) -> tuple[Any, list[str]]:
     """
     import datasets
 
-    from lightning_seqmem.data.sources import ensure_validation_split
+    from lightning_seqmem.data.sources import ensure_validation_split, load_text_dataset
+    from lightning_seqmem.kinds.detect import detect_dataset
 
     if not isinstance(dm.dataset, Mix):
         return dm, []
     mix, seed = dm.dataset, dm.settings.batching.seed
-    parts, kinds, units, counts, notes = [], [], [], [], []
-    for name, weight, alone in source_datamodules(dm):
+    alone_dms = source_datamodules(dm)
+    kinds = [detect_dataset(load_text_dataset(a.dataset), a.settings.data.text_column) for _, _, a in alone_dms]
+    if any(k != kinds[0] for k in kinds):  # before any source is tokenized
+        found = ", ".join(f"{n!r}: {k.name}" for (n, *_), k in zip(alone_dms, kinds))
+        raise ValueError(f"seqmem-plan plans a Mix of one data kind; its sources hold {found}. Plan them one by one.")
+    parts, units, counts, notes = [], [], [], []
+    for name, weight, alone in alone_dms:
         tokenized, kind = alone.tokenized_documents()
         splits = ensure_validation_split(tokenized, seed=seed)
         lengths = kind.documents(splits["train"]).lengths
         parts.append((name, splits, kind, lengths if mix.by == "tokens" else np.ones(len(lengths), np.int64)))
-        kinds.append(kind)
         units.append(int(lengths.sum()) if mix.by == "tokens" else len(lengths))
         counts.append(len(splits["train"]))
         p50, p99 = (int(np.percentile(lengths, p, method="higher")) if len(lengths) else 0 for p in (50, 99))
@@ -63,9 +68,6 @@ def mix_sample(dm: Any) -> tuple[Any, list[str]]:
             f"mix source {name!r} (weight {weight:.3g}): {len(lengths):,} documents, {int(lengths.sum()):,} tokens, "
             f"median {p50:,}, p99 {p99:,} tokens"
         )
-    if any(k != kinds[0] for k in kinds):
-        found = ", ".join(f"{n!r}: {k.name}" for (n, *_), k in zip(parts, kinds))
-        raise ValueError(f"seqmem-plan plans a Mix of one data kind; its sources hold {found}. Plan them one by one.")
     times = _takes(units, counts, list(mix.weights), mix.exhausted)
     rng = np.random.default_rng(seed)
     train, validation = [], []
@@ -83,7 +85,7 @@ def mix_sample(dm: Any) -> tuple[Any, list[str]]:
         validation=datasets.concatenate_datasets([keep(ds) for ds in validation]),
     )
     copy = type(dm)(dataset=mixed, tokenizer=dm._tokenizer_arg, **dict(dm.hparams, streaming=False))
-    copy._documents = (mixed, kinds[0])  # already tokenized, of the sources' kind
+    copy._documents = (mixed, parts[0][2])  # already tokenized, of the sources' kind
     return copy, notes
 
 
