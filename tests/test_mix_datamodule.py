@@ -122,6 +122,8 @@ def test_resume_through_a_checkpoint_gives_the_same_batches(tmp_path):
     fit_recording(tmp_path, 3, save=True, **data)
     resumed, _ = fit_recording(tmp_path, 8, ckpt=str(tmp_path / "epoch=0-step=3.ckpt"), **data)
     assert resumed == full[3:]
+    mixer = _find(torch.load(tmp_path / "epoch=0-step=3.ckpt", weights_only=True), "mixer")  # the loader's state
+    assert sum(mixer["rows_served"]) == 3 * 8 and set(mixer) == {"served", "rows_served", "position", "passes"}
     with pytest.raises(ValueError, match=r"mix_weights: \[0\.3, 0\.7\] -> \[0\.5, 0\.5\]"):
         fit_recording(
             tmp_path,
@@ -139,6 +141,20 @@ def test_resume_through_a_checkpoint_gives_the_same_batches(tmp_path):
             pad_token_id=0,
             on_resume_mismatch="restart_epoch",
         )
+
+
+def _find(tree, key):
+    """The first value under ``key`` anywhere in nested dicts and lists."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        for item in tree:
+            found = _find(item, key)
+            if found is not None:
+                return found
+    return None
 
 
 def test_bad_sources_are_named():
