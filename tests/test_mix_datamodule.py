@@ -143,6 +143,20 @@ def test_resume_through_a_checkpoint_gives_the_same_batches(tmp_path):
         )
 
 
+def test_a_stop_mix_resumed_in_a_later_epoch_gives_the_same_batches(tmp_path):
+    """A cut in the second epoch (``stop``: a short epoch, each source reshuffled every epoch), run to the third."""
+    epochs, data = 3, {"dataset": _mix(exhausted="stop"), "pad_token_id": 0, "micro_batch_size": 4}
+    _, dm = fit_recording(tmp_path / "probe", 1, **data)
+    per_epoch = len(dm.train_dataloader())
+    cut = 3 * ((per_epoch + 3) // 3)  # the first checkpoint (every 3 steps) past the first epoch
+    total = epochs * per_epoch
+    full, _ = fit_recording(tmp_path / "full", total, **data)
+    fit_recording(tmp_path, cut, save=True, **data)
+    (ckpt,) = [p for p in tmp_path.glob("*.ckpt") if p.name.endswith(f"step={cut}.ckpt")]
+    resumed, _ = fit_recording(tmp_path, total, ckpt=str(ckpt), **data)
+    assert resumed == full[cut:] and len(resumed) > 0
+
+
 def _find(tree, key):
     """The first value under ``key`` anywhere in nested dicts and lists."""
     if isinstance(tree, dict):
