@@ -310,7 +310,7 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
         (``StreamMode``), else whole splits through the split pipeline (``MapStyle``)."""
         if self.read_mode is not None:
             return
-        if isinstance(self.dataset, Mix):  # several sources mixed by weight, each read map-style (mix_mode.py)
+        if isinstance(self.dataset, Mix):  # several sources mixed by weight (mix_mode.py, stream_mix_mode.py)
             args = (lambda: self.tokenizer, self._tokenizer_arg is not None, rank_zero_warn, rank_zero_info)
             self.read_mode = mix_read_mode(self.dataset, self.settings, *args)
             self._pretokenized = self.read_mode.pretokenized
