@@ -264,3 +264,12 @@ def test_by_documents_holds_the_document_share_and_misses_the_token_share():
         tokens += _source_tokens(batch)
         assert np.abs(np.asarray([0.3, 0.7]) * docs.sum() - docs).max() <= MAX  # a packed row holds <= MAX pieces
     assert tokens[0] / tokens.sum() > 0.6  # weight 0.3 of the documents: over 60 % of the tokens
+
+
+def test_a_weight_of_zero_leaves_a_source_out_of_training_but_validates_it():
+    dm = _dm(_mix({"long": 0, "short": 1}))
+    served = sum(np.asarray(_source_tokens(b)) for b in dm.train_dataloader())
+    assert served[0] == 0 and served[1] > 0
+    long = dm.stats()["train"]["sources"]["long"]
+    assert long["passes"] == 0 and long["rows_unread"] == long["rows"]
+    assert {int(b[SOURCE_INDEX][0]) for b in dm.val_dataloader()} == {0, 1}
