@@ -225,3 +225,14 @@ def test_the_benchmark_prints_its_table_and_the_bound_holds(monkeypatch, capsys)
     runpy.run_path(str(script), run_name="__main__")
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 ")]
     assert rows and float(rows[0][4]) <= 1.0 < float(rows[0][5])  # within one row; the random draw is not
+
+
+def test_mixes_of_dataframes_compare_by_identity_without_raising():
+    import pandas as pd
+
+    frame = pd.DataFrame({"text": ["a", "b"]})
+    mix = Mix({"a": frame, "b": "builtin"})
+    assert mix == Mix({"a": frame, "b": "builtin"}) and mix != Mix({"a": frame.copy(), "b": "builtin"})
+    assert mix != Mix({"a": frame, "b": "builtin"}, {"a": 1, "b": 2}) and hash(mix)
+    with pytest.raises(AttributeError, match="Mix is frozen"):
+        mix.by = "documents"

@@ -24,7 +24,7 @@ class Source:
     the DataModule's)."""
 
     name: str
-    dataset: Any = field(repr=False)
+    dataset: Any = field(repr=False, compare=False)  # a DataFrame's == is elementwise: compared in Mix.__eq__
     text_column: str | None = None
 
 
@@ -89,7 +89,13 @@ class Mix:
         raise AttributeError(f"Mix is frozen: build another Mix instead of setting {name!r}.")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mix) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
+        """Same sources (names, columns, and the same dataset: the same object, or equal names and lists), weights,
+        ``by``, ``exhausted`` and seed."""
+        return (
+            isinstance(other, Mix)
+            and all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
+            and all(_same(a.dataset, b.dataset) for a, b in zip(self.sources, other.sources))
+        )
 
     def __hash__(self) -> int:
         return hash((self.names, self.weights, self.by, self.exhausted, self.seed))
@@ -114,6 +120,10 @@ class Mix:
     def __repr__(self) -> str:
         shares = ", ".join(f"{n}={w:.3g}" for n, w in zip(self.names, self.weights))
         return f"Mix({shares}, by={self.by!r}, exhausted={self.exhausted!r}, seed={self.seed})"
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (isinstance(a, (str, list, tuple)) and type(a) is type(b) and a == b)
 
 
 def _source(name: str, value: Any) -> Source:
