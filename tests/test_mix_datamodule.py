@@ -273,3 +273,13 @@ def test_a_weight_of_zero_leaves_a_source_out_of_training_but_validates_it():
     long = dm.stats()["train"]["sources"]["long"]
     assert long["passes"] == 0 and long["rows_unread"] == long["rows"]
     assert {int(b[SOURCE_INDEX][0]) for b in dm.val_dataloader()} == {0, 1}
+
+
+@pytest.mark.parametrize("batching", [Pack(), Pad()], ids=["pack", "pad"])
+def test_each_sources_efficiency_in_the_mix_adds_up_to_the_whole(batching):
+    train = _dm(batching=batching).stats()["train"]
+    sources = train["sources"].values()
+    slots = sum(s["tokens_read"] / s["token_efficiency_in_mix"] for s in sources)
+    assert sum(s["tokens_read"] for s in sources) / slots == pytest.approx(train["token_efficiency"])
+    if isinstance(batching, Pad):  # short rows padded to the long rows they share batches with
+        assert train["sources"]["short"]["token_efficiency_in_mix"] < train["sources"]["short"]["token_efficiency"]

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_seqmem.batch import SOURCE_INDEX
 from lightning_seqmem.batching.sampling import BatchFetcher, BatchList, _ShardedBatchSampler
-from lightning_seqmem.batching.strategies import PackedRows, largest_shape
+from lightning_seqmem.batching.strategies import PackedRows, PadStrategy, largest_shape
 from lightning_seqmem.data.columns import largest_of
 from lightning_seqmem.datamodule.pipeline import load_documents, prepare_split, split_documents
 from lightning_seqmem.datamodule.read_mode import split_strategies
@@ -195,7 +195,7 @@ class MixMode:
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split the sums over the sources, and per source (``["sources"][name]``) its own statistics; the
         training split adds what this process reads of each in epoch 0 (``rows_read``, ``tokens_read``, ``share``
-        of the tokens read, ``weight``, ``passes``, ``repeats``, ``rows_unread``)."""
+        of the tokens read, ``weight``, ``passes``, ``repeats``, ``rows_unread``, ``token_efficiency_in_mix``)."""
         out = {}
         for split in ("train", "validation"):
             per = {s["name"]: dict(s["stats"][split]) for s in self.sources}
@@ -204,8 +204,9 @@ class MixMode:
         sampler, mixed = self._epoch0()
         counts = sampler.source_counts(0)
         read = sum(c["tokens"] for c in counts) or 1
-        for s, c in zip(self.sources, counts):
+        for s, c, efficiency in zip(self.sources, counts, self._efficiency_in_mix(sampler)):
             out["train"]["sources"][s["name"]].update(
+                token_efficiency_in_mix=efficiency,
                 rows_read=c["rows"],
                 tokens_read=c["tokens"],
                 share=c["tokens"] / read,
@@ -216,6 +217,21 @@ class MixMode:
             )
         out["train"].update(mixed.counts(), rows=int(sum(c["rows"] for c in counts)))  # the mixed epoch's batches
         return out
+
+    def _efficiency_in_mix(self, sampler: MixedBatchSampler) -> list[float | None]:
+        """Per source, its real tokens / the slots its rows take in the mixed batches of epoch 0 (a padded row takes
+        its batch's length); ``None`` for pair strategies (their rows are sequences two by two)."""
+        strategy = self.strategies["train"]
+        if not isinstance(strategy, PadStrategy):  # Pad, Truncate and Pack
+            return [None] * len(self.sources)
+        batches = sampler.batches(0)
+        lengths = np.concatenate([s["lengths"]["train"] for s in self.sources])
+        widths = np.repeat([w for _, w in strategy.shapes(batches, lengths)], batches.sizes)
+        rows = np.concatenate([batches.order[a:b] for a, b in zip(batches.starts, batches.ends)] or [np.zeros(0, int)])
+        source = sampler.source_of(rows)
+        tokens = np.bincount(source, weights=lengths[rows], minlength=len(self.sources))
+        slots = np.bincount(source, weights=widths, minlength=len(self.sources))
+        return [float(t / n) if n else None for t, n in zip(tokens, slots)]
 
     def _epoch0(self) -> tuple[MixedBatchSampler, Any]:
         """A sampler of this process's mixed epoch 0 and its ``EpochStats`` (batches, rows ``drop_last`` or
