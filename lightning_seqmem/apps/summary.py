@@ -91,7 +91,7 @@ class RunSummary(Callback):
             if key in train_stats:
                 summary[f"dataset_{key}"] = train_stats[key]
         for name, source in train_stats.get("sources", {}).items():  # a Mix: each source's epoch (stats())
-            for key in ("documents", "tokens_read", "share", "repeats", "tokens_truncated", "tokens_dropped"):
+            for key in ("documents", "tokens_read", "share", "repeats", "token_efficiency_in_mix", "tokens_dropped"):
                 summary[f"source_{name}_{key}"] = source.get(key)
         summary["optimizer_steps"] = trainer.global_step
         summary["wall_clock_s"] = wall
