@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "Pad": "lightning_seqmem.batching.options",
     "Truncate": "lightning_seqmem.batching.options",
     "Pack": "lightning_seqmem.batching.options",
+    "Mix": "lightning_seqmem.mixing.spec",
     "load_tokenizer": "lightning_seqmem.data.tokenizer",
     "CausalLM": "lightning_seqmem.training.model",
     "DPO": "lightning_seqmem.training.dpo",

@@ -29,6 +29,7 @@ __all__ = [
     "PREFERENCE_PAD_KEYS",
     "REF_LOGPS_KEYS",
     "SEQUENCE_INDEX",
+    "SOURCE_INDEX",
     "Layout",
     "count_label_tokens",
     "default_layout",
@@ -59,6 +60,10 @@ SEQUENCE_INDEX = "sequence_index"
 
 REF_LOGPS_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 """Optional precomputed reference log-probabilities of a pair, passed through as 1-D ``[pairs]`` tensors (TRL's)."""
+
+SOURCE_INDEX = "source_index"
+"""Validation batches of a ``Mix``: 1-D ``[rows]`` index of the source (``NamesSources.source_names``) of each row;
+a batch holds one source. Never in training batches."""
 
 PREFERENCE_PAD_KEYS = ("input_ids", "attention_mask", COMPLETION_MASK, "labels")
 """Keys of a padded pair batch ``[2B, L]``, chosen rows then rejected rows (TRL's three, plus unshifted ``labels``,

@@ -21,6 +21,7 @@ __all__ = [
     "GivesMaxBatchShape",
     "GivesWarmupShape",
     "GivesWorstBatchLayout",
+    "NamesSources",
     "find_pad_token_id",
 ]
 
@@ -60,6 +61,14 @@ class GivesDataStats(Protocol):
     """A DataModule that reports what its data path did (documents, tokens truncated or dropped, efficiency)."""
 
     def stats(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class NamesSources(Protocol):
+    """A DataModule reading a ``Mix``: the names of its sources, in the order of a validation batch's
+    ``batch.SOURCE_INDEX`` (``CausalLM`` logs ``val/loss/<name>`` for each)."""
+
+    def source_names(self) -> tuple[str, ...]: ...
 
 
 @runtime_checkable

@@ -177,3 +177,24 @@ def test_documented_commands_are_bounded_runs(args, monkeypatch):
         trainer.max_steps,
         trainer.max_epochs,
     )
+
+
+@pytest.mark.slow
+def test_a_mix_is_built_from_yaml(tmp_path, capsys):
+    """``data.dataset`` takes a ``Mix`` by class_path, its weights overridable on the command line; the printed
+    config feeds back."""
+    import os
+
+    from lightning_seqmem import Mix
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "cli_mix.yaml")
+    args = ["--trainer.accelerator=cpu", "--config", example]
+    cli = cli_main([*args, "--data.dataset.init_args.weights.chat=0.5"], run=False)
+    mix = cli.datamodule.dataset
+    assert isinstance(mix, Mix) and mix.names == ("prose", "chat") and mix.weights == (0.7 / 1.2, 0.5 / 1.2)
+    with pytest.raises(SystemExit):
+        cli_main([*args, "--print_config"], run=False)
+    (tmp_path / "printed.yaml").write_text(capsys.readouterr().out)
+    assert cli_main(["--config", str(tmp_path / "printed.yaml")], run=False).datamodule.dataset == Mix(
+        {"prose": "builtin", "chat": "builtin_chat"}, {"prose": 0.7, "chat": 0.3}
+    )

@@ -22,6 +22,7 @@ LAYERS = {
     "data": 1,
     "batching": 2,
     "training": 2,
+    "mixing": 2.5,  # several sources mixed by weight: the spec, the interleaved order, its sampler (no Lightning)
     "kinds": 2.5,  # the data kinds: over data/ and batching/, under the DataModule and the apps
     "datamodule": 3,
     "memory": 3,
@@ -165,6 +166,7 @@ TOP_LEVEL_EXPORTS = [
     "DPO",
     "FinalValidation",
     "MemoryMonitor",
+    "Mix",
     "Pack",
     "Pad",
     "SeqLengthWarmup",

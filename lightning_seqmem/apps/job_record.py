@@ -19,7 +19,14 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from lightning_seqmem.apps.run_files import PROGRESS_FIELDS, PROGRESS_FILE, TRAIN_PROGRESS_FIELDS, TRAIN_PROGRESS_FILE
+from lightning_seqmem.apps.run_files import (
+    PROGRESS_FIELDS,
+    PROGRESS_FILE,
+    SOURCE_PROGRESS_FIELDS,
+    SOURCE_PROGRESS_FILE,
+    TRAIN_PROGRESS_FIELDS,
+    TRAIN_PROGRESS_FILE,
+)
 from lightning_seqmem.batch import count_real_tokens
 from lightning_seqmem.protocols import find_pad_token_id
 
@@ -96,7 +103,8 @@ class JobRecord(Callback):
 
     @rank_zero_only
     def _reset_file(self, trainer: Trainer) -> None:
-        for path in (self._file(trainer), self._train_file(trainer)):
+        source_file = os.path.join(os.path.dirname(self._file(trainer)) or ".", SOURCE_PROGRESS_FILE)
+        for path in (self._file(trainer), self._train_file(trainer), source_file):
             if os.path.exists(path):
                 os.remove(path)
 
@@ -167,6 +175,10 @@ class JobRecord(Callback):
                 "val_loss": float(value),
             },
         )
+        prefix = f"{self.monitor}/"  # a Mix's sources: val/loss/<name> (training.source_losses)
+        for key in sorted(k for k in trainer.callback_metrics if k.startswith(prefix)):
+            row = {"step": trainer.global_step, "source": key[len(prefix) :]}
+            self._append_source(trainer, dict(row, val_loss=float(trainer.callback_metrics[key])))
 
     def _progress(self, trainer: Trainer, pl_module: LightningModule, now: float, cpu_now: float) -> dict[str, Any]:
         """Training wall-clock and CPU time (validation left out) and real tokens summed over ranks (an
@@ -181,6 +193,11 @@ class JobRecord(Callback):
     @rank_zero_only
     def _append(self, trainer: Trainer, row: dict[str, Any]) -> None:
         _append_row(self._file(trainer), PROGRESS_FIELDS, row)
+
+    @rank_zero_only
+    def _append_source(self, trainer: Trainer, row: dict[str, Any]) -> None:
+        path = os.path.join(os.path.dirname(self._file(trainer)) or ".", SOURCE_PROGRESS_FILE)
+        _append_row(path, SOURCE_PROGRESS_FIELDS, row)
 
     @rank_zero_only
     def _append_train(self, trainer: Trainer, row: dict[str, Any]) -> None:

@@ -71,11 +71,14 @@ def plan_from_config(cfg, output_dir: str | None = None):
     from hydra.utils import instantiate
 
     from lightning_seqmem.apps.plan_lengths import stream_sample
+    from lightning_seqmem.apps.plan_mix import mix_sample
     from lightning_seqmem.apps.plan_search import run_lora
     from lightning_seqmem.apps.planner import check_text, default_max_lengths, plan
+    from lightning_seqmem.apps.train import datamodule_config
 
     p = cfg.plan
-    dm, sampled = stream_sample(instantiate(cfg.data), p.get("stream_sample", 20_000))
+    dm, sampled = stream_sample(instantiate(datamodule_config(cfg.data)), p.get("stream_sample", 20_000))
+    dm, mix_notes = mix_sample(dm)  # a Mix: planned on the documents its epoch reads
     dm.prepare_data()  # tokenize once (cached: the planner and the training run after it read the same tokens)
     max_length = dm.settings.batching.max_length
     max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else default_max_lengths(max_length)
@@ -85,7 +88,7 @@ def plan_from_config(cfg, output_dir: str | None = None):
         check_text(kind, f" (its prompt and completion lengths are drawn in {where[0]})" if where else "")
     precision, note_precision = _precision(cfg)
     devices, note_devices = _devices(cfg)
-    notes = [n for n in (note_precision, note_devices) if n]
+    notes = [n for n in (note_precision, note_devices) if n] + mix_notes
     if sampled is not None:
         notes.append(
             f"a stream: planned on its first {sampled:,} training documents (plan.stream_sample); "

@@ -27,6 +27,7 @@ from lightning_seqmem.apps.plan_memory import (
     parse_bytes,
     plan_memory,
 )
+from lightning_seqmem.apps.plan_mix import mix_sample
 from lightning_seqmem.apps.plan_report import (
     RunPlan,
     StrategyPlan,
@@ -282,7 +283,7 @@ def plan(
     from lightning_seqmem.memory.estimate import with_reference
     from lightning_seqmem.memory.layer_scaling import cached_scaled
 
-    dm = stream_sample(datamodule)[0]  # a stream: planned on its first documents
+    dm = mix_sample(stream_sample(datamodule)[0])[0]  # a stream: its first documents; a Mix: its epoch's documents
     settings = dm.settings.batching
     kind = dm.tokenized_documents()[1]
     configured = (settings.batching, settings.max_length)

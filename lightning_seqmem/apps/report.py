@@ -186,6 +186,7 @@ def build_report(
         return same[0] if same else base
 
     rows = []
+    sources = list(dict.fromkeys(name for job in jobs for name in job.source_losses))  # a Mix's, in first-seen order
     for job in jobs:
         final = job.final or {}
         t = reach(job.rows, target, time_key) if job.rows else None
@@ -207,6 +208,7 @@ def build_report(
                 "tokens_to_target": round(n) if n is not None else None,
                 "speedup_time": base_time / t if base_time and t else None,
                 "speedup_tokens": base_tokens / n if base_tokens and n else None,
+                **{f"final_val_loss/{name}": job.source_losses.get(name) for name in sources},
             }
         )
     group_rows = _group_rows(groups, {r["job"]: r for r in rows}, base_label) if skey else []
@@ -234,6 +236,7 @@ def build_report(
         "time_key": time_key,
         "seed_key": skey,
         "groups": group_rows,
+        "sources": sources,
     }
 
 

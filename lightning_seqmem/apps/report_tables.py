@@ -138,6 +138,20 @@ def markdown(report: dict) -> str:
             _fmt(r["speedup_tokens"], "x"),
         ]
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    lines += sources_markdown(report)
     if report["notes"]:
         lines += [""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def sources_markdown(report: dict) -> list[str]:
+    """A mix's sources: each job's final validation loss per source (none when no job mixed sources)."""
+    names = report.get("sources") or []
+    if not names:
+        return []
+    lines = ["", "Final validation loss per source (a Mix: `val/loss/<name>`):", ""]
+    lines += ["| job | overrides | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
+    for r in report["rows"]:
+        cells = [r["job"], r["overrides"], *(_fmt(r[f"final_val_loss/{n}"], "loss") for n in names)]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    return lines

@@ -34,10 +34,12 @@ JOB_STATUS_FILE = "job_status.json"
 PROGRESS_FILE = "progress.csv"
 TRAIN_PROGRESS_FILE = "train_progress.csv"
 SUMMARY_FILE = "summary.json"
+SOURCE_PROGRESS_FILE = "val_sources.csv"  # a Mix: each source's validation loss at each validation
 
 # The columns of progress.csv and train_progress.csv.
 PROGRESS_FIELDS = ("step", "wall_clock_s", "elapsed_s", "cpu_s", "tokens_seen", "val_loss")
 TRAIN_PROGRESS_FIELDS = ("step", "wall_clock_s", "cpu_s", "tokens_seen", "train_loss")
+SOURCE_PROGRESS_FIELDS = ("step", "source", "val_loss")
 
 # The values of job_status.json's "status".
 RUNNING, FINISHED, FAILED = "running", "finished", "failed"

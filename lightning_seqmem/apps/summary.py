@@ -90,6 +90,9 @@ class RunSummary(Callback):
         for key in ("tokens_truncated", "tokens_dropped", "documents_split", "empty_documents_skipped"):
             if key in train_stats:
                 summary[f"dataset_{key}"] = train_stats[key]
+        for name, source in train_stats.get("sources", {}).items():  # a Mix: each source's epoch (stats())
+            for key in ("documents", "tokens_read", "share", "repeats", "token_efficiency_in_mix", "tokens_dropped"):
+                summary[f"source_{name}_{key}"] = source.get(key)
         summary["optimizer_steps"] = trainer.global_step
         summary["wall_clock_s"] = wall
         if counts:
@@ -103,7 +106,8 @@ class RunSummary(Callback):
                 summary["oom_split_tokens"] = pl_module.oom_split_tokens
         peak, what = peak_memory_bytes(pl_module.device)
         summary[f"peak_memory_mib ({what})"] = peak / 2**20
-        for key in ("val/loss", "train/loss"):
+        sources = sorted(k for k in trainer.callback_metrics if k.startswith("val/loss/"))  # a Mix: val/loss/<name>
+        for key in ("val/loss", *sources, "train/loss"):
             value = trainer.callback_metrics.get(key)
             if value is not None:
                 summary[f"final_{key.replace('/', '_')}"] = float(value)

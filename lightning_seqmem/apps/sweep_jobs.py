@@ -19,6 +19,7 @@ from lightning_seqmem.apps.run_files import (
     OVERRIDES_FILE,
     PROGRESS_FILE,
     RUNNING,
+    SOURCE_PROGRESS_FILE,
     SUMMARY_FILE,
     TRAIN_PROGRESS_FILE,
 )
@@ -43,6 +44,7 @@ class Job:
     error: str | None = None
     rows: list[dict[str, float]] = field(default_factory=list)
     train_rows: list[dict[str, float]] = field(default_factory=list)
+    source_losses: dict[str, float] = field(default_factory=dict)  # a Mix: each source's last validation loss
 
     @property
     def finished(self) -> bool:
@@ -77,6 +79,23 @@ def _read_progress(job_dir: str, name: str = PROGRESS_FILE, loss: str = "val_los
             except ValueError:  # a half-written last line of a killed job
                 continue
     return sorted((r for r in rows if loss in r and "wall_clock_s" in r), key=lambda r: r.get("step", 0))
+
+
+def _read_source_losses(job_dir: str) -> dict[str, float]:
+    """Each source's validation loss at the job's last validation (``JobRecord``'s ``val_sources.csv``)."""
+    path = os.path.join(job_dir, SOURCE_PROGRESS_FILE)
+    if not os.path.exists(path):
+        return {}
+    last: dict[str, tuple[float, float]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            try:
+                step, loss = float(row["step"]), float(row["val_loss"])
+            except (KeyError, TypeError, ValueError):  # a half-written last line of a killed job
+                continue
+            if row["source"] not in last or step >= last[row["source"]][0]:
+                last[row["source"]] = (step, loss)
+    return {name: loss for name, (_, loss) in last.items()}
 
 
 def _read_status(job_dir: str) -> tuple[str, str | None]:
@@ -140,6 +159,7 @@ def load_jobs(sweep_dir: str) -> list[Job]:
                 error=error,
                 rows=_read_progress(path),
                 train_rows=_read_progress(path, TRAIN_PROGRESS_FILE, "train_loss"),
+                source_losses=_read_source_losses(path),
             )
         )
     return jobs

@@ -83,6 +83,20 @@ def _check_required(cfg) -> None:
     )
 
 
+MIX_KEYS = ("sources", "weights", "by", "exhausted")  # data=mix: they feed data.dataset (a Mix), not the DataModule
+
+
+def datamodule_config(data: Any) -> Any:
+    """``data`` without the keys of ``data=mix`` that only its ``dataset`` (a ``Mix``) reads by interpolation, so
+    ``data.weights.chat=0.5`` overrides a weight and the DataModule gets what it takes."""
+    if data is None or not any(k in data for k in MIX_KEYS):
+        return data
+    from omegaconf import OmegaConf
+
+    resolved = OmegaConf.to_container(data, resolve=True)
+    return {k: v for k, v in resolved.items() if k not in MIX_KEYS}
+
+
 def _progress_bar_allowed(callback: Any, trainer_cfg: Any) -> bool:
     # Lightning refuses a progress-bar callback with enable_progress_bar=False; that switch wins.
     from lightning.pytorch.callbacks import ProgressBar
@@ -125,7 +139,7 @@ def train(cfg) -> dict[str, Any]:
 
     _check_required(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(cfg.data)
+    datamodule = instantiate(datamodule_config(cfg.data))
     check_data(datamodule, cfg)
     model = instantiate(cfg.model)
     callbacks = [cb for cb in _instantiate_all(cfg.get("callbacks")) if _progress_bar_allowed(cb, cfg.trainer)]

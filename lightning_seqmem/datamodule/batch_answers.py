@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_seqmem.datamodule.read_mode import ReadMode
+from lightning_seqmem.protocols import NamesSources
 
 
 class BatchAnswers:
@@ -55,3 +56,9 @@ class BatchAnswers:
         this process (``streaming.StreamCounts``). The keys each kind reports: ``kinds.base.DOCUMENT_STATS`` and
         its ``Kind.stats_keys``."""
         return self._ready().stats()
+
+    def source_names(self) -> tuple[str, ...]:
+        """The sources of a ``Mix`` (``protocols.NamesSources``), in the order of a validation batch's
+        ``batch.SOURCE_INDEX``; ``()`` for a single dataset."""
+        mode = self._ready()
+        return mode.source_names() if isinstance(mode, NamesSources) else ()

@@ -25,6 +25,7 @@ from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.batch_answers import BatchAnswers
 from lightning_seqmem.datamodule.map_style import MapStyle
+from lightning_seqmem.datamodule.mix_mode import mix_read_mode
 from lightning_seqmem.datamodule.pipeline import load_documents
 from lightning_seqmem.datamodule.read_mode import ReadMode
 from lightning_seqmem.datamodule.resume_hooks import ResumeHooks
@@ -32,6 +33,7 @@ from lightning_seqmem.datamodule.settings import SeqMemSettings
 from lightning_seqmem.datamodule.stream_mode import StreamMode
 from lightning_seqmem.datamodule.streaming import is_stream
 from lightning_seqmem.kinds.detect import detect_stream
+from lightning_seqmem.mixing.spec import Mix
 
 _SPECIAL_IDS = ("pad_token_id", "eos_token_id")
 
@@ -48,10 +50,11 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
             ``"builtin_preference"`` (it as preference pairs), a ``datasets.Dataset``/``DatasetDict``, a
             ``pandas.DataFrame``, local
             json/jsonl/parquet/txt/csv files (path, glob or list), a ``save_to_disk`` directory, a hub name, or a
-            Python list of documents, rows or conversations. A ``text`` column, ``prompt`` and ``completion``
-            columns, a ``messages`` column of conversations, or preference pairs (``prompt``, ``chosen``,
-            ``rejected``); or pre-tokenized: ``input_ids`` (optionally ``labels``), ``prompt_ids`` and
-            ``completion_ids``, or ``prompt_ids``, ``chosen_ids`` and ``rejected_ids``, used as they are.
+            Python list of documents, rows or conversations; or a ``Mix`` of several of these by weight
+            (docs/mixing.md). A ``text`` column, ``prompt`` and ``completion`` columns, a ``messages`` column of
+            conversations, or preference pairs (``prompt``, ``chosen``, ``rejected``); or pre-tokenized:
+            ``input_ids`` (optionally ``labels``), ``prompt_ids`` and ``completion_ids``, or ``prompt_ids``,
+            ``chosen_ids`` and ``rejected_ids``, used as they are.
             Pairs are batched in TRL's padded layout (``pad``/``truncate``: ``[2B, L]``, chosen rows then rejected
             rows, with ``completion_mask``) or packed whole (``pack``: ``B`` rows of ``2 * max_length``, with
             ``sequence_index``); optional ``ref_chosen_logps``/``ref_rejected_logps`` columns come along as
@@ -127,7 +130,7 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
 
     def __init__(
         self,
-        dataset: Any = "builtin",
+        dataset: Mix | Any = "builtin",
         tokenizer: Any = None,
         max_length: int = 512,
         micro_batch_size: int = 8,
@@ -258,6 +261,8 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
     def prepare_data(self) -> None:
         """Build what is cached on disk, once per node (Lightning calls this on local rank 0 only): the built-in
         corpus, the default tokenizer and the tokenized dataset; ``setup`` on every rank then only reads them."""
+        if isinstance(self.dataset, Mix):  # each source tokenized and planned (mix_mode.py)
+            return self.setup("fit")
         if self._open_stream():
             # token ids need no tokenizer: know the kind before asking for one (a hub tokenizer is downloaded once
             # per node); a stream itself is read as trained on
@@ -301,6 +306,8 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
         the value check the data get once per dataset version, and remembered with it: later runs read no token.
         ``None`` for text (the tokenizer's size bounds its ids: ``CausalLM`` checks that) and for streams, whose
         ids are checked only against a given tokenizer, as they are read."""
+        if isinstance(self.dataset, Mix):
+            return self._ready().largest_token_id()
         if self._open_stream():
             return None
         self.tokenized_documents()
@@ -312,7 +319,11 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
         (``StreamMode``), else whole splits through the split pipeline (``MapStyle``)."""
         if self.read_mode is not None:
             return
-        if self._open_stream():
+        if isinstance(self.dataset, Mix):  # several sources mixed by weight (mix_mode.py, stream_mix_mode.py)
+            args = (lambda: self.tokenizer, self._tokenizer_arg is not None, rank_zero_warn, rank_zero_info)
+            self.read_mode = mix_read_mode(self.dataset, self.settings, *args)
+            self._pretokenized = self.read_mode.pretokenized
+        elif self._open_stream():
             kind = detect_stream(self.dataset, self.settings.data.text_column)
             self._pretokenized = kind.pretokenized
             self.read_mode = StreamMode(self.dataset, kind, self.settings, rank_zero_warn, lambda: self.tokenizer)

@@ -38,13 +38,14 @@ from lightning_seqmem.training.loss_layer import (
 from lightning_seqmem.training.metrics import TokenEfficiency
 from lightning_seqmem.training.oom_hooks import SplitsOnOom
 from lightning_seqmem.training.optimization import check_optimizer, make_optimizer, no_decay_names, warmup_cosine
+from lightning_seqmem.training.source_losses import SourceLosses
 from lightning_seqmem.training.varlen import TORCH_VARLEN, batch_varlen_kwargs, needs_varlen_kwargs
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 LOSS_NORMALIZATIONS = ("token", "micro_batch")
 
 
-class CausalLM(SplitsOnOom, FsdpAwareClipping, LightningModule):
+class CausalLM(SourceLosses, SplitsOnOom, FsdpAwareClipping, LightningModule):
     """Train a Hugging Face causal LM on padded or packed batches.
 
     Args:

@@ -1,0 +1,156 @@
+"""A ``Mix`` of streams (``streaming=True``): each source read as a stream is read alone (``streaming.Streams``:
+its validation head, its packer, its counts), the training rows interleaved as they come (``mixing.stream_mix``).
+Validation keeps the sources apart, as map-style mixes do. No Lightning import.
+
+Resume: a stream has no position to return to yet (``Streams.load_state_dict`` says so); the mixer's counts are in
+the checkpoint for when it does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_seqmem.batch import SOURCE_INDEX
+from lightning_seqmem.data.sources import open_stream
+from lightning_seqmem.datamodule.read_mode import split_strategies
+from lightning_seqmem.datamodule.resume import data_signature
+from lightning_seqmem.datamodule.streaming import StreamingLoader, Streams, check_streaming, is_stream
+from lightning_seqmem.kinds.base import DOCUMENT_STATS
+from lightning_seqmem.kinds.detect import detect_stream
+from lightning_seqmem.mixing.spec import Mix
+from lightning_seqmem.mixing.stream_mix import MixedRows, row_documents, row_tokens
+
+SPLITS = ("train", "validation")
+
+
+class StreamMixMode:
+    """A ``Mix`` whose sources are read as streams (``read_mode.ReadMode``).
+
+    Args:
+        mix: the sources, weights, ``by`` and ``exhausted``.
+        settings: the DataModule's ``SeqMemSettings`` (each source may set its own ``text_column``).
+        warn: where the loaders' warnings go, prefixed with the source's name.
+
+    Raises:
+        ValueError: a source whose batches cannot share the others' layout, or a batching that does not pack.
+    """
+
+    pretokenized = False  # a stream's ids are checked as they are read, against a given tokenizer only
+
+    def __init__(self, mix: Mix, settings: Any, warn: Callable[[str], None]) -> None:
+        self.mix, self.settings, self.warn = mix, settings, warn
+        self.sources: list[dict[str, Any]] = []
+        for source in mix.sources:
+            data = settings.data
+            if source.text_column is not None:
+                data = dataclasses.replace(data, text_column=source.text_column)
+            mine = dataclasses.replace(settings, data=data)
+            try:
+                stream = source.dataset if is_stream(source.dataset) else open_stream(source.dataset)
+                kind = detect_stream(stream, data.text_column)
+                strategies = split_strategies(kind, mine, SPLITS)
+                check_streaming(strategies)
+                streams = Streams(stream, kind, data)  # reads the validation head
+            except (ValueError, TypeError) as error:
+                raise type(error)(f"Mix source {source.name!r}: {error}") from error
+            self.sources.append(
+                {"name": source.name, "kind": kind, "settings": mine, "strategies": strategies, "streams": streams}
+            )
+        first = self.sources[0]
+        for other in self.sources[1:]:
+            if other["kind"].sequences != first["kind"].sequences:
+                raise ValueError(
+                    f"Mix source {other['name']!r} holds {other['kind'].name} data and {first['name']!r} "
+                    f"{first['kind'].name}: their batches have other layouts. Text, prompt/completion and "
+                    "conversations mix; preference pairs mix only with preference pairs."
+                )
+        self.kind, self.strategies = first["kind"], first["strategies"]
+        self.datasets = {split: [s["streams"].splits[split] for s in self.sources] for split in SPLITS}
+        self.mixed: MixedRows | None = None
+
+    def _loader(self, source: dict[str, Any], split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
+        def warn(message: str) -> None:
+            self.warn(f"Mix source {source['name']!r}: {message}")
+
+        strategy = source["strategies"][split]
+        return source["streams"].loader(split, strategy, tokenizer, source["settings"], pad_token_id, warn)
+
+    def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
+        if split not in SPLITS:
+            raise ValueError(f"A Mix serves 'train' and 'validation', not {split!r}.")
+        loaders = [self._loader(s, split, tokenizer, pad_token_id) for s in self.sources]
+        if split == "validation":
+            return DataLoader(TakingTurns(loaders), batch_size=None)
+        units = row_tokens if self.mix.by == "tokens" else row_documents
+        self.mixed = MixedRows([loader.dataset for loader in loaders], self.mix.weights, self.mix.exhausted, units)
+        strategy = self.strategies["train"]
+        return StreamingLoader(
+            self.mixed,
+            batch_size=strategy.rows_per_batch("train"),
+            collate_fn=strategy.collator(pad_token_id),
+            num_workers=self.settings.data.num_workers,
+        )
+
+    def source_names(self) -> tuple[str, ...]:
+        """The names of the sources, in the order of ``batch[SOURCE_INDEX]`` (``protocols.NamesSources``)."""
+        return self.mix.names
+
+    def largest_token_id(self) -> None:
+        return None  # streams: ids are checked as they are read
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per split the sums over the sources of what each has read so far on this process, and per source
+        (``["sources"][name]``) its own counts (``streaming.Streams.stats``) and its weight."""
+        out = {}
+        for split in SPLITS:
+            per = {s["name"]: s["streams"].stats()[split] for s in self.sources}
+            for name in per:
+                per[name]["weight"] = self.mix.weight(name)
+            total = {k: sum(v.get(k, 0) for v in per.values()) for k in DOCUMENT_STATS if k != "longest_document"}
+            out[split] = dict(total, streaming=True, sources=per)
+        return out
+
+    def max_batch_shape(self) -> tuple[int, int]:
+        """Packed rows: always ``max_length`` long, as many per batch as the split's batch size."""
+        rows = max(strategy.rows_per_batch(split) for split, strategy in self.strategies.items())
+        return rows, self.settings.batching.max_length
+
+    def worst_batch_layout(self, rows: int, length: int) -> tuple[tuple[int, ...], ...]:
+        return self.strategies["train"].worst_layout(rows, length, None)
+
+    def data_signature(self) -> dict[str, Any]:
+        return data_signature(dict(self.kind.signature(self.settings), **self.mix.signature()), None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each source's stream state and the mixer's counts when its reader last stopped (main process)."""
+        state = {f"source/{s['name']}": s["streams"].state_dict() for s in self.sources}
+        return dict(state, mixer=dict(self.mixed.last_state) if self.mixed is not None else {})
+
+    def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
+        for s in self.sources:
+            s["streams"].load_state_dict(state_dict.get(f"source/{s['name']}", {}), warn)
+
+
+class TakingTurns(IterableDataset):
+    """Validation batches of every source's loader, the sources taking turns batch by batch, each batch tagged with
+    its source (``SOURCE_INDEX``: ``LongTensor[rows]``). Under DDP every source's loader deals each rank the same
+    number of batches, so every rank sees the sources in the same order."""
+
+    def __init__(self, loaders: list[DataLoader]) -> None:
+        self.loaders = loaders
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        readers = {s: iter(loader) for s, loader in enumerate(self.loaders)}
+        while readers:
+            for s in list(readers):
+                batch = next(readers[s], None)
+                if batch is None:
+                    del readers[s]
+                    continue
+                batch[SOURCE_INDEX] = torch.full((batch["input_ids"].shape[0],), s, dtype=torch.long)
+                yield batch
