@@ -19,6 +19,7 @@ from _flash_reference import CALLS, TORCH_VARLEN_FORMS, use_reference_flash, use
 
 from lightning_seqmem import CausalLM, SeqMemDataModule
 from lightning_seqmem.batching.collate import PackCollator
+from lightning_seqmem.memory import CachePreallocator
 from lightning_seqmem.memory.checks import ConfigChecks
 from lightning_seqmem.training import attention
 from lightning_seqmem.training.varlen import (
@@ -282,7 +283,7 @@ def test_auto_and_explicit_torch_varlen_where_it_cannot_run(monkeypatch):
         attention.resolve_attn_implementation("torch_varlen", "cuda", "bf16-mixed")
 
 
-def _fit(tmp_path, attn, **trainer_kwargs):
+def _fit(tmp_path, attn, extra_callbacks=(), **trainer_kwargs):
     dm = SeqMemDataModule(dataset=_texts(), strategy="pack", max_length=64, micro_batch_size=4)
     checks = ConfigChecks()
     lm = CausalLM(model_config=TINY["llama"], attn_implementation=attn)
@@ -295,7 +296,7 @@ def _fit(tmp_path, attn, **trainer_kwargs):
         enable_model_summary=False,
         limit_val_batches=1,
         val_check_interval=2,
-        callbacks=[checks],
+        callbacks=[checks, *extra_callbacks],
         default_root_dir=tmp_path,
         **trainer_kwargs,
     )
@@ -307,7 +308,9 @@ def test_trainer_fit_auto_picks_torch_varlen_where_it_runs_and_sdpa_elsewhere(mo
     lm, trainer, _ = _fit(tmp_path, "auto")  # CPU: SDPA
     assert lm.model.config._attn_implementation == "sdpa" and trainer.global_step == 2
     use_reference_torch_varlen(monkeypatch)  # a device where the kernel runs
-    lm, trainer, checks = _fit(tmp_path, "auto", precision="bf16-mixed")
+    prealloc = CachePreallocator()  # its pass runs the kernel under the same autocast, before the first step
+    lm, trainer, checks = _fit(tmp_path, "auto", [prealloc], precision="bf16-mixed")
+    assert prealloc.report.passes == ["fit_start"]
     assert lm.model.config._attn_implementation == "torch_varlen" and lm.hparams.attn_implementation == "auto"
     assert len(CALLS) >= 2 * 2 * TINY["llama"]["num_hidden_layers"]  # every layer of every step and validation
     # ConfigChecks runs at the callbacks' setup, before CausalLM resolves "auto": "auto" itself is packed-safe
