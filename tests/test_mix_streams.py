@@ -3,6 +3,8 @@ workers, stop and repeat, and validation per source."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_mix_datamodule import MAX, _docs, _source_tokens
 
 from lightning_seqmem import Mix, SeqMemDataModule
@@ -85,3 +87,44 @@ def test_two_gloo_ranks_each_hold_the_share_of_a_mix_of_streams():
     r0, r1 = run_ranks(_stream_rank)
     assert r0["worst"] <= MAX and r1["worst"] <= MAX and min(r0["served"] + r1["served"]) > 0
     assert r0["val"] == r1["val"] and sorted(set(r0["val"])) == [0, 1]  # the same turns: no rank waits
+
+
+def _rows(batches):
+    return [{k: v.tolist() for k, v in b.items()} for b in batches]
+
+
+@settings(max_examples=6, deadline=None)
+@given(cut=st.integers(0, 30), exhausted=st.sampled_from(["stop", "repeat"]))
+def test_a_mix_of_streams_cut_anywhere_goes_on_with_the_same_batches(cut, exhausted):
+    """The mixer's counts, each source's row read ahead and each source's reader state come back."""
+    full = _rows(_stream_dm(exhausted).train_dataloader())
+    loader = _stream_dm(exhausted).train_dataloader()
+    it = iter(loader)
+    head = _rows(next(it) for _ in range(min(cut, len(full))))
+    again = _stream_dm(exhausted).train_dataloader()
+    again.load_state_dict(loader.state_dict())
+    assert head + _rows(again) == full
+
+
+@pytest.mark.slow
+def test_a_mix_of_streams_with_workers_resumes_through_a_checkpoint_and_refuses_other_workers(tmp_path):
+    from test_stream_resume import _Batches, _fit
+
+    full, _ = _fit(_stream_dm(num_workers=2), 8, tmp_path / "full", save=True, model=_Batches())
+    ckpt = str(tmp_path / "full" / "epoch=0-step=3.ckpt")
+    resumed, _ = _fit(_stream_dm(num_workers=2), 8, tmp_path / "resumed", ckpt=ckpt, model=_Batches())
+    assert resumed.seen == full.seen[3:]
+    with pytest.raises(ValueError, match=r"mix of streams with 1 loader worker.*num_workers=2.*restart_epoch"):
+        _fit(_stream_dm(num_workers=1), 8, tmp_path / "other", ckpt=ckpt, model=_Batches())
+    with pytest.raises(ValueError, match=r"weights.*on_resume_mismatch='restart_epoch'"):
+        other = Mix(_docs(), {"long": 0.5, "short": 0.5})
+        dm = SeqMemDataModule(
+            dataset=other,
+            max_length=MAX,
+            micro_batch_size=4,
+            pad_token_id=0,
+            streaming=True,
+            num_workers=2,
+            streaming_validation_documents=10,
+        )
+        _fit(dm, 8, tmp_path / "weights", ckpt=ckpt, model=_Batches())

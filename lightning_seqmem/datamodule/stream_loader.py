@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_seqmem.datamodule.stream_rows import Regrouped
+from lightning_seqmem.datamodule.stream_rows import Regrouped, StreamingRows
 
 _SNAPSHOT, _WORKERS = "_snapshot", "_worker_snapshots"
 _DATASET_STATE = "dataset_state"  # torchdata's key of a dataset's state, in the main process and in a worker's
@@ -92,6 +92,14 @@ class StreamingLoader(StatefulDataLoader):
             self._resuming = not mine["loader"].get("_iterator_finished", False)
             super().load_state_dict(mine["loader"] if self._resuming else {})
             return
+        if not isinstance(self.dataset, StreamingRows):  # a mix of streams: its order is per reader
+            self._refuse(
+                f"Cannot resume this checkpoint's mix of streams with {self.num_workers} loader worker(s) on {world} "
+                f"rank(s): it was saved with {ranks[0]['workers']} on {len(ranks)}, and a mix's order is decided by "
+                "each reader.",
+                f"Resume with num_workers={ranks[0]['workers']} on {len(ranks)} rank(s)",
+            )
+            return
         readers = [reader for saved in ranks for reader in reader_states(saved["loader"], saved["workers"])]
         if not self._can_regroup(readers, len(ranks), world):
             return
@@ -109,19 +117,22 @@ class StreamingLoader(StatefulDataLoader):
         whole = all(n % saved_world == 0 and n % world == 0 for n in shards)
         if whole or saved_world == world:
             return True
-        message = (
+        self._refuse(
             f"Cannot deal this checkpoint's stream position to {world} rank(s): it was saved by {saved_world}, and "
             f"the stream's {sorted(shards)} shard(s) cannot be dealt whole to both, so each rank read every shard "
-            "and kept its own share of the documents."
+            "and kept its own share of the documents.",
+            f"Resume with {saved_world} rank(s), give the stream a number of files that both world sizes divide",
         )
+        return False
+
+    def _refuse(self, message: str, fix: str) -> None:
+        """Raise (``on_resume_mismatch="error"``) or warn that the epoch restarts (``"restart_epoch"``)."""
         if self.on_mismatch == "error":
             raise ValueError(
-                f"{message} Resume with {saved_world} rank(s), give the stream a number of files that both world "
-                "sizes divide, or pass on_resume_mismatch='restart_epoch' to keep the model and optimizer and start "
-                "the epoch afresh."
+                f"{message} {fix}, or pass on_resume_mismatch='restart_epoch' to keep the model and optimizer and "
+                "start the epoch afresh."
             )
         self.warn(f"{message} The current epoch restarts from its first batch (on_resume_mismatch='restart_epoch').")
-        return False
 
 
 def reader_states(loader_state: dict[str, Any], workers: int) -> list[dict[str, Any]]:

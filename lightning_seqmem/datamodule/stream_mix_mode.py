@@ -2,8 +2,10 @@
 its validation head, its packer, its counts), the training rows interleaved as they come (``mixing.stream_mix``).
 Validation keeps the sources apart, as map-style mixes do. No Lightning import.
 
-Resume: a stream has no position to return to yet (``Streams.load_state_dict`` says so); the mixer's counts are in
-the checkpoint for when it does.
+Resume: the train loader is a ``StreamingLoader`` over the mixer, whose state holds its counts, the row each source
+has read ahead and each source's reader state (``stream_rows.StreamingRows``): a resumed mix of streams goes on with
+exactly the batches of the uninterrupted run. Another number of workers or ranks is refused by name (or restarts the
+epoch with ``on_resume_mismatch="restart_epoch"``): the mixer's order is per reader.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_seqmem.batch import SOURCE_INDEX
 from lightning_seqmem.data.sources import open_stream
 from lightning_seqmem.datamodule.read_mode import split_strategies
-from lightning_seqmem.datamodule.resume import data_signature
+from lightning_seqmem.datamodule.resume import check_signature, data_signature
+from lightning_seqmem.datamodule.stream_signature import stream_identity
 from lightning_seqmem.datamodule.streaming import StreamingLoader, Streams, check_streaming, is_stream
 from lightning_seqmem.kinds.base import DOCUMENT_STATS
 from lightning_seqmem.kinds.detect import detect_stream
@@ -72,6 +75,8 @@ class StreamMixMode:
         self.kind, self.strategies = first["kind"], first["strategies"]
         self.datasets = {split: [s["streams"].splits[split] for s in self.sources] for split in SPLITS}
         self.mixed: MixedRows | None = None
+        self.skip_resume_state = False  # set by load_state_dict when the checkpoint's mix differs (restart_epoch)
+        self.on_mismatch = settings.data.on_resume_mismatch
 
     def _loader(self, source: dict[str, Any], split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
         def warn(message: str) -> None:
@@ -89,12 +94,14 @@ class StreamMixMode:
         units = row_tokens if self.mix.by == "tokens" else row_documents
         self.mixed = MixedRows([loader.dataset for loader in loaders], self.mix.weights, self.mix.exhausted, units)
         strategy = self.strategies["train"]
-        return StreamingLoader(
+        loader = StreamingLoader(
             self.mixed,
             batch_size=strategy.rows_per_batch("train"),
             collate_fn=strategy.collator(pad_token_id),
             num_workers=self.settings.data.num_workers,
         )
+        loader.skip_resume_state, loader.on_mismatch, loader.warn = self.skip_resume_state, self.on_mismatch, self.warn
+        return loader
 
     def source_names(self) -> tuple[str, ...]:
         """The names of the sources, in the order of ``batch[SOURCE_INDEX]`` (``protocols.NamesSources``)."""
@@ -124,16 +131,24 @@ class StreamMixMode:
         return self.strategies["train"].worst_layout(rows, length, None)
 
     def data_signature(self) -> dict[str, Any]:
-        return data_signature(dict(self.kind.signature(self.settings), **self.mix.signature()), None)
+        """The mix (sources, weights, ``by``, ``exhausted``), the batching, and each source's stream (its shards and
+        files, the validation documents carved out of it)."""
+        identities = {}
+        for source in self.sources:
+            streams = source["streams"]
+            for key, value in stream_identity(streams.read["train"], streams.leave_out).items():
+                identities[f"{key}/{source['name']}"] = value
+        return data_signature(dict(self.kind.signature(self.settings), **self.mix.signature(), **identities), None)
 
     def state_dict(self) -> dict[str, Any]:
-        """Each source's stream state and the mixer's counts when its reader last stopped (main process)."""
-        state = {f"source/{s['name']}": s["streams"].state_dict() for s in self.sources}
-        return dict(state, mixer=dict(self.mixed.last_state) if self.mixed is not None else {})
+        return {"data_signature": self.data_signature()}
 
     def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
-        for s in self.sources:
-            s["streams"].load_state_dict(state_dict.get(f"source/{s['name']}", {}), warn)
+        """A saved position means something only for the same mix of the same streams: refuse it, or start the
+        epoch again (``on_resume_mismatch``)."""
+        saved = state_dict.get("data_signature")
+        if saved:
+            self.skip_resume_state = check_signature(saved, self.data_signature(), self.on_mismatch, warn)
 
 
 class TakingTurns(IterableDataset):

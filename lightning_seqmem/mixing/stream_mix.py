@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 from torch.utils.data import IterableDataset
 
 from lightning_seqmem.mixing.interleave import choose
@@ -53,6 +54,8 @@ class MixedRows(IterableDataset):
         self.exhausted, self.units = exhausted, units
         self._epoch = 0
         self.last_state: dict[str, Any] = {}  # the mixer's counts when the reader last stopped (main process)
+        self._live: dict[str, Any] | None = None  # the counts and heads while it reads
+        self._saved: dict[str, Any] | None = None  # where the next pass starts (load_state_dict)
 
     @property
     def epoch(self) -> int:
@@ -72,10 +75,21 @@ class MixedRows(IterableDataset):
     def __iter__(self):
         k = len(self.sources)
         active = [s for s in range(k) if self.weights[s] > 0]
-        served, rows, passes = [0] * k, [0] * k, [0] * k
-        readers = {s: self._start(s, 0) for s in active}
-        heads = {s: next(readers[s], _END) for s in active}
-        total = 0
+        saved, self._saved = self._saved, None
+        if saved is not None and saved["epoch"] == self._epoch:  # resumed: the counts and the rows read ahead
+            served, rows, passes, total = (
+                list(saved["served"]),
+                list(saved["rows"]),
+                list(saved["passes"]),
+                saved["total"],
+            )
+            heads = {s: _row_from(saved["heads"][s]) for s in active}
+        else:
+            served, rows, passes, total, heads = [0] * k, [0] * k, [0] * k, 0, None
+        readers = {s: self._start(s, passes[s]) for s in active}
+        if heads is None:
+            heads = {s: next(readers[s], _END) for s in active}
+        self._live = {"served": served, "rows": rows, "passes": passes, "heads": heads, "total": total}
         try:
             while True:
                 for s in active:
@@ -88,12 +102,51 @@ class MixedRows(IterableDataset):
                         if heads[s] is _END:
                             return  # a pass that gives no row: repeating it would spin forever
                 sizes = [self.units(heads[s]) if s in heads else 0 for s in range(k)]
-                s = choose(self.weights, served, total, sizes)
+                s = choose(self.weights, served, self._live["total"], sizes)
                 row = heads[s]
                 served[s] += sizes[s]
-                total += sizes[s]
+                self._live["total"] += sizes[s]
                 rows[s] += 1
                 heads[s] = next(readers[s], _END)
                 yield row
         finally:
             self.last_state = {"served": served, "rows_served": rows, "passes": passes}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mixer's counts, the row each source has read ahead (its head), and each source's own state
+        (``StreamingRows.state_dict``: shards, window, counts); torchdata asks each loader worker after each batch."""
+        live = self._live
+        if live is None:
+            return dict(self._saved) if self._saved is not None else {"epoch": self._epoch, "fresh": True}
+        return {
+            "epoch": self._epoch,
+            "served": list(live["served"]),
+            "rows": list(live["rows"]),
+            "passes": list(live["passes"]),
+            "total": live["total"],
+            "heads": {s: _row_state(head) for s, head in live["heads"].items()},
+            "sources": [source.state_dict() if hasattr(source, "state_dict") else None for source in self.sources],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on where ``state`` stopped: each source from its own state, the mixer from its counts and heads."""
+        if state.get("fresh"):
+            return
+        self._saved, self._live = state, None
+        for source, source_state in zip(self.sources, state["sources"]):
+            if source_state is not None:
+                source.load_state_dict(source_state)
+
+
+def _row_state(row: Any) -> Any:
+    """A packed row as tensors (a checkpoint loads them with ``weights_only=True``); ``"end"`` for a source that
+    ended."""
+    if row is _END:
+        return "end"
+    return {key: torch.tensor(values, dtype=torch.int64) for key, values in row.items()}
+
+
+def _row_from(state: Any) -> Any:
+    if isinstance(state, str):
+        return _END
+    return {key: values.tolist() for key, values in state.items()}
