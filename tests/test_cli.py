@@ -177,3 +177,12 @@ def test_documented_commands_are_bounded_runs(args, monkeypatch):
         trainer.max_steps,
         trainer.max_epochs,
     )
+
+
+@pytest.mark.parametrize("name", ["pad", "truncate", "pack", "pack_bfd", "pack_wrapped", "pad(to_max_length=true)"])
+def test_every_batching_name_works_on_the_command_line(name):
+    """The names of ``seqmem-train batching=...`` and ``seqmem-plan plan.strategies`` work as ``--data.strategy``."""
+    from lightning_seqmem.batching.options import as_batching
+
+    cli = cli_main(["--trainer.accelerator=cpu", f"--data.strategy={name}"], run=False)
+    assert cli.datamodule.settings.batching.batching == as_batching(name)
