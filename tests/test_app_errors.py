@@ -160,6 +160,7 @@ def test_valid_overrides_pass():
         ["-m", "callbacks.seq_warmup.duration=0.0,0.3", "+data.extra=1", "~callbacks.preallocate"],
         ["experiment=warmup_sweep", "+batching@data.eval_batching=pad", "hydra.run.dir=out"],
         ["logger=[csv,tensorboard]", "-m", "batching=pad,pack_wrapped"],
+        ["hydra/launcher=basic", "hydra.job.chdir=false", "--cfg", "job"],
     ):
         assert check_overrides(overrides, "config") is None, overrides
     assert check_overrides(["plan.strategies=[pad]", "plan.gpu_memory=1GiB"], "plan") is None

@@ -198,3 +198,12 @@ def test_a_mix_is_built_from_yaml(tmp_path, capsys):
     assert cli_main(["--config", str(tmp_path / "printed.yaml")], run=False).datamodule.dataset == Mix(
         {"prose": "builtin", "chat": "builtin_chat"}, {"prose": 0.7, "chat": 0.3}
     )
+
+
+@pytest.mark.parametrize("name", ["pad", "truncate", "pack", "pack_bfd", "pack_wrapped", "pad(to_max_length=true)"])
+def test_every_batching_name_works_on_the_command_line(name):
+    """The names of ``seqmem-train batching=...`` and ``seqmem-plan plan.strategies`` work as ``--data.strategy``."""
+    from lightning_seqmem.batching.options import as_batching
+
+    cli = cli_main(["--trainer.accelerator=cpu", f"--data.strategy={name}"], run=False)
+    assert cli.datamodule.settings.batching.batching == as_batching(name)

@@ -19,7 +19,15 @@ from typing import Any
 
 from hydra.errors import CompactHydraException, InstantiationException
 
-__all__ = ["INPUT_ERRORS", "UserMistake", "exit_on_user_mistake", "for_hydra", "user_mistake"]
+__all__ = [
+    "INPUT_ERRORS",
+    "UserMistake",
+    "exit_on_user_mistake",
+    "for_hydra",
+    "hydra_spelling",
+    "message",
+    "user_mistake",
+]
 
 INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, LookupError, OSError, ImportError)
 """The classes our checks raise for bad input (``OSError`` covers ``FileNotFoundError`` and its kin)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.resources
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -114,7 +115,7 @@ def check_overrides(overrides: Sequence[str], config_name: str) -> str | None:
     picks, keys = [], []
     for o in parsed:
         name = o.key_or_group
-        if o.type != OverrideType.CHANGE or o.package is not None or name.split(".")[0] == "hydra":
+        if o.type != OverrideType.CHANGE or o.package is not None or re.split(r"[./]", name)[0] == "hydra":
             continue
         try:
             values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]

@@ -117,17 +117,17 @@ def check_data(datamodule: Any, cfg) -> None:
     strategy = str(trainer.get("strategy", "auto"))
     if not _is_rank_zero() or "spawn" in strategy or not hasattr(datamodule, "prepare_data"):
         return
-    from lightning_seqmem.apps.errors import UserMistake, hydra_spelling, message, user_mistake
+    from lightning_seqmem.apps.errors import for_hydra
 
     try:
         datamodule.prepare_data()
         if trainer.get("devices", 1) in (1, "1") and strategy in ("auto", "None", "single_device"):
             datamodule.setup("fit")
     except Exception as err:
-        mistake = user_mistake(err)
-        if mistake is None:
+        reported = for_hydra(err, cfg, "data")  # a user's mistake, spelt data.<key>=...
+        if reported is err:
             raise
-        raise UserMistake(hydra_spelling(message(mistake), cfg.data.keys(), "data")) from err
+        raise reported from err
 
 
 def train(cfg) -> dict[str, Any]:
