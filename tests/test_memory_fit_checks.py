@@ -71,7 +71,8 @@ def test_config_checks_use_the_same_estimate(tmp_path, monkeypatch, small_text_d
     free = (_peak(model, 4, length, dm.batch_keys()) + _peak(model, 8, length, dm.batch_keys())) // 2
     monkeypatch.setattr(checks, "_cuda_free_memory", lambda device: free)
     callback = ConfigChecks(skip=["eval_batch_size"])
-    trainer(tmp_path, [callback], max_steps=1).fit(model, datamodule=dm)
+    with pytest.warns(UserWarning, match="micro_batch_size=4 fits"):
+        trainer(tmp_path, [callback], max_steps=1).fit(model, datamodule=dm)
     assert rows == 8 and "micro_batch_size=4 fits" in callback.problems["memory"]
     skipped = ConfigChecks(skip=["memory"])
     trainer(tmp_path, [skipped], max_steps=1).fit(model, datamodule=dm)

@@ -337,7 +337,7 @@ def test_wherever_and_however_often_it_fails_the_gradient_is_the_same(layout, ro
     if outcome.failed is not None:
         assert split_batch_chain_ends_in_a_row_over(batch, max_tokens)
         return
-    assert outcome.loss.item() == pytest.approx(float(forward(batch)[0]), rel=1e-5)
+    assert outcome.loss.detach().item() == pytest.approx(float(forward(batch)[0].detach()), rel=1e-5)
     assert worst_relative({k: p.grad for k, p in model.named_parameters()}, reference) <= TOL
 
 
@@ -382,6 +382,8 @@ def test_pre_allocation_still_reports_what_does_not_fit(small_text_dataset, toke
 
 
 @pytest.mark.slow
+# a step the scaler skips (inf gradients) leaves the optimizer unstepped before the schedule's step: so says torch
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
 def test_the_grad_scaler_skips_the_same_steps_under_fp16():
     """16-mixed with a GradScaler (CPU autocast to fp16): a start scale that overflows the first steps' gradients,
     clipping on. The split run's parts are scaled as Lightning scales the step: the scaler skips the same steps

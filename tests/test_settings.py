@@ -160,7 +160,8 @@ def test_the_planner_compares_batching_objects_and_adds_the_configured_one():
 
 
 def test_data_signature_keeps_its_key_names(small_text_dataset):
-    """Checkpoints saved before the settings object compare equal: the same keys, overflow resolved."""
+    """Checkpoints saved before the settings object compare equal: the same keys, overflow resolved (and the world
+    size, which a rank's position depends on: a checkpoint without it is not compared on it)."""
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, strategy="pack")
     signature = dm.data_signature()
     assert set(signature) == {
@@ -172,6 +173,7 @@ def test_data_signature_keeps_its_key_names(small_text_dataset):
         "overflow",
         "max_tokens_per_batch",
         "drop_last",
+        "world_size",
         "train_rows",
         "train_lengths_crc32",
     }
