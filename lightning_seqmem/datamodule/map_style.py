@@ -14,11 +14,11 @@ from lightning_seqmem.batching.sampling import BatchFetcher
 from lightning_seqmem.batching.strategies import largest_shape
 from lightning_seqmem.datamodule.pipeline import prepare_split, split_documents
 from lightning_seqmem.datamodule.read_mode import split_strategies
-from lightning_seqmem.datamodule.resume import ResumableLoader, check_signature, data_signature
+from lightning_seqmem.datamodule.resume import ResumableLoader, SavesSignature, data_signature
 from lightning_seqmem.kinds.base import Kind, epoch_stats
 
 
-class MapStyle:
+class MapStyle(SavesSignature):
     """A tokenized (or pre-tokenized) ``DatasetDict`` read as whole splits (``read_mode.ReadMode``).
 
     Args:
@@ -97,16 +97,3 @@ class MapStyle:
         # the batches a rank has yielded are every world-th of the epoch's: another world size would skip others
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return data_signature(dict(self.kind.signature(self.settings), world_size=world), self.lengths.get("train"))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"data_signature": self.data_signature()}
-
-    def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
-        """A changed dataset or batching makes a saved loader position meaningless: refuse it, or start the epoch
-        again (``on_resume_mismatch``)."""
-        saved = state_dict.get("data_signature")
-        if not saved:
-            return
-        self.skip_resume_state = check_signature(
-            saved, self.data_signature(), self.settings.data.on_resume_mismatch, warn
-        )

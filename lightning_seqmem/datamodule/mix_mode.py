@@ -23,7 +23,7 @@ from lightning_seqmem.batching.strategies import PackedRows, PadStrategy, larges
 from lightning_seqmem.data.columns import largest_of
 from lightning_seqmem.datamodule.pipeline import load_documents, prepare_split, split_documents
 from lightning_seqmem.datamodule.read_mode import split_strategies
-from lightning_seqmem.datamodule.resume import ResumableLoader, check_signature, data_signature
+from lightning_seqmem.datamodule.resume import ResumableLoader, SavesSignature, data_signature
 from lightning_seqmem.kinds.base import DOCUMENT_STATS, epoch_stats
 from lightning_seqmem.mixing.sampler import MixedBatchSampler
 from lightning_seqmem.mixing.spec import Mix
@@ -39,7 +39,7 @@ def mix_read_mode(mix: Mix, settings: Any, tokenizer: Callable[[], Any], explici
     return MixMode(mix, settings, tokenizer, explicit_tokenizer, warn, info)
 
 
-class MixMode:
+class MixMode(SavesSignature):
     """A ``Mix`` of map-style sources (``read_mode.ReadMode``).
 
     Args:
@@ -261,18 +261,6 @@ class MixMode:
         checksum of every source's train row lengths, in source order."""
         settings = dict(self.kind.signature(self.settings), **dict(self.mix.signature(), mix_seed=self.seed))
         return data_signature(settings, np.concatenate([s["lengths"]["train"] for s in self.sources]))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"data_signature": self.data_signature()}
-
-    def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
-        """Another mix (weights, sources, their rows) makes a saved position meaningless: refuse it, or start the
-        epoch again (``on_resume_mismatch``)."""
-        saved = state_dict.get("data_signature")
-        if saved:
-            self.skip_resume_state = check_signature(
-                saved, self.data_signature(), self.settings.data.on_resume_mismatch, warn
-            )
 
 
 class SourceRows(Dataset):

@@ -19,7 +19,7 @@ try:  # exact mid-epoch resume through Lightning checkpoints when torchdata is i
 except ImportError:  # pragma: no cover - the samplers still resume through their own state_dict
     _Loader = DataLoader
 
-__all__ = ["ResumableLoader", "check_signature", "data_signature"]
+__all__ = ["ResumableLoader", "SavesSignature", "check_signature", "data_signature"]
 
 
 class ResumableLoader(_Loader):
@@ -78,3 +78,24 @@ def check_signature(saved: dict[str, Any], now: dict[str, Any], on_mismatch: str
         "first batch (on_resume_mismatch='restart_epoch'); model and optimizer state are resumed."
     )
     return True
+
+
+class SavesSignature:
+    """A read mode whose part of a checkpoint is its data signature: saved, and compared when a run resumes from it
+    (Lightning restores the DataModule before the loader). Another dataset or batching is refused by name, or sets
+    ``skip_resume_state`` so the loader starts the epoch afresh (``on_resume_mismatch="restart_epoch"``)."""
+
+    settings: Any
+    skip_resume_state = False
+
+    def data_signature(self) -> dict[str, Any]:  # each read mode says what decides its rows
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data_signature": self.data_signature()}
+
+    def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
+        saved = state_dict.get("data_signature")
+        if saved:
+            mismatch = self.settings.data.on_resume_mismatch
+            self.skip_resume_state = check_signature(saved, self.data_signature(), mismatch, warn)

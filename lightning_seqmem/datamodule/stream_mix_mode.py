@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_seqmem.batch import SOURCE_INDEX
 from lightning_seqmem.data.sources import open_stream
 from lightning_seqmem.datamodule.read_mode import split_strategies
-from lightning_seqmem.datamodule.resume import check_signature, data_signature
+from lightning_seqmem.datamodule.resume import SavesSignature, data_signature
 from lightning_seqmem.datamodule.stream_signature import stream_identity
 from lightning_seqmem.datamodule.streaming import StreamingLoader, Streams, check_streaming, is_stream
 from lightning_seqmem.kinds.base import DOCUMENT_STATS
@@ -31,7 +31,7 @@ from lightning_seqmem.mixing.stream_mix import MixedRows, row_documents, row_tok
 SPLITS = ("train", "validation")
 
 
-class StreamMixMode:
+class StreamMixMode(SavesSignature):
     """A ``Mix`` whose sources are read as streams (``read_mode.ReadMode``).
 
     Args:
@@ -139,16 +139,6 @@ class StreamMixMode:
             for key, value in stream_identity(streams.read["train"], streams.leave_out).items():
                 identities[f"{key}/{source['name']}"] = value
         return data_signature(dict(self.kind.signature(self.settings), **self.mix.signature(), **identities), None)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"data_signature": self.data_signature()}
-
-    def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
-        """A saved position means something only for the same mix of the same streams: refuse it, or start the
-        epoch again (``on_resume_mismatch``)."""
-        saved = state_dict.get("data_signature")
-        if saved:
-            self.skip_resume_state = check_signature(saved, self.data_signature(), self.on_mismatch, warn)
 
 
 class TakingTurns(IterableDataset):

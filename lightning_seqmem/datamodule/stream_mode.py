@@ -10,13 +10,13 @@ from torch.utils.data import DataLoader
 
 from lightning_seqmem.datamodule.pipeline import SPLITS, TEST
 from lightning_seqmem.datamodule.read_mode import split_strategies
-from lightning_seqmem.datamodule.resume import check_signature, data_signature
+from lightning_seqmem.datamodule.resume import SavesSignature, data_signature
 from lightning_seqmem.datamodule.stream_signature import stream_identity
 from lightning_seqmem.datamodule.streaming import Streams, check_streaming
 from lightning_seqmem.kinds.base import Kind
 
 
-class StreamMode:
+class StreamMode(SavesSignature):
     """A stream read as it is trained on (``read_mode.ReadMode``).
 
     Args:
@@ -83,15 +83,3 @@ class StreamMode:
         if self._tokenizer_key:
             settings["tokenizer"] = self._tokenizer_key
         return data_signature(settings, None)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"data_signature": self.data_signature()}
-
-    def load_state_dict(self, state_dict: dict[str, Any], warn: Callable[[str], None]) -> None:
-        """A saved position means something only for the same stream, tokenizer and batching: refuse it, or start
-        the epoch again (``on_resume_mismatch``)."""
-        saved = state_dict.get("data_signature")
-        if not saved:
-            return
-        now = self.data_signature()
-        self.skip_resume_state = check_signature(saved, now, self.settings.data.on_resume_mismatch, warn)
