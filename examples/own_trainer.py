@@ -13,7 +13,7 @@ import lightning.pytorch as L  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from lightning_seqmem import SeqLengthWarmup, SeqMemDataModule, TokenLossNormalizer  # noqa: E402
+from lightning_seqmem import SeqLengthWarmup, SeqMemDataModule, StepProgressBar, TokenLossNormalizer  # noqa: E402
 from lightning_seqmem.apps.summary import RunSummary  # noqa: E402
 from lightning_seqmem.batch import count_label_tokens  # noqa: E402
 from lightning_seqmem.memory import CachePreallocator, MemoryMonitor  # noqa: E402
@@ -76,6 +76,7 @@ if __name__ == "__main__":
         CachePreallocator(),
         MemoryMonitor(every_n_steps=25),
         RunSummary(),
+        StepProgressBar(),  # counts optimizer steps; plain lines when the output is a log file
     ]
     trainer = L.Trainer(
         max_steps=args.max_steps,
