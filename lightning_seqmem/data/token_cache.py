@@ -234,12 +234,12 @@ def _python_rows(ds, columns: list[str]):
 def _tokenize_split(ds, job: _Job, procs: int) -> list[str]:
     """Tokenize ``ds`` with ``procs`` processes into Arrow files under ``job.directory``; their names, in row
     order. More shards than processes, so that uneven documents even out and progress moves."""
-    from datasets.utils.tqdm import tqdm
+    from lightning_seqmem.data.progress_lines import RowProgress
 
     shards = plan_shards(ds, procs * 4 if procs > 1 else 1)
     if not shards:  # no rows: one empty file keeps the split's schema
         return [_tokenize_shard(0, Shard(0, 0, None), ds, job)[0]]
-    with tqdm(total=len(ds), unit=" rows", desc=f"Tokenizing {job.split}") as progress:
+    with RowProgress(len(ds), f"Tokenizing {job.split}", _say) as progress:  # plain lines in a log file
         if procs == 1:
             return [_tokenize_shard(i, shard, ds, job, progress)[0] for i, shard in enumerate(shards)]
         names = [""] * len(shards)
