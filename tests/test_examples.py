@@ -112,6 +112,8 @@ def test_dpo_pairs(tmp_path, run_example):
     assert "final_val_loss" in out and "val/reward_accuracy" in out
 
 
+# its pairs' template writes the prompt's end differently before a completion: said once, as it should be
+@pytest.mark.filterwarnings("ignore:Pairs \\[\\d+\\]. the prompt rendered with the generation prompt is not a prefix")
 def test_dpo_conversation_pairs(tmp_path, run_example):
     out = run_example(
         "dpo.py",

@@ -80,6 +80,7 @@ def test_seqmem_train_data_preference_model_dpo(tmp_path):
             "data.max_prompt_length=24",
             "data.micro_batch_size=4",
             "callbacks.seq_warmup.duration=0.5",
+            "callbacks.seq_warmup.max_seq_length=128",  # the DataModule's length: warmup ends at full length
         ],
     )
     assert summary["optimizer_steps"] == 4 and summary["strategy"] == "pack_bfd (pairs)"
