@@ -296,3 +296,15 @@ def test_sigterm_stops_a_multirun_at_once(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM and took < 10, (proc.returncode, took, proc.stderr.read()[-2000:])
     assert json.load(open(sweep / "0" / "job_status.json"))["status"] == "failed"
     assert not (sweep / "1").exists()  # the sweep stopped: no next job
+
+
+@pytest.mark.slow
+def test_the_main_job_keeps_checkpoints_and_resumes_from_one(tmp_path):
+    """``checkpoint_every_n_steps`` keeps ``<run dir>/checkpoints/last.ckpt``; ``ckpt_path=`` goes on from it (the
+    stream's place included): the resumed job trains only the steps left."""
+    stream = ["data.streaming=true"]
+    first = run_in_process(tmp_path / "a", [*stream, "checkpoint_every_n_steps=2", "trainer.max_steps=2"])
+    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    assert first["optimizer_steps"] == 2 and last.exists()
+    resumed = run_in_process(tmp_path / "b", [*stream, f"ckpt_path={last}"])
+    assert resumed["optimizer_steps"] == 4 and resumed["real_tokens_trained"] == first["real_tokens_trained"]

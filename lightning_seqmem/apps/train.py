@@ -144,8 +144,19 @@ def train(cfg) -> dict[str, Any]:
     model = instantiate(cfg.model)
     callbacks = [cb for cb in _instantiate_all(cfg.get("callbacks")) if _progress_bar_allowed(cb, cfg.trainer)]
     loggers = _instantiate_all(cfg.get("logger"))
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
-    trainer.fit(model, datamodule=datamodule)
+    every = cfg.get("checkpoint_every_n_steps")
+    if every:  # a long run keeps its place: the weights, the optimizer and the data's position
+        callbacks.append(
+            L.callbacks.ModelCheckpoint(
+                dirpath=os.path.join(cfg.trainer.default_root_dir, "checkpoints"),
+                every_n_train_steps=every,
+                save_last=True,
+                save_top_k=1,
+            )
+        )
+    extra = {"enable_checkpointing": True} if every else {}
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     for cb in callbacks:
         if isinstance(cb, RunSummary) and cb.summary:
             return cb.summary
