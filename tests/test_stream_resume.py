@@ -435,3 +435,18 @@ def test_a_map_style_checkpoint_of_two_ranks_resumed_on_one_is_refused_naming_th
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=32, micro_batch_size=2, strategy="pack")
     with pytest.raises(ValueError, match=r"world_size: 2 -> 1.*on_resume_mismatch='restart_epoch'"):
         _fit(dm, 6, tmp_path / "one", ckpt=str(tmp_path / "two" / "epoch=0-step=2.ckpt"))
+
+
+def test_a_repeating_stream_is_dealt_anew_each_pass():
+    """Under DDP the train stream repeats (``cycle``): each pass sets the stream's epoch, so a shuffled stream reads
+    its documents in another order on its second pass."""
+    from collections import Counter
+
+    from lightning_seqmem.batching import StreamingPacker
+    from lightning_seqmem.datamodule.stream_rows import StreamingRows
+
+    stream = _id_stream(documents=40, shards=2).shuffle(seed=0, buffer_size=8)
+    rows = StreamingRows(stream, lambda i, ex, counts: ex["input_ids"], StreamingPacker(48, 1), cycle=True)
+    firsts = [row["input_ids"][0] for _, row in zip(range(200), rows)]
+    passes = [firsts[i : i + 40] for i in range(0, 80, 40)]
+    assert Counter(passes[0]) == Counter(range(FIRST, FIRST + 40)) and passes[0] != passes[1]

@@ -115,7 +115,7 @@ class StreamingRows(IterableDataset):
         live["shuffled"] = None
         while True:
             if self.reshuffle and hasattr(self.stream, "set_epoch"):
-                self.stream.set_epoch(self.epoch + passes)
+                self.stream.set_epoch(self.epoch + live["passes"])  # a repeated stream is dealt anew each pass
             reader = self._reader(layout, slot, positions)
             live["reader"], warned, drawn = reader, False, reader
             if self.shuffle:
