@@ -450,3 +450,38 @@ def test_a_repeating_stream_is_dealt_anew_each_pass():
     firsts = [row["input_ids"][0] for _, row in zip(range(200), rows)]
     passes = [firsts[i : i + 40] for i in range(0, 80, 40)]
     assert Counter(passes[0]) == Counter(range(FIRST, FIRST + 40)) and passes[0] != passes[1]
+
+
+def test_ranks_that_each_read_every_shard_regroup_their_own_readers_only():
+    """3 shards, 2 ranks: every rank reads every shard and keeps every other document. Resumed with 2 loader
+    workers per rank instead of none, each rank goes on from its own place: no document lost or read twice."""
+    from torch.utils.data import DataLoader
+
+    from lightning_seqmem.batching import StreamingPacker
+    from lightning_seqmem.datamodule.stream_counts import StreamCounts
+    from lightning_seqmem.datamodule.stream_rows import Regrouped, StreamingRows
+
+    def rows(rank, workers=0):
+        packer = StreamingPacker(48, 3)
+        encode = lambda i, ex, counts: ex["input_ids"]  # noqa: E731
+        return StreamingRows(_id_stream(shards=3), encode, packer, counts=StreamCounts(workers), rank=rank, world=2)
+
+    before, saved = [], []
+    for rank in range(2):
+        reader = rows(rank)
+        it = iter(reader)
+        before += [next(it) for _ in range(6)]
+        saved.append(reader.state_dict())
+        assert saved[-1]["layout"]["shards"] == 3 and saved[-1]["rank"] == rank
+    after = []
+    for rank in range(2):
+        reader = rows(rank, workers=2)
+        reader.regrouped = Regrouped(saved, StreamCounts.FIELDS)
+        after += list(DataLoader(reader, batch_size=None, num_workers=2))
+    firsts = [t for row in before + after for t, n in zip(row["input_ids"], _starts(row["seq_lengths"])) if n]
+    assert sorted(firsts) == list(range(FIRST, FIRST + 120))
+
+
+def _starts(lengths):
+    """For each token of a packed row, whether a document starts there."""
+    return [i == 0 for n in lengths for i in range(n)]
