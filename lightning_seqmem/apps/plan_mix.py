@@ -93,10 +93,10 @@ def check_planned(sources: list[tuple[str, float, Any, Kind]]) -> Kind:
 def _epoch_index(rng: np.random.Generator, unit: np.ndarray, times: float) -> np.ndarray:
     """The documents of a source an epoch reads ``times`` over: whole passes, then a seeded prefix of a
     permutation holding its share of the ``[documents]`` units."""
-    n = len(unit)
+    n, passes = len(unit), math.floor(times + 1e-9)  # 0.999... (weights x sizes in floating point) is one pass
     order = rng.permutation(n)
-    part = int(np.searchsorted(np.cumsum(unit[order]), (times - int(times)) * unit.sum(), side="right"))
-    return np.concatenate([np.tile(np.arange(n), int(times)), order[:part]]).astype(np.int64)
+    part = int(np.searchsorted(np.cumsum(unit[order]), max(times - passes, 0.0) * unit.sum(), side="right"))
+    return np.concatenate([np.tile(np.arange(n), passes), order[:part]]).astype(np.int64)
 
 
 def _summary(name: str, weight: float, lengths: np.ndarray) -> str:
