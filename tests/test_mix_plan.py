@@ -92,6 +92,8 @@ def test_a_mix_of_two_kinds_is_planned_as_the_datamodule_mixes_it(batching, exha
         alone = _strategy(batching, 96, settings, source.kind).row_lengths(lengths_at(source.lengths, 96)[0])[0]
         assert length >= alone.max()
     assert planned.trained_share is not None and 0 < planned.trained_share < 1  # the chat's prompts carry no loss
+    two_ranks = plan_strategy(lengths, batching, 96, settings, devices=2, accumulate_grad_batches=2)
+    assert two_ranks.optimizer_steps == -(-len(dm._ready().sampler(num_replicas=2, rank=0)) // 2)
 
 
 @pytest.mark.slow

@@ -206,38 +206,31 @@ def plan_mixed_strategy(
     batches. Tokens and tokens lost are each source's times the passes the epoch reads of it."""
     train = lengths["train"]
     strategies = [strategy_for(s.kind) for s in train.sources]
-    first = strategies[0]
-    rows, units, largest, tokens, lost, trained, fed = [], [], [], 0.0, 0.0, 0.0, 0.0
-    cuts = [lengths_at(s.lengths, max_length) for s in train.sources]
-    for strategy, (kept, _, _) in zip(strategies, cuts):
-        r, _ = strategy.row_lengths(kept)
+    rows, units, largest, lost = [], [], [], []
+    cuts = [lengths_at(s.lengths, max_length) for s in train.sources]  # (kept, lost, trained) by each kind
+    for strategy, (kept, kind_lost, _) in zip(strategies, cuts):
+        r, cut = strategy.row_lengths(kept)
         rows.append(r)
         units.append(_units(train.by, strategy, kept, r))
-        if len(r):
-            largest.append(epoch_stats(strategy, r, "train").largest)
-    samplers = [_sampler(train, units, rows, first, n) for n in sorted({1, devices})]  # one process; the ranks
-    flat = np.concatenate(rows)
-    epoch = first.epoch_stats(flat, samplers[0])
-    counts = samplers[0].source_counts(0)
-    for source, strategy, (kept, cut_lost, cut_trained), r, c in zip(train.sources, strategies, cuts, rows, counts):
-        _, cut = strategy.row_lengths(kept)
-        tokens += c["passes"] * float(whole_lengths(source.lengths).sum())
-        lost += c["passes"] * (cut_lost + cut["tokens_truncated"] + cut.get("tokens_dropped", 0))
-        trained += c["passes"] * (int(r.sum()) if cut_trained is None else cut_trained)
-        fed += c["passes"] * int(r.sum())
-    for split, mix in lengths.items():
+        lost.append(kind_lost + cut["tokens_truncated"] + cut.get("tokens_dropped", 0))
+        largest += [epoch_stats(strategy, r, "train").largest] if len(r) else []
+    for split, mix in lengths.items():  # validation: each source's own batches
         for source, strategy in zip(mix.sources, strategies) if split != "train" else ():
             r, _ = strategy.row_lengths(lengths_at(source.lengths, max_length)[0])
-            if len(r):
-                largest.append(epoch_stats(strategy, r, split).largest)
+            largest += [epoch_stats(strategy, r, split).largest] if len(r) else []
+    samplers = [_sampler(train, units, rows, strategies[0], n) for n in sorted({1, devices})]  # one process; ranks
+    epoch = strategies[0].epoch_stats(np.concatenate(rows), samplers[0])
+    passes = [c["passes"] for c in samplers[0].source_counts(0)]
+    fed = [p * int(r.sum()) for p, r in zip(passes, rows)]
+    trained = [f if t is None else p * t for p, f, (_, _, t) in zip(passes, fed, cuts)]  # text: every token
     chat = any(cut[2] is not None for cut in cuts)
     return dict(
         epoch.counts(),
-        rows=int(sum(c["rows"] for c in counts)),  # rows read, as MixMode.stats() counts them
-        tokens=round(tokens),
-        tokens_lost=round(lost),
+        rows=int(sum(c["rows"] for c in samplers[0].source_counts(0))),  # rows read, as MixMode.stats() counts
+        tokens=round(sum(p * float(whole_lengths(s.lengths).sum()) for p, s in zip(passes, train.sources))),
+        tokens_lost=round(sum(p * n for p, n in zip(passes, lost))),
         optimizer_steps=math.ceil(len(samplers[-1]) / accumulate_grad_batches),
-        trained_share=trained / max(fed, 1) if chat else None,
+        trained_share=sum(trained) / max(sum(fed), 1) if chat else None,
         max_batch_shape=largest_shape(strategies, [epoch.largest, *largest] if epoch.largest else largest),
     )
 
