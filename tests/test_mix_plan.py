@@ -46,8 +46,12 @@ CHAT = [
 ]
 
 
-def _two_kinds(exhausted="repeat", by="tokens", weights=None, **kw):
-    mix = Mix({"prose": PROSE, "chat": CHAT}, weights or {"prose": 0.3, "chat": 0.7}, by=by, exhausted=exhausted)
+SFT = [{"prompt": "question " * (1 + i % 9), "completion": "answer " * (30 + 3 * (i % 40))} for i in range(40)]
+
+
+def _two_kinds(exhausted="repeat", by="tokens", weights=None, other="chat", **kw):
+    sources = {"prose": PROSE, other: {"chat": CHAT, "sft": SFT}[other]}
+    mix = Mix(sources, weights or {"prose": 0.3, other: 0.7}, by=by, exhausted=exhausted)
     return SeqMemDataModule(dataset=mix, **{"max_length": 96, "micro_batch_size": 4, "batching": Pad(), **kw})
 
 
@@ -70,11 +74,11 @@ def test_the_mixed_histogram_holds_each_source_as_often_as_the_mix_reads_it(exha
 
 
 @pytest.mark.parametrize("batching", [Pad(), Pack()])
-@pytest.mark.parametrize("exhausted", ["repeat", "stop"])
-def test_a_mix_of_two_kinds_is_planned_as_the_datamodule_mixes_it(batching, exhausted):
-    """The configured candidate equals what the Mix DataModule reports on its mixed epoch, and the planned worst
-    batch is at least each source's longest row: every batch of the mix is within it."""
-    dm = _two_kinds(exhausted, batching=batching)
+@pytest.mark.parametrize("exhausted,other", [("repeat", "chat"), ("stop", "chat"), ("repeat", "sft"), ("stop", "sft")])
+def test_a_mix_of_two_kinds_is_planned_as_the_datamodule_mixes_it(batching, exhausted, other):
+    """Text with conversations or with prompt/completion rows: the configured candidate equals what the Mix
+    DataModule reports on its mixed epoch, and the planned worst batch is at least each source's longest row."""
+    dm = _two_kinds(exhausted, batching=batching, other=other)
     lengths = mix_lengths(dm)
     settings = dm.settings.batching
     planned = plan_strategy(lengths, batching, 96, settings)
@@ -89,9 +93,9 @@ def test_a_mix_of_two_kinds_is_planned_as_the_datamodule_mixes_it(batching, exha
     rows, length = planned.max_batch_shape
     assert (rows, length) >= dm.max_batch_shape() and rows == 4
     for source in lengths["train"].sources:
-        alone = _strategy(batching, 96, settings, source.kind).row_lengths(lengths_at(source.lengths, 96)[0])[0]
-        assert length >= alone.max()
-    assert planned.trained_share is not None and 0 < planned.trained_share < 1  # the chat's prompts carry no loss
+        strategy = _strategy(batching, 96, settings, source.kind)
+        assert length >= strategy.row_lengths(lengths_at(source.lengths, 96, strategy)[0])[0].max()
+    assert planned.trained_share is not None and 0 < planned.trained_share < 1  # prompts carry no loss
     two_ranks = plan_strategy(lengths, batching, 96, settings, devices=2, accumulate_grad_batches=2)
     assert two_ranks.optimizer_steps == -(-len(dm._ready().sampler(num_replicas=2, rank=0)) // 2)
 

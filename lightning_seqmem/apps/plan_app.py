@@ -71,7 +71,7 @@ def plan_from_config(cfg, output_dir: str | None = None):
     from hydra.utils import instantiate
 
     from lightning_seqmem.apps.plan_lengths import stream_sample
-    from lightning_seqmem.apps.plan_mix import check_planned, mix_sample, source_kinds
+    from lightning_seqmem.apps.plan_mix import mix_sample
     from lightning_seqmem.apps.plan_search import run_lora
     from lightning_seqmem.apps.planner import check_text, default_max_lengths, plan
     from lightning_seqmem.apps.train import datamodule_config
@@ -85,8 +85,8 @@ def plan_from_config(cfg, output_dir: str | None = None):
         dm.prepare_data()  # tokenize once (cached: the planner and the training run after it read the same tokens)
     max_length = dm.settings.batching.max_length
     max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else default_max_lengths(max_length)
-    kind = check_planned(source_kinds(dm)) if mixed else dm.tokenized_documents()[1]
-    if not kind.planned:  # draw what can be drawn, then refuse
+    kind = None if mixed else dm.tokenized_documents()[1]
+    if kind is not None and not kind.planned:  # draw what can be drawn, then refuse
         where = _pictures(None, dm, max_lengths, output_dir, p) if output_dir is not None else []
         check_text(kind, f" (its prompt and completion lengths are drawn in {where[0]})" if where else "")
     precision, note_precision = _precision(cfg)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from lightning_seqmem.batching.conversation_rows import ConversationLengths
+from lightning_seqmem.batching.truncation import PromptCompletionLengths
 from lightning_seqmem.datamodule.pipeline import split_documents
 
 
@@ -24,14 +25,15 @@ class MixSource:
     name: str
     weight: float
     kind: Any  # ``kinds.Kind``
-    lengths: Any  # ``kind.plan_lengths`` of the split: ``[documents]`` or ``ConversationLengths``
+    lengths: Any  # ``kind.plan_lengths`` of the split: ``[documents]``, ``ConversationLengths``, ...
     whole: np.ndarray  # ``[sequences]`` token counts before any cut (``kind.sequence_lengths``)
     times: float  # how many times over an epoch of the mix reads it (``plan_mix._takes``; validation: 1)
 
 
 @dataclass(frozen=True)
 class MixLengths:
-    """A split of a ``Mix`` whose sources are of different kinds that share a batch layout (text, conversations):
+    """A split of a ``Mix`` whose sources are of different kinds that share a batch layout (text, conversations,
+    prompt/completion):
     each source is cut and batched by its own kind's strategy, its training rows then interleaved by
     ``mixing.MixedBatchSampler`` as the run interleaves them (``plan_mix.plan_mixed_strategy``).
 
@@ -46,18 +48,22 @@ class MixLengths:
     seed: int = 0
 
 
-def lengths_at(docs: Any, max_length: int) -> tuple[np.ndarray, int, int | None]:
+def lengths_at(docs: Any, max_length: int, strategy: Any = None) -> tuple[np.ndarray, int, int | None]:
     """Documents of a split at ``max_length``: ``(lengths, tokens lost before batching, trained tokens or None)``;
-    text ``[documents]`` and pair ``[pairs, 3]`` lengths are returned as they are."""
+    prompt/completion rows cut by ``strategy``'s limits (a ``Strategy`` at that ``max_length``); text
+    ``[documents]`` and pair ``[pairs, 3]`` lengths are returned as they are."""
     if isinstance(docs, ConversationLengths):
         return docs.at(max_length)
+    if isinstance(docs, PromptCompletionLengths):
+        return docs.at(strategy.prompt_completion_limits)
     return np.asarray(docs, dtype=np.int64), 0, None
 
 
 def whole_lengths(docs: Any) -> np.ndarray:
     """The lengths before any cut: a conversation's whole token count, a mix's sequences as its epoch reads them,
     else the lengths given."""
-    return docs.lengths if isinstance(docs, (ConversationLengths, MixLengths)) else np.asarray(docs)
+    whole = isinstance(docs, (ConversationLengths, PromptCompletionLengths, MixLengths))
+    return docs.lengths if whole else np.asarray(docs)
 
 
 def stream_sample(dm: Any, documents: int = 20_000) -> tuple[Any, int | None]:

@@ -5,7 +5,7 @@ source is tokenized as the training run tokenizes it (the same cache), then its 
 as the mix reads them in an epoch: by its weight against its size (``by``: tokens or documents), whole passes plus a
 seeded part of one, until every source is read once (``exhausted="repeat"``) or the first runs out (``"stop"``).
 
-Sources of different kinds that share a batch layout (text and conversations, as ``data=mix``): each source is planned
+Sources of different kinds that share a batch layout (text, conversations as ``data=mix`` has them, prompt/completion): each source is planned
 by its own kind (its own cuts at each ``max_length``, ``mix_lengths``), and every candidate's training rows are
 interleaved by the run's own ``MixedBatchSampler`` (``plan_mixed_strategy``), so efficiency, tokens lost, batches
 and the worst batch are the mixed epoch's. Each source's own length distribution is given beside the mix's.
@@ -75,21 +75,6 @@ def one_kind(sources: list[tuple[str, float, Any, Kind]]) -> bool:
     return all(k == sources[0][3] for *_, k in sources)
 
 
-def check_planned(sources: list[tuple[str, float, Any, Kind]]) -> Kind:
-    """The first source's kind, once every source is of a kind the planner plans (``Kind.planned``).
-
-    Raises:
-        ValueError: a source the planner does not plan yet (prompt/completion), named.
-    """
-    for name, _, _, kind in sources:
-        if not kind.planned:
-            raise ValueError(
-                f"seqmem-plan plans a Mix of text and conversations; source {name!r} holds {kind.name} data, which "
-                "it does not plan yet. Plan the other sources as a Mix without it, or plan it alone."
-            )
-    return sources[0][3]
-
-
 def _epoch_index(rng: np.random.Generator, unit: np.ndarray, times: float) -> np.ndarray:
     """The documents of a source an epoch reads ``times`` over: whole passes, then a seeded prefix of a
     permutation holding its share of the ``[documents]`` units."""
@@ -157,7 +142,7 @@ def mix_lengths(dm: Any) -> dict[str, MixLengths] | None:
     a single kind (``mix_sample`` plans it).
 
     Raises:
-        ValueError: sources of other batch layouts, or of a kind the planner does not plan yet, named.
+        ValueError: sources of other batch layouts (preference pairs beside other kinds), named.
     """
     from lightning_seqmem.datamodule.pipeline import split_documents
 
@@ -166,7 +151,6 @@ def mix_lengths(dm: Any) -> dict[str, MixLengths] | None:
     sources = source_kinds(dm)
     if one_kind(sources):
         return None
-    check_planned(sources)
     mix, settings = dm.dataset, dm.settings.batching
     planned = []
     for name, weight, alone, _ in sources:
@@ -207,7 +191,7 @@ def plan_mixed_strategy(
     train = lengths["train"]
     strategies = [strategy_for(s.kind) for s in train.sources]
     rows, units, largest, lost = [], [], [], []
-    cuts = [lengths_at(s.lengths, max_length) for s in train.sources]  # (kept, lost, trained) by each kind
+    cuts = [lengths_at(s.lengths, max_length, t) for s, t in zip(train.sources, strategies)]  # by each kind
     for strategy, (kept, kind_lost, _) in zip(strategies, cuts):
         r, cut = strategy.row_lengths(kept)
         rows.append(r)
@@ -216,7 +200,7 @@ def plan_mixed_strategy(
         largest += [epoch_stats(strategy, r, "train").largest] if len(r) else []
     for split, mix in lengths.items():  # validation: each source's own batches
         for source, strategy in zip(mix.sources, strategies) if split != "train" else ():
-            r, _ = strategy.row_lengths(lengths_at(source.lengths, max_length)[0])
+            r, _ = strategy.row_lengths(lengths_at(source.lengths, max_length, strategy)[0])
             largest += [epoch_stats(strategy, r, split).largest] if len(r) else []
     samplers = [_sampler(train, units, rows, strategies[0], n) for n in sorted({1, devices})]  # one process; ranks
     epoch = strategies[0].epoch_stats(np.concatenate(rows), samplers[0])
@@ -266,4 +250,4 @@ def _sampler(mix: MixLengths, units, rows, strategy: Strategy, devices: int) -> 
     )
 
 
-__all__ = ["check_planned", "mix_lengths", "mix_sample", "plan_mixed_strategy", "source_datamodules", "source_kinds"]
+__all__ = ["mix_lengths", "mix_sample", "plan_mixed_strategy", "source_datamodules", "source_kinds"]

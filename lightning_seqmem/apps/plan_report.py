@@ -141,12 +141,12 @@ def format_sources(sources: Sequence[dict[str, Any]]) -> list[str]:
     """Each source of a mix of several kinds, its own lengths (before any cut) and how often an epoch reads it."""
     if not sources:
         return []
-    width = max(len(repr(s["name"])) for s in sources)
+    width, kinds = max(len(repr(s["name"])) for s in sources), max(len(s["kind"]) for s in sources)
     lines = ["Mix sources (each planned by its own kind; 'read': times over in an epoch of the mix):"]
     for s in sources:
         pct = "  ".join(f"p{p}={v}" for p, v in s["percentiles"].items())
         lines.append(
-            f"  {s['name']!r:<{width}} {s['kind']:<13} weight {s['weight']:.3g}  read {s['times']:.2f}x  "
+            f"  {s['name']!r:<{width}} {s['kind']:<{kinds}}  weight {s['weight']:.3g}  read {s['times']:.2f}x  "
             f"{s['documents']:,} documents, {s['tokens']:,} tokens, mean {s['mean']:.1f}; {pct}"
         )
     return [*lines, ""]
