@@ -145,3 +145,8 @@ def test_seqmem_plan_data_mix_prints_each_source_the_mix_and_memory(tmp_path):
     record = json.loads((tmp_path / "plan.json").read_text())
     assert [s["name"] for s in record["sources"]] == ["prose", "chat"] and len(record["strategies"]) == 4
     assert [s["weight"] for s in record["sources"]] == pytest.approx([0.7 / 1.2, 0.5 / 1.2])
+
+
+def test_a_candidate_that_leaves_a_source_no_row_is_named():
+    with pytest.raises(ValueError, match="Mix source 'chat' gives no training row at max_length=4 .*weight 0"):
+        plan(_two_kinds(), max_lengths=[4])

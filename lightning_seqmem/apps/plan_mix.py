@@ -5,10 +5,10 @@ source is tokenized as the training run tokenizes it (the same cache), then its 
 as the mix reads them in an epoch: by its weight against its size (``by``: tokens or documents), whole passes plus a
 seeded part of one, until every source is read once (``exhausted="repeat"``) or the first runs out (``"stop"``).
 
-Sources of different kinds that share a batch layout (text, conversations as ``data=mix`` has them, prompt/completion): each source is planned
-by its own kind (its own cuts at each ``max_length``, ``mix_lengths``), and every candidate's training rows are
-interleaved by the run's own ``MixedBatchSampler`` (``plan_mixed_strategy``), so efficiency, tokens lost, batches
-and the worst batch are the mixed epoch's. Each source's own length distribution is given beside the mix's.
+Sources of different kinds that share a batch layout (text, conversations, prompt/completion; ``data=mix``): each
+source is planned by its own kind (its own cuts at each ``max_length``, ``mix_lengths``), and every candidate's
+training rows are interleaved by the run's own ``MixedBatchSampler`` (``plan_mixed_strategy``), so efficiency, tokens
+lost, batches and the worst batch are the mixed epoch's. Each source's own length distribution is given beside the mix's.
 No Lightning import.
 """
 
@@ -198,6 +198,12 @@ def plan_mixed_strategy(
         units.append(_units(train.by, strategy, kept, r))
         lost.append(kind_lost + cut["tokens_truncated"] + cut.get("tokens_dropped", 0))
         largest += [epoch_stats(strategy, r, "train").largest] if len(r) else []
+    empty = [s.name for s, r in zip(train.sources, rows) if s.weight > 0 and not len(r)]
+    if empty:  # the DataModule refuses such a mix (``MixMode``): say so for this candidate
+        raise ValueError(
+            f"Mix source {empty[0]!r} gives no training row at max_length={max_length} (every document dropped): "
+            "plan longer max_lengths (plan.max_lengths=[...]), or give it weight 0."
+        )
     for split, mix in lengths.items():  # validation: each source's own batches
         for source, strategy in zip(mix.sources, strategies) if split != "train" else ():
             r, _ = strategy.row_lengths(lengths_at(source.lengths, max_length, strategy)[0])

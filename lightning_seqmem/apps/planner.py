@@ -265,7 +265,7 @@ def plan(
 
     Args:
         datamodule: its tokenizer, batching, max_length and batch settings are what is planned (a stream: on its
-            first 20,000 documents, ``plan_lengths.stream_sample``).
+            first 20,000 documents, ``plan_lengths.stream_sample``; a ``Mix``: as its epoch reads it, ``plan_mix``).
         model_config: a ``transformers`` config (``training.building.build_model_config``); ``None`` plans the data only.
         strategies: the batching options to compare (default :data:`STRATEGIES`); the DataModule's joins them.
         max_lengths: candidates; ``None`` = :func:`default_max_lengths` of the DataModule's.
@@ -306,9 +306,8 @@ def plan(
     max_lengths = roomy or max_lengths and [settings.max_length]
     estimate = None
     if model_config is not None:  # (micro_batch_size, length, checkpointing) -> MemoryEstimate
-        keys = [
-            k for k in (dm.batch_keys() if mixed is None else kind.strategy(settings, "train").keys) if k in MODEL_KEYS
-        ]  # pair bookkeeping keys cost next to nothing
+        batch_keys = dm.batch_keys() if mixed is None else kind.strategy(settings, "train").keys  # a mix's: its first
+        keys = [k for k in batch_keys if k in MODEL_KEYS]  # pair bookkeeping keys cost next to nothing
         # Rows per micro_batch_size: 2 for padded pairs (chosen and rejected rows), else 1 (documents, packed rows).
         per = _strategy(*configured, settings, kind).rows_per_batch("train") // settings.micro_batch_size
 
