@@ -10,9 +10,9 @@ import pytest
 
 from lightning_seqmem import SeqMemDataModule
 from lightning_seqmem.apps import plots
+from lightning_seqmem.apps.plan_lengths import column_lengths
 from lightning_seqmem.apps.planner import (
     STRATEGIES,
-    column_lengths,
     default_max_lengths,
     length_distribution,
     plan_memory,

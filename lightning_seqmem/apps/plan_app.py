@@ -75,15 +75,18 @@ def plan_from_config(cfg, output_dir: str | None = None):
     from lightning_seqmem.apps.plan_search import run_lora
     from lightning_seqmem.apps.planner import check_text, default_max_lengths, plan
     from lightning_seqmem.apps.train import datamodule_config
+    from lightning_seqmem.mixing.spec import Mix
 
     p = cfg.plan
     dm, sampled = stream_sample(instantiate(datamodule_config(cfg.data)), p.get("stream_sample", 20_000))
-    dm, mix_notes = mix_sample(dm)  # a Mix: planned on the documents its epoch reads
-    dm.prepare_data()  # tokenize once (cached: the planner and the training run after it read the same tokens)
+    dm, mix_notes = mix_sample(dm)  # a Mix of one kind: planned on the documents its epoch reads
+    mixed = isinstance(dm.dataset, Mix)  # still a Mix: of several kinds, each source planned by its own
+    if not mixed:  # (a mix's sources are tokenized through the same cache, one by one, by the planner)
+        dm.prepare_data()  # tokenize once (cached: the planner and the training run after it read the same tokens)
     max_length = dm.settings.batching.max_length
     max_lengths = list(p.max_lengths) if p.get("max_lengths") is not None else default_max_lengths(max_length)
-    kind = dm.tokenized_documents()[1]
-    if not kind.planned:  # draw what can be drawn, then refuse
+    kind = None if mixed else dm.tokenized_documents()[1]
+    if kind is not None and not kind.planned:  # draw what can be drawn, then refuse
         where = _pictures(None, dm, max_lengths, output_dir, p) if output_dir is not None else []
         check_text(kind, f" (its prompt and completion lengths are drawn in {where[0]})" if where else "")
     precision, note_precision = _precision(cfg)
@@ -199,12 +202,14 @@ def _pictures(plan, dm, max_lengths, output_dir: str, p) -> list[str]:
     """Write the length histogram (one panel per part of the examples), the strategy chart and the memory chart
     named in ``plan.histogram``, ``plan.strategy_chart`` and ``plan.memory_chart`` (null: not drawn)."""
     from lightning_seqmem.apps import plots
-    from lightning_seqmem.apps.planner import column_lengths
+    from lightning_seqmem.apps.plan_lengths import column_lengths
 
     os.makedirs(output_dir, exist_ok=True)
     pictures = []
     if p.get("histogram"):  # the plan's own train lengths; prompt/completion data (no plan) read per part
         parts = {"documents": plan.train_lengths} if plan is not None else column_lengths(dm)
+        if plan is not None and plan.sources:  # a mix of several kinds: the mix's, then each source's own
+            parts = {"mix": plan.train_lengths, **{s["name"]: s["lengths"] for s in plan.sources}}
         pictures.append((p.histogram, lambda: plots.length_histogram(parts, max_lengths)))
     if plan is not None and p.get("strategy_chart"):
         best = (plan.recommended["strategy"], plan.recommended["max_length"])
@@ -221,6 +226,7 @@ def _write(plan, output_dir: str) -> None:
         "reason": plan.recommendation,
         "distribution": plan.distribution,
         "strategies": [asdict(s) for s in plan.strategies],
+        "sources": [{k: v for k, v in s.items() if k != "lengths"} for s in plan.sources],
     }
     if plan.memory is not None:
         record["memory"] = {

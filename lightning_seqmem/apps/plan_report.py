@@ -50,6 +50,7 @@ class RunPlan:
     recommended: dict[str, Any]
     train_lengths: np.ndarray = field(default=None, repr=False)  # [documents], for the histogram
     fit: Any = None  # the fit search's ``plan_search.FitPlan`` (with a budget and a model)
+    sources: list[dict[str, Any]] = field(default_factory=list, repr=False)  # a Mix of several kinds: each source
 
 
 def recommend_data(plans: Sequence[StrategyPlan], max_length: int | None = None) -> tuple[StrategyPlan, str]:
@@ -98,13 +99,7 @@ def recommend(
 
 def format_plan(plan: RunPlan) -> str:
     """The report as text tables."""
-    d = plan.distribution
-    pct = "  ".join(f"p{p}={v}" for p, v in d["percentiles"].items())
-    lines = [
-        f"Train documents: {d['documents']:,}, {d['tokens']:,} tokens, mean {d['mean']:.1f} tokens; {pct}",
-        "max_length | documents longer | tokens beyond it",
-    ]
-    lines += [f"{m:>10} | {o['documents']:>16.2%} | {o['tokens']:>16.2%}" for m, o in d["over"].items()]
+    lines = [*format_sources(plan.sources), *format_distribution(plan.distribution, "mixed " if plan.sources else "")]
     chat = any(s.trained_share is not None for s in plan.strategies)  # conversations: the trained share too
     width = max([18, *(len(s.strategy) for s in plan.strategies)])
     lines += [
@@ -129,6 +124,32 @@ def format_plan(plan: RunPlan) -> str:
         "Why: " + plan.recommendation,
     ]
     return "\n".join(lines)
+
+
+def format_distribution(d: dict[str, Any], mixed: str = "") -> list[str]:
+    """Percentiles of the train documents and the share beyond each max_length (``planner.length_distribution``)."""
+    pct = "  ".join(f"p{p}={v}" for p, v in d["percentiles"].items())
+    lines = [
+        f"Train documents{mixed and ' (mixed: as an epoch reads them)'}: {d['documents']:,}, {d['tokens']:,} tokens, "
+        f"mean {d['mean']:.1f} tokens; {pct}",
+        "max_length | documents longer | tokens beyond it",
+    ]
+    return lines + [f"{m:>10} | {o['documents']:>16.2%} | {o['tokens']:>16.2%}" for m, o in d["over"].items()]
+
+
+def format_sources(sources: Sequence[dict[str, Any]]) -> list[str]:
+    """Each source of a mix of several kinds, its own lengths (before any cut) and how often an epoch reads it."""
+    if not sources:
+        return []
+    width, kinds = max(len(repr(s["name"])) for s in sources), max(len(s["kind"]) for s in sources)
+    lines = ["Mix sources (each planned by its own kind; 'read': times over in an epoch of the mix):"]
+    for s in sources:
+        pct = "  ".join(f"p{p}={v}" for p, v in s["percentiles"].items())
+        lines.append(
+            f"  {s['name']!r:<{width}} {s['kind']:<{kinds}}  weight {s['weight']:.3g}  read {s['times']:.2f}x  "
+            f"{s['documents']:,} documents, {s['tokens']:,} tokens, mean {s['mean']:.1f}; {pct}"
+        )
+    return [*lines, ""]
 
 
 def same_candidate(a: StrategyPlan, b: StrategyPlan) -> bool:

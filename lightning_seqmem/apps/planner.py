@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_seqmem.apps.plan_lengths import lengths_at, stream_sample, whole_lengths
+from lightning_seqmem.apps.plan_lengths import MixLengths, lengths_at, stream_sample, whole_lengths
 from lightning_seqmem.apps.plan_memory import (
     DEFAULT_MARGIN,
     PEAK_NOTES,
@@ -27,7 +27,7 @@ from lightning_seqmem.apps.plan_memory import (
     parse_bytes,
     plan_memory,
 )
-from lightning_seqmem.apps.plan_mix import mix_sample
+from lightning_seqmem.apps.plan_mix import mix_lengths, mix_sample, plan_mixed_strategy
 from lightning_seqmem.apps.plan_report import (
     RunPlan,
     StrategyPlan,
@@ -143,6 +143,15 @@ def plan_strategy(
     check_max_lengths([max_length])
     if "train" not in lengths:
         raise ValueError(f"lengths needs a 'train' split, got {sorted(lengths)}.")
+    if isinstance(lengths["train"], MixLengths):  # sources of several kinds: each cut by its own, rows mixed
+        mixed = plan_mixed_strategy(
+            lengths,
+            lambda k: _strategy(strategy, max_length, settings, k),
+            max_length,
+            devices,
+            accumulate_grad_batches,
+        )
+        return StrategyPlan(strategy=strategy.spelling, max_length=max_length, batching=strategy, **mixed)
     batcher, largest = _strategy(strategy, max_length, settings, kind), []
     for split, docs in lengths.items():
         train = split == "train"
@@ -256,7 +265,7 @@ def plan(
 
     Args:
         datamodule: its tokenizer, batching, max_length and batch settings are what is planned (a stream: on its
-            first 20,000 documents, ``plan_lengths.stream_sample``).
+            first 20,000 documents, ``plan_lengths.stream_sample``; a ``Mix``: as its epoch reads it, ``plan_mix``).
         model_config: a ``transformers`` config (``training.building.build_model_config``); ``None`` plans the data only.
         strategies: the batching options to compare (default :data:`STRATEGIES`); the DataModule's joins them.
         max_lengths: candidates; ``None`` = :func:`default_max_lengths` of the DataModule's.
@@ -283,18 +292,22 @@ def plan(
     from lightning_seqmem.memory.estimate import with_reference
     from lightning_seqmem.memory.layer_scaling import cached_scaled
 
-    dm = mix_sample(stream_sample(datamodule)[0])[0]  # a stream: its first documents; a Mix: its epoch's documents
+    dm = stream_sample(datamodule)[0]  # a stream: its first documents
+    mixed = mix_lengths(dm)  # a Mix of several kinds: each source planned by its own
+    dm = mix_sample(dm)[0] if mixed is None else dm  # a Mix of one kind: its epoch's documents
     settings = dm.settings.batching
-    kind = dm.tokenized_documents()[1]
+    kinds = [dm.tokenized_documents()[1]] if mixed is None else [s.kind for s in mixed["train"].sources]
+    kind = kinds[0]  # a mix batches as its first source does (``MixMode``)
     configured = (settings.batching, settings.max_length)
     max_lengths = default_max_lengths(settings.max_length) if max_lengths is None else list(max_lengths)
-    if kind.trains_whole:  # packed whole only (``Kind.check``, pair strategies)
+    if any(k.trains_whole for k in kinds):  # packed whole only (``Kind.check``, pair strategies)
         strategies = [s for s in check_strategies(strategies) if not wraps_documents(s)]
-    roomy = [m for m in max_lengths if kind.leaves_room(settings, m)]  # none given: check_max_lengths says so
+    roomy = [m for m in max_lengths if all(k.leaves_room(settings, m) for k in kinds)]  # none: check_max_lengths
     max_lengths = roomy or max_lengths and [settings.max_length]
     estimate = None
     if model_config is not None:  # (micro_batch_size, length, checkpointing) -> MemoryEstimate
-        keys = [k for k in dm.batch_keys() if k in MODEL_KEYS]  # pair bookkeeping keys cost next to nothing
+        batch_keys = dm.batch_keys() if mixed is None else kind.strategy(settings, "train").keys  # a mix's: its first
+        keys = [k for k in batch_keys if k in MODEL_KEYS]  # pair bookkeeping keys cost next to nothing
         # Rows per micro_batch_size: 2 for padded pairs (chosen and rejected rows), else 1 (documents, packed rows).
         per = _strategy(*configured, settings, kind).rows_per_batch("train") // settings.micro_batch_size
 
@@ -315,8 +328,8 @@ def plan(
             return with_reference(est) if reference_copy and lora is None else est
 
     budget = parse_bytes(gpu_memory) if gpu_memory is not None else None
-    return build_plan(
-        datamodule_lengths(dm),
+    result = build_plan(
+        datamodule_lengths(dm) if mixed is None else mixed,
         strategies,
         max_lengths,
         settings,
@@ -330,6 +343,12 @@ def plan(
         kind,
         shorter_advice,
     )
+    result.sources = [  # each source's own lengths beside the mix's (a Mix of several kinds)
+        dict(name=s.name, kind=s.kind.name, weight=s.weight, times=s.times, lengths=s.whole)
+        | length_distribution(s.whole, max_lengths)
+        for s in (mixed["train"].sources if mixed is not None else ())
+    ]
+    return result
 
 
 def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
@@ -343,23 +362,6 @@ def datamodule_lengths(dm: Any) -> dict[str, np.ndarray]:
     return {split: kind.plan_lengths(docs, dm.settings) for split, docs in documents.items()}
 
 
-def column_lengths(dm: Any, split: str = "train") -> dict[str, np.ndarray]:
-    """Non-empty token counts of one split per part: ``documents`` for text, ``prompt`` and ``completion`` for
-    prompt/completion data (what the length histogram draws, one panel each)."""
-    return _split_lengths(dm)[split]
-
-
-def _split_lengths(dm: Any) -> dict[str, dict[str, np.ndarray]]:
-    """``{split: {part: token counts}}`` of the documents the DataModule's split pipeline keeps (non-empty, the
-    validation split carved out as ``setup`` carves it); a part's empty entries are left out too."""
-    tokenized, kind = dm.tokenized_documents()
-    documents = split_documents(tokenized, kind, dm.settings.batching.seed)
-    return {
-        split: {part: source.lengths[source.lengths > 0] for part, source in docs.parts.items()}
-        for split, docs in documents.items()
-    }
-
-
 __all__ = [
     "DEFAULT_MARGIN",
     "PEAK_NOTES",
@@ -369,7 +371,6 @@ __all__ = [
     "StrategyPlan",
     "build_plan",
     "check_text",
-    "column_lengths",
     "datamodule_lengths",
     "default_max_lengths",
     "format_plan",

@@ -195,3 +195,28 @@ def prompt_completion_spans(
             cut_first = np.minimum(excess, p_keep)
             p_off, p_keep, c_keep = p_off + cut_first, p_keep - cut_first, c_keep - (excess - cut_first)
     return p_off, p_keep, c_keep
+
+
+@dataclass(frozen=True)
+class PromptCompletionLengths:
+    """A split of prompt/completion rows as the planner plans it (``kinds.PromptCompletion.plan_lengths``): their
+    cut depends on the strategy's limits (``Strategy.prompt_completion_limits``: packing that splits rows leaves
+    ``max_length`` to the packer), so :meth:`at` cuts them per candidate as ``PromptCompletion.split_rows`` does."""
+
+    prompt: np.ndarray  # [rows] prompt tokens
+    completion: np.ndarray  # [rows] completion tokens
+    completion_only_loss: bool = True
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``[rows]`` whole token counts."""
+        return np.asarray(self.prompt) + np.asarray(self.completion)
+
+    def at(self, limits: PromptCompletionLimits) -> tuple[np.ndarray, int, int | None]:
+        """``(row lengths, tokens lost, trained tokens or None: every token)`` under ``limits``; a row left with
+        no completion is skipped, its prompt counted as lost."""
+        _, p_keep, c_keep = prompt_completion_spans(self.prompt, self.completion, limits)
+        kept = c_keep > 0
+        rows = (p_keep + c_keep)[kept]
+        trained = int(c_keep[kept].sum()) if self.completion_only_loss else None
+        return rows, int(self.lengths.sum() - rows.sum()), trained

@@ -116,7 +116,8 @@ class Kind:
         default_overflow: what packing does with a row over ``max_length`` unless ``Pack(overflow=...)`` says:
             ``"split"`` (text), ``"truncate"`` (prompt/completion: a piece without its prompt would train on an
             answer to nothing; conversations: already cut by whole turns).
-        planned: ``seqmem-plan`` plans it, on :meth:`plan_lengths` (prompt/completion rows: not yet).
+        planned: ``seqmem-plan`` plans a dataset of it alone, on :meth:`plan_lengths` (prompt/completion rows: so
+            far only as a source of a ``Mix``, whose planner cuts them per strategy).
         pretokenized: its rows carry token ids, used as they are (their values checked).
     """
 
@@ -181,8 +182,8 @@ class Kind:
 
     # -------------------------------------------------------------------------------------------- planning
     def plan_lengths(self, docs: Documents, settings: Any) -> Any:
-        """What ``seqmem-plan`` plans a split on (:attr:`planned` kinds only): ``[documents]`` token counts;
-        conversations and pairs say otherwise."""
+        """What ``seqmem-plan`` plans a split on (:attr:`planned` kinds, and any source of a ``Mix``): ``[documents]``
+        token counts; conversations, prompt/completion rows and pairs say otherwise."""
         return docs.lengths
 
     def sequence_lengths(self, lengths: Any) -> np.ndarray:

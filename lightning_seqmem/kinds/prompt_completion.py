@@ -14,7 +14,11 @@ import numpy as np
 from lightning_seqmem.batch import IGNORE_INDEX
 from lightning_seqmem.batching.settings import SPLITS
 from lightning_seqmem.batching.strategies import Strategy
-from lightning_seqmem.batching.truncation import prompt_completion_example, prompt_completion_spans
+from lightning_seqmem.batching.truncation import (
+    PromptCompletionLengths,
+    prompt_completion_example,
+    prompt_completion_spans,
+)
 from lightning_seqmem.data.tokens import ConcatView, ConstantView
 from lightning_seqmem.kinds.base import Documents, Kind, SplitRows, count_document
 
@@ -26,7 +30,7 @@ class PromptCompletion(Kind):
     parts = {"prompt": "prompt_ids", "completion": "completion_ids"}
     stats_keys = ("rows_without_completion",)
     default_overflow = "truncate"
-    planned = False  # seqmem-plan draws its prompt and completion lengths, and plans text, chat and pairs only
+    planned = False  # seqmem-plan alone draws its prompt and completion lengths; as a source of a Mix it is planned
 
     def check(self, batching: Any) -> None:
         """Rows must fit ``max_length`` after the per-part limits (``max_prompt_length + max_completion_length``),
@@ -45,6 +49,14 @@ class PromptCompletion(Kind):
 
     def source_columns(self, text_column: str = "text") -> list[str]:
         return list(self.id_columns) if self.pretokenized else ["prompt", "completion"]
+
+    def plan_lengths(self, docs: Documents, settings: Any) -> PromptCompletionLengths:
+        """Prompt and completion counts, cut per candidate by the strategy's limits as :meth:`split_rows` cuts them
+        (planned as a source of a ``Mix``)."""
+        parts = docs.parts
+        return PromptCompletionLengths(
+            parts["prompt"].lengths, parts["completion"].lengths, settings.batching.completion_only_loss
+        )
 
     def text_encoder(self, tokenizer: Any, text_column: str, conversation: Any):
         from lightning_seqmem.data.encode import prompt_completion_function
