@@ -1,0 +1,120 @@
+"""``on_oom="split"`` under FSDP: one rank runs out of memory, the others never wait in a collective.
+
+Two forked gloo ranks (``_forked_ranks``) under ``CPUFSDPStrategy`` (Lightning's ``FSDPStrategy``, FSDP1), each decoder
+layer its own FSDP unit, ``SHARD_GRAD_OP``, two accumulated micro-batches per step; the out-of-memory error is
+injected on one rank only (:class:`OomInjector`), in the forward or in the backward of a decoder layer. The weights
+after training (gathered) must be the ones FSDP's own run (``on_oom="raise"``, nothing injected) reaches.
+"""
+
+import collections
+
+import lightning.pytorch as L
+import pytest
+import torch
+import torch.distributed as dist
+from _forked_ranks import run_ranks
+from _memory_cpu_fsdp import CPUFSDPStrategy
+from test_oom_split import TINY, VOCAB, padded, worst_relative
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.utils.data import DataLoader
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from lightning_seqmem import CausalLM
+from lightning_seqmem.training.oom_split import OomInjector
+
+TOL = 1e-6
+PER_RANK = {r: [padded(rows=4, seed=10 * r + i) for i in range(4)] for r in range(2)}
+
+
+COLLECTIVES = ("all_gather", "all_gather_single", "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
+
+
+def count_collectives() -> collections.Counter:
+    """Count this (forked) rank's calls of the collectives FSDP and the agreement make, by name."""
+    counts = collections.Counter()
+    for name in COLLECTIVES:
+        call = getattr(dist, name)
+
+        def counted(*args, _call=call, _name=name, **kwargs):
+            counts[_name] += 1
+            return _call(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    return counts
+
+
+class RankBatches(CausalLM):
+    """Each rank reads its own micro-batches."""
+
+    def train_dataloader(self):
+        return DataLoader(PER_RANK[self.global_rank], batch_size=None)
+
+
+def _fit_rank(rank, on_oom, inject_rank, max_tokens, where="forward", batches=None, sharding="SHARD_GRAD_OP"):
+    counts = count_collectives()
+    torch.manual_seed(0)
+    model = RankBatches(model_config=TINY, vocab_size=VOCAB, pad_token_id=0, on_oom=on_oom)
+    if batches is not None:
+        PER_RANK[rank] = batches[rank]
+    if rank == inject_rank:
+        OomInjector(max_tokens, where=where).install(model.model.model.layers[0])
+    strategy = CPUFSDPStrategy(
+        auto_wrap_policy={LlamaDecoderLayer}, sharding_strategy=sharding, process_group_backend="gloo"
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        devices=2,
+        accelerator="cpu",
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(model)
+    assert trainer.global_step == 2
+    trained = dict(counts)
+    with FullyShardedDataParallel.summon_full_params(trainer.strategy.model, writeback=False):
+        weights = {n: p.detach().clone() for n, p in model.model.named_parameters()}
+    return weights, model.oom_splits, model.oom_split_tokens, trained
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """FSDP's own run: ``on_oom="raise"``, nothing injected (a reduce-scatter per micro-batch)."""
+    return run_ranks(_fit_rank, "raise", None, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_one_rank_out_of_memory_trains_to_the_weights_of_fsdp(reference, where):
+    (w0, splits0, limit0, counts0), (w1, splits1, limit1, counts1) = run_ranks(_fit_rank, "split", 1, 40, where)
+    assert splits0 == 0 and splits1 >= 2  # only rank 1 failed ...
+    assert limit0 == limit1 == 48  # ... and both split its size from then on
+    assert worst_relative(w0, w1) == 0.0  # one reduced gradient: the ranks hold the same weights
+    assert worst_relative(w0, reference[0][0]) <= TOL
+    # FSDP's gathers and reduce-scatters as many as in its own run (once per window, none inside the parts, the
+    # failed ones included); one all-reduce more per micro-batch (the agreement), on both ranks alike.
+    for counts, (*_, fsdp) in zip((counts0, counts1), reference):
+        fsdp = dict(fsdp)
+        assert counts.pop("all_reduce") == fsdp.pop("all_reduce") + 4
+        assert counts == fsdp and fsdp["reduce_scatter_single"] > 0
+
+
+@pytest.mark.slow
+def test_a_row_that_fits_nowhere_stops_every_rank_under_fsdp():
+    batches = {0: [padded(rows=1, seed=1)] * 2, 1: [padded(rows=4, seed=2)] * 2}
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(_fit_rank, "split", 0, 10, "forward", batches, timeout=60)
+    text = str(failed.value)
+    assert "killed" not in text  # both ranks stopped by themselves
+    assert "rank 0: train step 0: a single row of 24 tokens" in text
+    assert "a single row on another rank ran out of memory" in text
+
+
+def test_full_shard_is_refused_with_the_sharding_that_works():
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(_fit_rank, "split", None, 0, "forward", None, "FULL_SHARD", timeout=60)
+    assert "sharding_strategy='SHARD_GRAD_OP'" in str(failed.value)
