@@ -118,3 +118,16 @@ def test_full_shard_is_refused_with_the_sharding_that_works():
     with pytest.raises(AssertionError) as failed:
         run_ranks(_fit_rank, "split", None, 0, "forward", None, "FULL_SHARD", timeout=60)
     assert "sharding_strategy='SHARD_GRAD_OP'" in str(failed.value)
+
+
+def test_dpo_under_fsdp_is_refused_with_the_reason():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_seqmem import DPO
+
+    model = DPO(model_config=TINY, vocab_size=VOCAB, pad_token_id=0, on_oom="split")
+    model._trainer = SimpleNamespace(world_size=2, strategy=FSDPStrategy(sharding_strategy="SHARD_GRAD_OP"))
+    with pytest.raises(ValueError, match="not supported for DPO under FSDP: the reference model's FSDP units"):
+        model._check_oom_strategy()

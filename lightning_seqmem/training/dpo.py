@@ -62,6 +62,9 @@ class DPO(CausalLM):
         Trainer(max_steps=20).fit(DPO(beta=0.1), datamodule=dm)
     """
 
+    oom_split_under_fsdp = False  # the reference model's units would be gathered inside the parts
+    oom_split_under_fsdp_why = "the reference model's FSDP units would be gathered inside the split parts."
+
     def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0, reference: str = "copy", **kwargs: Any) -> None:
         check_choice("reference", reference, REFERENCES)
         check_choice("cross_entropy", kwargs.get("cross_entropy", "auto"), CROSS_ENTROPY)

@@ -18,8 +18,10 @@ backward of a split run is local (DDP's ``require_backward_grad_sync`` off while
 after), the ranks agree after each micro-batch (one all-reduce of a flag and the smallest size that failed: every
 rank then splits the same sizes, and a row that fits nowhere stops every rank, none left in a collective), and the
 window's averaged gradient is one bucketed all-reduce in ``on_after_backward`` of its last micro-batch. That
-reduction is not overlapped with the backward as DDP's is: the price of never hanging (``docs/oom.md``). FSDP and
-DeepSpeed gather and reduce inside every forward and backward, so a rank's failure there is mid-collective: refused.
+reduction is not overlapped with the backward as DDP's is: the price of never hanging (``docs/oom.md``). Under FSDP
+the parts are made collective-free the same way, its gathers moved before them and its reduce-scatter after the
+window (:mod:`~lightning_seqmem.training.oom_fsdp`). DeepSpeed gathers and reduces inside every forward and backward,
+so a rank's failure there is mid-collective: refused.
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ def pause_splitting(module: Any) -> Iterator[None]:
 class SplitsOnOom:
     """Mixed into a LightningModule: the split path of its steps (see the module docstring)."""
 
+    oom_split_under_fsdp = True  # the one-token passes of oom_fsdp reach every FSDP unit the steps use
+    oom_split_under_fsdp_why = ""
+
     def _init_oom(self, on_oom: str) -> None:
         check_choice("on_oom", on_oom, ON_OOM)
         self._oom = OomSplitter() if on_oom == "split" else None
@@ -132,6 +137,11 @@ class SplitsOnOom:
             return
         strategy = self.trainer.strategy
         if oom_fsdp.is_fsdp_strategy(strategy):
+            if not self.oom_split_under_fsdp:
+                raise ValueError(
+                    f"on_oom='split' is not supported for {type(self).__name__} under FSDP: {self.oom_split_under_fsdp_why} "
+                    "Use strategy='ddp', or on_oom='raise'."
+                )
             oom_fsdp.check_sharding(strategy)
             oom_fsdp.step_outside_root(strategy)
             return
@@ -256,6 +266,6 @@ class SplitsOnOom:
         if self._oom_fsdp_held and not self.trainer.fit_loop._should_accumulate():
             self._oom_fsdp_held = False  # FSDP: the window's gradient reduce-scattered once, by FSDP
             oom_fsdp.reduce_window(self.trainer.strategy, self, "_oom_one_token")
-        elif self._distributed() and not self.trainer.fit_loop._should_accumulate():
+        elif self._fsdp_root() is None and self._distributed() and not self.trainer.fit_loop._should_accumulate():
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             average_gradients_(grads, self.trainer.world_size)
