@@ -114,10 +114,15 @@ def test_a_row_that_fits_nowhere_stops_every_rank_under_fsdp():
     assert "a single row on another rank ran out of memory" in text
 
 
-def test_full_shard_is_refused_with_the_sharding_that_works():
+@pytest.mark.parametrize(
+    ("sharding", "why"),
+    [("FULL_SHARD", "FULL_SHARD gathers them again inside the backward"), ("NO_SHARD", "use strategy='ddp'")],
+)
+def test_other_shardings_are_refused_with_the_one_that_works(sharding, why):
     with pytest.raises(AssertionError) as failed:
-        run_ranks(_fit_rank, "split", None, 0, "forward", None, "FULL_SHARD", timeout=60)
-    assert "sharding_strategy='SHARD_GRAD_OP'" in str(failed.value)
+        run_ranks(_fit_rank, "split", None, 0, "forward", None, sharding, timeout=60)
+    assert "killed" not in str(failed.value)  # refused at setup, on both ranks
+    assert why in str(failed.value) and "Use FSDPStrategy(sharding_strategy='SHARD_GRAD_OP')" in str(failed.value)
 
 
 def test_dpo_under_fsdp_is_refused_with_the_reason():

@@ -9,10 +9,10 @@ of every part paid again), the collectives are taken out of the region that can 
 - the gradients stay unsharded on each rank through the window (FSDP's ``no_sync``: nothing reduce-scattered in a
   part's backward);
 - the parameters are gathered *before* the parts, by a forward of one token without gradients
-  (:func:`gather_parameters`), and stay gathered through the window: true for sharding strategies that do not
-  reshard after the forward (``SHARD_GRAD_OP``, ``_HYBRID_SHARD_ZERO2``, ``NO_SHARD``). ``FULL_SHARD`` and
-  ``HYBRID_SHARD`` free each unit after its forward and gather it again in the backward, inside the parts: refused
-  (:func:`check_sharding`);
+  (:func:`gather_parameters`), and stay gathered through the window: true for ``SHARD_GRAD_OP``, which does not
+  reshard after the forward. ``FULL_SHARD`` and ``HYBRID_SHARD`` free each unit after its forward and gather it
+  again in the backward, inside the parts: refused (:func:`check_sharding`). ``NO_SHARD`` (DDP's layout: use DDP)
+  lost a part's gradient in our test, and HSDP's ZeRO-2 variant is untested: both refused too;
 - the window's gradient is reduce-scattered once, at its last micro-batch, by FSDP itself: a forward and backward
   of one token with a zero loss outside ``no_sync`` (:func:`reduce_window`), which adds nothing to the gradients and
   runs FSDP's own reduction (its divisor, its sharding of the result).
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-# Strategies that keep a unit's parameters gathered after its forward (and, under no_sync, after its backward).
-KEEPS_GATHERED = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2", "NO_SHARD")
+# Keeps a unit's parameters gathered after its forward (and, under no_sync, after its backward); tested.
+KEEPS_GATHERED = ("SHARD_GRAD_OP",)
 
 
 def is_fsdp_strategy(strategy: Any) -> bool:
@@ -49,10 +49,15 @@ def check_sharding(strategy: Any) -> None:
     name = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
     if name not in KEEPS_GATHERED:
         raise ValueError(
-            f"on_oom='split' under FSDP needs a sharding strategy that keeps a unit's parameters gathered after its "
-            f"forward ({', '.join(KEEPS_GATHERED)}), got {name}: {name} gathers them again inside the backward, "
-            "where a rank that runs out of memory would leave the others waiting. Use "
-            "FSDPStrategy(sharding_strategy='SHARD_GRAD_OP'), or on_oom='raise'."
+            f"on_oom='split' under FSDP needs sharding_strategy='SHARD_GRAD_OP' (parameters kept gathered after a "
+            f"unit's forward), got {name}"
+            + (
+                f": {name} gathers them again inside the backward, where a rank that runs out of memory would leave "
+                "the others waiting"
+                if name in ("FULL_SHARD", "HYBRID_SHARD")
+                else " (untested with splitting; NO_SHARD is DDP's layout: use strategy='ddp')"
+            )
+            + ". Use FSDPStrategy(sharding_strategy='SHARD_GRAD_OP'), or on_oom='raise'."
         )
 
 
