@@ -103,6 +103,18 @@ def test_one_rank_out_of_memory_trains_to_the_weights_of_fsdp(reference, where):
         assert counts == fsdp and fsdp["reduce_scatter_single"] > 0
 
 
+# A window whose first micro-batch fits and whose second does not: the failure meets gradients already held.
+GROWING = {r: [padded(rows=rows, seed=10 * r + i) for i, rows in enumerate((2, 4, 2, 4))] for r in range(2)}
+
+
+@pytest.mark.slow
+def test_a_failure_after_the_windows_first_micro_batch_keeps_its_gradient():
+    reference = run_ranks(_fit_rank, "raise", None, 0, "forward", GROWING)[0][0]
+    (w0, splits0, limit0, _), (w1, splits1, limit1, _) = run_ranks(_fit_rank, "split", 1, 50, "backward", GROWING)
+    assert (splits0, splits1, limit0) == (0, 1, 96)
+    assert worst_relative(w0, w1) == 0.0 and worst_relative(w0, reference) <= TOL
+
+
 @pytest.mark.slow
 def test_a_row_that_fits_nowhere_stops_every_rank_under_fsdp():
     batches = {0: [padded(rows=1, seed=1)] * 2, 1: [padded(rows=4, seed=2)] * 2}
