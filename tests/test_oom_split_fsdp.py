@@ -107,12 +107,86 @@ def test_one_rank_out_of_memory_trains_to_the_weights_of_fsdp(reference, where):
 GROWING = {r: [padded(rows=rows, seed=10 * r + i) for i, rows in enumerate((2, 4, 2, 4))] for r in range(2)}
 
 
+@pytest.fixture(scope="module")
+def reference_growing():
+    return run_ranks(_fit_rank, "raise", None, 0, "forward", GROWING)[0][0]
+
+
 @pytest.mark.slow
-def test_a_failure_after_the_windows_first_micro_batch_keeps_its_gradient():
-    reference = run_ranks(_fit_rank, "raise", None, 0, "forward", GROWING)[0][0]
-    (w0, splits0, limit0, _), (w1, splits1, limit1, _) = run_ranks(_fit_rank, "split", 1, 50, "backward", GROWING)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_failure_after_the_windows_first_micro_batch_keeps_its_gradient(reference_growing, where):
+    reference = reference_growing
+    (w0, splits0, limit0, _), (w1, splits1, limit1, _) = run_ranks(_fit_rank, "split", 1, 50, where, GROWING)
     assert (splits0, splits1, limit0) == (0, 1, 96)
     assert worst_relative(w0, w1) == 0.0 and worst_relative(w0, reference) <= TOL
+
+
+class WithValidation(RankBatches):
+    """Micro-batches of 48 tokens that fit; a validation batch of 96 that does not (on the injected rank)."""
+
+    def train_dataloader(self):
+        return DataLoader([padded(rows=2, seed=10 * self.global_rank + i) for i in range(4)], batch_size=None)
+
+    def val_dataloader(self):
+        return DataLoader([padded(rows=4, seed=50 + self.global_rank)], batch_size=None)
+
+    def on_validation_epoch_end(self):
+        super().on_validation_epoch_end()
+        VAL_LOSSES.append(float(self.trainer.callback_metrics["val/loss"]))  # the sanity check's, then the epoch's
+
+
+VAL_LOSSES = []
+
+
+def _fit_with_validation(rank, on_oom, inject_rank):
+    global RankBatches
+    plain, RankBatches = RankBatches, WithValidation
+    try:
+        weights, splits, _, _ = _fit_rank(rank, on_oom, inject_rank, 50)
+    finally:
+        RankBatches = plain
+    return weights, splits, VAL_LOSSES
+
+
+@pytest.mark.slow
+def test_a_validation_batch_out_of_memory_on_one_rank_is_split_too():
+    """Evaluation steps run inside FSDP's root forward: split there as well, no rank left waiting."""
+    (ref, _, ref_losses), _ = run_ranks(_fit_with_validation, "raise", None)
+    (w0, splits0, losses), (w1, splits1, _) = run_ranks(_fit_with_validation, "split", 1)
+    assert splits0 == 0 and splits1 >= 1  # the validation batch, on rank 1 only
+    assert len(losses) == len(ref_losses) == 2 and losses == pytest.approx(ref_losses, rel=1e-6)
+    assert worst_relative(w0, w1) == 0.0 and worst_relative(w0, ref) <= TOL
+
+
+class ValidationRowTooLarge(WithValidation):
+    """Rank 1's validation row (24 tokens, one document) runs out of memory at its second decoder layer."""
+
+    def val_dataloader(self):
+        return DataLoader([padded(rows=1, seed=50 + self.global_rank)], batch_size=None)
+
+    def on_validation_start(self):
+        if self.global_rank == 1:
+            OomInjector(10).install(self.model.model.layers[1])
+
+
+def _validate_too_large(rank):
+    global RankBatches
+    plain, RankBatches = RankBatches, ValidationRowTooLarge
+    try:
+        return _fit_rank(rank, "split", None, 0)
+    finally:
+        RankBatches = plain
+
+
+@pytest.mark.slow
+def test_a_validation_row_that_fits_nowhere_stops_every_rank():
+    """The units are gathered before the parts: rank 0 is not left in the gather of a unit rank 1 never reaches."""
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(_validate_too_large, timeout=60)
+    text = str(failed.value)
+    assert "killed" not in text
+    assert "rank 1: validation step 0: a single row of 24 tokens" in text
+    assert "a single row on another rank ran out of memory" in text
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ of every part paid again), the collectives are taken out of the region that can 
   (:func:`gather_parameters`), and stay gathered through the window: true for ``SHARD_GRAD_OP``, which does not
   reshard after the forward. ``FULL_SHARD`` and ``HYBRID_SHARD`` free each unit after its forward and gather it
   again in the backward, inside the parts: refused (:func:`check_sharding`). ``NO_SHARD`` (DDP's layout: use DDP)
-  lost a part's gradient in our test, and HSDP's ZeRO-2 variant is untested: both refused too;
+  lost a part's gradient after a failed forward in our probe, and HSDP's ZeRO-2 variant is untested: both refused;
 - the window's gradient is reduce-scattered once, at its last micro-batch, by FSDP itself: a forward and backward
   of one token with a zero loss outside ``no_sync`` (:func:`reduce_window`), which adds nothing to the gradients and
   runs FSDP's own reduction (its divisor, its sharding of the result).
@@ -21,15 +21,16 @@ So each rank runs as many parts as its own micro-batch needs, and the ranks meet
 agreement after each micro-batch, and the window's reduction. The two one-token passes cost a forward (and, once per
 window, a backward) of a single token; the held gradient costs a full unsharded gradient on each rank, as ``no_sync``
 always does. Each part is a forward through the FSDP root (Lightning's forward redirection) with its backward
-outside it, as FSDP expects, so ``training_step`` itself runs outside the root (:func:`step_outside_root`). After a
-failed attempt FSDP's end-of-backward bookkeeping is run by hand (:func:`reset_after_failure`): the failed backward
-never reached it. Uses FSDP1's private ``_post_backward_final_callback`` and handle fields (torch 2.x; FSDP1 is
-frozen). Evaluation is not split under FSDP (its steps run inside the root's forward).
+outside it, as FSDP expects, so ``training_step`` itself runs outside the root (:func:`step_outside_root`). A failed
+attempt needs no cleanup: FSDP sets its per-iteration state again in the next root forward (the next part), and
+under ``no_sync`` with gathered parameters its end-of-backward callback, which a failed backward never reaches, has
+nothing to free or reduce. Reads FSDP1's handle fields and ``_sync_gradients`` (torch 2.x; FSDP1 is frozen). Evaluation steps run inside the root's forward (Lightning's call): their parts, without gradients, are
+collective-free once the nested units are gathered (:func:`gather_inside_root`), and a failed forward without
+gradients leaves nothing that the next forward does not set again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,7 +56,9 @@ def check_sharding(strategy: Any) -> None:
                 f": {name} gathers them again inside the backward, where a rank that runs out of memory would leave "
                 "the others waiting"
                 if name in ("FULL_SHARD", "HYBRID_SHARD")
-                else " (untested with splitting; NO_SHARD is DDP's layout: use strategy='ddp')"
+                else " (not supported with splitting"
+                + ("; NO_SHARD is DDP's layout: use strategy='ddp'" if name == "NO_SHARD" else "")
+                + ")"
             )
             + ". Use FSDPStrategy(sharding_strategy='SHARD_GRAD_OP'), or on_oom='raise'."
         )
@@ -118,25 +121,12 @@ def gather_parameters(strategy: Any, module: Any, method: str) -> None:
             run_in_root(strategy, module, method)
 
 
-def reset_after_failure(root: Any) -> None:
-    """FSDP's end-of-backward bookkeeping after a forward or backward that raised (states back to idle, the
-    post-backward hooks removed, parameters left gathered, the unsharded gradients kept: no collective)."""
-    from torch.distributed.fsdp._runtime_utils import _post_backward_final_callback
-
-    _post_backward_final_callback(root, root)
-
-
-def guarded(call: Callable[..., Any], root: Any) -> Callable[..., Any]:
-    """``call`` with :func:`reset_after_failure` on an out-of-memory error (then raised on)."""
-
-    def run(*args: Any) -> Any:
-        try:
-            return call(*args)
-        except torch.OutOfMemoryError:
-            reset_after_failure(root)
-            raise
-
-    return run
+def gather_inside_root(root: Any, module: Any, method: str) -> None:
+    """:func:`gather_parameters` from inside the root's forward (an evaluation step): the nested units gathered by a
+    forward of one token, kept gathered through the step (no gradients: nothing frees them)."""
+    if any(s._handle is not None and s._handle.needs_unshard() for s in _states(root)):
+        with torch.no_grad():
+            getattr(module, method)()
 
 
 def reduce_window(strategy: Any, module: Any, method: str) -> None:

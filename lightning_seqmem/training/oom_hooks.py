@@ -27,6 +27,7 @@ so a rank's failure there is mid-collective: refused.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -197,10 +198,7 @@ class SplitsOnOom:
             self._oom_fsdp_held = True
             oom_fsdp.gather_parameters(trainer.strategy, self, "_oom_one_token")
             self._oom_forward, params = forward, oom_fsdp.flat_parameters(root)
-            forward = oom_fsdp.guarded(
-                lambda part: oom_fsdp.run_in_root(trainer.strategy, self, "_oom_part", part), root
-            )
-            backward = oom_fsdp.guarded(backward, root)
+            forward = functools.partial(oom_fsdp.run_in_root, trainer.strategy, self, "_oom_part")
         outcome = self._split_run(batch, forward, backward, "train", params)
         self._oom_backward_done = True
         self.log("train/oom_splits", float(self._oom.splits), batch_size=1, reduce_fx="max")
@@ -211,10 +209,10 @@ class SplitsOnOom:
     def split_evaluate(
         self, batch: Batch, forward: Callable[[Batch], tuple[torch.Tensor, dict]], stage: str = "validation"
     ) -> Outcome:
-        """The loss of an evaluation batch, in parts where needed (no backward); unsplit under FSDP."""
-        if self._fsdp_root() is not None:  # the step runs inside the root's forward: not split (oom_fsdp)
-            loss, extras = forward(batch)
-            return Outcome(loss, extras)
+        """The loss of an evaluation batch, in parts where needed (no backward)."""
+        root = self._fsdp_root()
+        if root is not None:  # inside the root's forward: its units gathered first, the parts collective-free
+            oom_fsdp.gather_inside_root(root, self, "_oom_one_token")
         return self._split_run(batch, forward, None, stage)
 
     def evaluation_loss(self, batch: Batch, label_tokens: torch.Tensor, stage: str) -> torch.Tensor:
