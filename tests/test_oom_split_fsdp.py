@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 from _forked_ranks import run_ranks
 from _memory_cpu_fsdp import CPUFSDPStrategy
-from test_oom_split import TINY, VOCAB, padded, worst_relative
+from test_oom_split import TINY, VOCAB, _pairs, padded, worst_relative
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.utils.data import DataLoader
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from lightning_seqmem import CausalLM
+from lightning_seqmem import DPO, CausalLM
 from lightning_seqmem.training.oom_split import OomInjector
 
 TOL = 1e-6
@@ -211,14 +211,47 @@ def test_other_shardings_are_refused_with_the_one_that_works(sharding, why):
     assert why in str(failed.value) and "Use FSDPStrategy(sharding_strategy='SHARD_GRAD_OP')" in str(failed.value)
 
 
-def test_dpo_under_fsdp_is_refused_with_the_reason():
-    from types import SimpleNamespace
+PAIRS = {r: [_pairs(False, seed=10 * r + i) for i in range(4)] for r in range(2)}  # 3 pairs, 6 rows of 16
 
-    from lightning.pytorch.strategies import FSDPStrategy
 
-    from lightning_seqmem import DPO
+class RankPairs(DPO):
+    """``DPO`` with its frozen reference copy (FSDP units of its own, gathered with the policy's)."""
 
-    model = DPO(model_config=TINY, vocab_size=VOCAB, pad_token_id=0, on_oom="split")
-    model._trainer = SimpleNamespace(world_size=2, strategy=FSDPStrategy(sharding_strategy="SHARD_GRAD_OP"))
-    with pytest.raises(ValueError, match="not supported for DPO under FSDP: the reference model's FSDP units"):
-        model._check_oom_strategy()
+    def __init__(self, **kwargs):
+        super().__init__(cross_entropy="full", **kwargs)
+
+    def train_dataloader(self):
+        return DataLoader(PAIRS[self.global_rank], batch_size=None)
+
+
+def _fit_pairs(rank, on_oom, inject_rank, max_tokens, batches=None):
+    global RankBatches, PAIRS
+    plain, RankBatches = RankBatches, RankPairs
+    if batches is not None:
+        PAIRS = batches
+    try:
+        return _fit_rank(rank, on_oom, inject_rank, max_tokens)
+    finally:
+        RankBatches = plain
+
+
+@pytest.mark.slow
+def test_dpo_pairs_under_fsdp_train_to_the_weights_of_fsdp():
+    (reference, *_, fsdp), _ = run_ranks(_fit_pairs, "raise", None, 0)
+    (w0, splits0, _, counts), (w1, splits1, _, _) = run_ranks(_fit_pairs, "split", 1, 60)
+    assert splits0 == 0 and splits1 >= 1
+    assert worst_relative(w0, w1) == 0.0 and worst_relative(w0, reference) <= TOL
+    assert counts.pop("all_reduce") == fsdp.pop("all_reduce") + 4 and counts == fsdp
+
+
+@pytest.mark.slow
+def test_a_pair_that_fits_nowhere_stops_every_rank_under_fsdp():
+    """Rank 0's single pair does not fit: the reference copy's units were gathered before, no rank waits in one."""
+    one_pair = {k: v[[0, 3]] for k, v in _pairs(False, seed=1).items()}
+    batches = {0: [one_pair] * 2, 1: PAIRS[1][:2]}
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(_fit_pairs, "split", 0, 10, batches, timeout=60)
+    text = str(failed.value)
+    assert "killed" not in text
+    assert "rank 0: train step 0: a single row of 32 tokens" in text
+    assert "a single row on another rank ran out of memory" in text

@@ -92,9 +92,6 @@ def pause_splitting(module: Any) -> Iterator[None]:
 class SplitsOnOom:
     """Mixed into a LightningModule: the split path of its steps (see the module docstring)."""
 
-    oom_split_under_fsdp = True  # the one-token passes of oom_fsdp reach every FSDP unit the steps use
-    oom_split_under_fsdp_why = ""
-
     def _init_oom(self, on_oom: str) -> None:
         check_choice("on_oom", on_oom, ON_OOM)
         self._oom = OomSplitter() if on_oom == "split" else None
@@ -138,11 +135,6 @@ class SplitsOnOom:
             return
         strategy = self.trainer.strategy
         if oom_fsdp.is_fsdp_strategy(strategy):
-            if not self.oom_split_under_fsdp:
-                raise ValueError(
-                    f"on_oom='split' is not supported for {type(self).__name__} under FSDP: {self.oom_split_under_fsdp_why} "
-                    "Use strategy='ddp', or on_oom='raise'."
-                )
             oom_fsdp.check_sharding(strategy)
             oom_fsdp.step_outside_root(strategy)
             return
