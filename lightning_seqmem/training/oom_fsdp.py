@@ -20,13 +20,14 @@ of every part paid again), the collectives are taken out of the region that can 
 So each rank runs as many parts as its own micro-batch needs, and the ranks meet only where they meet under DDP: the
 agreement after each micro-batch, and the window's reduction. The two one-token passes cost a forward (and, once per
 window, a backward) of a single token; the held gradient costs a full unsharded gradient on each rank, as ``no_sync``
-always does. Each part is a forward through the FSDP root (Lightning's forward redirection) with its backward
-outside it, as FSDP expects, so ``training_step`` itself runs outside the root (:func:`step_outside_root`). A failed
-attempt needs no cleanup: FSDP sets its per-iteration state again in the next root forward (the next part), and
-under ``no_sync`` with gathered parameters its end-of-backward callback, which a failed backward never reaches, has
-nothing to free or reduce. Reads FSDP1's handle fields and ``_sync_gradients`` (torch 2.x; FSDP1 is frozen). Evaluation steps run inside the root's forward (Lightning's call): their parts, without gradients, are
-collective-free once the nested units are gathered (:func:`gather_inside_root`), and a failed forward without
-gradients leaves nothing that the next forward does not set again.
+always does. Each part is a forward through the FSDP root (Lightning's forward redirection) with its backward outside
+it, as FSDP expects, so ``training_step`` itself runs outside the root (:func:`step_outside_root`). A failed attempt
+needs no cleanup: FSDP sets its per-iteration state again in the next root forward (the next part), and under
+``no_sync`` with gathered parameters its end-of-backward callback, which a failed backward never reaches, has nothing to
+free or reduce. Reads FSDP1's handle fields and ``_sync_gradients`` (torch 2.x; FSDP1 is frozen). Evaluation steps run
+inside the root's forward (Lightning's call): their parts, without gradients, are collective-free once the nested units
+are gathered (:func:`gather_inside_root`), and a failed forward without gradients leaves nothing that the next forward
+does not set again.
 """
 
 from __future__ import annotations
