@@ -7,6 +7,7 @@ after training (gathered) must be the ones FSDP's own run (``on_oom="raise"``, n
 """
 
 import collections
+import functools
 
 import lightning.pytorch as L
 import pytest
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from lightning_seqmem import DPO, CausalLM
+from lightning_seqmem.memory.preallocate import CachePreallocator
 from lightning_seqmem.training.oom_split import OomInjector
 
 TOL = 1e-6
@@ -50,7 +52,9 @@ class RankBatches(CausalLM):
         return DataLoader(PER_RANK[self.global_rank], batch_size=None)
 
 
-def _fit_rank(rank, on_oom, inject_rank, max_tokens, where="forward", batches=None, sharding="SHARD_GRAD_OP"):
+def _fit_rank(
+    rank, on_oom, inject_rank, max_tokens, where="forward", batches=None, sharding="SHARD_GRAD_OP", callbacks=()
+):
     counts = count_collectives()
     torch.manual_seed(0)
     model = RankBatches(model_config=TINY, vocab_size=VOCAB, pad_token_id=0, on_oom=on_oom)
@@ -72,6 +76,7 @@ def _fit_rank(rank, on_oom, inject_rank, max_tokens, where="forward", batches=No
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
+        callbacks=[callback() for callback in callbacks],
     )
     trainer.fit(model)
     assert trainer.global_step == 2
@@ -101,6 +106,18 @@ def test_one_rank_out_of_memory_trains_to_the_weights_of_fsdp(reference, where):
         fsdp = dict(fsdp)
         assert counts.pop("all_reduce") == fsdp.pop("all_reduce") + 4
         assert counts == fsdp and fsdp["reduce_scatter_single"] > 0
+
+
+@pytest.mark.slow
+def test_cache_preallocator_trial_step_runs_unsplit_under_fsdp(reference):
+    """CachePreallocator's trial step goes through FSDP's wrapped module: with splitting paused it is Lightning's
+    step (its own backward), and the run trains as FSDP's."""
+    trial = functools.partial(CachePreallocator, rows=4, length=24)
+    (w0, splits0, _, _), (w1, _, _, _) = run_ranks(
+        _fit_rank, "split", None, 0, "forward", None, "SHARD_GRAD_OP", [trial]
+    )
+    assert splits0 == 0 and worst_relative(w0, w1) == 0.0
+    assert worst_relative(w0, reference[0][0]) <= TOL
 
 
 # A window whose first micro-batch fits and whose second does not: the failure meets gradients already held.

@@ -357,7 +357,8 @@ class CachePreallocator(Callback):
         grads = gradient_standins(params)
         batch = trainer.precision_plugin.convert_input(batch)
         if wrapper is not None:  # FSDP: through the wrapped module (gathers shards, reduce-scatters gradients)
-            loss = _loss(trainer.strategy.training_step(batch, 0))
+            with pause_splitting(pl_module):  # on_oom="split": Lightning's step, this pass doing the backward
+                loss = _loss(trainer.strategy.training_step(batch, 0))
         else:  # on_oom="split" paused: this pass must meet the error it reports, and runs its own backward
             with trainer.precision_plugin.train_step_context(), pause_splitting(pl_module):
                 loss = _loss(pl_module.training_step(batch, 0))
