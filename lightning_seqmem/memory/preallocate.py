@@ -113,9 +113,7 @@ def _is_cuda(device: torch.device) -> bool:
 def _loss(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, dict):
-        return output.get("loss")
-    return None
+    return output.get("loss") if isinstance(output, dict) else None
 
 
 class CachePreallocator(Callback):
@@ -357,7 +355,8 @@ class CachePreallocator(Callback):
         grads = gradient_standins(params)
         batch = trainer.precision_plugin.convert_input(batch)
         if wrapper is not None:  # FSDP: through the wrapped module (gathers shards, reduce-scatters gradients)
-            loss = _loss(trainer.strategy.training_step(batch, 0))
+            with pause_splitting(pl_module):  # on_oom="split" paused, as below: Lightning's step
+                loss = _loss(trainer.strategy.training_step(batch, 0))
         else:  # on_oom="split" paused: this pass must meet the error it reports, and runs its own backward
             with trainer.precision_plugin.train_step_context(), pause_splitting(pl_module):
                 loss = _loss(pl_module.training_step(batch, 0))

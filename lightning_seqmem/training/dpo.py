@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_seqmem.batch import REF_LOGPS_KEYS
 from lightning_seqmem.messages import check_choice
-from lightning_seqmem.training import checks
+from lightning_seqmem.training import checks, oom_fsdp
 from lightning_seqmem.training.adapters import is_peft_model
 from lightning_seqmem.training.loss_layer import completion_token_logps
 from lightning_seqmem.training.model import CausalLM
@@ -80,6 +80,15 @@ class DPO(CausalLM):
         super().setup(stage)
         if self.hparams.reference == "copy" and self.reference_model is None and not is_peft_model(self.model):
             self.reference_model = copy.deepcopy(self.model).requires_grad_(False)
+
+    @override
+    def _oom_one_token(self) -> torch.Tensor:
+        """``on_oom="split"`` under FSDP: the frozen copy's units gathered with the policy's (its forward runs in
+        the parts too)."""
+        if self.reference_model is not None:
+            with torch.no_grad():
+                oom_fsdp.one_token_loss(self.reference_model, self.trainer.strategy.root_device)
+        return super()._oom_one_token()
 
     def sequence_logps(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor]

@@ -18,13 +18,16 @@ backward of a split run is local (DDP's ``require_backward_grad_sync`` off while
 after), the ranks agree after each micro-batch (one all-reduce of a flag and the smallest size that failed: every
 rank then splits the same sizes, and a row that fits nowhere stops every rank, none left in a collective), and the
 window's averaged gradient is one bucketed all-reduce in ``on_after_backward`` of its last micro-batch. That
-reduction is not overlapped with the backward as DDP's is: the price of never hanging (``docs/oom.md``). FSDP and
-DeepSpeed gather and reduce inside every forward and backward, so a rank's failure there is mid-collective: refused.
+reduction is not overlapped with the backward as DDP's is: the price of never hanging (``docs/oom.md``). Under FSDP
+the parts are made collective-free the same way, its gathers moved before them and its reduce-scatter after the
+window (:mod:`~lightning_seqmem.training.oom_fsdp`). DeepSpeed gathers and reduces inside every forward and backward,
+so a rank's failure there is mid-collective: refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,6 +35,7 @@ import torch
 from typing_extensions import override
 
 from lightning_seqmem.messages import check_choice
+from lightning_seqmem.training import oom_fsdp
 from lightning_seqmem.training.oom_runner import (
     FIXES,
     ON_OOM,
@@ -94,6 +98,7 @@ class SplitsOnOom:
         self._oom_backward_done = False
         self._oom_sync: bool | None = None  # DDP's require_backward_grad_sync, to put back after the step
         self._oom_paused = False
+        self._oom_fsdp_held = False  # FSDP: gradients held unsharded (no_sync) until the window's end
 
     @property
     def splitting(self) -> bool:
@@ -124,22 +129,39 @@ class SplitsOnOom:
             self._oom.load_state_dict(checkpoint["oom_split"])
 
     def _check_oom_strategy(self) -> None:
-        """Refuse a strategy whose forward and backward talk to the other ranks (FSDP, DeepSpeed, model parallel)."""
-        if self._oom is None or self._trainer is None or self.trainer.world_size == 1:
+        """Refuse a strategy whose forward and backward talk to the other ranks where a part may fail (DeepSpeed,
+        model parallel, FSDP sharding that gathers in the backward); under FSDP, step outside its root."""
+        if self._oom is None or self._trainer is None:
+            return
+        strategy = self.trainer.strategy
+        if oom_fsdp.is_fsdp_strategy(strategy):
+            oom_fsdp.check_sharding(strategy)
+            oom_fsdp.step_outside_root(strategy)
+            return
+        if self.trainer.world_size == 1:
             return
         from lightning.pytorch.strategies import DDPStrategy
 
-        strategy = self.trainer.strategy
         if not isinstance(strategy, DDPStrategy):
             raise ValueError(
-                f"on_oom='split' runs on one device or under DDP, not under {type(strategy).__name__}: its forward "
-                "and backward gather and reduce with the other ranks, so a rank that runs out of memory halfway "
-                "would leave them waiting. Use strategy='ddp', or on_oom='raise'."
+                f"on_oom='split' runs on one device, under DDP or under FSDP, not under {type(strategy).__name__}: "
+                "its forward and backward gather and reduce with the other ranks, so a rank that runs out of memory "
+                "halfway would leave them waiting. Use strategy='ddp', or on_oom='raise'."
             )
 
     def _ddp(self) -> Any:
         model = self.trainer.strategy.model if self._trainer is not None else None
         return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+    def _fsdp_root(self) -> Any:
+        return oom_fsdp.root_module(self.trainer.strategy) if self._trainer is not None else None
+
+    def _oom_part(self, part: Batch) -> tuple[torch.Tensor, dict]:
+        """A part's forward, called through the FSDP root (:func:`oom_fsdp.run_in_root`)."""
+        return self._oom_forward(part)
+
+    def _oom_one_token(self) -> torch.Tensor:
+        return oom_fsdp.one_token_loss(self.model, self.trainer.strategy.root_device)
 
     def _distributed(self) -> bool:
         return self._trainer is not None and self.trainer.world_size > 1 and torch.distributed.is_initialized()
@@ -162,7 +184,14 @@ class SplitsOnOom:
             loss = loss / k
             (scaler.scale(loss) if scaler is not None else loss).backward()
 
-        outcome = self._split_run(batch, forward, backward, "train")
+        root, params = self._fsdp_root(), None
+        if root is not None:  # gradients held, parameters gathered: the parts need no collective (oom_fsdp)
+            oom_fsdp.hold_gradients(root)
+            self._oom_fsdp_held = True
+            oom_fsdp.gather_parameters(trainer.strategy, self, "_oom_one_token")
+            self._oom_forward, params = forward, oom_fsdp.flat_parameters(root)
+            forward = functools.partial(oom_fsdp.run_in_root, trainer.strategy, self, "_oom_part")
+        outcome = self._split_run(batch, forward, backward, "train", params)
         self._oom_backward_done = True
         self.log("train/oom_splits", float(self._oom.splits), batch_size=1, reduce_fx="max")
         if self._oom.limit is not None:
@@ -173,6 +202,9 @@ class SplitsOnOom:
         self, batch: Batch, forward: Callable[[Batch], tuple[torch.Tensor, dict]], stage: str = "validation"
     ) -> Outcome:
         """The loss of an evaluation batch, in parts where needed (no backward)."""
+        root = self._fsdp_root()
+        if root is not None:  # inside the root's forward: its units gathered first, the parts collective-free
+            oom_fsdp.gather_inside_root(root, self, "_oom_one_token")
         return self._split_run(batch, forward, None, stage)
 
     def evaluation_loss(self, batch: Batch, label_tokens: torch.Tensor, stage: str) -> torch.Tensor:
@@ -182,10 +214,11 @@ class SplitsOnOom:
             return self.loss(batch)
         return self.split_evaluate(batch, lambda part: (self.loss(part, label_tokens), {}), stage).loss
 
-    def _split_run(self, batch, forward, backward, stage: str) -> Outcome:
+    def _split_run(self, batch, forward, backward, stage: str, params=None) -> Outcome:
         trainer = self.trainer
         device = trainer.strategy.root_device
-        params = self.parameters() if backward is not None else ()
+        if params is None:
+            params = self.parameters() if backward is not None else ()
         outcome = self._oom.run(batch, forward, backward, params, trainer.global_step, device, stage)
         failed = outcome.failed is not None
         if self._distributed():
@@ -220,6 +253,9 @@ class SplitsOnOom:
         ddp = self._ddp()
         if ddp is not None and self._oom_sync is not None:
             ddp.require_backward_grad_sync, self._oom_sync = self._oom_sync, None
-        if self._distributed() and not self.trainer.fit_loop._should_accumulate():
+        if self._oom_fsdp_held and not self.trainer.fit_loop._should_accumulate():
+            self._oom_fsdp_held = False  # FSDP: the window's gradient reduce-scattered once, by FSDP
+            oom_fsdp.reduce_window(self.trainer.strategy, self, "_oom_one_token")
+        elif self._fsdp_root() is None and self._distributed() and not self.trainer.fit_loop._should_accumulate():
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             average_gradients_(grads, self.trainer.world_size)
