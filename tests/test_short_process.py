@@ -9,12 +9,12 @@ import textwrap
 
 import pytest
 
-from lightning_seqmem.apps.short_process import imports_without_gc, is_process_entry, leave_now
+from lightning_seqmem.apps.short_process import is_process_entry, leave_now, pause_gc, resume_gc
 
 SCRIPT = textwrap.dedent(
     """
     import atexit, gc, os, sys
-    from lightning_seqmem.apps.short_process import imports_without_gc, leave_now
+    from lightning_seqmem.apps.short_process import leave_now, pause_gc, resume_gc
 
     class TornDown:
         def __del__(self, write=os.write):  # runs in the interpreter's teardown, when there is one
@@ -25,9 +25,10 @@ SCRIPT = textwrap.dedent(
     def main():
         atexit.register(lambda: open(sys.argv[1], "w").write("exit handler ran"))
         if sys.argv[3] == "pause":
-            with imports_without_gc(main):
-                import json  # noqa: F401
-                paused = not gc.isenabled()
+            pause_gc(main)
+            import json  # noqa: F401
+            paused = not gc.isenabled()
+            resume_gc()
             sys.stdout.write(f"paused={paused} enabled={gc.isenabled()} frozen={gc.get_freeze_count() > 0}")
         sys.stdout.write("done")  # buffered, no newline
         if sys.argv[2] == "leave":
@@ -54,7 +55,7 @@ def test_leave_now_runs_the_exit_handlers_flushes_and_skips_the_teardown(tmp_pat
 
 
 @pytest.mark.parametrize("how", ["leave", "return"])
-def test_imports_without_gc_pauses_then_freezes_and_collects_again(tmp_path, how):
+def test_pause_gc_then_resume_gc_freezes_and_collects_again(tmp_path, how):
     assert _run(tmp_path, how, "pause").startswith("paused=True enabled=True frozen=True")
 
 
@@ -64,7 +65,8 @@ def test_called_from_a_test_neither_pauses_the_collector_nor_leaves():
 
     assert not is_process_entry(main)
     frozen = gc.get_freeze_count()
-    with imports_without_gc(main):
-        assert gc.isenabled()
-    assert gc.get_freeze_count() == frozen
+    pause_gc(main)
+    assert gc.isenabled()
+    resume_gc()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
     leave_now(main, 5)  # returns: this test process goes on

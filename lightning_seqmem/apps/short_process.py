@@ -11,7 +11,7 @@ import graph and change nothing the command computes:
 - at exit the interpreter tears that graph down module by module (about 1.5 CPU-seconds), although the operating
   system frees the process's memory at once.
 
-:func:`imports_without_gc` and :func:`leave_now` take both away. ``leave_now`` still runs what a normal exit runs
+:func:`pause_gc` (until :func:`resume_gc`) and :func:`leave_now` take both away. ``leave_now`` still runs what a normal exit runs
 first (the ``atexit`` handlers: log files flushed and closed, temporary folders removed; standard streams flushed),
 and only in the process that the script itself started: called from a test or a notebook, neither does anything.
 """
@@ -24,21 +24,26 @@ import gc
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+
+_PAUSED: list[bool] = []  # set while pause_gc holds the collector off
 
 
-@contextlib.contextmanager
-def imports_without_gc(entry: Callable) -> Iterator[None]:
-    """Pause the cyclic collector inside the block (where ``entry``, the command's main function, imports its
-    packages); on leaving it, move every object alive into the permanent generation (``gc.freeze``) and collect as
-    before. Not the process's main function (a test calling it), or the collector already paused: left as it was."""
-    if not is_process_entry(entry) or not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
+def pause_gc(entry: Callable) -> None:
+    """Hold the cyclic collector off while ``entry``, the command's main function, imports its packages (until
+    :func:`resume_gc`). Not the process's main function (a test calling it), or the collector already off: nothing
+    is changed."""
+    if is_process_entry(entry) and gc.isenabled() and not _PAUSED:
+        gc.disable()
+        _PAUSED.append(True)
+
+
+def resume_gc() -> None:
+    """After :func:`pause_gc`: move every object alive (the imported modules, the command's settings) into the
+    permanent generation (``gc.freeze``), so that later passes do not walk them, and collect as before, for the
+    command's own work (its data read, its traces). Without a pause: nothing."""
+    if _PAUSED:
+        _PAUSED.clear()
         gc.freeze()
         gc.enable()
 
