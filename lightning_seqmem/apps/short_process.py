@@ -11,9 +11,10 @@ import graph and change nothing the command computes:
 - at exit the interpreter tears that graph down module by module (about 1.5 CPU-seconds), although the operating
   system frees the process's memory at once.
 
-:func:`pause_gc` (until :func:`resume_gc`) and :func:`leave_now` take both away. ``leave_now`` still runs what a normal exit runs
-first (the ``atexit`` handlers: log files flushed and closed, temporary folders removed; standard streams flushed),
-and only in the process that the script itself started: called from a test or a notebook, neither does anything.
+:func:`pause_gc` (until :func:`resume_gc`) and :func:`leave_now` take both away. ``leave_now`` still runs what a
+normal exit runs first (the ``atexit`` handlers: log files flushed and closed, temporary folders removed; standard
+streams flushed), and only in the process that the script itself started: called from a test or a notebook,
+neither does anything.
 """
 
 from __future__ import annotations
