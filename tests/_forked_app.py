@@ -35,8 +35,14 @@ def run_forked_main(main, argv, cwd, env=None, timeout=300):
         if pid == 0:  # the child: never returns into pytest
             code = 1
             try:
+                import atexit
+
                 import torch
 
+                # A process started from a shell has none of pytest's exit handlers (one would remove the folder
+                # that holds this child's output): an app that runs its handlers and leaves early
+                # (apps/short_process.leave_now) runs only its own.
+                atexit._clear()
                 torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork
                 for fd, path in zip((1, 2), paths):
                     os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)

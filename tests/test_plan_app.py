@@ -160,3 +160,57 @@ def test_seqmem_plan_prints_each_log_line_once(tmp_path):
     lines = [line for line in (out.stdout + out.stderr).splitlines() if "[lightning_seqmem] train: tokens" in line]
     assert len(lines) == 1, lines
     assert "[lightning_seqmem] train: tokens" in (tmp_path / "plan_app.log").read_text()  # and in the job's log
+
+
+@pytest.mark.slow
+def test_the_table_and_the_fit_search_trace_each_configuration_once(monkeypatch):
+    """The memory table and the fit search ask for some of the same estimates (the configured run at its worst shape,
+    the cheap levers at the run's micro-batch): each distinct question is traced once per process
+    (``layer_scaling.cached_scaled``, however its arguments are spelled)."""
+    import functools
+    import inspect
+
+    from lightning_seqmem.apps import plan_search
+    from lightning_seqmem.memory import layer_scaling
+
+    real_trace, real_ask = layer_scaling.scaled_training_memory, layer_scaling.cached_scaled
+    traced, asked = [], []
+
+    def question(model_config, *args, **kwargs):
+        bound = inspect.signature(real_trace).bind(model_config, *args, **kwargs)
+        bound.apply_defaults()
+        return repr(
+            {**bound.arguments, "model_config": model_config.to_json_string(), "keys": tuple(bound.arguments["keys"])}
+        )
+
+    @functools.wraps(real_trace)
+    def trace(*args, **kwargs):
+        traced.append(question(*args, **kwargs))
+        return real_trace(*args, **kwargs)
+
+    def ask(*args, **kwargs):
+        asked.append(question(*args, **kwargs))
+        return real_ask(*args, **kwargs)
+
+    monkeypatch.setattr(layer_scaling, "_SCALED", {})
+    monkeypatch.setattr(layer_scaling, "scaled_training_memory", trace)
+    monkeypatch.setattr(layer_scaling, "cached_scaled", ask)
+    monkeypatch.setattr(plan_search, "cached_scaled", ask)
+    cfg = _compose(
+        "plan",
+        [
+            "trainer=gpu",
+            "model.model_config={model_type:llama,hidden_size:64,intermediate_size:128,num_hidden_layers:4,"
+            "num_attention_heads:4,num_key_value_heads:2}",
+            "model.vocab_size=512",
+            "data.max_length=128",
+            "plan.max_lengths=[128]",
+            "plan.micro_batch_sizes=[8]",
+            "plan.strategies=[pack_bfd]",
+            "plan.gpu_memory=12MiB",  # the run as configured does not fit: the search tries levers
+        ],
+    )
+    plan, _ = plan_from_config(cfg)
+    assert plan.fit is not None and len(plan.fit.tried) >= 3
+    assert len(asked) > len(set(asked))  # the same question asked more than once ...
+    assert sorted(traced) == sorted(set(asked))  # ... traced once

@@ -254,11 +254,14 @@ def _hydra_entry() -> None:
             quiet_upstream_noise,
         )
         from lightning_seqmem.apps.planner import format_plan
+        from lightning_seqmem.apps.short_process import resume_gc
 
         quiet_upstream_noise()
         no_bars_unless_a_terminal()
         log_each_line_once()  # after Hydra has set up the job's logging, as seqmem-train: each log line once
         from lightning_seqmem.apps.errors import for_hydra
+
+        resume_gc()  # everything imported (main paused the collector): it runs again for the data and the traces
 
         try:
             plan, notes = plan_from_config(cfg, HydraConfig.get().runtime.output_dir)
@@ -275,12 +278,20 @@ def _hydra_entry() -> None:
 
 
 def main() -> None:
-    """Console-script entry point (``seqmem-plan``)."""
-    sys.argv[1:] = choose_trainer(sys.argv[1:], doing="planning for")
-    from lightning_seqmem.apps.overrides import exit_on_unknown_override
+    """Console-script entry point (``seqmem-plan``): run as a process of its own, it pauses the cyclic collector
+    while it imports and leaves without the interpreter's teardown (``short_process``: about 3 CPU-seconds)."""
+    from lightning_seqmem.apps.short_process import leave_now, pause_gc, resume_gc
 
-    exit_on_unknown_override(sys.argv[1:], "plan")  # "did you mean" before Hydra's advice to add the key with +
-    _hydra_entry()
+    pause_gc(main)  # until the packages are imported (the Hydra task below)
+    try:
+        sys.argv[1:] = choose_trainer(sys.argv[1:], doing="planning for")
+        from lightning_seqmem.apps.overrides import exit_on_unknown_override
+
+        exit_on_unknown_override(sys.argv[1:], "plan")  # "did you mean" before Hydra's advice to add the key with +
+        _hydra_entry()
+    finally:
+        resume_gc()
+    leave_now(main)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""A console script's short process (apps/short_process.py): imports with the cyclic collector paused, and an exit
+that runs the exit handlers and flushes the streams but skips the interpreter's teardown — only in a process of its
+own, never in a caller's (a test, a notebook)."""
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lightning_seqmem.apps.short_process import is_process_entry, leave_now, pause_gc, resume_gc
+
+SCRIPT = textwrap.dedent(
+    """
+    import atexit, gc, os, sys
+    from lightning_seqmem.apps.short_process import leave_now, pause_gc, resume_gc
+
+    class TornDown:
+        def __del__(self, write=os.write):  # runs in the interpreter's teardown, when there is one
+            write(1, b" torn down")
+
+    kept = TornDown()
+
+    def main():
+        atexit.register(lambda: open(sys.argv[1], "w").write("exit handler ran"))
+        if sys.argv[3] == "pause":
+            pause_gc(main)
+            import json  # noqa: F401
+            paused = not gc.isenabled()
+            resume_gc()
+            sys.stdout.write(f"paused={paused} enabled={gc.isenabled()} frozen={gc.get_freeze_count() > 0}")
+        sys.stdout.write("done")  # buffered, no newline
+        if sys.argv[2] == "leave":
+            leave_now(main, 3)
+        return 3
+
+    sys.exit(main())
+    """
+)
+
+
+def _run(tmp_path, how, pause="no"):
+    marker = tmp_path / f"{how}-{pause}.txt"
+    cmd = [sys.executable, "-c", SCRIPT, str(marker), how, pause]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert marker.read_text() == "exit handler ran", out.stderr
+    assert out.returncode == 3, out.stderr
+    return out.stdout
+
+
+def test_leave_now_runs_the_exit_handlers_flushes_and_skips_the_teardown(tmp_path):
+    assert _run(tmp_path, "leave") == "done"
+    assert _run(tmp_path, "return") == "done torn down"  # the same script ending as usual: its teardown runs
+
+
+@pytest.mark.parametrize("how", ["leave", "return"])
+def test_pause_gc_then_resume_gc_freezes_and_collects_again(tmp_path, how):
+    assert _run(tmp_path, how, "pause").startswith("paused=True enabled=True frozen=True")
+
+
+def test_called_from_a_test_neither_pauses_the_collector_nor_leaves():
+    def main():
+        return None
+
+    assert not is_process_entry(main)
+    frozen = gc.get_freeze_count()
+    pause_gc(main)
+    assert gc.isenabled()
+    resume_gc()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+    leave_now(main, 5)  # returns: this test process goes on
