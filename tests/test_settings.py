@@ -3,6 +3,7 @@ planner and the resume signature; strategies built from it in setup and never ch
 
 import dataclasses
 import re
+import types
 
 import datasets
 import numpy as np
@@ -135,6 +136,7 @@ def test_the_planner_reads_the_datamodules_settings(small_text_dataset, monkeypa
 
     def build_plan(lengths, strategies, max_lengths, settings, configured, *args):
         seen.update(settings=settings, configured=configured, strategies=strategies)
+        return types.SimpleNamespace()  # a plan the caller adds to (a mix's sources)
 
     monkeypatch.setattr(planner, "build_plan", build_plan)
     planner.plan(dm)
