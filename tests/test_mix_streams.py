@@ -93,6 +93,7 @@ def _rows(batches):
     return [{k: v.tolist() for k, v in b.items()} for b in batches]
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(cut=st.integers(0, 30), exhausted=st.sampled_from(["stop", "repeat"]))
 def test_a_mix_of_streams_cut_anywhere_goes_on_with_the_same_batches(cut, exhausted):

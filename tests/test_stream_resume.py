@@ -96,6 +96,7 @@ def test_a_stream_loader_with_two_workers_cut_anywhere_goes_on_with_the_same_bat
     assert head + [_as_lists(b) for b in again] == full
 
 
+@pytest.mark.slow  # loader worker processes
 @pytest.mark.parametrize("before, after", [(2, 1), (0, 2), (2, 0)])
 def test_another_worker_count_reads_every_document_of_the_epoch_once(before, after):
     """Regrouped readers: the batches differ (rows in flight are packed again), the documents do not (those in the
@@ -133,7 +134,9 @@ def _fit(dm, max_steps, root, ckpt=None, save=False, model=None, **trainer):
     return model, t
 
 
-@pytest.mark.parametrize("workers", [0, 1, 2])
+@pytest.mark.parametrize(
+    "workers", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_a_run_resumed_from_a_checkpoint_trains_on_the_batches_of_the_uninterrupted_run(tmp_path, workers):
     """Lightning fetches one batch ahead of a stream: the checkpoint keeps it, and the resumed run trains on it."""
     files = _write_text_shards(tmp_path / "data")
@@ -214,6 +217,7 @@ def test_a_pretokenized_stream_without_a_tokenizer_trains_under_fit(tmp_path):
     assert dm.tokenizer is None and dm.stats()["train"]["documents"] > 0
 
 
+@pytest.mark.slow  # loader worker processes
 @pytest.mark.parametrize("before, after", [(2, 1), (0, 2)])
 def test_a_map_style_run_resumes_with_another_worker_count_exactly(small_text_dataset, tmp_path, before, after):
     """The batches are the sampler's, whatever the workers: the resumed run trains on the uninterrupted run's (was
