@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from lightning_seqmem.memory.optimizer_state import (
     step_temporaries,
     trained_parameters,
 )
+from lightning_seqmem.memory.preallocation_report import PreallocationOOMError, PreallocationReport
 from lightning_seqmem.memory.untouched import untouched
 from lightning_seqmem.memory.worst_batch import check_layout, make_dummy_batch
 from lightning_seqmem.messages import short_repr
@@ -40,48 +40,6 @@ from lightning_seqmem.protocols import (
 from lightning_seqmem.training.oom_hooks import pause_splitting
 
 __all__ = ["CachePreallocator", "PreallocationOOMError", "PreallocationReport"]
-
-
-class PreallocationOOMError(torch.OutOfMemoryError):
-    """The worst-case batch ran out of memory during pre-allocation (a ``torch.OutOfMemoryError``)."""
-
-
-@dataclass
-class PreallocationReport:
-    """What the pre-allocation pass did (``CachePreallocator.report``); sizes in bytes, ``None`` where not measured."""
-
-    shapes: list[tuple[int, int]]
-    keys: tuple[str, ...]
-    device: str
-    seconds: float = 0.0
-    peak_allocated: int | None = None  # CUDA: peak of live tensors during the pass
-    reserved: int | None = None  # CUDA: cached by the allocator after the pass
-    rss_before: int | None = None  # CPU: resident set size before the pass
-    peak_rss: int | None = None  # CPU: process peak RSS after the pass
-    passes: list[str] = field(default_factory=list)  # "fit_start", and "train_start" when re-reserved
-    layouts: list[Layout] = field(default_factory=list)  # document lengths per row of each shape's batch
-    optimizer_state: int | None = None  # bytes of optimizer state reserved; None: an optimizer we do not know
-
-    def summary(self) -> str:
-        shapes = ", ".join(f"{r}x{l}" for r, l in self.shapes)
-        state = (
-            "optimizer state not reserved (unknown optimizer)"
-            if self.optimizer_state is None
-            else f"optimizer state {stats.format_bytes(self.optimizer_state)}"
-        )
-        if self.device.startswith("cuda"):
-            sizes = (
-                f"peak allocated {stats.format_bytes(self.peak_allocated)}, "
-                f"reserved {stats.format_bytes(self.reserved)}"
-            )
-        else:
-            sizes = (
-                f"RSS {stats.format_bytes(self.rss_before)} before, process peak {stats.format_bytes(self.peak_rss)}"
-            )
-        return (
-            f"CachePreallocator: worst-case batch {shapes} (rows x length; {', '.join(self.keys)}) fits on "
-            f"{self.device} with {state}: {sizes} ({self.seconds:.1f}s)."
-        )
 
 
 # CUDA queries live in small functions so tests can simulate a GPU on CPU.
@@ -113,7 +71,9 @@ def _is_cuda(device: torch.device) -> bool:
 def _loss(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
         return output
-    return output.get("loss") if isinstance(output, dict) else None
+    if isinstance(output, dict):
+        return output.get("loss")
+    return None
 
 
 class CachePreallocator(Callback):
