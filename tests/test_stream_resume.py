@@ -489,3 +489,34 @@ def test_ranks_that_each_read_every_shard_regroup_their_own_readers_only():
 def _starts(lengths):
     """For each token of a packed row, whether a document starts there."""
     return [i == 0 for n in lengths for i in range(n)]
+
+
+def _cuts_on_a_rank(rank, cuts, batches=30):
+    """One of two gloo ranks: for each cut, a loader stopped there, its (gathered) state loaded into a new one,
+    and every later batch compared with the uninterrupted run's."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        full = [_as_lists(b) for _, b in zip(range(batches), _dm(_id_stream()).train_dataloader())]
+        for cut in cuts:
+            loader = _dm(_id_stream()).train_dataloader()
+            it = iter(loader)
+            head = [_as_lists(next(it)) for _ in range(cut)]
+            state = loader.state_dict()  # a collective: every rank's position
+            assert len(state["ranks"]) == 2
+            again = _dm(_id_stream()).train_dataloader()
+            again.load_state_dict(state)
+            assert head + [_as_lists(b) for _, b in zip(range(batches - cut), again)] == full, cut
+        return len(full)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@settings(max_examples=3, deadline=None)
+@given(cuts=st.lists(st.integers(0, 29), min_size=1, max_size=3))
+def test_two_ranks_cut_anywhere_go_on_with_the_same_batches(cuts):
+    from _forked_ranks import run_ranks
+
+    assert run_ranks(_cuts_on_a_rank, cuts) == [30, 30]
