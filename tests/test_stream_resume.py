@@ -305,6 +305,8 @@ def test_the_shuffle_buffer_draws_another_order_of_the_same_documents():
     in_order = _documents(_as_lists(b) for b in _dm(_id_stream(), buffer=1).train_dataloader())
     drawn = _documents(_as_lists(b) for b in _dm(_id_stream(), buffer=1, streaming_shuffle_buffer=8).train_dataloader())
     assert drawn != in_order and sorted(drawn) == sorted(in_order)
+    with pytest.raises(ValueError, match="streaming_shuffle_buffer must be an int >= 0, got -1"):
+        SeqMemDataModule(streaming_shuffle_buffer=-1)
 
 
 def _generated():

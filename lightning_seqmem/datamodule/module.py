@@ -127,6 +127,7 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
     _pretokenized = False  # set when the dataset already holds token ids
     _documents = None  # (tokenized DatasetDict, kind), once per process
     _largest_token_id = None  # pre-tokenized data: their largest id, found with _documents
+    _detected = None  # a stream's data kind, once detected
 
     def __init__(
         self,
@@ -266,7 +267,7 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
         if self._open_stream():
             # token ids need no tokenizer: know the kind before asking for one (a hub tokenizer is downloaded once
             # per node); a stream itself is read as trained on
-            self._pretokenized = detect_stream(self.dataset, self.settings.data.text_column).pretokenized
+            self._pretokenized = self._stream_kind().pretokenized
             _ = self.tokenizer
             return
         if isinstance(self.dataset, str) and self.dataset in ("builtin", BUILTIN_CHAT):
@@ -276,6 +277,12 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
         self.tokenized_documents()
         if self.settings.batching.packs_any():
             self.setup("fit")  # plans packing here, once per node: the other ranks' setup maps it (plan_cache)
+
+    def _stream_kind(self):
+        """The stream's data kind, detected once (a stream without features reads its first row to tell)."""
+        if self._detected is None:
+            self._detected = detect_stream(self.dataset, self.settings.data.text_column)
+        return self._detected
 
     def _open_stream(self) -> bool:
         """Whether the dataset is a stream, made one first when ``streaming=True``."""
@@ -324,7 +331,7 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
             self.read_mode = mix_read_mode(self.dataset, self.settings, *args)
             self._pretokenized = self.read_mode.pretokenized
         elif self._open_stream():
-            kind = detect_stream(self.dataset, self.settings.data.text_column)
+            kind = self._stream_kind()
             self._pretokenized = kind.pretokenized
             self.read_mode = StreamMode(self.dataset, kind, self.settings, rank_zero_warn, lambda: self.tokenizer)
         else:
