@@ -40,8 +40,8 @@ def _rank(rank: int, port: int, config: tuple, steps: int, out) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_seqmem.training.oom_hooks import all_reduce_max, average_gradients_
-    from lightning_seqmem.training.oom_runner import OomSplitter
+    from lightning_seqmem.oom.hooks import all_reduce_max, average_gradients_
+    from lightning_seqmem.oom.runner import OomSplitter
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -1,4 +1,5 @@
-"""seqmem-cli (LightningCLI): callbacks added the Lightning way, --print_config round trip, subclasses, bad class paths."""
+"""seqmem-cli (LightningCLI): callbacks added the Lightning way, --print_config round trip, subclasses, bad class
+paths."""
 
 import csv
 import pathlib

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader
 from lightning_seqmem import DPO, CausalLM
 from lightning_seqmem.batch import COMPLETION_MASK, SEQUENCE_INDEX
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
-from lightning_seqmem.training.oom_runner import OomSplitter, RowDoesNotFit
-from lightning_seqmem.training.oom_split import OomInjector, batch_tokens, pre_split, split_batch
+from lightning_seqmem.oom.runner import OomSplitter, RowDoesNotFit
+from lightning_seqmem.oom.split import OomInjector, batch_tokens, pre_split, split_batch
 
 VOCAB = 97
 TINY = dict(

@@ -13,7 +13,7 @@ from test_oom_split import TINY, VOCAB, padded, worst_relative
 from torch.utils.data import DataLoader
 
 from lightning_seqmem import CausalLM
-from lightning_seqmem.training.oom_split import OomInjector
+from lightning_seqmem.oom.split import OomInjector
 
 TOL = 1e-6
 PER_RANK = {r: [padded(rows=4, seed=10 * r + i) for i in range(4)] for r in range(2)}

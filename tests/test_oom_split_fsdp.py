@@ -22,7 +22,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from lightning_seqmem import DPO, CausalLM
 from lightning_seqmem.memory.preallocate import CachePreallocator
-from lightning_seqmem.training.oom_split import OomInjector
+from lightning_seqmem.oom.split import OomInjector
 
 TOL = 1e-6
 PER_RANK = {r: [padded(rows=4, seed=10 * r + i) for i in range(4)] for r in range(2)}

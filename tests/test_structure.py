@@ -20,6 +20,7 @@ PACKAGE = Path(lightning_seqmem.__file__).parent
 LAYERS = {
     "": 0,  # the foundation at the top of the package: batch contract, protocols, messages, lazy exports
     "data": 1,
+    "oom": 1.5,  # surviving an out-of-memory step by splitting the batch: under training/ and memory/
     "batching": 2,
     "training": 2,
     "mixing": 2.5,  # several sources mixed by weight: the spec, the interleaved order, its sampler (no Lightning)

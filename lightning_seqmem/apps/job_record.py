@@ -38,8 +38,9 @@ class JobRecord(Callback):
 
     ``wall_clock_s`` is time spent training since ``on_train_start`` with validation time left out (validation is
     measurement, the same cost for every job); ``elapsed_s`` includes it. ``cpu_s`` is the process's CPU time
-    over the same span (all threads), a steadier clock than wall-clock on a shared machine. ``tokens_seen`` counts the real (non-pad)
-    tokens of the batches the model trained on, after any in-place cut by ``SeqLengthWarmup``, summed over ranks.
+    over the same span (all threads), a steadier clock than wall-clock on a shared machine. ``tokens_seen`` counts the
+    real (non-pad) tokens of the batches the model trained on, after any in-place cut by ``SeqLengthWarmup``, summed
+    over ranks.
 
     ``train_progress.csv`` (next to ``path``) holds the mean of the logged ``train_monitor`` over the micro-batches
     since its previous row (rank 0's), with the same clocks and the same token count.

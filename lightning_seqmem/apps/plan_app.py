@@ -67,7 +67,8 @@ def _model_config(cfg, vocab_size: int, pad_token_id: int | None):
 
 
 def plan_from_config(cfg, output_dir: str | None = None):
-    """Build the :class:`~lightning_seqmem.apps.planner.RunPlan` for a composed ``plan.yaml`` config; returns ``(plan, notes)``."""
+    """Build the :class:`~lightning_seqmem.apps.planner.RunPlan` for a composed ``plan.yaml`` config; returns
+    ``(plan, notes)``."""
     from hydra.utils import instantiate
 
     from lightning_seqmem.apps.plan_lengths import stream_sample

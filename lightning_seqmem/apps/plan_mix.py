@@ -8,8 +8,8 @@ seeded part of one, until every source is read once (``exhausted="repeat"``) or 
 Sources of different kinds that share a batch layout (text, conversations, prompt/completion; ``data=mix``): each
 source is planned by its own kind (its own cuts at each ``max_length``, ``mix_lengths``), and every candidate's
 training rows are interleaved by the run's own ``MixedBatchSampler`` (``plan_mixed_strategy``), so efficiency, tokens
-lost, batches and the worst batch are the mixed epoch's. Each source's own length distribution is given beside the mix's.
-No Lightning import.
+lost, batches and the worst batch are the mixed epoch's. Each source's own length distribution is given beside the
+mix's. No Lightning import.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ STRATEGIES: tuple[Batching, ...] = (
     Pack(method="bfd"),
     Pack(method="wrapped"),
 )
-"""The batchings compared by default (``conf/plan.yaml``'s ``plan.strategies``); the configured one joins them at its max_length."""
+"""The batchings compared by default (``conf/plan.yaml``'s ``plan.strategies``); the configured one joins them at its
+max_length."""
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")  # what a memory trace hands the model
 TEXT = Text()
 
@@ -266,7 +267,8 @@ def plan(
     Args:
         datamodule: its tokenizer, batching, max_length and batch settings are what is planned (a stream: on its
             first 20,000 documents, ``plan_lengths.stream_sample``; a ``Mix``: as its epoch reads it, ``plan_mix``).
-        model_config: a ``transformers`` config (``training.building.build_model_config``); ``None`` plans the data only.
+        model_config: a ``transformers`` config (``training.building.build_model_config``); ``None`` plans the data
+            only.
         strategies: the batching options to compare (default :data:`STRATEGIES`); the DataModule's joins them.
         max_lengths: candidates; ``None`` = :func:`default_max_lengths` of the DataModule's.
         micro_batch_sizes: candidates for the memory table.

@@ -165,8 +165,8 @@ def length_histogram(
 def strategy_bars(plans: Sequence[Any], recommended: tuple[str, int] | None = None):
     """Token efficiency and share of tokens lost, one group of bars per strategy, one bar per max_length.
 
-    ``plans`` are :class:`~lightning_seqmem.apps.planner.StrategyPlan` (``strategy``, ``max_length``, ``token_efficiency``,
-    ``lost_share``); the ``recommended`` ``(strategy, max_length)`` bar is hatched.
+    ``plans`` are :class:`~lightning_seqmem.apps.planner.StrategyPlan` (``strategy``, ``max_length``,
+    ``token_efficiency``, ``lost_share``); the ``recommended`` ``(strategy, max_length)`` bar is hatched.
     """
     strategies = list(dict.fromkeys(p.strategy for p in plans))
     lengths = sorted({p.max_length for p in plans})

@@ -109,7 +109,8 @@ def check_token_table(
             if rows.size:
                 limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
                 raise ValueError(
-                    f"Row {first_row + int(rows[0])} of split {split!r}, column {column!r} holds a token id outside {limit}"
+                    f"Row {first_row + int(rows[0])} of split {split!r}, column {column!r} holds a token id "
+                    f"outside {limit}"
                     f"{' (or -100)' if column == 'labels' else ''} ({rows.size} such rows). Token ids must index the "
                     "tokenizer's vocabulary: re-tokenize with the tokenizer you pass, or pass the one used."
                 )

@@ -15,7 +15,8 @@ def _check_strings(batch: dict, columns: Sequence[str], indices: Sequence[int], 
         for idx, value in zip(indices, batch[column]):
             if not isinstance(value, str):
                 raise TypeError(
-                    f"Row {idx} of split {split!r}, column {column!r} is {type(value).__name__} ({value!r:.60}), not a string. "
+                    f"Row {idx} of split {split!r}, column {column!r} is {type(value).__name__} ({value!r:.60}), "
+                    "not a string. "
                     "Clean the dataset (e.g. dataset.filter(lambda r: isinstance(r[col], str))) or cast the column."
                 )
 

@@ -2,8 +2,8 @@
 
 Accepted datasets: ``"builtin"`` (the standard-library corpus), ``"builtin_chat"`` (the same as conversations),
 ``"builtin_preference"`` (its documents as preference pairs, ``data.preference_corpus``), a
-``datasets.Dataset``/``DatasetDict``, a ``pandas.DataFrame`` (its columns), a directory saved with ``save_to_disk``, local
-``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
+``datasets.Dataset``/``DatasetDict``, a ``pandas.DataFrame`` (its columns), a directory saved with ``save_to_disk``,
+local ``.json``/``.jsonl``/``.parquet``/``.txt``/``.csv`` files (a path,
 a glob or a list), a hub name (loaded with ``datasets.load_dataset``; only when the user asks for it), or the
 data itself: a list of strings (documents), of dicts (rows) or of conversations (lists of ``{"role", "content"}``
 dicts, which become a ``messages`` column).
@@ -186,8 +186,8 @@ def load_text_dataset(dataset: Any = "builtin"):
             dsd = load_path_or_name([os.fspath(x) for x in dataset])
     else:
         raise TypeError(
-            f"dataset must be 'builtin', a datasets.Dataset/DatasetDict, a pandas.DataFrame, a path, a list of files, documents or "
-            f"rows, or a hub name; got {type(dataset).__name__}."
+            "dataset must be 'builtin', a datasets.Dataset/DatasetDict, a pandas.DataFrame, a path, a list of files, "
+            f"documents or rows, or a hub name; got {type(dataset).__name__}."
         )
     if "train" not in dsd:
         raise ValueError(

@@ -183,7 +183,8 @@ def _tokenize_task(task: tuple[int, Shard], ds, job: _Job) -> tuple[str, int]:
 
 def _tokenize_shard(index: int, shard: Shard, ds, job: _Job, progress=None) -> tuple[str, int]:
     """Tokenize the rows of ``shard`` into ``tokens-<index>.arrow`` (an Arrow stream file ``datasets`` can
-    memory-map); ``(file name, rows)``. The input is streamed a slice at a time (``arrow_stream``), never kept resident."""
+    memory-map); ``(file name, rows)``. The input is streamed a slice at a time (``arrow_stream``), never kept
+    resident."""
     import pyarrow as pa
 
     fn = job.kind.encoder(job.tokenizer, job.text_column, job.conversation)

@@ -104,7 +104,8 @@ def load_tokenizer(tokenizer: Any = None):
         tok = tokenizer
     else:
         raise TypeError(
-            f"tokenizer must be None, a name or path, or a Hugging Face tokenizer object; got {type(tokenizer).__name__}."
+            "tokenizer must be None, a name or path, or a Hugging Face tokenizer object; got "
+            f"{type(tokenizer).__name__}."
         )
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:

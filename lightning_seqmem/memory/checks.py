@@ -62,7 +62,8 @@ def packed_safe_attention() -> frozenset[str]:
     ``position_ids`` only in one-row batches; with more rows it needs the varlen arguments
     (:func:`~lightning_seqmem.training.varlen.flash_varlen_kwargs`), which the ``flash_varlen`` check asks for.
     """
-    # torch_varlen reads the varlen arguments or, without them, position_ids itself (lightning_seqmem.training.attention)
+    # torch_varlen reads the varlen arguments or, without them, position_ids itself
+    # (lightning_seqmem.training.attention)
     safe = {"flash_attention_2", "flash_attention_3", "torch_varlen"}
     try:
         from transformers import masking_utils
@@ -248,7 +249,8 @@ class ConfigChecks(Callback):
 
     Checks (names for ``skip``): ``eval_batch_size`` differs from ``micro_batch_size``; ``batch_size`` given instead
     of ``micro_batch_size`` x ``accumulate_grad_batches``; ``fp16_packing``: fp16 weights (``16-true``) with packing
-    and no flash attention; ``fp16_full_finetuning``: fp16 weights trained whole, not a (PEFT) adapter; ``fp8_compile``: Transformer Engine fp8 without ``torch.compile``; ``packing_attention``:
+    and no flash attention; ``fp16_full_finetuning``: fp16 weights trained whole, not a (PEFT) adapter; ``fp8_compile``:
+    Transformer Engine fp8 without ``torch.compile``; ``packing_attention``:
     packing with an attention implementation that cannot keep documents apart; ``flash_varlen``: packing with flash
     attention and several rows per batch, from a module that does not say it passes the varlen arguments
     (``passes_flash_varlen_kwargs = True``; ``CausalLM`` does); ``dynamic_shapes``: changing shapes on

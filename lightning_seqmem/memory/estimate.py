@@ -91,8 +91,8 @@ def estimate_training_memory(
     """Peak live tensor bytes of training ``model_config`` on ``[rows, length]`` batches, traced on fake tensors.
 
     Args:
-        model_config: a ``transformers`` config (``lightning_seqmem.training.building.build_model_config`` builds one from
-            the presets).
+        model_config: a ``transformers`` config (``lightning_seqmem.training.building.build_model_config`` builds
+            one from the presets).
         rows, length: the batch shape (the run's worst case: ``SeqMemDataModule.max_batch_shape()``).
         keys: the batch keys (``batch_keys()``): padded batches carry an ``attention_mask``, packed ones
             ``position_ids``.

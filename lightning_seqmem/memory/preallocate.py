@@ -30,6 +30,7 @@ from lightning_seqmem.memory.preallocation_report import PreallocationOOMError, 
 from lightning_seqmem.memory.untouched import untouched
 from lightning_seqmem.memory.worst_batch import check_layout, make_dummy_batch
 from lightning_seqmem.messages import short_repr
+from lightning_seqmem.oom.hooks import pause_splitting
 from lightning_seqmem.protocols import (
     GivesBatchKeys,
     GivesMaxBatchShape,
@@ -37,7 +38,6 @@ from lightning_seqmem.protocols import (
     GivesWorstBatchLayout,
     find_pad_token_id,
 )
-from lightning_seqmem.training.oom_hooks import pause_splitting
 
 __all__ = ["CachePreallocator", "PreallocationOOMError", "PreallocationReport"]
 

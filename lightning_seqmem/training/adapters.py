@@ -130,7 +130,8 @@ def _target_names(value: Any) -> str | tuple[str, ...]:
     if isinstance(value, Sequence) and value and all(isinstance(name, str) and name for name in value):
         return tuple(value)
     raise ValueError(
-        f"lora.target_modules={short_repr(list(value) if isinstance(value, tuple) else value)} is not valid: use 'all-linear' or a non-empty list of module names "
+        f"lora.target_modules={short_repr(list(value) if isinstance(value, tuple) else value)} is not valid: use "
+        "'all-linear' or a non-empty list of module names "
         "(e.g. ['q_proj', 'v_proj'])."
     )
 

@@ -60,7 +60,8 @@ def build_model_config(model_config: str | dict[str, Any], vocab_size: int, pad_
     if isinstance(model_config, str):
         if model_config not in MODEL_PRESETS:
             raise ValueError(
-                f"Unknown model_config {short_repr(model_config)}; choose one of {sorted(MODEL_PRESETS)}, pass a dict with "
+                f"Unknown model_config {short_repr(model_config)}; choose one of {sorted(MODEL_PRESETS)}, pass a "
+                "dict with "
                 "'model_type' and config fields, or pass pretrained_path=<local directory>."
             )
         fields = dict(MODEL_PRESETS[model_config])

@@ -21,11 +21,12 @@ from typing_extensions import override
 
 from lightning_seqmem.batch import REF_LOGPS_KEYS
 from lightning_seqmem.messages import check_choice
-from lightning_seqmem.training import checks, oom_fsdp
+from lightning_seqmem.oom import fsdp as oom_fsdp
+from lightning_seqmem.oom.split import pair_count
+from lightning_seqmem.training import checks
 from lightning_seqmem.training.adapters import is_peft_model
 from lightning_seqmem.training.loss_layer import completion_token_logps
 from lightning_seqmem.training.model import CausalLM
-from lightning_seqmem.training.oom_split import pair_count
 from lightning_seqmem.training.preference_loss import (
     completion_positions,
     dpo_loss,

@@ -20,6 +20,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
+from lightning_seqmem.oom.hooks import SplitsOnOom
 from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
 from lightning_seqmem.training import adapter_checkpoints, adapters, checks, fsdp_cpu
 from lightning_seqmem.training.attention import AUTO, resolve_attn_implementation
@@ -36,7 +37,6 @@ from lightning_seqmem.training.loss_layer import (
     resolve_cross_entropy,
 )
 from lightning_seqmem.training.metrics import TokenEfficiency
-from lightning_seqmem.training.oom_hooks import SplitsOnOom
 from lightning_seqmem.training.optimization import check_optimizer, make_optimizer, no_decay_names, warmup_cosine
 from lightning_seqmem.training.source_losses import SourceLosses
 from lightning_seqmem.training.varlen import TORCH_VARLEN, batch_varlen_kwargs, needs_varlen_kwargs
@@ -93,7 +93,7 @@ class CausalLM(SourceLosses, SplitsOnOom, FsdpAwareClipping, LightningModule):
             there again). ``SaveAdapter`` writes the adapter in PEFT's format; ``merge_adapter(model.model)`` merges.
         on_oom: ``"raise"``: an out-of-memory error stops the run; ``"split"``: the micro-batch is run again in
             halves (a packed row cut between documents), its gradient unchanged, and later ones as large are split
-            before they run (:mod:`~lightning_seqmem.training.oom_hooks`, ``docs/oom.md``).
+            before they run (:mod:`~lightning_seqmem.oom.hooks`, ``docs/oom.md``).
 
     Example::
 

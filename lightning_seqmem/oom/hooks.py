@@ -2,7 +2,7 @@
 
 Why the backward moves into ``training_step``: an out-of-memory error in backward happens after ``training_step`` has
 returned, inside Lightning's closure, where nothing can retry the micro-batch. So with ``on_oom="split"`` the step
-runs the forward *and* the backward of its parts itself (:class:`~lightning_seqmem.training.oom_runner.OomSplitter`),
+runs the forward *and* the backward of its parts itself (:class:`~lightning_seqmem.oom.runner.OomSplitter`),
 each part's loss treated as Lightning would treat the step's: divided by ``accumulate_grad_batches`` and scaled by
 the precision plugin's ``GradScaler`` when there is one. It returns the micro-batch's loss detached, and
 :meth:`SplitsOnOom.backward` (the hook Lightning's precision plugin calls) skips the backward already done. The rest
@@ -20,7 +20,7 @@ rank then splits the same sizes, and a row that fits nowhere stops every rank, n
 window's averaged gradient is one bucketed all-reduce in ``on_after_backward`` of its last micro-batch. That
 reduction is not overlapped with the backward as DDP's is: the price of never hanging (``docs/oom.md``). Under FSDP
 the parts are made collective-free the same way, its gathers moved before them and its reduce-scatter after the
-window (:mod:`~lightning_seqmem.training.oom_fsdp`). DeepSpeed gathers and reduces inside every forward and backward,
+window (:mod:`~lightning_seqmem.oom.fsdp`). DeepSpeed gathers and reduces inside every forward and backward,
 so a rank's failure there is mid-collective: refused.
 """
 
@@ -35,8 +35,8 @@ import torch
 from typing_extensions import override
 
 from lightning_seqmem.messages import check_choice
-from lightning_seqmem.training import oom_fsdp
-from lightning_seqmem.training.oom_runner import (
+from lightning_seqmem.oom import fsdp as oom_fsdp
+from lightning_seqmem.oom.runner import (
     FIXES,
     ON_OOM,
     OomSplitter,
@@ -44,7 +44,7 @@ from lightning_seqmem.training.oom_runner import (
     RowDoesNotFit,
     does_not_fit_message,
 )
-from lightning_seqmem.training.oom_split import Batch
+from lightning_seqmem.oom.split import Batch
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 

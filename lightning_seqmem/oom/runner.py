@@ -1,7 +1,7 @@
 """Run one micro-batch's forward and backward, split in parts when it runs out of memory, with the same gradient.
 
 :class:`OomSplitter` is torch only (no Lightning): ``CausalLM`` and ``DPO`` call it from their steps
-(:mod:`~lightning_seqmem.training.oom_hooks`) with a forward that returns the part's share of the micro-batch's loss
+(:mod:`~lightning_seqmem.oom.hooks`) with a forward that returns the part's share of the micro-batch's loss
 (its token sum over the micro-batch's count, or its pairs' sum over the micro-batch's pairs), so the parts' losses
 and gradients add up to the micro-batch's.
 
@@ -14,7 +14,7 @@ What stays exact when an attempt fails:
   every parameter receives the part's gradient once. Gradients of earlier micro-batches are never touched.
 
 A part of ``limit`` tokens or more that ran out of memory once is split before it runs the next time
-(:func:`~lightning_seqmem.training.oom_split.pre_split`), so a run pays one failed attempt, not one per step.
+(:func:`~lightning_seqmem.oom.split.pre_split`), so a run pays one failed attempt, not one per step.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lightning_seqmem.training.oom_split import Batch, batch_tokens, pre_split, split_batch
+from lightning_seqmem.oom.split import Batch, batch_tokens, pre_split, split_batch
 
 ON_OOM = ("raise", "split")
 FIXES = (
