@@ -12,8 +12,8 @@ import torch
 from _forked_ranks import run_ranks
 from transformers import PreTrainedTokenizerFast
 
+from lightning_seqmem.data.backend import tokenizer_fingerprint
 from lightning_seqmem.data.cache_dir import default_cache_dir
-from lightning_seqmem.data.token_cache import tokenizer_fingerprint
 from lightning_seqmem.datamodule.module import SeqMemDataModule
 from lightning_seqmem.kinds.text import Text
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_seqmem.data.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
+from lightning_seqmem.data.backend import tokenizer_fingerprint
 from lightning_seqmem.data.cache_dir import default_cache_dir
 from lightning_seqmem.data.encode import document_frame
 from lightning_seqmem.data.fork_workers import run_in_workers
@@ -51,21 +52,6 @@ def default_num_proc(rows: int) -> int:
     if rows < SMALL_DATASET_ROWS:
         return 1
     return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A hash of what the tokenizer does: its serialised backend (vocabulary, merges, normaliser, added tokens)
-    and special tokens for fast tokenizers; ``datasets``' pickling hash for anything else."""
-    h = hashlib.sha256(type(tokenizer).__qualname__.encode())
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and hasattr(backend, "to_str"):
-        h.update(backend.to_str().encode())
-        h.update(repr(sorted((k, str(v)) for k, v in getattr(tokenizer, "special_tokens_map", {}).items())).encode())
-    else:
-        from datasets.fingerprint import Hasher
-
-        h.update(Hasher.hash(tokenizer).encode())
-    return h.hexdigest()
 
 
 def _writer_prefix(name: str) -> str:

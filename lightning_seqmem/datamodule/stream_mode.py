@@ -68,7 +68,7 @@ class StreamMode(SavesSignature):
         """What a saved stream position refers to: the settings that decide the rows and batches, the data kind,
         the stream (its shards and files, the validation documents carved out of it), the packing window and the
         tokenizer (its content)."""
-        from lightning_seqmem.data.token_cache import tokenizer_fingerprint
+        from lightning_seqmem.data.backend import tokenizer_fingerprint
 
         identity = stream_identity(self.streams.read["train"], self.streams.leave_out)
         settings = dict(
