@@ -24,3 +24,44 @@ def check_choice(name: str, value: Any, choices: tuple) -> None:
     """Raise a ``ValueError`` naming the setting and its valid choices when ``value`` is not one of them."""
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not valid; use one of {choices}.")
+
+
+# ------------------------------------------------------------------------------------------------------- spelling
+SURFACES = ("python", "hydra", "cli")
+_SURFACE_ENV = "LIGHTNING_SEQMEM_SURFACE"  # inherited by the ranks and workers an app starts
+
+
+def set_surface(surface: str) -> None:
+    """Say which surface the user configures this run from, so messages spell a fix the way they would type it:
+    ``"python"`` (default: ``SeqMemDataModule(on_resume_mismatch='restart_epoch')``), ``"hydra"`` (``seqmem-train``:
+    ``data.on_resume_mismatch=restart_epoch``) or ``"cli"`` (``seqmem-cli``: ``--data.on_resume_mismatch
+    restart_epoch``). Kept in the environment so the processes a launcher starts spell alike."""
+    import os
+
+    check_choice("surface", surface, SURFACES)
+    os.environ[_SURFACE_ENV] = surface
+
+
+def surface() -> str:
+    """The surface set by :func:`set_surface` (``"python"`` when none was)."""
+    import os
+
+    value = os.environ.get(_SURFACE_ENV, "python")
+    return value if value in SURFACES else "python"
+
+
+def spell_data_option(name: str, value: Any) -> str:
+    """A ``SeqMemDataModule`` argument set to ``value``, as the user types it on the current surface.
+
+    Example::
+
+        >>> spell_data_option("on_resume_mismatch", "restart_epoch")  # surface "python"
+        "on_resume_mismatch='restart_epoch'"
+    """
+    where = surface()
+    if where == "hydra":
+        text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        return f"data.{name}={text}"
+    if where == "cli":
+        return f"--data.{name} {'null' if value is None else value}"
+    return f"{name}={value!r}"
