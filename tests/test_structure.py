@@ -25,6 +25,7 @@ LAYERS = {
     "training": 2,
     "mixing": 2.5,  # several sources mixed by weight: the spec, the interleaved order, its sampler (no Lightning)
     "kinds": 2.5,  # the data kinds: over data/ and batching/, under the DataModule and the apps
+    "streams": 2.75,  # the stream engine: readers, rows, regrouping, counts, splits, identity, the mixed reader
     "datamodule": 3,
     "memory": 3,
     "warmup": 3,
@@ -270,3 +271,15 @@ def test_readme_imports_resolve():
     assert statements, "the README shows no import of the package"
     for statement in statements:
         exec(statement, {})
+
+
+@pytest.mark.parametrize("folder", ["data", "batching", "kinds", "mixing", "streams"])
+def test_the_functional_core_imports_no_lightning(folder):
+    """The core folders run without Lightning: the stream engine and the mixers are tested and reused on their own."""
+    found = []
+    for path in (PACKAGE / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning")]
+    assert not found, f"{folder}/ imports Lightning: {found}"

@@ -31,9 +31,9 @@ from lightning_seqmem.datamodule.read_mode import ReadMode
 from lightning_seqmem.datamodule.resume_hooks import ResumeHooks
 from lightning_seqmem.datamodule.settings import SeqMemSettings
 from lightning_seqmem.datamodule.stream_mode import StreamMode
-from lightning_seqmem.datamodule.streaming import is_stream
 from lightning_seqmem.kinds.detect import detect_stream
 from lightning_seqmem.mixing.spec import Mix
+from lightning_seqmem.streams.reading import is_stream
 
 _SPECIAL_IDS = ("pad_token_id", "eos_token_id")
 

@@ -21,12 +21,13 @@ from lightning_seqmem.batch import SOURCE_INDEX
 from lightning_seqmem.data.sources import open_stream
 from lightning_seqmem.datamodule.read_mode import split_strategies
 from lightning_seqmem.datamodule.resume import SavesSignature, data_signature
-from lightning_seqmem.datamodule.stream_signature import stream_identity
-from lightning_seqmem.datamodule.streaming import StreamingLoader, Streams, check_streaming, is_stream
 from lightning_seqmem.kinds.base import DOCUMENT_STATS
 from lightning_seqmem.kinds.detect import detect_stream
 from lightning_seqmem.mixing.spec import Mix
-from lightning_seqmem.mixing.stream_mix import MixedRows, row_documents, row_tokens
+from lightning_seqmem.streams.identity import stream_identity
+from lightning_seqmem.streams.loader import StreamingLoader
+from lightning_seqmem.streams.mixed import MixedRows, row_documents, row_tokens
+from lightning_seqmem.streams.reading import Streams, check_streaming, is_stream
 
 SPLITS = ("train", "validation")
 

@@ -11,9 +11,9 @@ from torch.utils.data import DataLoader
 from lightning_seqmem.datamodule.pipeline import SPLITS, TEST
 from lightning_seqmem.datamodule.read_mode import split_strategies
 from lightning_seqmem.datamodule.resume import SavesSignature, data_signature
-from lightning_seqmem.datamodule.stream_signature import stream_identity
-from lightning_seqmem.datamodule.streaming import Streams, check_streaming
 from lightning_seqmem.kinds.base import Kind
+from lightning_seqmem.streams.identity import stream_identity
+from lightning_seqmem.streams.reading import Streams, check_streaming
 
 
 class StreamMode(SavesSignature):

@@ -1,7 +1,7 @@
 """A stream tokenized and packed on the fly, one reader per loader worker, its whole position a state.
 
 What decides the next row of a reader is all here, behind ``state_dict``/``load_state_dict``: the position in each
-of its shards (``stream_readers``), the documents waiting in the packing window and the rows packed but not yet
+of its shards (``readers``), the documents waiting in the packing window and the rows packed but not yet
 handed out (``PackingWindow``), the pass and the document count, and what it has counted so far. torchdata's
 ``StatefulDataLoader`` asks each loader worker for it after every batch; a resumed worker starts where its saved
 self stopped. A resume with other readers (workers or ranks) gets :class:`Regrouped` instead. No Lightning import.
@@ -18,8 +18,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_seqmem.batching.streaming_packer import StreamingPacker, pieces_state, window_pieces
 from lightning_seqmem.data.line_ranges import MARK as LINE_RANGES
-from lightning_seqmem.datamodule.stream_counts import StreamCounts
-from lightning_seqmem.datamodule.stream_readers import (
+from lightning_seqmem.streams.counts import StreamCounts
+from lightning_seqmem.streams.readers import (
     Layout,
     OrderedReader,
     ShardReader,
@@ -27,7 +27,7 @@ from lightning_seqmem.datamodule.stream_readers import (
     can_shard,
     merge_positions,
 )
-from lightning_seqmem.datamodule.stream_splits import LEFT_OUT, left_out_warning
+from lightning_seqmem.streams.splits import LEFT_OUT, left_out_warning
 
 __all__ = ["Regrouped", "StreamingRows"]
 
@@ -36,13 +36,13 @@ class StreamingRows(IterableDataset):
     """A stream tokenized and packed on the fly.
 
     ``stream`` is the whole stream; each reader (rank ``rank`` of ``world``, and its loader worker) reads its own
-    shards of it (``stream_readers.Layout``). Memory is bounded by the packer's window. With ``cycle`` the stream
+    shards of it (``readers.Layout``). Memory is bounded by the packer's window. With ``cycle`` the stream
     restarts when it ends, so DDP ranks (whose shares differ in length) never wait on each other; stop training with
     ``max_steps``. With ``reshuffle`` every pass sets the stream's epoch (``set_epoch``), so a shuffled stream
     (``stream.shuffle(...)``) is dealt anew each epoch. With ``required`` (training), a pass that gives no row is an
     error in the main process, and ends a loader worker (one with no file of its own) instead of repeating nothing
     forever. With ``leave_out`` (a training stream whose validation head was carved out of it,
-    ``stream_splits.NotIn``), each document equal to a validation document is left out and counted, and a pass that
+    ``splits.NotIn``), each document equal to a validation document is left out and counted, and a pass that
     left out copies of them says so (``on_left_out``). ``on_replay``: told how many documents a source that cannot
     seek reads again on resume.
     """

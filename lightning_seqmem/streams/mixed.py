@@ -34,7 +34,7 @@ class MixedRows(IterableDataset):
     """Rows of several row streams, interleaved so every prefix holds each source's share within one row.
 
     Args:
-        sources: per source, an iterable of packed rows (``datamodule.streaming.StreamingRows``); iterated again for
+        sources: per source, an iterable of packed rows (``streams.rows.StreamingRows``); iterated again for
             each pass (``epoch`` is set on it when it has one, so a shuffled stream is dealt anew).
         weights: ``[sources]`` shares summing to 1 (weight 0: never read).
         exhausted: ``"stop"``: the rows end when the first source ends; ``"repeat"``: a source that ends is read

@@ -7,7 +7,7 @@ for a Lightning run: the batches fetched ahead, every rank's position, and a res
 - **Every rank.** Lightning writes rank 0's checkpoint, and each rank reads its own share of the stream: the
   positions of all ranks are gathered into it (``state_dict`` is a collective under DDP/FSDP, as checkpointing is).
 - **Other readers.** torchdata resumes only the same number of workers. With another number of workers or ranks,
-  the saved readers are dealt out anew (``stream_rows.Regrouped``): no document lost or read twice in the epoch.
+  the saved readers are dealt out anew (``rows.Regrouped``): no document lost or read twice in the epoch.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_seqmem.datamodule.stream_rows import Regrouped, StreamingRows
+from lightning_seqmem.streams.rows import Regrouped, StreamingRows
 
 _SNAPSHOT, _WORKERS = "_snapshot", "_worker_snapshots"
 _DATASET_STATE = "dataset_state"  # torchdata's key of a dataset's state, in the main process and in a worker's

@@ -22,22 +22,13 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
-from lightning_seqmem.datamodule.stream_counts import StreamCounts
-from lightning_seqmem.datamodule.stream_loader import StreamingLoader
-from lightning_seqmem.datamodule.stream_rows import StreamingRows
-from lightning_seqmem.datamodule.stream_splits import LEFT_OUT, streaming_splits
 from lightning_seqmem.kinds.base import DOCUMENT_STATS, Kind
+from lightning_seqmem.streams.counts import StreamCounts
+from lightning_seqmem.streams.loader import StreamingLoader
+from lightning_seqmem.streams.rows import StreamingRows
+from lightning_seqmem.streams.splits import LEFT_OUT, streaming_splits
 
-__all__ = [
-    "DealtBatches",
-    "StreamCounts",
-    "StreamingLoader",
-    "StreamingRows",
-    "Streams",
-    "check_streaming",
-    "is_stream",
-    "streaming_loader",
-]
+__all__ = ["DealtBatches", "Streams", "check_streaming", "is_stream", "layout_warnings", "streaming_loader"]
 
 
 def is_stream(dataset: Any) -> bool:
@@ -108,7 +99,7 @@ def streaming_loader(
 
     Under DDP/FSDP the train stream is split by rank and repeats (``cycle``); a validation stream is read whole by
     every rank and its rows dealt out in equal numbers of batches (:class:`DealtBatches`). ``leave_out``: the
-    training documents to leave out (copies of validation documents, ``stream_splits.NotIn``), counted and warned.
+    training documents to leave out (copies of validation documents, ``splits.NotIn``), counted and warned.
     ``shuffle``: the training readers' shuffle buffer (``streaming_shuffle_buffer``), seeded by ``seed``.
     """
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -228,7 +219,7 @@ class Streams:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split, the counts so far on this process (a stream's totals are known only once it is read); for
-        training also the documents left out as validation (``stream_splits.LEFT_OUT``)."""
+        training also the documents left out as validation (``splits.LEFT_OUT``)."""
         keep = {*DOCUMENT_STATS, *self.kind.stats_keys, "rows"}  # not other kinds' keys
         return {
             split: {
