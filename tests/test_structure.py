@@ -273,7 +273,7 @@ def test_readme_imports_resolve():
         exec(statement, {})
 
 
-@pytest.mark.parametrize("folder", ["data", "batching", "kinds", "mixing", "streams"])
+@pytest.mark.parametrize("folder", ["batching", "kinds", "mixing", "streams"])
 def test_the_functional_core_imports_no_lightning(folder):
     """The core folders run without Lightning: the stream engine and the mixers are tested and reused on their own."""
     found = []
