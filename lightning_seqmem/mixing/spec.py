@@ -79,6 +79,7 @@ class Mix:
             raise ValueError(f"Mix(seed={seed!r}) must be an int or None (the DataModule's seed).")
         parsed = tuple(_source(str(name), value) for name, value in sources.items())
         names = [s.name for s in parsed]
+        _check_unique(list(sources))
         object.__setattr__(self, "sources", parsed)
         object.__setattr__(self, "weights", _normalised(names, weights))
         object.__setattr__(self, "by", by)
@@ -87,6 +88,15 @@ class Mix:
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Mix is frozen: build another Mix instead of setting {name!r}.")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle`` and ``copy.deepcopy`` keep (``ddp_spawn`` and loader workers started by ``spawn``)."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled or copied ``Mix`` past the frozen ``__setattr__`` (as ``__init__`` sets it)."""
+        for name in self.__slots__:
+            object.__setattr__(self, name, state[name])
 
     def __eq__(self, other: object) -> bool:
         """Same sources (names, columns, and the same dataset: the same object, or equal names and lists), weights,
@@ -122,8 +132,29 @@ class Mix:
         return f"Mix({shares}, by={self.by!r}, exhausted={self.exhausted!r}, seed={self.seed})"
 
 
+def _check_unique(keys: list[Any]) -> None:
+    """Source names are ``str(key)``: two keys that read alike (``1`` and ``"1"``) would train as one name."""
+    seen: dict[str, Any] = {}
+    for key in keys:
+        if str(key) in seen:
+            raise ValueError(
+                f"Mix sources {seen[str(key)]!r} and {key!r} are both named {str(key)!r} (a source's name is its key "
+                "as a string): give them names that differ."
+            )
+        seen[str(key)] = key
+
+
 def _same(a: Any, b: Any) -> bool:
-    return a is b or (isinstance(a, (str, list, tuple)) and type(a) is type(b) and a == b)
+    """The same dataset: one object, equal names or lists, one ``datasets`` fingerprint (a pickled or copied
+    ``Dataset`` keeps it), or equal pandas frames."""
+    if a is b or (isinstance(a, (str, list, tuple)) and type(a) is type(b) and a == b):
+        return True
+    if type(a) is not type(b):
+        return False
+    fingerprint = getattr(a, "_fingerprint", None)
+    if fingerprint is not None:
+        return fingerprint == getattr(b, "_fingerprint", None)
+    return callable(getattr(a, "equals", None)) and bool(a.equals(b))  # pandas
 
 
 def _source(name: str, value: Any) -> Source:
