@@ -19,7 +19,9 @@ def _texts(tag, n=30):
 
 
 def _mix(**kw):
-    return Mix({"web": _texts("web"), "code": [f"def f{i}(): return {i}" for i in range(20)]}, {"web": 0.7, "code": 0.3}, **kw)
+    return Mix(
+        {"web": _texts("web"), "code": [f"def f{i}(): return {i}" for i in range(20)]}, {"web": 0.7, "code": 0.3}, **kw
+    )
 
 
 @pytest.mark.parametrize("copier", [pickle.loads.__name__, "deepcopy"])

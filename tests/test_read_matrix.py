@@ -91,7 +91,10 @@ REFUSED = {
     "dataset": (dict(dataset="other"), r"dataset"),
     "tokenizer": (dict(tokenizer="other"), r"tokenizer: changed"),
     "max_length": (dict(max_length=24), r"max_length: 32 -> 24"),
-    "batching": (dict(batching=Pack(overflow="truncate")), r"batching: Pack\(\) -> Pack\(overflow='truncate'\)"),
+    "batching": (
+        dict(batching=Pack(overflow="truncate")),
+        r"batching: Pack\(method='bfd'\) -> Pack\(method='bfd', overflow='truncate'\)",
+    ),
     "weights": (dict(weights={"web": 0.5, "code": 0.5}), r"weights: \{'web': 0.7, 'code': 0.3\} -> \{'web': 0.5"),
 }
 

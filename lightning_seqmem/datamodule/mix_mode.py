@@ -23,7 +23,8 @@ from lightning_seqmem.batching.strategies import PackedRows, PadStrategy, larges
 from lightning_seqmem.data.columns import largest_of
 from lightning_seqmem.datamodule.pipeline import load_documents, prepare_split, split_documents
 from lightning_seqmem.datamodule.read_mode import split_strategies
-from lightning_seqmem.datamodule.resume import ResumableLoader, SavesSignature, data_signature
+from lightning_seqmem.datamodule.resume import ResumableLoader, SavesSignature
+from lightning_seqmem.datamodule.signature import rows_identity
 from lightning_seqmem.kinds.base import DOCUMENT_STATS, epoch_stats
 from lightning_seqmem.mixing.sampler import MixedBatchSampler
 from lightning_seqmem.mixing.spec import Mix
@@ -35,7 +36,7 @@ def mix_read_mode(mix: Mix, settings: Any, tokenizer: Callable[[], Any], explici
     if settings.data.streaming:
         from lightning_seqmem.datamodule.stream_mix_mode import StreamMixMode
 
-        return StreamMixMode(mix, settings, warn)
+        return StreamMixMode(mix, settings, warn, tokenizer)
     return MixMode(mix, settings, tokenizer, explicit_tokenizer, warn, info)
 
 
@@ -63,7 +64,7 @@ class MixMode(SavesSignature):
         warn: Callable[[str], None],
         info: Callable[[str], None],
     ) -> None:
-        self.mix, self.settings = mix, settings
+        self.mix, self.settings, self.tokenizer = mix, settings, tokenizer
         self.seed = settings.batching.seed if mix.seed is None else mix.seed
         self.sources: list[dict[str, Any]] = []  # per source: kind, strategies, rows, lengths, units, stats
         for source in mix.sources:
@@ -82,7 +83,6 @@ class MixMode(SavesSignature):
         self.kind = self.sources[0]["kind"]
         self.strategies = self.sources[0]["strategies"]  # every source batches alike (``_check_layouts``)
         self.datasets = {split: [s["datasets"][split] for s in self.sources] for split in ("train", "validation")}
-        self.skip_resume_state = False
         self._epoch_stats: tuple[MixedBatchSampler, Any] | None = None
 
     def _prepare(self, name, tokenized, kind, tokenizer, warn, info) -> dict[str, Any]:
@@ -156,7 +156,7 @@ class MixMode(SavesSignature):
             padded_length=strategy.padded_length if budget else None,
         )
 
-    def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
+    def loader(self, split: str, tokenizer: Any, pad_token_id: int, lookahead=None) -> DataLoader:
         if split not in ("train", "validation"):
             raise ValueError(f"A Mix serves 'train' and 'validation', not {split!r}.")
         collate = self.strategies[split].collator(pad_token_id)
@@ -174,8 +174,8 @@ class MixMode(SavesSignature):
             collate_fn=collate,
             num_workers=self.settings.data.num_workers,
             persistent_workers=self.settings.data.num_workers > 0,
+            restart=self.restart,
         )
-        loader.skip_resume_state = self.skip_resume_state
         return loader
 
     @property
@@ -256,11 +256,12 @@ class MixMode(SavesSignature):
         return self.strategies["train"].worst_layout(rows, length, lengths)
 
     # ------------------------------------------------------------------------------------------- resume
-    def data_signature(self) -> dict[str, Any]:
-        """The first source's batching settings, the mix (sources, weights, ``by``, ``exhausted``, seed) and a
-        checksum of every source's train row lengths, in source order."""
-        settings = dict(self.kind.signature(self.settings), **dict(self.mix.signature(), mix_seed=self.seed))
-        return data_signature(settings, np.concatenate([s["lengths"]["train"] for s in self.sources]))
+    def identity(self) -> dict[str, Any]:
+        """Every source's train rows laid end to end, in source order: their count and a checksum of their lengths."""
+        return rows_identity(np.concatenate([s["lengths"]["train"] for s in self.sources]))
+
+    def mix_seed(self) -> int:
+        return self.seed
 
 
 class SourceRows(Dataset):

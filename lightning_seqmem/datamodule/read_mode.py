@@ -22,14 +22,22 @@ class ReadMode(Protocol):
         kind: the data kind (``lightning_seqmem.kinds``).
         strategies: the strategy object of each split's loader, chosen once (``split_strategies``).
         datasets: per split, the rows read (a ``Dataset``; a stream, or the documents held for validation).
+        streaming: whether the sources are read as streams (``SeqMemDataModule.streaming``).
+        restart: set by ``load_state_dict`` when the checkpoint's data differ and ``on_resume_mismatch`` is
+            ``"restart_epoch"``: the loaders built afterwards start the epoch afresh.
     """
 
     kind: Kind
     strategies: dict[str, Strategy]
     datasets: dict[str, Any]
+    streaming: bool
+    restart: bool
 
-    def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
-        """``split``'s loader."""
+    def loader(
+        self, split: str, tokenizer: Any, pad_token_id: int, lookahead: Callable[[], int] | None = None
+    ) -> DataLoader:
+        """``split``'s loader, built to resume as the checkpoint's signature check decided (``restart``);
+        ``lookahead``: the train batches Lightning has fetched ahead (a stream saves them with its position)."""
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split, what ``SeqMemDataModule.stats()`` reports."""
@@ -41,7 +49,7 @@ class ReadMode(Protocol):
         """Document lengths per row of the costliest ``[rows, length]`` training batch."""
 
     def data_signature(self) -> dict[str, Any]:
-        """What a saved loader position refers to."""
+        """What a saved loader position refers to (``signature.read_signature``, one builder for every mode)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the data."""

@@ -117,16 +117,6 @@ class Mix:
     def weight(self, name: str) -> float:
         return self.weights[self.names.index(name)]
 
-    def signature(self) -> dict[str, Any]:
-        """What a saved position in the mixed order refers to (a resumed run must mix the same way)."""
-        return {
-            "mix_sources": list(self.names),
-            "mix_weights": [round(w, 12) for w in self.weights],
-            "mix_by": self.by,
-            "mix_exhausted": self.exhausted,
-            "mix_seed": self.seed,
-        }
-
     def __repr__(self) -> str:
         shares = ", ".join(f"{n}={w:.3g}" for n, w in zip(self.names, self.weights))
         return f"Mix({shares}, by={self.by!r}, exhausted={self.exhausted!r}, seed={self.seed})"

@@ -61,15 +61,14 @@ class MixedRows(IterableDataset):
     def epoch(self) -> int:
         return self._epoch
 
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        """Set by ``StreamingLoader`` on each new iteration; each source's passes count from it."""
-        self._epoch = value
+    def set_epoch(self, epoch: int) -> None:
+        """Called by ``StreamingLoader`` on each new iteration; each source's passes count from it."""
+        self._epoch = epoch
 
     def _start(self, s: int, passes: int):
         source = self.sources[s]
-        if hasattr(source, "epoch"):  # a StreamingRows: its stream reshuffled for this pass
-            source.epoch = self._epoch + passes
+        if hasattr(source, "set_epoch"):  # a StreamingRows: its stream reshuffled for this pass
+            source.set_epoch(self._epoch + passes)
         return iter(source)
 
     def __iter__(self):

@@ -24,7 +24,7 @@ from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
 from lightning_seqmem.kinds.base import DOCUMENT_STATS, Kind
 from lightning_seqmem.streams.counts import StreamCounts
-from lightning_seqmem.streams.loader import StreamingLoader
+from lightning_seqmem.streams.loader import ResumePolicy, StreamingLoader
 from lightning_seqmem.streams.rows import StreamingRows
 from lightning_seqmem.streams.splits import LEFT_OUT, streaming_splits
 
@@ -93,6 +93,7 @@ def streaming_loader(
     leave_out: Any = None,
     shuffle: int = 0,
     seed: int = 0,
+    policy: ResumePolicy | None = None,
 ) -> DataLoader:
     """The loader of one stream: this rank's share of documents, packed by ``strategy``'s settings; what it reads
     counted in ``counts``, and the first token lost to ``max_length`` on each pass warned about.
@@ -101,6 +102,7 @@ def streaming_loader(
     every rank and its rows dealt out in equal numbers of batches (:class:`DealtBatches`). ``leave_out``: the
     training documents to leave out (copies of validation documents, ``splits.NotIn``), counted and warned.
     ``shuffle``: the training readers' shuffle buffer (``streaming_shuffle_buffer``), seeded by ``seed``.
+    ``policy``: how the train loader resumes (``loader.ResumePolicy``).
     """
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     train = split == "train"
@@ -147,7 +149,7 @@ def streaming_loader(
         warn(message)
     if not train:
         return DataLoader(rows, batch_size=per_batch, collate_fn=collate, num_workers=num_workers)
-    return StreamingLoader(rows, batch_size=per_batch, collate_fn=collate, num_workers=num_workers)
+    return StreamingLoader(rows, batch_size=per_batch, collate_fn=collate, num_workers=num_workers, policy=policy)
 
 
 def layout_warnings(split: str, shards: int | None, world: int, num_workers: int) -> list[str]:
@@ -199,8 +201,10 @@ class Streams:
         settings: Any,
         pad_token_id: int,
         warn: Callable[[str], None],
+        policy: ResumePolicy | None = None,
     ) -> DataLoader:
-        """``split``'s loader (``settings``: the DataModule's ``SeqMemSettings``)."""
+        """``split``'s loader (``settings``: the DataModule's ``SeqMemSettings``; ``policy``: how training
+        resumes)."""
         encode = self.kind.stream_encoder(tokenizer, settings, strategy, split)
         return streaming_loader(
             self.read[split],
@@ -215,6 +219,7 @@ class Streams:
             self.leave_out if split == "train" else None,
             settings.data.streaming_shuffle_buffer if split == "train" else 0,
             settings.batching.seed,
+            policy,
         )
 
     def stats(self) -> dict[str, dict[str, Any]]:

@@ -76,6 +76,14 @@ class StreamingRows(IterableDataset):
         self.regrouped: Regrouped | None = None  # a resume with other readers
         self._replay_said = False  # a source that cannot seek says so once
 
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration reads (``StreamingLoader`` and ``MixedRows`` call it before each pass)."""
+        self.epoch = epoch
+
+    def regroup(self, readers: list[dict[str, Any]]) -> None:
+        """Start the next pass from ``readers``, saved by another number of readers (workers or ranks)."""
+        self.regrouped = Regrouped(readers, self.counts.FIELDS)
+
     def layout(self, workers: int) -> Layout | None:
         """How the stream is dealt to ``workers`` loader workers per rank (``None``: read in order, one reader)."""
         if not can_shard(self.stream):
