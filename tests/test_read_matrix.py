@@ -93,7 +93,7 @@ REFUSED = {
     "max_length": (dict(max_length=24), r"max_length: 32 -> 24"),
     "batching": (
         dict(batching=Pack(overflow="truncate")),
-        r"batching: Pack\(method='bfd'\) -> Pack\(method='bfd', overflow='truncate'\)",
+        r"batching: Pack\(method='bfd', overflow='split'\) -> Pack\(method='bfd', overflow='truncate'\)",
     ),
     "weights": (dict(weights={"web": 0.5, "code": 0.5}), r"weights: \{'web': 0.7, 'code': 0.3\} -> \{'web': 0.5"),
 }

@@ -30,16 +30,6 @@ from lightning_seqmem.mixing.sampler import MixedBatchSampler
 from lightning_seqmem.mixing.spec import Mix
 
 
-def mix_read_mode(mix: Mix, settings: Any, tokenizer: Callable[[], Any], explicit_tokenizer: bool, warn, info):
-    """The read mode of a ``Mix``: its sources as streams with ``streaming=True`` (``stream_mix_mode``), else
-    map-style (:class:`MixMode`)."""
-    if settings.data.streaming:
-        from lightning_seqmem.datamodule.stream_mix_mode import StreamMixMode
-
-        return StreamMixMode(mix, settings, warn, tokenizer)
-    return MixMode(mix, settings, tokenizer, explicit_tokenizer, warn, info)
-
-
 class MixMode(SavesSignature):
     """A ``Mix`` of map-style sources (``read_mode.ReadMode``).
 

@@ -25,12 +25,10 @@ from lightning_seqmem.data.columns import LargestTokenId
 from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.batch_answers import BatchAnswers
-from lightning_seqmem.datamodule.map_style import MapStyle
-from lightning_seqmem.datamodule.mix_mode import mix_read_mode
 from lightning_seqmem.datamodule.pipeline import load_documents
 from lightning_seqmem.datamodule.read_mode import ReadMode
+from lightning_seqmem.datamodule.read_paths import read_mode_for
 from lightning_seqmem.datamodule.settings import SeqMemSettings
-from lightning_seqmem.datamodule.stream_mode import StreamMode
 from lightning_seqmem.kinds.detect import detect_stream
 from lightning_seqmem.mixing.spec import Mix
 from lightning_seqmem.streams.reading import is_stream
@@ -312,32 +310,16 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
 
     @override
     def setup(self, stage: str | None = None) -> None:
-        """Read the data once, by their read mode (``read_mode.ReadMode``): a stream packed on the fly
-        (``StreamMode``), else whole splits through the split pipeline (``MapStyle``)."""
+        """Read the data once, by the read mode of their place in the 2 x 2 (``read_paths.read_mode_for``: one
+        source or a ``Mix``, map-style or streamed)."""
         if self.read_mode is not None:
             return
-        if isinstance(self.dataset, Mix):  # several sources mixed by weight (mix_mode.py, stream_mix_mode.py)
-            args = (
-                partial(getattr, self, "tokenizer"),
-                self._tokenizer_arg is not None,
-                rank_zero_warn,
-                rank_zero_info,
-            )
-            self.read_mode = mix_read_mode(self.dataset, self.settings, *args)
-            self._pretokenized = self.read_mode.pretokenized
-        elif self._open_stream():
-            kind = self._stream_kind()
-            self._pretokenized = kind.pretokenized
-            self.read_mode = StreamMode(
-                self.dataset, kind, self.settings, rank_zero_warn, partial(getattr, self, "tokenizer")
-            )
-        else:
-            # Tokenize (or load the cache prepare_data wrote) before carving out a validation split, so errors
-            # name rows of the dataset the user passed.
-            tokenized, kind = self.tokenized_documents()
-            self.read_mode = MapStyle(
-                tokenized, kind, self.settings, partial(getattr, self, "tokenizer"), rank_zero_warn, rank_zero_info
-            )
+        tokenizer = partial(getattr, self, "tokenizer")  # asked when needed; a read mode keeps it (and pickles)
+        stream = not isinstance(self.dataset, Mix) and self._open_stream()
+        documents = self._stream_kind if stream else self.tokenized_documents
+        args = (self.settings, tokenizer, self._tokenizer_arg is not None, rank_zero_warn, rank_zero_info)
+        self.read_mode = read_mode_for(self.dataset, stream, documents, *args)
+        self._pretokenized = self.read_mode.pretokenized
         self.datasets = self.read_mode.datasets
 
     @property

@@ -46,7 +46,8 @@ def read_signature(
     user wrote it, the data kind, ``streaming``, the tokenizer's content (``tokenizer_key``; ``None`` for token ids,
     which no tokenizer changes), how the rows are dealt (``world_size``, ``num_workers``), a stream's window and
     shuffle buffer, a mix's sources and weights by name, and ``identity`` (the read mode's, :data:`IDENTITY`)."""
-    out = dict(kind.signature(settings), batching=repr(settings.batching.batching))
+    rows = kind.signature(settings)
+    out = dict(rows, batching=_in_words(settings.batching.batching, rows))
     out.update(kind=kind.name + (" (token ids)" if kind.pretokenized else ""), streaming=streaming)
     out.update(world_size=world_size(), num_workers=settings.data.num_workers)
     if tokenizer_key is not None:
@@ -59,6 +60,17 @@ def read_signature(
         out["weights"] = {name: round(w, 12) for name, w in zip(mix.names, mix.weights)}
         out.update(mix_by=mix.by, mix_exhausted=mix.exhausted, mix_seed=mix_seed)
     return dict(out, **identity)
+
+
+def _in_words(batching: Any, rows: dict[str, Any]) -> str:
+    """The train batching as the user writes it, with only what decides the rows (``overflow`` resolved for the
+    data kind): ``Pack(method='bfd', overflow='split')``, ``Pad()``."""
+    decided = {k: rows.get(k, v) for k, v in batching.signature().items() if k != "strategy"}
+    if batching.packs:
+        decided["overflow"] = rows["overflow"]
+    defaults = {f.name: f.default for f in fields(batching)}
+    shown = [f"{k}={v!r}" for k, v in decided.items() if k in batching.shown or v != defaults.get(k)]
+    return f"{type(batching).__name__}({', '.join(shown)})"
 
 
 def rows_identity(train_lengths: np.ndarray | None) -> dict[str, Any]:
@@ -79,7 +91,10 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     version) is not compared. What identifies the documents is named ``dataset`` only when no setting explains it."""
     elastic = elastic_settings(now)
     changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k] and k not in elastic}
+    options = ""  # the batching's own options that changed, named after it
     if "batching" in changed:
+        parts = [f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items() if k in _BATCHING]
+        options = f" ({', '.join(parts)})" if parts else ""
         changed = {k: v for k, v in changed.items() if k not in _BATCHING}
     identity = {k: v for k, v in changed.items() if k.split("/")[0] in IDENTITY}
     out = []
@@ -89,7 +104,7 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         if key == "tokenizer":
             out.append("tokenizer: changed")
         else:  # the batching as the user writes it: Pack(method='bfd') -> Pad()
-            out.append(f"{key}: {old} -> {new}" if key == "batching" else f"{key}: {old!r} -> {new!r}")
+            out.append(f"{key}: {old} -> {new}{options}" if key == "batching" else f"{key}: {old!r} -> {new!r}")
     if identity and not out:
         numbers = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in identity.items() if "crc32" not in k)
         out.append(f"dataset: other documents ({numbers or 'the train rows have other lengths'})")

@@ -135,16 +135,14 @@ def _check_unique(keys: list[Any]) -> None:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """The same dataset: one object, equal names or lists, one ``datasets`` fingerprint (a pickled or copied
-    ``Dataset`` keeps it), or equal pandas frames."""
+    """The same dataset: one object, equal names or lists, or one ``datasets`` fingerprint (a pickled or copied
+    ``Dataset`` keeps it; a DataFrame, whose ``==`` is elementwise, is the same object only)."""
     if a is b or (isinstance(a, (str, list, tuple)) and type(a) is type(b) and a == b):
         return True
     if type(a) is not type(b):
         return False
     fingerprint = getattr(a, "_fingerprint", None)
-    if fingerprint is not None:
-        return fingerprint == getattr(b, "_fingerprint", None)
-    return callable(getattr(a, "equals", None)) and bool(a.equals(b))  # pandas
+    return fingerprint is not None and fingerprint == getattr(b, "_fingerprint", None)
 
 
 def _source(name: str, value: Any) -> Source:
