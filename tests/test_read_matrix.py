@@ -12,6 +12,7 @@ import copy
 
 import datasets
 import pytest
+import torch
 
 from lightning_seqmem import Mix, Pack, SeqMemDataModule
 from lightning_seqmem.data.tokenizer import load_tokenizer
@@ -100,9 +101,12 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("read,sources", MODES)
-def test_unchanged_settings_resume_with_the_next_batches(read, sources, cache, saved):
-    state = saved[(read, sources)]
-    assert _resume(read, sources, cache, state) == state[2]
+def test_unchanged_settings_resume_with_the_next_batches(read, sources, cache, saved, tmp_path):
+    """Through a file loaded with ``weights_only=True`` (plain values: the typed reader states are saved as dicts)."""
+    dm_state, loader_state, following = saved[(read, sources)]
+    torch.save({"dm": dm_state, "loader": loader_state}, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert _resume(read, sources, cache, (loaded["dm"], loaded["loader"], following)) == following
 
 
 @pytest.mark.parametrize("setting", sorted(REFUSED))

@@ -465,7 +465,8 @@ def test_ranks_that_each_read_every_shard_regroup_their_own_readers_only():
 
     from lightning_seqmem.batching import StreamingPacker
     from lightning_seqmem.streams.counts import StreamCounts
-    from lightning_seqmem.streams.rows import Regrouped, StreamingRows
+    from lightning_seqmem.streams.regroup import Regrouped
+    from lightning_seqmem.streams.rows import StreamingRows
 
     def rows(rank, workers=0):
         packer = StreamingPacker(48, 3)
