@@ -164,3 +164,26 @@ def test_another_number_of_loader_workers(read, sources, cache, saved):
     else:
         resumed = _resume(read, sources, cache, state, num_workers=2)
         assert len(resumed) == 3 and all(len(b["input_ids"][0]) == 32 for b in resumed)
+
+
+@pytest.mark.slow
+def test_a_fresh_process_resumes_with_the_next_batches(cache, saved, tmp_path):
+    """The normal case after a preemption: the checkpoint read back by a new interpreter, its tokenizer loaded anew
+    (the fingerprint is of what the encoders use, not of the backend's padding and truncation of the moment). One
+    interpreter for a stream, a mix of streams and a map-style mix (its imports cost more than the resumes)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cases = [("stream", "one"), ("stream", "mix"), ("map", "mix")]
+    torch.save({f"{r}-{s}": saved[(r, s)][:2] for r, s in cases}, tmp_path / "state.pt")
+    code = (
+        f"import json, sys, torch; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_read_matrix import _resume\n"
+        f"state = torch.load({str(tmp_path / 'state.pt')!r}, weights_only=True)\n"
+        f"print(json.dumps([_resume(r, s, {str(cache)!r}, (*state[f'{{r}}-{{s}}'], None)) for r, s in {cases!r}]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [saved[case][2] for case in cases]
