@@ -65,7 +65,7 @@ class BatchAnswers:
         ``conversations_dropped_empty``, ``trained_tokens``, ``trained_share`` and ``mask_method``; for preference
         pairs (``documents`` = pairs) also the prompt / chosen / rejected tokens truncated, the pairs left without a
         completion and the pairs whose kept completions are identical. For a stream: what has been read so far on
-        this process (``streaming.StreamCounts``). The keys each kind reports: ``kinds.base.DOCUMENT_STATS`` and
+        this process (``streams.counts.StreamCounts``). The keys each kind reports: ``kinds.base.DOCUMENT_STATS`` and
         its ``Kind.stats_keys``."""
         return self._ready().stats()
 

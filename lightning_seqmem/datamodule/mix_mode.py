@@ -22,10 +22,10 @@ from lightning_seqmem.batching.sampling import BatchFetcher, BatchList, _Sharded
 from lightning_seqmem.batching.strategies import PackedRows, PadStrategy, largest_shape
 from lightning_seqmem.data.columns import largest_of
 from lightning_seqmem.datamodule.pipeline import load_documents, prepare_split, split_documents
-from lightning_seqmem.datamodule.read_mode import split_strategies
+from lightning_seqmem.datamodule.read_mode import check_same_layout, per_source_stats, split_strategies
 from lightning_seqmem.datamodule.resume import ResumableLoader, SavesSignature
 from lightning_seqmem.datamodule.signature import rows_identity
-from lightning_seqmem.kinds.base import DOCUMENT_STATS, epoch_stats
+from lightning_seqmem.kinds.base import epoch_stats
 from lightning_seqmem.mixing.sampler import MixedBatchSampler
 from lightning_seqmem.mixing.spec import Mix
 
@@ -69,7 +69,7 @@ class MixMode(SavesSignature):
                 raise type(error)(f"Mix source {source.name!r}: {error}") from error
             self.sources.append(self._prepare(source.name, tokenized, kind, tokenizer, warn, info))
             self.sources[-1]["largest"] = largest
-        self._check_layouts()
+        check_same_layout([(s["name"], s["kind"]) for s in self.sources])
         self.kind = self.sources[0]["kind"]
         self.strategies = self.sources[0]["strategies"]  # every source batches alike (``_check_layouts``)
         self.datasets = {split: [s["datasets"][split] for s in self.sources] for split in ("train", "validation")}
@@ -116,16 +116,6 @@ class MixMode(SavesSignature):
         if isinstance(rows, PackedRows):
             return np.diff(rows.packed.seg_row_offsets).astype(np.int64)
         return np.ones(len(lengths), dtype=np.int64)
-
-    def _check_layouts(self) -> None:
-        first = self.sources[0]
-        for source in self.sources[1:]:
-            if source["kind"].sequences != first["kind"].sequences:
-                raise ValueError(
-                    f"Mix source {source['name']!r} holds {source['kind'].name} data and {first['name']!r} "
-                    f"{first['kind'].name}: their batches have other layouts. Text, prompt/completion and "
-                    "conversations mix; preference pairs mix only with preference pairs."
-                )
 
     # ------------------------------------------------------------------------------------------- loaders
     def sampler(self, num_replicas: int | None = None, rank: int | None = None) -> MixedBatchSampler:
@@ -188,9 +178,7 @@ class MixMode(SavesSignature):
         of the tokens read, ``weight``, ``passes``, ``repeats``, ``rows_unread``, ``token_efficiency_in_mix``)."""
         out = {}
         for split in ("train", "validation"):
-            per = {s["name"]: dict(s["stats"][split]) for s in self.sources}
-            total = {k: sum(v.get(k, 0) for v in per.values()) for k in DOCUMENT_STATS if k != "longest_document"}
-            out[split] = dict(total, sources=per)
+            out[split] = per_source_stats({s["name"]: dict(s["stats"][split]) for s in self.sources})
         sampler, mixed = self._epoch0()
         counts = sampler.source_counts(0)
         read = sum(c["tokens"] for c in counts) or 1

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_seqmem.batching.strategies import Strategy
 from lightning_seqmem.datamodule.pipeline import SPLITS
-from lightning_seqmem.kinds.base import Kind
+from lightning_seqmem.kinds.base import DOCUMENT_STATS, Kind
 
 
 @runtime_checkable
@@ -63,3 +63,23 @@ def split_strategies(kind: Kind, settings: Any, splits: Iterable[str] = SPLITS) 
     is known (it decides the overflow rule; ``settings``: the DataModule's ``SeqMemSettings``)."""
     kind.check(settings.batching)
     return {split: kind.strategy(settings.batching, split, settings.data.plan_cache) for split in splits}
+
+
+def check_same_layout(sources: list[tuple[str, Kind]]) -> None:
+    """The sources of a ``Mix`` (``(name, kind)``, map-style or streamed) must batch alike: preference pairs mix
+    only with preference pairs."""
+    first, first_kind = sources[0]
+    for name, kind in sources[1:]:
+        if kind.sequences != first_kind.sequences:
+            raise ValueError(
+                f"Mix source {name!r} holds {kind.name} data and {first!r} {first_kind.name}: their batches have "
+                "other layouts. Text, prompt/completion and conversations mix; preference pairs mix only with "
+                "preference pairs."
+            )
+
+
+def per_source_stats(per: dict[str, dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """A split's ``stats()`` of a ``Mix`` (map-style or streamed): the sums over its sources, ``extra``, and each
+    source's own statistics under ``["sources"][name]``."""
+    total = {k: sum(v.get(k, 0) for v in per.values()) for k in DOCUMENT_STATS if k != "longest_document"}
+    return dict(total, **extra, sources=per)

@@ -20,9 +20,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_seqmem.batch import SOURCE_INDEX
 from lightning_seqmem.data.sources import open_stream
-from lightning_seqmem.datamodule.read_mode import split_strategies
+from lightning_seqmem.datamodule.read_mode import check_same_layout, per_source_stats, split_strategies
 from lightning_seqmem.datamodule.resume import SavesSignature
-from lightning_seqmem.kinds.base import DOCUMENT_STATS
 from lightning_seqmem.kinds.detect import detect_stream
 from lightning_seqmem.mixing.spec import Mix
 from lightning_seqmem.streams.identity import stream_identity
@@ -66,14 +65,8 @@ class StreamMixMode(SavesSignature):
             self.sources.append(
                 {"name": source.name, "kind": kind, "settings": mine, "strategies": strategies, "streams": streams}
             )
+        check_same_layout([(s["name"], s["kind"]) for s in self.sources])
         first = self.sources[0]
-        for other in self.sources[1:]:
-            if other["kind"].sequences != first["kind"].sequences:
-                raise ValueError(
-                    f"Mix source {other['name']!r} holds {other['kind'].name} data and {first['name']!r} "
-                    f"{first['kind'].name}: their batches have other layouts. Text, prompt/completion and "
-                    "conversations mix; preference pairs mix only with preference pairs."
-                )
         self.kind, self.strategies = first["kind"], first["strategies"]
         self.datasets = {split: [s["streams"].splits[split] for s in self.sources] for split in SPLITS}
         self.mixed: MixedRows | None = None
@@ -117,11 +110,10 @@ class StreamMixMode(SavesSignature):
         (``["sources"][name]``) its own counts (``streaming.Streams.stats``) and its weight."""
         out = {}
         for split in SPLITS:
-            per = {s["name"]: s["streams"].stats()[split] for s in self.sources}
-            for name in per:
-                per[name]["weight"] = self.mix.weight(name)
-            total = {k: sum(v.get(k, 0) for v in per.values()) for k in DOCUMENT_STATS if k != "longest_document"}
-            out[split] = dict(total, streaming=True, sources=per)
+            per = {
+                s["name"]: dict(s["streams"].stats()[split], weight=self.mix.weight(s["name"])) for s in self.sources
+            }
+            out[split] = per_source_stats(per, streaming=True)
         return out
 
     def max_batch_shape(self) -> tuple[int, int]:
