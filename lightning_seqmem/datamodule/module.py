@@ -1,10 +1,10 @@
 """``SeqMemDataModule``: text in, padded / truncated / packed batches out, with every lost token counted.
 
 The work happens elsewhere: the arguments become one frozen ``SeqMemSettings`` (``settings.py``), the data are read
-by one read mode (``read_mode.py``: ``map_style.py``, each split through the pure split pipeline, ``pipeline.py``;
-or ``stream_mode.py``, packed on the fly by ``streaming.py``), what differs between kinds of data is asked of the
-kind (``lightning_seqmem.kinds``), and every question about batches goes to the split's strategy object
-(``batching/strategies.py``).
+by the read mode of their place in the 2 x 2 (``read_paths.py``: one source or a ``Mix``, map-style through the
+pure split pipeline, ``pipeline.py``, or streamed by the stream engine, ``streams/``), what differs between kinds of
+data is asked of the kind (``lightning_seqmem.kinds``), and every question about batches goes to the split's
+strategy object (``batching/strategies.py``).
 This class only wires them to Lightning's ``prepare_data``/``setup``/``*_dataloader`` hooks.
 """
 

@@ -1,9 +1,9 @@
-"""A ``Mix`` of streams (``streaming=True``): each source read as a stream is read alone (``streaming.Streams``:
-its validation head, its packer, its counts), the training rows interleaved as they come (``mixing.stream_mix``).
+"""A ``Mix`` of streams (``streaming=True``): each source read as a stream is read alone (``streams.reading.Streams``:
+its validation head, its packer, its counts), the training rows interleaved as they come (``streams.mixed``).
 Validation keeps the sources apart, as map-style mixes do. No Lightning import.
 
 Resume: the train loader is a ``StreamingLoader`` over the mixer, whose state holds its counts, the row each source
-has read ahead and each source's reader state (``stream_rows.StreamingRows``): a resumed mix of streams goes on with
+has read ahead and each source's reader state (``streams.rows.StreamingRows``): a resumed mix of streams goes on with
 exactly the batches of the uninterrupted run. Another number of workers or ranks is refused by name (or restarts the
 epoch with ``on_resume_mismatch="restart_epoch"``): the mixer's order is per reader.
 """
@@ -107,7 +107,7 @@ class StreamMixMode(SavesSignature):
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split the sums over the sources of what each has read so far on this process, and per source
-        (``["sources"][name]``) its own counts (``streaming.Streams.stats``) and its weight."""
+        (``["sources"][name]``) its own counts (``streams.reading.Streams.stats``) and its weight."""
         out = {}
         for split in SPLITS:
             per = {

@@ -1,4 +1,4 @@
-"""The streamed read mode: a ``datasets`` stream packed on the fly (``streaming.py``), what it has read counted
+"""The streamed read mode: a ``datasets`` stream packed on the fly (``streams/``), what it has read counted
 as it is read. Only strategies that pack can serve it. No Lightning import."""
 
 from __future__ import annotations
