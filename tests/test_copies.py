@@ -71,6 +71,7 @@ def test_a_datamodule_says_whether_it_streams_for_one_source_or_a_mix(streaming,
         dm = SeqMemDataModule(
             dataset=data, max_length=32, cache_dir=str(tmp_path), streaming=streaming, streaming_validation_documents=4
         )
+        assert dm.streaming is streaming  # before setup (ConfigChecks may ask first) and after
         dm.setup("fit")
         assert dm.streaming is streaming
 

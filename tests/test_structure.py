@@ -283,3 +283,20 @@ def test_the_functional_core_imports_no_lightning(folder):
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning")]
     assert not found, f"{folder}/ imports Lightning: {found}"
+
+
+def test_no_folder_is_deeper_than_six_floors():
+    """The longest chain of imports inside one folder: a deeper one hides a concern that wants a folder of its own
+    (the DataModule was eight deep while the stream engine lived in it)."""
+    graph = _imports()
+    depths: dict[str, int] = {}
+
+    def depth(module: str) -> int:
+        if module not in depths:
+            depths[module] = 1  # a cycle would stop here (test_no_import_cycles names it)
+            inside = [t for t in graph.get(module, ()) if t in graph and _folder(t) == _folder(module)]
+            depths[module] = 1 + max((depth(t) for t in inside), default=0)
+        return depths[module]
+
+    deep = {m: depth(m) for m in graph if depth(m) > 6}
+    assert not deep, f"import chains deeper than six modules inside a folder: {deep}"

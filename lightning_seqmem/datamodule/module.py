@@ -324,8 +324,10 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
 
     @property
     def streaming(self) -> bool:
-        """Whether the data are served as streams, one source or a ``Mix`` (known once set up)."""
-        return self.read_mode is not None and self.read_mode.streaming
+        """Whether the data are served as streams, one source or a ``Mix`` (``ConfigChecks`` asks)."""
+        if self.read_mode is not None:
+            return self.read_mode.streaming
+        return self.settings.data.streaming or (not isinstance(self.dataset, Mix) and is_stream(self.dataset))
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def data_signature(self) -> dict[str, Any]:

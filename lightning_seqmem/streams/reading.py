@@ -20,8 +20,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
+from lightning_seqmem.batching.streaming_packer import StreamingPacker
 from lightning_seqmem.kinds.base import DOCUMENT_STATS, Kind
 from lightning_seqmem.streams.counts import StreamCounts
 from lightning_seqmem.streams.loader import ResumePolicy, StreamingLoader
