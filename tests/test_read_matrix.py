@@ -136,6 +136,9 @@ def test_another_world_size(read, sources, cache, saved):
     if read == "map":
         with pytest.raises(ValueError, match=r"world_size: 2 -> 1"):
             _resume(read, sources, cache, faked)
+        fresh = [_lists(b) for _, b in zip(range(3), _dm(read, sources, cache).train_dataloader())]
+        with pytest.warns(UserWarning, match=r"world_size: 2 -> 1.*restarts from its first batch"):
+            assert _resume(read, sources, cache, faked, on_resume_mismatch="restart_epoch") == fresh
     else:
         assert _resume(read, sources, cache, faked) == following
 
