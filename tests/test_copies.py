@@ -60,9 +60,11 @@ def test_a_datamodule_of_a_mix_survives_pickle_and_deepcopy(tmp_path, streaming,
         assert [_lists(b) for _, b in zip(range(3), again.train_dataloader())] == batches
 
 
-def test_source_names_must_be_unique_once_named():
+def test_source_names_must_be_unique_once_named_and_a_source_is_no_mix():
     with pytest.raises(ValueError, match=r"Mix sources 1 and '1' are both named '1'"):
         Mix({1: _texts("a"), "1": _texts("b")}, {1: 0.9, "1": 0.1})
+    with pytest.raises(ValueError, match=r"Mix source 'inner' is itself a Mix"):
+        Mix({"inner": _mix(), "b": _texts("b")})
 
 
 @pytest.mark.parametrize("streaming", [False, True])

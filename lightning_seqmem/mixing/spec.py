@@ -146,6 +146,11 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _source(name: str, value: Any) -> Source:
+    if isinstance(value, Mix) or (isinstance(value, dict) and isinstance(value.get("dataset"), Mix)):
+        raise ValueError(
+            f"Mix source {name!r} is itself a Mix: a mix's sources are datasets. Give one Mix of all their sources, "
+            "with the weights multiplied out."
+        )
     if isinstance(value, Source):
         return Source(name, value.dataset, value.text_column)
     if isinstance(value, dict) and "dataset" in value:
