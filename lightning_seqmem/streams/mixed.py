@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from lightning_seqmem.mixing.interleave import choose
+from lightning_seqmem.streams.state import MixerState
 
 _END = object()
 
@@ -55,7 +56,7 @@ class MixedRows(IterableDataset):
         self._epoch = 0
         self.last_state: dict[str, Any] = {}  # the mixer's counts when the reader last stopped (main process)
         self._live: dict[str, Any] | None = None  # the counts and heads while it reads
-        self._saved: dict[str, Any] | None = None  # where the next pass starts (load_state_dict)
+        self._saved: MixerState | None = None  # where the next pass starts (load_state_dict)
 
     @property
     def epoch(self) -> int:
@@ -75,14 +76,9 @@ class MixedRows(IterableDataset):
         k = len(self.sources)
         active = [s for s in range(k) if self.weights[s] > 0]
         saved, self._saved = self._saved, None
-        if saved is not None and saved["epoch"] == self._epoch:  # resumed: the counts and the rows read ahead
-            served, rows, passes, total = (
-                list(saved["served"]),
-                list(saved["rows"]),
-                list(saved["passes"]),
-                saved["total"],
-            )
-            heads = {s: _row_from(saved["heads"][s]) for s in active}
+        if saved is not None and saved.epoch == self._epoch:  # resumed: the counts and the rows read ahead
+            served, rows, passes, total = list(saved.served), list(saved.rows), list(saved.passes), saved.total
+            heads = {s: _row_from(saved.heads[s]) for s in active}
         else:
             served, rows, passes, total, heads = [0] * k, [0] * k, [0] * k, 0, None
         readers = {s: self._start(s, passes[s]) for s in active}
@@ -116,23 +112,24 @@ class MixedRows(IterableDataset):
         (``StreamingRows.state_dict``: shards, window, counts); torchdata asks each loader worker after each batch."""
         live = self._live
         if live is None:
-            return dict(self._saved) if self._saved is not None else {"epoch": self._epoch, "fresh": True}
-        return {
-            "epoch": self._epoch,
-            "served": list(live["served"]),
-            "rows": list(live["rows"]),
-            "passes": list(live["passes"]),
-            "total": live["total"],
-            "heads": {s: _row_state(head) for s, head in live["heads"].items()},
-            "sources": [source.state_dict() if hasattr(source, "state_dict") else None for source in self.sources],
-        }
+            return (self._saved or MixerState(epoch=self._epoch, fresh=True)).to_dict()
+        return MixerState(
+            epoch=self._epoch,
+            served=list(live["served"]),
+            rows=list(live["rows"]),
+            passes=list(live["passes"]),
+            total=live["total"],
+            heads={s: _row_state(head) for s, head in live["heads"].items()},
+            sources=[source.state_dict() if hasattr(source, "state_dict") else None for source in self.sources],
+        ).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on where ``state`` stopped: each source from its own state, the mixer from its counts and heads."""
-        if state.get("fresh"):
+        saved = MixerState.from_dict(state)
+        if saved.fresh:
             return
-        self._saved, self._live = state, None
-        for source, source_state in zip(self.sources, state["sources"]):
+        self._saved, self._live = saved, None
+        for source, source_state in zip(self.sources, saved.sources):
             if source_state is not None:
                 source.load_state_dict(source_state)
 

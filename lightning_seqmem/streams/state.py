@@ -1,4 +1,5 @@
-"""One stream reader's saved position, typed: what torchdata keeps per loader worker and a checkpoint holds.
+"""A stream reader's saved position, typed: what torchdata keeps per loader worker and a checkpoint holds (one
+stream's reader, :class:`ReaderState`; the mixer of several, :class:`MixerState`).
 
 Plain values only (ints, lists, dicts of them), so a checkpoint loads with ``torch.load(weights_only=True)``;
 :meth:`ReaderState.to_dict`/:meth:`ReaderState.from_dict` are the one place its fields are named. No Lightning
@@ -10,11 +11,25 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["ReaderState"]
+__all__ = ["MixerState", "ReaderState"]
+
+
+class _PlainState:
+    """To and from the plain dict a loader snapshot and a checkpoint hold."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values, for torchdata's snapshots and checkpoints."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]):
+        """A saved state (keys this version does not know are ignored; missing ones take their defaults)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in state.items() if k in known})
 
 
 @dataclass
-class ReaderState:
+class ReaderState(_PlainState):
     """Where one reader (a loader worker of one rank) stands in a stream.
 
     Attributes:
@@ -44,12 +59,27 @@ class ReaderState:
     worker: int = 0
     fresh: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values, for torchdata's snapshots and checkpoints."""
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> ReaderState:
-        """A saved state (keys this version does not know are ignored; missing ones take their defaults)."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in state.items() if k in known})
+@dataclass
+class MixerState(_PlainState):
+    """Where a mix of streams (``mixed.MixedRows``) stands, per source in source order.
+
+    Attributes:
+        epoch: the epoch it was reading.
+        served: units (tokens or documents) each source has put into rows.
+        rows: rows each source has given.
+        passes: passes each source has finished.
+        total: units of every source together.
+        heads: per source index, the row it has read ahead (as tensors), or ``"end"``.
+        sources: each source's own state (a :class:`ReaderState` as a dict), or ``None``.
+        fresh: it had read nothing.
+    """
+
+    epoch: int = 0
+    served: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    passes: list[int] = field(default_factory=list)
+    total: int = 0
+    heads: dict[int, Any] = field(default_factory=dict)
+    sources: list[Any] = field(default_factory=list)
+    fresh: bool = False
