@@ -124,7 +124,9 @@ def test_resume_through_a_checkpoint_gives_the_same_batches(tmp_path):
     assert resumed == full[3:]
     mixer = _find(torch.load(tmp_path / "epoch=0-step=3.ckpt", weights_only=True), "mixer")  # the loader's state
     assert sum(mixer["rows_served"]) == 3 * 8 and set(mixer) == {"served", "rows_served", "position", "passes"}
-    with pytest.raises(ValueError, match=r"mix_weights: \[0\.3, 0\.7\] -> \[0\.5, 0\.5\]"):
+    with pytest.raises(
+        ValueError, match=r"weights: \{'long': 0\.3, 'short': 0\.7\} -> \{'long': 0\.5, 'short': 0\.5\}"
+    ):
         fit_recording(
             tmp_path,
             8,

@@ -9,7 +9,7 @@ from test_mix_datamodule import MAX, _docs, _source_tokens
 
 from lightning_seqmem import Mix, SeqMemDataModule
 from lightning_seqmem.batch import SOURCE_INDEX
-from lightning_seqmem.mixing.stream_mix import MixedRows, row_tokens
+from lightning_seqmem.streams.mixed import MixedRows, row_tokens
 
 
 def _stream_dm(exhausted="repeat", **kw):

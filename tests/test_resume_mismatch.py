@@ -11,7 +11,7 @@ def test_resume_with_another_max_length_is_refused_naming_the_change(small_text_
     ckpt = str(tmp_path / "epoch=0-step=3.ckpt")
     with pytest.raises(ValueError, match=r"max_length: 32 -> 16.*on_resume_mismatch='restart_epoch'"):
         fit_recording(tmp_path, 6, ckpt=ckpt, dataset=small_text_dataset, max_length=16)
-    with pytest.raises(ValueError, match=r"strategy: 'pack' -> 'pad'"):
+    with pytest.raises(ValueError, match=r"batching: Pack\(method='bfd', overflow='split'\) -> Pad\(\)"):
         fit_recording(tmp_path, 6, ckpt=ckpt, dataset=small_text_dataset, strategy="pad")
     other = small_text_dataset.select(range(1, len(small_text_dataset)))  # another dataset, same settings
     with pytest.raises(ValueError, match="Cannot resume the data position"):

@@ -166,7 +166,7 @@ def test_data_signature_keeps_its_key_names(small_text_dataset):
     size, which a rank's position depends on: a checkpoint without it is not compared on it)."""
     dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, strategy="pack")
     signature = dm.data_signature()
-    assert set(signature) == {
+    assert set(signature) >= {  # and what later versions added (batching as written, kind, streaming, tokenizer)
         "strategy",
         "max_length",
         "micro_batch_size",

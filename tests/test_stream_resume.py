@@ -449,7 +449,7 @@ def test_a_repeating_stream_is_dealt_anew_each_pass():
     from collections import Counter
 
     from lightning_seqmem.batching import StreamingPacker
-    from lightning_seqmem.datamodule.stream_rows import StreamingRows
+    from lightning_seqmem.streams.rows import StreamingRows
 
     stream = _id_stream(documents=40, shards=2).shuffle(seed=0, buffer_size=8)
     rows = StreamingRows(stream, lambda i, ex, counts: ex["input_ids"], StreamingPacker(48, 1), cycle=True)
@@ -464,8 +464,9 @@ def test_ranks_that_each_read_every_shard_regroup_their_own_readers_only():
     from torch.utils.data import DataLoader
 
     from lightning_seqmem.batching import StreamingPacker
-    from lightning_seqmem.datamodule.stream_counts import StreamCounts
-    from lightning_seqmem.datamodule.stream_rows import Regrouped, StreamingRows
+    from lightning_seqmem.streams.counts import StreamCounts
+    from lightning_seqmem.streams.regroup import Regrouped
+    from lightning_seqmem.streams.rows import StreamingRows
 
     def rows(rank, workers=0):
         packer = StreamingPacker(48, 3)

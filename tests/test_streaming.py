@@ -447,7 +447,7 @@ def test_streaming_packer_hands_rows_out_evenly_not_in_bursts():
 
 
 def test_stream_layouts_that_waste_reading_are_named():
-    from lightning_seqmem.datamodule.streaming import layout_warnings
+    from lightning_seqmem.streams.reading import layout_warnings
 
     assert layout_warnings("train", 8, 4, 2) == []  # 2 files per rank, one per worker
     (uneven,) = layout_warnings("train", 6, 4, 2)  # each rank then reads all 6 files: enough for 2 workers
@@ -541,8 +541,9 @@ def test_a_repeating_stream_with_an_idle_loader_worker_goes_on_with_the_others(t
 
     from torch.utils.data import DataLoader
 
-    from lightning_seqmem.datamodule.streaming import StreamCounts, StreamingRows
     from lightning_seqmem.kinds.text import text_stream_encoder
+    from lightning_seqmem.streams.counts import StreamCounts
+    from lightning_seqmem.streams.rows import StreamingRows
 
     one_file = datasets.Dataset.from_dict({"text": [f"doc {i} word word" for i in range(20)]}).to_iterable_dataset()
     rows = StreamingRows(

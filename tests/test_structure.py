@@ -25,6 +25,7 @@ LAYERS = {
     "training": 2,
     "mixing": 2.5,  # several sources mixed by weight: the spec, the interleaved order, its sampler (no Lightning)
     "kinds": 2.5,  # the data kinds: over data/ and batching/, under the DataModule and the apps
+    "streams": 2.75,  # the stream engine: readers, rows, regrouping, counts, splits, identity, the mixed reader
     "datamodule": 3,
     "memory": 3,
     "warmup": 3,
@@ -270,3 +271,32 @@ def test_readme_imports_resolve():
     assert statements, "the README shows no import of the package"
     for statement in statements:
         exec(statement, {})
+
+
+@pytest.mark.parametrize("folder", ["batching", "kinds", "mixing", "streams"])
+def test_the_functional_core_imports_no_lightning(folder):
+    """The core folders run without Lightning: the stream engine and the mixers are tested and reused on their own."""
+    found = []
+    for path in (PACKAGE / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning")]
+    assert not found, f"{folder}/ imports Lightning: {found}"
+
+
+def test_no_folder_is_deeper_than_six_floors():
+    """The longest chain of imports inside one folder: a deeper one hides a concern that wants a folder of its own
+    (the DataModule was eight deep while the stream engine lived in it)."""
+    graph = _imports()
+    depths: dict[str, int] = {}
+
+    def depth(module: str) -> int:
+        if module not in depths:
+            depths[module] = 1  # a cycle would stop here (test_no_import_cycles names it)
+            inside = [t for t in graph.get(module, ()) if t in graph and _folder(t) == _folder(module)]
+            depths[module] = 1 + max((depth(t) for t in inside), default=0)
+        return depths[module]
+
+    deep = {m: depth(m) for m in graph if depth(m) > 6}
+    assert not deep, f"import chains deeper than six modules inside a folder: {deep}"

@@ -79,7 +79,7 @@ def stream_sample(dm: Any, documents: int = 20_000) -> tuple[Any, int | None]:
     import datasets
 
     from lightning_seqmem.data.sources import open_stream
-    from lightning_seqmem.datamodule.streaming import is_stream
+    from lightning_seqmem.streams.reading import is_stream
 
     if isinstance(documents, bool) or not isinstance(documents, numbers.Integral) or documents < 1:
         raise ValueError(

@@ -1,4 +1,5 @@
-"""``SeqMemDataModule`` and what it is made of: the settings object, the split pipeline, streaming and resume."""
+"""``SeqMemDataModule`` and what it is made of: the settings, the read paths (one source or a ``Mix``, map-style or
+streamed), the split pipeline and resume. The stream engine itself is ``lightning_seqmem.streams``."""
 
 from __future__ import annotations
 

@@ -17,8 +17,20 @@ class BatchAnswers:
     """The questions other components ask the DataModule about its batches, answered by its read mode and strategy
     objects (``_ready()`` sets the data up first when needed)."""
 
+    settings: Any  # the DataModule's SeqMemSettings
+
     def _ready(self) -> ReadMode:  # defined by the DataModule
         raise NotImplementedError
+
+    @property
+    def max_length(self) -> int:
+        """The longest row fed to the model (``settings.batching.max_length``)."""
+        return self.settings.batching.max_length
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Rows per validation batch (``eval_batch_size``, else ``micro_batch_size``)."""
+        return self.settings.batching.batch_size("validation")
 
     def batch_keys(self) -> tuple[str, ...]:
         """The keys of the batches the train loader yields (``eval_strategy`` may differ: see its loader)."""
@@ -53,7 +65,7 @@ class BatchAnswers:
         ``conversations_dropped_empty``, ``trained_tokens``, ``trained_share`` and ``mask_method``; for preference
         pairs (``documents`` = pairs) also the prompt / chosen / rejected tokens truncated, the pairs left without a
         completion and the pairs whose kept completions are identical. For a stream: what has been read so far on
-        this process (``streaming.StreamCounts``). The keys each kind reports: ``kinds.base.DOCUMENT_STATS`` and
+        this process (``streams.counts.StreamCounts``). The keys each kind reports: ``kinds.base.DOCUMENT_STATS`` and
         its ``Kind.stats_keys``."""
         return self._ready().stats()
 

@@ -14,7 +14,8 @@ from lightning_seqmem.batching.sampling import BatchFetcher
 from lightning_seqmem.batching.strategies import largest_shape
 from lightning_seqmem.datamodule.pipeline import prepare_split, split_documents
 from lightning_seqmem.datamodule.read_mode import split_strategies
-from lightning_seqmem.datamodule.resume import ResumableLoader, SavesSignature, data_signature
+from lightning_seqmem.datamodule.resume import ResumableLoader, SavesSignature
+from lightning_seqmem.datamodule.signature import rows_identity
 from lightning_seqmem.kinds.base import Kind, epoch_stats
 
 
@@ -38,7 +39,7 @@ class MapStyle(SavesSignature):
         warn: Callable[[str], None],
         info: Callable[[str], None],
     ) -> None:
-        self.kind, self.settings = kind, settings
+        self.kind, self.settings, self.tokenizer = kind, settings, tokenizer
         documents = split_documents(tokenized, kind, settings.batching.seed, test=True)
         self.strategies = split_strategies(kind, settings, documents)
         self.datasets: dict[str, Any] = {}
@@ -46,7 +47,6 @@ class MapStyle(SavesSignature):
         self.labels: dict[str, Any] = {}  # per split: the token source of labels, where rows carry their own
         self.lengths: dict[str, np.ndarray] = {}  # per row fed to the model, after truncation
         self._stats: dict[str, dict[str, Any]] = {}
-        self.skip_resume_state = False  # set by load_state_dict when the checkpoint's data differ (restart_epoch)
         for split, docs in documents.items():
             prepared = prepare_split(split, docs, self.strategies[split], settings)
             prepared.stats.update(kind.tokenizer_stats(tokenizer))
@@ -61,18 +61,17 @@ class MapStyle(SavesSignature):
         if oversized:
             warn(oversized)
 
-    def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
+    def loader(self, split: str, tokenizer: Any, pad_token_id: int, lookahead=None) -> DataLoader:
         strategy, data = self.strategies[split], self.settings.data
-        loader = ResumableLoader(
+        return ResumableLoader(
             BatchFetcher(self.rows[split]),
             sampler=strategy.split_sampler(self.lengths[split], split),
             batch_size=None,
             collate_fn=strategy.collator(pad_token_id),
             num_workers=data.num_workers,
             persistent_workers=data.num_workers > 0,
+            restart=self.restart,
         )
-        loader.skip_resume_state = self.skip_resume_state
-        return loader
 
     def stats(self) -> dict[str, dict[str, Any]]:
         return {split: dict(v) for split, v in self._stats.items()}
@@ -89,11 +88,6 @@ class MapStyle(SavesSignature):
     def worst_batch_layout(self, rows: int, length: int) -> tuple[tuple[int, ...], ...]:
         return self.strategies["train"].worst_layout(rows, length, self.lengths.get("train"))
 
-    def data_signature(self) -> dict[str, Any]:
-        """The settings that decide the train rows and their batches (``Kind.signature``), the number of ranks that
-        share them, and a checksum of the train row lengths."""
-        import torch.distributed as dist
-
-        # the batches a rank has yielded are every world-th of the epoch's: another world size would skip others
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return data_signature(dict(self.kind.signature(self.settings), world_size=world), self.lengths.get("train"))
+    def identity(self) -> dict[str, Any]:
+        """The train rows: their count and a checksum of their lengths."""
+        return rows_identity(self.lengths.get("train"))

@@ -22,21 +22,12 @@ from lightning_seqmem.batching.sampling import BatchFetcher, BatchList, _Sharded
 from lightning_seqmem.batching.strategies import PackedRows, PadStrategy, largest_shape
 from lightning_seqmem.data.columns import largest_of
 from lightning_seqmem.datamodule.pipeline import load_documents, prepare_split, split_documents
-from lightning_seqmem.datamodule.read_mode import split_strategies
-from lightning_seqmem.datamodule.resume import ResumableLoader, SavesSignature, data_signature
-from lightning_seqmem.kinds.base import DOCUMENT_STATS, epoch_stats
+from lightning_seqmem.datamodule.read_mode import check_same_layout, per_source_stats, split_strategies
+from lightning_seqmem.datamodule.resume import ResumableLoader, SavesSignature
+from lightning_seqmem.datamodule.signature import rows_identity
+from lightning_seqmem.kinds.base import epoch_stats
 from lightning_seqmem.mixing.sampler import MixedBatchSampler
 from lightning_seqmem.mixing.spec import Mix
-
-
-def mix_read_mode(mix: Mix, settings: Any, tokenizer: Callable[[], Any], explicit_tokenizer: bool, warn, info):
-    """The read mode of a ``Mix``: its sources as streams with ``streaming=True`` (``stream_mix_mode``), else
-    map-style (:class:`MixMode`)."""
-    if settings.data.streaming:
-        from lightning_seqmem.datamodule.stream_mix_mode import StreamMixMode
-
-        return StreamMixMode(mix, settings, warn)
-    return MixMode(mix, settings, tokenizer, explicit_tokenizer, warn, info)
 
 
 class MixMode(SavesSignature):
@@ -63,7 +54,7 @@ class MixMode(SavesSignature):
         warn: Callable[[str], None],
         info: Callable[[str], None],
     ) -> None:
-        self.mix, self.settings = mix, settings
+        self.mix, self.settings, self.tokenizer = mix, settings, tokenizer
         self.seed = settings.batching.seed if mix.seed is None else mix.seed
         self.sources: list[dict[str, Any]] = []  # per source: kind, strategies, rows, lengths, units, stats
         for source in mix.sources:
@@ -78,11 +69,10 @@ class MixMode(SavesSignature):
                 raise type(error)(f"Mix source {source.name!r}: {error}") from error
             self.sources.append(self._prepare(source.name, tokenized, kind, tokenizer, warn, info))
             self.sources[-1]["largest"] = largest
-        self._check_layouts()
+        check_same_layout([(s["name"], s["kind"]) for s in self.sources])
         self.kind = self.sources[0]["kind"]
         self.strategies = self.sources[0]["strategies"]  # every source batches alike (``_check_layouts``)
         self.datasets = {split: [s["datasets"][split] for s in self.sources] for split in ("train", "validation")}
-        self.skip_resume_state = False
         self._epoch_stats: tuple[MixedBatchSampler, Any] | None = None
 
     def _prepare(self, name, tokenized, kind, tokenizer, warn, info) -> dict[str, Any]:
@@ -127,16 +117,6 @@ class MixMode(SavesSignature):
             return np.diff(rows.packed.seg_row_offsets).astype(np.int64)
         return np.ones(len(lengths), dtype=np.int64)
 
-    def _check_layouts(self) -> None:
-        first = self.sources[0]
-        for source in self.sources[1:]:
-            if source["kind"].sequences != first["kind"].sequences:
-                raise ValueError(
-                    f"Mix source {source['name']!r} holds {source['kind'].name} data and {first['name']!r} "
-                    f"{first['kind'].name}: their batches have other layouts. Text, prompt/completion and "
-                    "conversations mix; preference pairs mix only with preference pairs."
-                )
-
     # ------------------------------------------------------------------------------------------- loaders
     def sampler(self, num_replicas: int | None = None, rank: int | None = None) -> MixedBatchSampler:
         """The training sampler over the sources' rows laid end to end (``_rows("train")``)."""
@@ -156,7 +136,7 @@ class MixMode(SavesSignature):
             padded_length=strategy.padded_length if budget else None,
         )
 
-    def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
+    def loader(self, split: str, tokenizer: Any, pad_token_id: int, lookahead=None) -> DataLoader:
         if split not in ("train", "validation"):
             raise ValueError(f"A Mix serves 'train' and 'validation', not {split!r}.")
         collate = self.strategies[split].collator(pad_token_id)
@@ -174,8 +154,8 @@ class MixMode(SavesSignature):
             collate_fn=collate,
             num_workers=self.settings.data.num_workers,
             persistent_workers=self.settings.data.num_workers > 0,
+            restart=self.restart,
         )
-        loader.skip_resume_state = self.skip_resume_state
         return loader
 
     @property
@@ -198,9 +178,7 @@ class MixMode(SavesSignature):
         of the tokens read, ``weight``, ``passes``, ``repeats``, ``rows_unread``, ``token_efficiency_in_mix``)."""
         out = {}
         for split in ("train", "validation"):
-            per = {s["name"]: dict(s["stats"][split]) for s in self.sources}
-            total = {k: sum(v.get(k, 0) for v in per.values()) for k in DOCUMENT_STATS if k != "longest_document"}
-            out[split] = dict(total, sources=per)
+            out[split] = per_source_stats({s["name"]: dict(s["stats"][split]) for s in self.sources})
         sampler, mixed = self._epoch0()
         counts = sampler.source_counts(0)
         read = sum(c["tokens"] for c in counts) or 1
@@ -256,11 +234,12 @@ class MixMode(SavesSignature):
         return self.strategies["train"].worst_layout(rows, length, lengths)
 
     # ------------------------------------------------------------------------------------------- resume
-    def data_signature(self) -> dict[str, Any]:
-        """The first source's batching settings, the mix (sources, weights, ``by``, ``exhausted``, seed) and a
-        checksum of every source's train row lengths, in source order."""
-        settings = dict(self.kind.signature(self.settings), **dict(self.mix.signature(), mix_seed=self.seed))
-        return data_signature(settings, np.concatenate([s["lengths"]["train"] for s in self.sources]))
+    def identity(self) -> dict[str, Any]:
+        """Every source's train rows laid end to end, in source order: their count and a checksum of their lengths."""
+        return rows_identity(np.concatenate([s["lengths"]["train"] for s in self.sources]))
+
+    def mix_seed(self) -> int:
+        return self.seed
 
 
 class SourceRows(Dataset):

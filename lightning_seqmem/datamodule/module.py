@@ -1,10 +1,10 @@
 """``SeqMemDataModule``: text in, padded / truncated / packed batches out, with every lost token counted.
 
 The work happens elsewhere: the arguments become one frozen ``SeqMemSettings`` (``settings.py``), the data are read
-by one read mode (``read_mode.py``: ``map_style.py``, each split through the pure split pipeline, ``pipeline.py``;
-or ``stream_mode.py``, packed on the fly by ``streaming.py``), what differs between kinds of data is asked of the
-kind (``lightning_seqmem.kinds``), and every question about batches goes to the split's strategy object
-(``batching/strategies.py``).
+by the read mode of their place in the 2 x 2 (``read_paths.py``: one source or a ``Mix``, map-style through the
+pure split pipeline, ``pipeline.py``, or streamed by the stream engine, ``streams/``), what differs between kinds of
+data is asked of the kind (``lightning_seqmem.kinds``), and every question about batches goes to the split's
+strategy object (``batching/strategies.py``).
 This class only wires them to Lightning's ``prepare_data``/``setup``/``*_dataloader`` hooks.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from functools import partial
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
@@ -24,21 +25,18 @@ from lightning_seqmem.data.columns import LargestTokenId
 from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.batch_answers import BatchAnswers
-from lightning_seqmem.datamodule.map_style import MapStyle
-from lightning_seqmem.datamodule.mix_mode import mix_read_mode
 from lightning_seqmem.datamodule.pipeline import load_documents
 from lightning_seqmem.datamodule.read_mode import ReadMode
-from lightning_seqmem.datamodule.resume_hooks import ResumeHooks
+from lightning_seqmem.datamodule.read_paths import read_mode_for
 from lightning_seqmem.datamodule.settings import SeqMemSettings
-from lightning_seqmem.datamodule.stream_mode import StreamMode
-from lightning_seqmem.datamodule.streaming import is_stream
 from lightning_seqmem.kinds.detect import detect_stream
 from lightning_seqmem.mixing.spec import Mix
+from lightning_seqmem.streams.reading import is_stream
 
 _SPECIAL_IDS = ("pad_token_id", "eos_token_id")
 
 
-class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
+class SeqMemDataModule(BatchAnswers, LightningDataModule):
     """Variable-length text for causal-LM training.
 
     Map-style data lives in the Arrow tables ``datasets`` keeps memory-mapped: tokens are read as numpy views,
@@ -195,11 +193,6 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
 
     # ----------------------------------------------------------------------------------------- read by others
     @property
-    def max_length(self) -> int:
-        """The longest row fed to the model (``settings.batching.max_length``)."""
-        return self.settings.batching.max_length
-
-    @property
     def micro_batch_size(self) -> int:
         """Rows per training batch (``settings.batching.micro_batch_size``). Settable, for Lightning's batch-size
         finder: ``Tuner(trainer).scale_batch_size(model, datamodule=dm, batch_arg_name="micro_batch_size")``."""
@@ -226,11 +219,6 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
     @batch_size.setter
     def batch_size(self, value: int) -> None:
         self.micro_batch_size = value
-
-    @property
-    def eval_batch_size(self) -> int:
-        """Rows per validation batch (``eval_batch_size``, else ``micro_batch_size``)."""
-        return self.settings.batching.batch_size("validation")
 
     # --------------------------------------------------------------------------------------------- resources
     @property
@@ -300,7 +288,7 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
             tokenized, kind, self._largest_token_id = load_documents(
                 self.dataset,
                 self.settings.data,
-                lambda: self.tokenizer,
+                partial(getattr, self, "tokenizer"),
                 self._tokenizer_arg is not None,
                 self.settings.conversation,
             )
@@ -322,31 +310,49 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
 
     @override
     def setup(self, stage: str | None = None) -> None:
-        """Read the data once, by their read mode (``read_mode.ReadMode``): a stream packed on the fly
-        (``StreamMode``), else whole splits through the split pipeline (``MapStyle``)."""
+        """Read the data once, by the read mode of their place in the 2 x 2 (``read_paths.read_mode_for``: one
+        source or a ``Mix``, map-style or streamed)."""
         if self.read_mode is not None:
             return
-        if isinstance(self.dataset, Mix):  # several sources mixed by weight (mix_mode.py, stream_mix_mode.py)
-            args = (lambda: self.tokenizer, self._tokenizer_arg is not None, rank_zero_warn, rank_zero_info)
-            self.read_mode = mix_read_mode(self.dataset, self.settings, *args)
-            self._pretokenized = self.read_mode.pretokenized
-        elif self._open_stream():
-            kind = self._stream_kind()
-            self._pretokenized = kind.pretokenized
-            self.read_mode = StreamMode(self.dataset, kind, self.settings, rank_zero_warn, lambda: self.tokenizer)
-        else:
-            # Tokenize (or load the cache prepare_data wrote) before carving out a validation split, so errors
-            # name rows of the dataset the user passed.
-            tokenized, kind = self.tokenized_documents()
-            self.read_mode = MapStyle(
-                tokenized, kind, self.settings, lambda: self.tokenizer, rank_zero_warn, rank_zero_info
-            )
+        tokenizer = partial(getattr, self, "tokenizer")  # asked when needed; a read mode keeps it (and pickles)
+        stream = not isinstance(self.dataset, Mix) and self._open_stream()
+        documents = self._stream_kind if stream else self.tokenized_documents
+        args = (self.settings, tokenizer, self._tokenizer_arg is not None, rank_zero_warn, rank_zero_info)
+        self.read_mode = read_mode_for(self.dataset, stream, documents, *args)
+        self._pretokenized = self.read_mode.pretokenized
         self.datasets = self.read_mode.datasets
 
     @property
     def streaming(self) -> bool:
-        """Whether the data are served as a stream (known once set up)."""
-        return isinstance(self.read_mode, StreamMode)
+        """Whether the data are served as streams, one source or a ``Mix`` (``ConfigChecks`` asks)."""
+        if self.read_mode is not None:
+            return self.read_mode.streaming
+        return self.settings.data.streaming or (not isinstance(self.dataset, Mix) and is_stream(self.dataset))
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def data_signature(self) -> dict[str, Any]:
+        """What a saved loader position refers to (``signature.read_signature``, the same for every read path)."""
+        return self._ready().data_signature()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in Lightning checkpoints: the data signature, checked when a run resumes from it."""
+        return {} if self.read_mode is None else self.read_mode.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check the checkpoint's data signature before the train loader is built (Lightning restores the DataModule
+        first): other data are refused by name, or the loader is built to start the epoch afresh. A checkpoint saved
+        before ``micro_batch_size`` was set (the batch-size finder restores its model) restarts without a word."""
+        if state_dict.get("data_signature") in self._superseded:
+            self._ready().restart = True
+            return
+        self._ready().load_state_dict(state_dict, rank_zero_warn)
+
+    def _batches_fetched_ahead(self) -> int:
+        """Train batches Lightning has fetched but not yet trained on (its fetcher keeps one ahead of a stream)."""
+        fetcher = getattr(getattr(self.trainer, "fit_loop", None), "_data_fetcher", None)
+        return len(getattr(fetcher, "batches", None) or ())
 
     # ------------------------------------------------------------------------------------------------ loaders
     def _ready(self) -> ReadMode:
@@ -357,10 +363,7 @@ class SeqMemDataModule(BatchAnswers, ResumeHooks, LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        loader = self._ready().loader("train", self.tokenizer, self.pad_token_id)
-        if hasattr(loader, "lookahead"):  # a stream's: Lightning fetches ahead of a loader with no length
-            loader.lookahead = self._batches_fetched_ahead
-        return loader
+        return self._ready().loader("train", self.tokenizer, self.pad_token_id, self._batches_fetched_ahead)
 
     @override
     def val_dataloader(self) -> DataLoader:

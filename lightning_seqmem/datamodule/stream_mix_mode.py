@@ -1,9 +1,9 @@
-"""A ``Mix`` of streams (``streaming=True``): each source read as a stream is read alone (``streaming.Streams``:
-its validation head, its packer, its counts), the training rows interleaved as they come (``mixing.stream_mix``).
+"""A ``Mix`` of streams (``streaming=True``): each source read as a stream is read alone (``streams.reading.Streams``:
+its validation head, its packer, its counts), the training rows interleaved as they come (``streams.mixed``).
 Validation keeps the sources apart, as map-style mixes do. No Lightning import.
 
 Resume: the train loader is a ``StreamingLoader`` over the mixer, whose state holds its counts, the row each source
-has read ahead and each source's reader state (``stream_rows.StreamingRows``): a resumed mix of streams goes on with
+has read ahead and each source's reader state (``streams.rows.StreamingRows``): a resumed mix of streams goes on with
 exactly the batches of the uninterrupted run. Another number of workers or ranks is refused by name (or restarts the
 epoch with ``on_resume_mismatch="restart_epoch"``): the mixer's order is per reader.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,14 +20,14 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_seqmem.batch import SOURCE_INDEX
 from lightning_seqmem.data.sources import open_stream
-from lightning_seqmem.datamodule.read_mode import split_strategies
-from lightning_seqmem.datamodule.resume import SavesSignature, data_signature
-from lightning_seqmem.datamodule.stream_signature import stream_identity
-from lightning_seqmem.datamodule.streaming import StreamingLoader, Streams, check_streaming, is_stream
-from lightning_seqmem.kinds.base import DOCUMENT_STATS
+from lightning_seqmem.datamodule.read_mode import check_same_layout, per_source_stats, split_strategies
+from lightning_seqmem.datamodule.resume import SavesSignature
 from lightning_seqmem.kinds.detect import detect_stream
 from lightning_seqmem.mixing.spec import Mix
-from lightning_seqmem.mixing.stream_mix import MixedRows, row_documents, row_tokens
+from lightning_seqmem.streams.identity import stream_identity
+from lightning_seqmem.streams.loader import ResumePolicy, StreamingLoader
+from lightning_seqmem.streams.mixed import MixedRows, row_documents, row_tokens
+from lightning_seqmem.streams.reading import Streams, check_streaming, is_stream
 
 SPLITS = ("train", "validation")
 
@@ -43,10 +44,10 @@ class StreamMixMode(SavesSignature):
         ValueError: a source whose batches cannot share the others' layout, or a batching that does not pack.
     """
 
-    pretokenized = False  # a stream's ids are checked as they are read, against a given tokenizer only
+    streaming = True
 
-    def __init__(self, mix: Mix, settings: Any, warn: Callable[[str], None]) -> None:
-        self.mix, self.settings, self.warn = mix, settings, warn
+    def __init__(self, mix: Mix, settings: Any, warn: Callable[[str], None], tokenizer: Callable[[], Any]) -> None:
+        self.mix, self.settings, self.warn, self.tokenizer = mix, settings, warn, tokenizer
         self.sources: list[dict[str, Any]] = []
         for source in mix.sources:
             data = settings.data
@@ -64,28 +65,18 @@ class StreamMixMode(SavesSignature):
             self.sources.append(
                 {"name": source.name, "kind": kind, "settings": mine, "strategies": strategies, "streams": streams}
             )
+        check_same_layout([(s["name"], s["kind"]) for s in self.sources])
         first = self.sources[0]
-        for other in self.sources[1:]:
-            if other["kind"].sequences != first["kind"].sequences:
-                raise ValueError(
-                    f"Mix source {other['name']!r} holds {other['kind'].name} data and {first['name']!r} "
-                    f"{first['kind'].name}: their batches have other layouts. Text, prompt/completion and "
-                    "conversations mix; preference pairs mix only with preference pairs."
-                )
         self.kind, self.strategies = first["kind"], first["strategies"]
         self.datasets = {split: [s["streams"].splits[split] for s in self.sources] for split in SPLITS}
         self.mixed: MixedRows | None = None
-        self.skip_resume_state = False  # set by load_state_dict when the checkpoint's mix differs (restart_epoch)
-        self.on_mismatch = settings.data.on_resume_mismatch
 
     def _loader(self, source: dict[str, Any], split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
-        def warn(message: str) -> None:
-            self.warn(f"Mix source {source['name']!r}: {message}")
-
+        warn = partial(_from_source, self.warn, source["name"])
         strategy = source["strategies"][split]
         return source["streams"].loader(split, strategy, tokenizer, source["settings"], pad_token_id, warn)
 
-    def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
+    def loader(self, split: str, tokenizer: Any, pad_token_id: int, lookahead=None) -> DataLoader:
         if split not in SPLITS:
             raise ValueError(f"A Mix serves 'train' and 'validation', not {split!r}.")
         loaders = [self._loader(s, split, tokenizer, pad_token_id) for s in self.sources]
@@ -94,14 +85,18 @@ class StreamMixMode(SavesSignature):
         units = row_tokens if self.mix.by == "tokens" else row_documents
         self.mixed = MixedRows([loader.dataset for loader in loaders], self.mix.weights, self.mix.exhausted, units)
         strategy = self.strategies["train"]
-        loader = StreamingLoader(
+        return StreamingLoader(
             self.mixed,
             batch_size=strategy.rows_per_batch("train"),
             collate_fn=strategy.collator(pad_token_id),
             num_workers=self.settings.data.num_workers,
+            policy=ResumePolicy(self.settings.data.on_resume_mismatch, self.warn, self.restart, lookahead),
         )
-        loader.skip_resume_state, loader.on_mismatch, loader.warn = self.skip_resume_state, self.on_mismatch, self.warn
-        return loader
+
+    @property
+    def pretokenized(self) -> bool:
+        """Every source holds token ids (checked as they are read, against a given tokenizer only)."""
+        return all(s["kind"].pretokenized for s in self.sources)
 
     def source_names(self) -> tuple[str, ...]:
         """The names of the sources, in the order of ``batch[SOURCE_INDEX]`` (``protocols.NamesSources``)."""
@@ -112,14 +107,13 @@ class StreamMixMode(SavesSignature):
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split the sums over the sources of what each has read so far on this process, and per source
-        (``["sources"][name]``) its own counts (``streaming.Streams.stats``) and its weight."""
+        (``["sources"][name]``) its own counts (``streams.reading.Streams.stats``) and its weight."""
         out = {}
         for split in SPLITS:
-            per = {s["name"]: s["streams"].stats()[split] for s in self.sources}
-            for name in per:
-                per[name]["weight"] = self.mix.weight(name)
-            total = {k: sum(v.get(k, 0) for v in per.values()) for k in DOCUMENT_STATS if k != "longest_document"}
-            out[split] = dict(total, streaming=True, sources=per)
+            per = {
+                s["name"]: dict(s["streams"].stats()[split], weight=self.mix.weight(s["name"])) for s in self.sources
+            }
+            out[split] = per_source_stats(per, streaming=True)
         return out
 
     def max_batch_shape(self) -> tuple[int, int]:
@@ -130,15 +124,19 @@ class StreamMixMode(SavesSignature):
     def worst_batch_layout(self, rows: int, length: int) -> tuple[tuple[int, ...], ...]:
         return self.strategies["train"].worst_layout(rows, length, None)
 
-    def data_signature(self) -> dict[str, Any]:
-        """The mix (sources, weights, ``by``, ``exhausted``), the batching, and each source's stream (its shards and
-        files, the validation documents carved out of it)."""
-        identities = {}
+    def identity(self) -> dict[str, Any]:
+        """Each source's stream (its shards and files, the validation documents carved out of it), by name."""
+        out = {}
         for source in self.sources:
             streams = source["streams"]
             for key, value in stream_identity(streams.read["train"], streams.leave_out).items():
-                identities[f"{key}/{source['name']}"] = value
-        return data_signature(dict(self.kind.signature(self.settings), **self.mix.signature(), **identities), None)
+                out[f"{key}/{source['name']}"] = value
+        return out
+
+
+def _from_source(warn: Callable[[str], None], name: str, message: str) -> None:
+    """A source's warning, naming it (a module function: the read mode pickles, ``ddp_spawn``)."""
+    warn(f"Mix source {name!r}: {message}")
 
 
 class TakingTurns(IterableDataset):

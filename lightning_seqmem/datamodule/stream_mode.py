@@ -1,4 +1,4 @@
-"""The streamed read mode: a ``datasets`` stream packed on the fly (``streaming.py``), what it has read counted
+"""The streamed read mode: a ``datasets`` stream packed on the fly (``streams/``), what it has read counted
 as it is read. Only strategies that pack can serve it. No Lightning import."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from torch.utils.data import DataLoader
 
 from lightning_seqmem.datamodule.pipeline import SPLITS, TEST
 from lightning_seqmem.datamodule.read_mode import split_strategies
-from lightning_seqmem.datamodule.resume import SavesSignature, data_signature
-from lightning_seqmem.datamodule.stream_signature import stream_identity
-from lightning_seqmem.datamodule.streaming import Streams, check_streaming
+from lightning_seqmem.datamodule.resume import SavesSignature
 from lightning_seqmem.kinds.base import Kind
+from lightning_seqmem.streams.identity import stream_identity
+from lightning_seqmem.streams.loader import ResumePolicy
+from lightning_seqmem.streams.reading import Streams, check_streaming
 
 
 class StreamMode(SavesSignature):
@@ -33,7 +34,7 @@ class StreamMode(SavesSignature):
         kind: Kind,
         settings: Any,
         warn: Callable[[str], None],
-        tokenizer: Callable[[], Any] = lambda: None,
+        tokenizer: Callable[[], Any] = type(None),
     ) -> None:
         self.kind, self.settings, self.warn = kind, settings, warn
         # a test split (when the stream has one) is batched as validation: checked with it before anything is read
@@ -41,16 +42,14 @@ class StreamMode(SavesSignature):
         check_streaming(self.strategies)
         self.streams = Streams(dataset, kind, settings.data)
         self.datasets = self.streams.splits
-        self.skip_resume_state = False  # set by load_state_dict when the checkpoint's data differ (restart_epoch)
-        self.tokenizer, self._tokenizer_key = tokenizer, None
+        self.tokenizer = tokenizer
 
-    def loader(self, split: str, tokenizer: Any, pad_token_id: int) -> DataLoader:
-        loader = self.streams.loader(split, self.strategies[split], tokenizer, self.settings, pad_token_id, self.warn)
-        if split == "train":
-            loader.skip_resume_state = self.skip_resume_state
-            loader.on_mismatch = self.settings.data.on_resume_mismatch
-            loader.warn = self.warn
-        return loader
+    streaming = True
+
+    def loader(self, split: str, tokenizer: Any, pad_token_id: int, lookahead=None) -> DataLoader:
+        policy = ResumePolicy(self.settings.data.on_resume_mismatch, self.warn, self.restart, lookahead)
+        strategy = self.strategies[split]
+        return self.streams.loader(split, strategy, tokenizer, self.settings, pad_token_id, self.warn, policy)
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """What has been read so far on this process (a stream's totals are known only once it is read)."""
@@ -64,22 +63,6 @@ class StreamMode(SavesSignature):
     def worst_batch_layout(self, rows: int, length: int) -> tuple[tuple[int, ...], ...]:
         return self.strategies["train"].worst_layout(rows, length, None)
 
-    def data_signature(self) -> dict[str, Any]:
-        """What a saved stream position refers to: the settings that decide the rows and batches, the data kind,
-        the stream (its shards and files, the validation documents carved out of it), the packing window and the
-        tokenizer (its content)."""
-        from lightning_seqmem.data.backend import tokenizer_fingerprint
-
-        identity = stream_identity(self.streams.read["train"], self.streams.leave_out)
-        settings = dict(
-            self.kind.signature(self.settings),
-            kind=self.kind.name + (" (token ids)" if self.kind.pretokenized else ""),
-            streaming_buffer_size=self.settings.data.streaming_buffer_size,
-            **identity,
-        )
-        if self._tokenizer_key is None:  # once: hashing a large vocabulary takes a while, and it does not change
-            tokenizer = self.tokenizer()
-            self._tokenizer_key = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
-        if self._tokenizer_key:
-            settings["tokenizer"] = self._tokenizer_key
-        return data_signature(settings, None)
+    def identity(self) -> dict[str, Any]:
+        """The stream: its shards and files, the validation documents carved out of it."""
+        return stream_identity(self.streams.read["train"], self.streams.leave_out)

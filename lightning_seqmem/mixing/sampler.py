@@ -52,7 +52,7 @@ class MixedBatchSampler(_ShardedBatchSampler):
         self.flat_lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
         super().__init__(int(self.offsets[-1]), True, seed, num_replicas, rank, drop_last)
         self.batch_rows, self.budget = batch_rows, max_tokens_per_batch
-        self.padded_length = padded_length or (lambda n: n)
+        self.padded_length = padded_length or _unpadded
         self._plans: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
 
     # ------------------------------------------------------------------------------------------------- plan
@@ -183,3 +183,8 @@ class MixedBatchSampler(_ShardedBatchSampler):
                 "reaches at the saved batch: the sources, their rows or the weights changed. Resume with the same "
                 "mix, or pass on_resume_mismatch='restart_epoch'."
             )
+
+
+def _unpadded(length: int) -> int:
+    """A row's length in its batch when batches are not padded (a module function: the sampler pickles)."""
+    return length

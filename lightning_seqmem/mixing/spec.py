@@ -79,6 +79,7 @@ class Mix:
             raise ValueError(f"Mix(seed={seed!r}) must be an int or None (the DataModule's seed).")
         parsed = tuple(_source(str(name), value) for name, value in sources.items())
         names = [s.name for s in parsed]
+        _check_unique(list(sources))
         object.__setattr__(self, "sources", parsed)
         object.__setattr__(self, "weights", _normalised(names, weights))
         object.__setattr__(self, "by", by)
@@ -87,6 +88,15 @@ class Mix:
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Mix is frozen: build another Mix instead of setting {name!r}.")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle`` and ``copy.deepcopy`` keep (``ddp_spawn`` and loader workers started by ``spawn``)."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled or copied ``Mix`` past the frozen ``__setattr__`` (as ``__init__`` sets it)."""
+        for name in self.__slots__:
+            object.__setattr__(self, name, state[name])
 
     def __eq__(self, other: object) -> bool:
         """Same sources (names, columns, and the same dataset: the same object, or equal names and lists), weights,
@@ -107,26 +117,40 @@ class Mix:
     def weight(self, name: str) -> float:
         return self.weights[self.names.index(name)]
 
-    def signature(self) -> dict[str, Any]:
-        """What a saved position in the mixed order refers to (a resumed run must mix the same way)."""
-        return {
-            "mix_sources": list(self.names),
-            "mix_weights": [round(w, 12) for w in self.weights],
-            "mix_by": self.by,
-            "mix_exhausted": self.exhausted,
-            "mix_seed": self.seed,
-        }
-
     def __repr__(self) -> str:
         shares = ", ".join(f"{n}={w:.3g}" for n, w in zip(self.names, self.weights))
         return f"Mix({shares}, by={self.by!r}, exhausted={self.exhausted!r}, seed={self.seed})"
 
 
+def _check_unique(keys: list[Any]) -> None:
+    """Source names are ``str(key)``: two keys that read alike (``1`` and ``"1"``) would train as one name."""
+    seen: dict[str, Any] = {}
+    for key in keys:
+        if str(key) in seen:
+            raise ValueError(
+                f"Mix sources {seen[str(key)]!r} and {key!r} are both named {str(key)!r} (a source's name is its key "
+                "as a string): give them names that differ."
+            )
+        seen[str(key)] = key
+
+
 def _same(a: Any, b: Any) -> bool:
-    return a is b or (isinstance(a, (str, list, tuple)) and type(a) is type(b) and a == b)
+    """The same dataset: one object, equal names or lists, or one ``datasets`` fingerprint (a pickled or copied
+    ``Dataset`` keeps it; a DataFrame, whose ``==`` is elementwise, is the same object only)."""
+    if a is b or (isinstance(a, (str, list, tuple)) and type(a) is type(b) and a == b):
+        return True
+    if type(a) is not type(b):
+        return False
+    fingerprint = getattr(a, "_fingerprint", None)
+    return fingerprint is not None and fingerprint == getattr(b, "_fingerprint", None)
 
 
 def _source(name: str, value: Any) -> Source:
+    if isinstance(value, Mix) or (isinstance(value, dict) and isinstance(value.get("dataset"), Mix)):
+        raise ValueError(
+            f"Mix source {name!r} is itself a Mix: a mix's sources are datasets. Give one Mix of all their sources, "
+            "with the weights multiplied out."
+        )
     if isinstance(value, Source):
         return Source(name, value.dataset, value.text_column)
     if isinstance(value, dict) and "dataset" in value:

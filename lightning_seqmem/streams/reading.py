@@ -20,24 +20,15 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_seqmem.batching import StreamingPacker
 from lightning_seqmem.batching.strategies import Strategy
-from lightning_seqmem.datamodule.stream_counts import StreamCounts
-from lightning_seqmem.datamodule.stream_loader import StreamingLoader
-from lightning_seqmem.datamodule.stream_rows import StreamingRows
-from lightning_seqmem.datamodule.stream_splits import LEFT_OUT, streaming_splits
+from lightning_seqmem.batching.streaming_packer import StreamingPacker
 from lightning_seqmem.kinds.base import DOCUMENT_STATS, Kind
+from lightning_seqmem.streams.counts import StreamCounts
+from lightning_seqmem.streams.loader import ResumePolicy, StreamingLoader
+from lightning_seqmem.streams.rows import StreamingRows
+from lightning_seqmem.streams.splits import LEFT_OUT, streaming_splits
 
-__all__ = [
-    "DealtBatches",
-    "StreamCounts",
-    "StreamingLoader",
-    "StreamingRows",
-    "Streams",
-    "check_streaming",
-    "is_stream",
-    "streaming_loader",
-]
+__all__ = ["DealtBatches", "Streams", "check_streaming", "is_stream", "layout_warnings", "streaming_loader"]
 
 
 def is_stream(dataset: Any) -> bool:
@@ -102,14 +93,16 @@ def streaming_loader(
     leave_out: Any = None,
     shuffle: int = 0,
     seed: int = 0,
+    policy: ResumePolicy | None = None,
 ) -> DataLoader:
     """The loader of one stream: this rank's share of documents, packed by ``strategy``'s settings; what it reads
     counted in ``counts``, and the first token lost to ``max_length`` on each pass warned about.
 
     Under DDP/FSDP the train stream is split by rank and repeats (``cycle``); a validation stream is read whole by
     every rank and its rows dealt out in equal numbers of batches (:class:`DealtBatches`). ``leave_out``: the
-    training documents to leave out (copies of validation documents, ``stream_splits.NotIn``), counted and warned.
+    training documents to leave out (copies of validation documents, ``splits.NotIn``), counted and warned.
     ``shuffle``: the training readers' shuffle buffer (``streaming_shuffle_buffer``), seeded by ``seed``.
+    ``policy``: how the train loader resumes (``loader.ResumePolicy``).
     """
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     train = split == "train"
@@ -156,7 +149,7 @@ def streaming_loader(
         warn(message)
     if not train:
         return DataLoader(rows, batch_size=per_batch, collate_fn=collate, num_workers=num_workers)
-    return StreamingLoader(rows, batch_size=per_batch, collate_fn=collate, num_workers=num_workers)
+    return StreamingLoader(rows, batch_size=per_batch, collate_fn=collate, num_workers=num_workers, policy=policy)
 
 
 def layout_warnings(split: str, shards: int | None, world: int, num_workers: int) -> list[str]:
@@ -208,8 +201,10 @@ class Streams:
         settings: Any,
         pad_token_id: int,
         warn: Callable[[str], None],
+        policy: ResumePolicy | None = None,
     ) -> DataLoader:
-        """``split``'s loader (``settings``: the DataModule's ``SeqMemSettings``)."""
+        """``split``'s loader (``settings``: the DataModule's ``SeqMemSettings``; ``policy``: how training
+        resumes)."""
         encode = self.kind.stream_encoder(tokenizer, settings, strategy, split)
         return streaming_loader(
             self.read[split],
@@ -224,11 +219,12 @@ class Streams:
             self.leave_out if split == "train" else None,
             settings.data.streaming_shuffle_buffer if split == "train" else 0,
             settings.batching.seed,
+            policy,
         )
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per split, the counts so far on this process (a stream's totals are known only once it is read); for
-        training also the documents left out as validation (``stream_splits.LEFT_OUT``)."""
+        training also the documents left out as validation (``splits.LEFT_OUT``)."""
         keep = {*DOCUMENT_STATS, *self.kind.stats_keys, "rows"}  # not other kinds' keys
         return {
             split: {

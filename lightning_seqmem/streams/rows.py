@@ -1,7 +1,7 @@
 """A stream tokenized and packed on the fly, one reader per loader worker, its whole position a state.
 
 What decides the next row of a reader is all here, behind ``state_dict``/``load_state_dict``: the position in each
-of its shards (``stream_readers``), the documents waiting in the packing window and the rows packed but not yet
+of its shards (``readers``), the documents waiting in the packing window and the rows packed but not yet
 handed out (``PackingWindow``), the pass and the document count, and what it has counted so far. torchdata's
 ``StatefulDataLoader`` asks each loader worker for it after every batch; a resumed worker starts where its saved
 self stopped. A resume with other readers (workers or ranks) gets :class:`Regrouped` instead. No Lightning import.
@@ -11,38 +11,40 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lightning_seqmem.batching.streaming_packer import StreamingPacker, pieces_state, window_pieces
+from lightning_seqmem.batching.streaming_packer import StreamingPacker
 from lightning_seqmem.data.line_ranges import MARK as LINE_RANGES
-from lightning_seqmem.datamodule.stream_counts import StreamCounts
-from lightning_seqmem.datamodule.stream_readers import (
+from lightning_seqmem.streams.counts import StreamCounts
+from lightning_seqmem.streams.readers import (
     Layout,
     OrderedReader,
     ShardReader,
     ShuffleBuffer,
     can_shard,
-    merge_positions,
 )
-from lightning_seqmem.datamodule.stream_splits import LEFT_OUT, left_out_warning
+from lightning_seqmem.streams.regroup import Regrouped
+from lightning_seqmem.streams.splits import LEFT_OUT, left_out_warning
+from lightning_seqmem.streams.state import ReaderState
 
-__all__ = ["Regrouped", "StreamingRows"]
+__all__ = ["StreamingRows"]
 
 
 class StreamingRows(IterableDataset):
     """A stream tokenized and packed on the fly.
 
     ``stream`` is the whole stream; each reader (rank ``rank`` of ``world``, and its loader worker) reads its own
-    shards of it (``stream_readers.Layout``). Memory is bounded by the packer's window. With ``cycle`` the stream
+    shards of it (``readers.Layout``). Memory is bounded by the packer's window. With ``cycle`` the stream
     restarts when it ends, so DDP ranks (whose shares differ in length) never wait on each other; stop training with
     ``max_steps``. With ``reshuffle`` every pass sets the stream's epoch (``set_epoch``), so a shuffled stream
     (``stream.shuffle(...)``) is dealt anew each epoch. With ``required`` (training), a pass that gives no row is an
     error in the main process, and ends a loader worker (one with no file of its own) instead of repeating nothing
     forever. With ``leave_out`` (a training stream whose validation head was carved out of it,
-    ``stream_splits.NotIn``), each document equal to a validation document is left out and counted, and a pass that
+    ``splits.NotIn``), each document equal to a validation document is left out and counted, and a pass that
     left out copies of them says so (``on_left_out``). ``on_replay``: told how many documents a source that cannot
     seek reads again on resume.
     """
@@ -76,22 +78,28 @@ class StreamingRows(IterableDataset):
         self.regrouped: Regrouped | None = None  # a resume with other readers
         self._replay_said = False  # a source that cannot seek says so once
 
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration reads (``StreamingLoader`` and ``MixedRows`` call it before each pass)."""
+        self.epoch = epoch
+
+    def regroup(self, readers: list[dict[str, Any]]) -> None:
+        """Start the next pass from ``readers``, saved by another number of readers (workers or ranks)."""
+        self.regrouped = Regrouped(readers, self.counts.FIELDS)
+
     def layout(self, workers: int) -> Layout | None:
         """How the stream is dealt to ``workers`` loader workers per rank (``None``: read in order, one reader)."""
         if not can_shard(self.stream):
             return None
         return Layout(self.stream.num_shards, self.world, max(1, workers))
 
-    def _start(self, worker: int, workers: int) -> dict[str, Any]:
+    def _start(self, worker: int, workers: int) -> ReaderState:
         """The reader's position at the start of iteration: saved, regrouped, or the epoch's first document."""
-        fresh = {"epoch": self.epoch, "passes": 0, "index": 0, "positions": {}, "window": None, "counts": None}
-        fresh["pass_start"] = None  # the counts' rows and documents left out when this pass began
-        fresh["shuffled"] = None  # the shuffle buffer's documents and generator
+        fresh = ReaderState(epoch=self.epoch)
         if self.saved is not None:
             state, self.saved = self.saved, None
-            return state if state.get("epoch") == self.epoch else fresh
+            return state if state.epoch == self.epoch else fresh
         if self.regrouped is not None and self.regrouped.epoch == self.epoch:
-            return dict(fresh, **self.regrouped.share(self.rank, self.world, worker, workers))
+            return replace(fresh, **self.regrouped.share(self.rank, self.world, worker, workers))
         return fresh
 
     def __iter__(self):
@@ -104,12 +112,11 @@ class StreamingRows(IterableDataset):
             )
         state = self._start(slot, workers)
         layout = self.layout(workers)
-        total = Counter(dict(zip(self.counts.FIELDS, state["counts"]))) if state["counts"] else None
-        total = total if total is not None else Counter(dict(zip(self.counts.FIELDS, self.counts.table[slot].tolist())))
+        total = Counter(dict(zip(self.counts.FIELDS, state.counts or self.counts.table[slot].tolist())))
         window = self.packer.window()
-        if state["window"] is not None:
-            window.load_state_dict(state["window"])
-        positions, passes, index = state["positions"], state["passes"], state["index"]
+        if state.window is not None:
+            window.load_state_dict(state.window)
+        positions, passes, index = state.positions, state.passes, state.index
         live = self.live = {"epoch": self.epoch, "layout": layout and layout.as_dict(), "rank": self.rank}
         live.update(worker=slot, passes=passes, index=index, window=window, counts=total, pass_start=None)
         live["shuffled"] = None
@@ -120,10 +127,9 @@ class StreamingRows(IterableDataset):
             live["reader"], warned, drawn = reader, False, reader
             if self.shuffle:
                 seed = (self.seed, self.epoch, live["passes"], self.rank, slot)
-                drawn = live["shuffled"] = ShuffleBuffer(reader, self.shuffle, seed, state.get("shuffled"))
-            state["shuffled"] = None
-            live["pass_start"] = state.get("pass_start") or [total["rows"], total[LEFT_OUT]]
-            state["pass_start"] = None
+                drawn = live["shuffled"] = ShuffleBuffer(reader, self.shuffle, seed, state.shuffled)
+            live["pass_start"] = state.pass_start or [total["rows"], total[LEFT_OUT]]
+            state.shuffled, state.pass_start = None, None  # the resumed pass only
             for example in drawn:
                 if self.leave_out is not None and not self.leave_out(example):
                     total[LEFT_OUT] += 1
@@ -193,61 +199,24 @@ class StreamingRows(IterableDataset):
         has none). Before the first row: where the next pass would start."""
         live = self.live
         if live is None:
-            return dict(self.saved) if self.saved is not None else {"epoch": self.epoch, "fresh": True}
+            return (self.saved or ReaderState(epoch=self.epoch, fresh=True)).to_dict()
         reader = live.get("reader")
-        return {
-            "epoch": live["epoch"],
-            "layout": live["layout"],
-            "rank": live["rank"],
-            "worker": live["worker"],
-            "passes": live["passes"],
-            "index": live["index"],
-            "pass_start": live["pass_start"],
-            "shuffled": live["shuffled"].state_dict() if live["shuffled"] is not None else None,
-            "positions": reader.state_dict() if reader is not None else {},
-            "window": live["window"].state_dict(),
-            "counts": [live["counts"][name] for name in self.counts.FIELDS],
-        }
+        return ReaderState(
+            epoch=live["epoch"],
+            passes=live["passes"],
+            index=live["index"],
+            positions=reader.state_dict() if reader is not None else {},
+            window=live["window"].state_dict(),
+            counts=[live["counts"][name] for name in self.counts.FIELDS],
+            pass_start=live["pass_start"],
+            shuffled=live["shuffled"].state_dict() if live["shuffled"] is not None else None,
+            layout=live["layout"],
+            rank=live["rank"],
+            worker=live["worker"],
+        ).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start the next pass where ``state`` stopped (torchdata calls this in each worker before it iterates)."""
-        self.saved = None if state.get("fresh") else state
+        saved = ReaderState.from_dict(state)
+        self.saved = None if saved.fresh else saved
         self.live = None
-
-
-class Regrouped:
-    """Saved readers dealt to another number of readers (workers or ranks): each shard goes on from its position
-    (positions are by shard, so any reader can take any shard), and the documents that were in the saved packing
-    windows and shuffle buffers are dealt out to be packed again, saved reader ``j`` to new reader ``j`` mod their
-    count. No document is lost or read twice; the rows in flight are packed anew.
-
-    A stream whose shards do not divide by the ranks is read by every rank, each keeping its own documents of every
-    shard: there a rank's readers are regrouped among themselves (another number of workers, the same ranks).
-    """
-
-    def __init__(self, readers: list[dict[str, Any]], fields: tuple[str, ...]) -> None:
-        self.readers = [r for r in readers if not r.get("fresh")]
-        self.epoch = readers[0]["epoch"] if readers else 0
-        self.passes = max((r.get("passes", 0) for r in self.readers), default=0)
-        self.fields = fields
-
-    def share(self, rank: int, world: int, worker: int, workers: int) -> dict[str, Any]:
-        """Reader ``(rank, worker)``'s start: its shards' positions and its deal of the saved windows, shuffle
-        buffers and counts (readers numbered rank-major, as they were saved)."""
-        layout = next((r["layout"] for r in self.readers if r.get("layout")), None)
-        whole = layout is None or Layout(**layout).whole
-        if whole:
-            me, count, pool = rank * workers + worker, world * workers, self.readers
-        else:  # every rank read every shard: only this rank's own readers know its place
-            me, count, pool = worker, workers, [r for r in self.readers if r.get("rank") == rank]
-        mine = [r for j, r in enumerate(pool) if j % count == me]
-        pieces = [p for r in mine if r.get("window") for p in window_pieces(r["window"])]
-        counts = None
-        if mine:
-            columns = list(zip(*(r["counts"] for r in mine)))
-            counts = [max(c) if f == "longest_document" else sum(c) for f, c in zip(self.fields, columns)]
-        drawn = [e for r in mine if r.get("shuffled") for e in r["shuffled"]["buffer"]]
-        shuffled = {"buffer": drawn, "rng": None} if drawn else None
-        positions = merge_positions([r.get("positions") or {} for r in pool])
-        out = {"positions": positions, "window": pieces_state(pieces), "counts": counts, "passes": self.passes}
-        return dict(out, shuffled=shuffled)

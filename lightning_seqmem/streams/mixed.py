@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from lightning_seqmem.mixing.interleave import choose
+from lightning_seqmem.streams.state import MixerState
 
 _END = object()
 
@@ -34,7 +35,7 @@ class MixedRows(IterableDataset):
     """Rows of several row streams, interleaved so every prefix holds each source's share within one row.
 
     Args:
-        sources: per source, an iterable of packed rows (``datamodule.streaming.StreamingRows``); iterated again for
+        sources: per source, an iterable of packed rows (``streams.rows.StreamingRows``); iterated again for
             each pass (``epoch`` is set on it when it has one, so a shuffled stream is dealt anew).
         weights: ``[sources]`` shares summing to 1 (weight 0: never read).
         exhausted: ``"stop"``: the rows end when the first source ends; ``"repeat"``: a source that ends is read
@@ -55,35 +56,29 @@ class MixedRows(IterableDataset):
         self._epoch = 0
         self.last_state: dict[str, Any] = {}  # the mixer's counts when the reader last stopped (main process)
         self._live: dict[str, Any] | None = None  # the counts and heads while it reads
-        self._saved: dict[str, Any] | None = None  # where the next pass starts (load_state_dict)
+        self._saved: MixerState | None = None  # where the next pass starts (load_state_dict)
 
     @property
     def epoch(self) -> int:
         return self._epoch
 
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        """Set by ``StreamingLoader`` on each new iteration; each source's passes count from it."""
-        self._epoch = value
+    def set_epoch(self, epoch: int) -> None:
+        """Called by ``StreamingLoader`` on each new iteration; each source's passes count from it."""
+        self._epoch = epoch
 
     def _start(self, s: int, passes: int):
         source = self.sources[s]
-        if hasattr(source, "epoch"):  # a StreamingRows: its stream reshuffled for this pass
-            source.epoch = self._epoch + passes
+        if hasattr(source, "set_epoch"):  # a StreamingRows: its stream reshuffled for this pass
+            source.set_epoch(self._epoch + passes)
         return iter(source)
 
     def __iter__(self):
         k = len(self.sources)
         active = [s for s in range(k) if self.weights[s] > 0]
         saved, self._saved = self._saved, None
-        if saved is not None and saved["epoch"] == self._epoch:  # resumed: the counts and the rows read ahead
-            served, rows, passes, total = (
-                list(saved["served"]),
-                list(saved["rows"]),
-                list(saved["passes"]),
-                saved["total"],
-            )
-            heads = {s: _row_from(saved["heads"][s]) for s in active}
+        if saved is not None and saved.epoch == self._epoch:  # resumed: the counts and the rows read ahead
+            served, rows, passes, total = list(saved.served), list(saved.rows), list(saved.passes), saved.total
+            heads = {s: _row_from(saved.heads[s]) for s in active}
         else:
             served, rows, passes, total, heads = [0] * k, [0] * k, [0] * k, 0, None
         readers = {s: self._start(s, passes[s]) for s in active}
@@ -117,23 +112,24 @@ class MixedRows(IterableDataset):
         (``StreamingRows.state_dict``: shards, window, counts); torchdata asks each loader worker after each batch."""
         live = self._live
         if live is None:
-            return dict(self._saved) if self._saved is not None else {"epoch": self._epoch, "fresh": True}
-        return {
-            "epoch": self._epoch,
-            "served": list(live["served"]),
-            "rows": list(live["rows"]),
-            "passes": list(live["passes"]),
-            "total": live["total"],
-            "heads": {s: _row_state(head) for s, head in live["heads"].items()},
-            "sources": [source.state_dict() if hasattr(source, "state_dict") else None for source in self.sources],
-        }
+            return (self._saved or MixerState(epoch=self._epoch, fresh=True)).to_dict()
+        return MixerState(
+            epoch=self._epoch,
+            served=list(live["served"]),
+            rows=list(live["rows"]),
+            passes=list(live["passes"]),
+            total=live["total"],
+            heads={s: _row_state(head) for s, head in live["heads"].items()},
+            sources=[source.state_dict() if hasattr(source, "state_dict") else None for source in self.sources],
+        ).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on where ``state`` stopped: each source from its own state, the mixer from its counts and heads."""
-        if state.get("fresh"):
+        saved = MixerState.from_dict(state)
+        if saved.fresh:
             return
-        self._saved, self._live = state, None
-        for source, source_state in zip(self.sources, state["sources"]):
+        self._saved, self._live = saved, None
+        for source, source_state in zip(self.sources, saved.sources):
             if source_state is not None:
                 source.load_state_dict(source_state)
 

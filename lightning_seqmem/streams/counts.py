@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 
-from lightning_seqmem.datamodule.stream_splits import LEFT_OUT
 from lightning_seqmem.kinds.base import DOCUMENT_STATS
 from lightning_seqmem.kinds.detect import STREAM_KINDS
+from lightning_seqmem.streams.splits import LEFT_OUT
 
 __all__ = ["StreamCounts"]
 
@@ -31,14 +29,6 @@ class StreamCounts:
 
     def __init__(self, workers: int = 0) -> None:
         self.table = torch.zeros(max(1, workers), len(self.FIELDS), dtype=torch.int64).share_memory_()
-
-    def publish(self, slot: int, start: torch.Tensor, counts: Counter) -> None:
-        """Set row ``slot`` to ``start`` (the row when this pass began) plus this pass's ``counts``."""
-        now = torch.tensor([counts[name] for name in self.FIELDS], dtype=torch.int64)
-        longest = self.FIELDS.index("longest_document")
-        now[:longest] += start[:longest]
-        now[longest] = max(int(now[longest]), int(start[longest]))
-        self.table[slot] = now
 
     def totals(self) -> dict[str, int]:
         """The counts summed over workers (``longest_document``: the longest)."""
