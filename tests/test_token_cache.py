@@ -275,7 +275,8 @@ def test_a_writer_killed_mid_file_leaves_nothing_after_the_next_run(tmp_path, to
     child.join(120)
     assert child.exitcode == -signal.SIGKILL
     [partial] = list(cache.glob("tokenized/*/*.tmp"))
-    assert partial.name.startswith(f"tokens-00000.arrow.{token_cache.socket.gethostname()}-{child.pid}.")
+    host, space = token_cache.writer_name().rsplit("-", 1)[0].split(".", 1)  # the writer: host.space-pid
+    assert partial.name.startswith("tokens-") and f".arrow.{host}.{space}-{child.pid}." in partial.name
     assert partial.stat().st_size > 0 and not list(cache.rglob("manifest.json"))
 
     again = token_cache.tokenize_cached(dsd, tokenizer, TEXT, num_proc=1, cache_dir=cache)
@@ -291,11 +292,12 @@ def test_only_temporary_files_of_writers_that_are_gone_are_stale(tmp_path):
     import sys
     import time
 
+    from lightning_seqmem.data.cache_dir import pid_space
     from lightning_seqmem.data.token_cache import STALE_AFTER_S, remove_stale_temporaries, stale_temporaries
 
     entry = tmp_path / "tokenized" / "k"
     entry.mkdir(parents=True)
-    host = socket.gethostname()
+    host = f"{socket.gethostname()}.{pid_space()}"  # this host and its process-id space
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     names = {
@@ -303,8 +305,8 @@ def test_only_temporary_files_of_writers_that_are_gone_are_stale(tmp_path):
         "other live rank": f"tokens-00000.arrow.{host}-{live.pid}.d4e5f6.tmp",
         "dead": f"tokens-00000.arrow.{host}-{int(dead.stdout)}.g7h8i9.tmp",
         "dead manifest": f"manifest.json.{host}-{int(dead.stdout)}.j1k2l3.tmp",
-        "other host, writing": "tokens-00001.arrow.node-7.cluster-4242.m4n5o6.tmp",
-        "other host, silent": "tokens-00002.arrow.node-7.cluster-4242.p7q8r9.tmp",
+        "other host, writing": "tokens-00001.arrow.node-7.cluster.0123456789ab-4242.m4n5o6.tmp",
+        "other host, silent": "tokens-00002.arrow.node-7.cluster.0123456789ab-4242.p7q8r9.tmp",
     }
     try:
         for name in names.values():
@@ -338,17 +340,15 @@ def test_a_damaged_entry_is_reported_and_tokenized_again(tmp_path, tokenizer, ca
     [entry] = list((tmp_path / "tokenized").iterdir())
     assert f"train: tokens written to the cache entry {entry}" in caplog.text
 
-    arrow = entry / "tokens-00000.arrow"
+    [arrow] = list(entry.glob("tokens-*.arrow"))  # named after its writer: tokens-<writer>-00000.arrow
     arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
-    with pytest.warns(
-        UserWarning, match=rf"Token cache entry {entry} is damaged \(tokens-00000.arrow: .*tokenizing again"
-    ):
+    with pytest.warns(UserWarning, match=rf"Token cache entry {entry} is damaged \({arrow.name}: .*tokenizing again"):
         assert _tokens(tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path)) == first
 
     manifest = entry / "manifest.json"
     meta = json.loads(manifest.read_text())
-    manifest.write_text(json.dumps({**meta, "files": ["tokens-00000.arrow", "tokens-00001.arrow"]}))
-    with pytest.warns(UserWarning, match=r"is damaged \(tokens-00001.arrow: FileNotFoundError"):
+    manifest.write_text(json.dumps({**meta, "files": [*meta["files"], "tokens-gone-00001.arrow"]}))
+    with pytest.warns(UserWarning, match=r"is damaged \(tokens-gone-00001.arrow: FileNotFoundError"):
         assert _tokens(tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path)) == first
     caplog.clear()
     with caplog.at_level(logging.INFO):

@@ -45,8 +45,10 @@ def choose_trainer(overrides: list[str], doing: str = "training with") -> list[s
 
 
 def _is_rank_zero() -> bool:
-    # Under strategy=ddp Lightning re-launches this script once per extra rank with LOCAL_RANK/NODE_RANK set.
-    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+    # The job's rank zero under Lightning's launcher, torchrun and srun alike (apps/cluster.py).
+    from lightning_seqmem.apps.cluster import is_rank_zero
+
+    return is_rank_zero()
 
 
 def _instantiate_all(group: Any) -> list[Any]:
@@ -97,6 +99,21 @@ def datamodule_config(data: Any) -> Any:
     return {k: v for k, v in resolved.items() if k not in MIX_KEYS}
 
 
+def trainer_config(cfg: Any) -> Any:
+    """``cfg.trainer`` without ``prepare_data_per_node``, which the DataModule takes, not the ``Trainer`` (cut
+    from a copy of the whole config, so the trainer's interpolations still resolve)."""
+    if "prepare_data_per_node" not in cfg.trainer:
+        return cfg.trainer
+    import copy
+
+    from omegaconf import open_dict
+
+    whole = copy.deepcopy(cfg)
+    with open_dict(whole.trainer):
+        del whole.trainer["prepare_data_per_node"]
+    return whole.trainer
+
+
 def _progress_bar_allowed(callback: Any, trainer_cfg: Any) -> bool:
     # Lightning refuses a progress-bar callback with enable_progress_bar=False; that switch wins.
     from lightning.pytorch.callbacks import ProgressBar
@@ -121,7 +138,8 @@ def check_data(datamodule: Any, cfg) -> None:
 
     try:
         datamodule.prepare_data()
-        if trainer.get("devices", 1) in (1, "1") and strategy in ("auto", "None", "single_device"):
+        alone = trainer.get("devices", 1) in (1, "1") and trainer.get("num_nodes", 1) in (1, "1")
+        if alone and strategy in ("auto", "None", "single_device"):
             datamodule.setup("fit")
     except Exception as err:
         reported = for_hydra(err, cfg, "data")  # a user's mistake, spelt data.<key>=...
@@ -140,6 +158,9 @@ def train(cfg) -> dict[str, Any]:
     _check_required(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(datamodule_config(cfg.data))
+    per_node = cfg.trainer.get("prepare_data_per_node")
+    if per_node is not None:  # Lightning's switch, a DataModule attribute: each node's local rank 0, or rank 0 once
+        datamodule.prepare_data_per_node = bool(per_node)
     check_data(datamodule, cfg)
     model = instantiate(cfg.model)
     callbacks = [cb for cb in _instantiate_all(cfg.get("callbacks")) if _progress_bar_allowed(cb, cfg.trainer)]
@@ -155,7 +176,7 @@ def train(cfg) -> dict[str, Any]:
             )
         )
     extra = {"enable_checkpointing": True} if every else {}
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
+    trainer = instantiate(trainer_config(cfg), callbacks=callbacks, logger=loggers or False, **extra)
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     for cb in callbacks:
         if isinstance(cb, RunSummary) and cb.summary:
@@ -244,6 +265,9 @@ def main() -> None:
     from lightning_seqmem.apps.overrides import exit_on_unknown_override
 
     exit_on_unknown_override(sys.argv[1:], "config")  # "did you mean" before Hydra's advice to add the key with +
+    from lightning_seqmem.apps.cluster import run_dir_overrides
+
+    sys.argv[1:] = run_dir_overrides(sys.argv[1:])  # torchrun, srun: one folder for the job, rank zero writes it
     _hydra_entry()
 
 

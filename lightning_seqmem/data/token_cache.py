@@ -8,11 +8,16 @@ treatment. The input text is streamed a slice at a time (``arrow_stream``), its 
 goes, rather than read through ``datasets.map``'s memory map, so tokenizing a file of any size keeps one slice of
 text resident, not the file.
 
-Crash leftovers: every writer names its temporary file after its host and process id
-(``tokens-00000.arrow.<host>-<pid>.<random>.tmp``), so a later run removes the files of writers that are gone (a
-dead process on this host, or a file nobody has written to for a day) and never those of a live writer. A damaged
-entry (a truncated Arrow file, a manifest naming a missing file) and a cache directory that cannot be written are
-reported in one line and tokenized again. ``seqmem-cache`` (``lightning_seqmem.apps.cache``) lists and removes entries.
+Many writers, one entry (ranks, nodes on a shared disk): one writer at a time holds the entry's lock
+(``entry_lock``), the others wait for its manifest. Should two write anyway (a lock broken as stale), each names
+its files after itself (``tokens-<writer>-00000.arrow``) and the first manifest linked into place wins; the other
+removes its files and reads the winner's. Crash leftovers: every temporary file is named after its writer's host,
+process-id space and process id (``tokens-….arrow.<host>.<space>-<pid>.<random>.tmp``, ``cache_dir.writer_name``),
+so a later run removes the files of writers that are gone (a dead process of this host and space, or a file nobody
+has written to for a day) and never those of a live writer, even one in another container with the same host
+name. A damaged entry (a truncated Arrow file, a manifest naming a missing file) and a cache directory that cannot
+be written are reported in one line and tokenized again; an entry still unreadable right after it was written
+stops the run, naming it. ``seqmem-cache`` (``lightning_seqmem.apps.cache``) lists and removes entries.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import hashlib
 import json
 import os
 import re
-import socket
+import secrets
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,8 +38,9 @@ from typing import Any
 
 from lightning_seqmem.data.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
 from lightning_seqmem.data.backend import tokenizer_fingerprint
-from lightning_seqmem.data.cache_dir import default_cache_dir
+from lightning_seqmem.data.cache_dir import default_cache_dir, process_is_gone, writer_name
 from lightning_seqmem.data.encode import document_frame
+from lightning_seqmem.data.entry_lock import entry_writer
 from lightning_seqmem.data.fork_workers import run_in_workers
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
@@ -44,7 +50,9 @@ _TOKENS_PER_RECORD_BATCH = 1 << 20  # 4 MB of int32 ids per record batch of the 
 STALE_AFTER_S = 24 * 3600
 # The cache's layout, read back by seqmem-cache (cache.py): <root>/TOKENIZED/<key>/MANIFEST (and value_checks' CHECKED)
 TOKENIZED, MANIFEST = "tokenized", "manifest.json"
-_TMP_NAME = re.compile(r"^(?:tokens-\d+\.arrow|manifest\.json)\.(?P<host>.+)-(?P<pid>\d+)\.[^.]+\.tmp$")
+_TMP_NAME = re.compile(
+    r"^(?:tokens-[0-9a-f-]+\.arrow|manifest\.json)\.(?P<host>.+)\.(?P<space>[0-9a-f]{12})-(?P<pid>\d+)\.[^.]+\.tmp$"
+)
 
 
 def default_num_proc(rows: int) -> int:
@@ -55,8 +63,8 @@ def default_num_proc(rows: int) -> int:
 
 
 def _writer_prefix(name: str) -> str:
-    """``<name>.<host>-<pid>.``: the start of a temporary file's name that says which process writes it."""
-    return f"{name}.{socket.gethostname()}-{os.getpid()}."
+    """``<name>.<host>.<space>-<pid>.``: the start of a temporary file's name that says which process writes it."""
+    return f"{name}.{writer_name()}."
 
 
 @contextmanager
@@ -75,23 +83,17 @@ def _file_of_this_writer(directory: str | os.PathLike, name: str) -> Iterator[st
 
 
 def _writer_is_gone(path: Path, now: float, max_age: float) -> bool:
-    """Whether a temporary file belongs to a writer that can no longer finish it: a process of this host that has
-    exited, or (any host, any name) a file nobody has written to for ``max_age`` seconds."""
+    """Whether a temporary file belongs to a writer that can no longer finish it: a process of this host and
+    process-id space that has exited, or (any writer, any name) a file nobody has written to for ``max_age`` s."""
     try:
         if now - path.stat().st_mtime > max_age:
             return True
     except FileNotFoundError:  # renamed into place or removed meanwhile
         return False
     match = _TMP_NAME.match(path.name)
-    if match is None or match["host"] != socket.gethostname():
-        return False  # another machine's process (a shared file system): only the age tells
-    try:
-        os.kill(int(match["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # PermissionError: alive, another user's
-        pass
-    return False
+    if match is None:
+        return False  # not a name of ours: only the age tells
+    return process_is_gone(match["host"], match["space"], int(match["pid"]))  # another machine's: only the age
 
 
 def stale_temporaries(root: str | os.PathLike, max_age: float = STALE_AFTER_S) -> list[Path]:
@@ -119,17 +121,24 @@ def _say(message: str, warn: bool = False) -> None:
     (rank_zero_warn if warn else rank_zero_info)(message)
 
 
-def _load(directory: Path):
+def _load(directory: Path, just_written: bool = False):
     """The cached split, memory-mapped, or ``None`` when its manifest is missing (not written yet) or the entry is
-    damaged on disk (said in one line; the manifest is removed so the entry is written again)."""
+    damaged on disk (said in one line; the manifest is removed so the entry is written again).
+
+    Raises:
+        RuntimeError: ``just_written`` and the entry is damaged: something else writes into it, or the disk lost
+            it; the message names the entry and how to go on.
+    """
     manifest = directory / MANIFEST
     if not manifest.exists():
         return None
     import datasets
     import pyarrow as pa
 
+    text = ""
     try:
-        meta = json.loads(manifest.read_text())
+        text = manifest.read_text()
+        meta = json.loads(text)
         parts = []
         for name in meta["files"]:
             try:
@@ -140,9 +149,16 @@ def _load(directory: Path):
         if len(ds) != meta["rows"]:
             raise ValueError(f"{len(ds)} rows on disk, the manifest says {meta['rows']}")
     except (OSError, ValueError, KeyError, TypeError) as err:
+        if just_written:
+            raise RuntimeError(
+                f"Token cache entry {directory} is damaged right after it was written ({err}): another program "
+                "writes into it, or its disk lost the files. Remove that folder and run again, or set "
+                "data.cache_dir (SeqMemDataModule(cache_dir=...)) to another directory."
+            ) from None
         _say(f"[lightning_seqmem] Token cache entry {directory} is damaged ({err}); tokenizing again.", warn=True)
         with suppress(OSError):
-            manifest.unlink()
+            if manifest.read_text() == text:  # not a manifest another writer has put in its place meanwhile
+                manifest.unlink()
         return None
     with suppress(OSError):  # a read-only cache still serves
         os.utime(manifest)  # the entry's last use, for seqmem-cache --older-than
@@ -160,6 +176,7 @@ class _Job:
     split: str
     directory: str
     conversation: Any = None  # ``ConversationSettings`` of conversations
+    writer: str = ""  # in the names of this writer's files: two writers of one entry never write the same file
 
 
 def _tokenize_task(task: tuple[int, Shard], ds, job: _Job) -> tuple[str, int]:
@@ -176,7 +193,7 @@ def _tokenize_shard(index: int, shard: Shard, ds, job: _Job, progress=None) -> t
     fn = job.kind.encoder(job.tokenizer, job.text_column, job.conversation)
     schema = job.kind.features().arrow_schema
     rows_of = _python_rows(ds, job.columns)
-    name = f"tokens-{index:05d}.arrow"
+    name = f"tokens-{job.writer}-{index:05d}.arrow" if job.writer else f"tokens-{index:05d}.arrow"
     rows, pending, pending_tokens = 0, [], 0
 
     def flush(writer) -> None:
@@ -278,15 +295,7 @@ def tokenize_cached(
         cached, how = _load(directory), "read from"
         if cached is None:
             procs = num_proc if num_proc is not None else default_num_proc(len(ds))
-            job = _Job(
-                tokenizer,
-                kind,
-                columns,
-                text_column,
-                split,
-                str(directory),
-                conversation,
-            )
+            job = _Job(tokenizer, kind, columns, text_column, split, str(directory), conversation)
             about = {
                 "split": split,
                 "rows": len(ds),
@@ -297,6 +306,7 @@ def tokenize_cached(
             blocked = _cannot_write(directory)
             if blocked is not None:  # tokenize for this process only, into a directory of its own
                 directory = _scratch_root() / key
+                directory.mkdir(parents=True, exist_ok=True)
                 job = replace(job, directory=str(directory))
                 _say(
                     f"[lightning_seqmem] Cannot write the token cache under {root} ({type(blocked).__name__}: "
@@ -304,8 +314,10 @@ def tokenize_cached(
                     "Set data.cache_dir (SeqMemDataModule(cache_dir=...)) to a writable directory to tokenize once.",
                     warn=True,
                 )
-            _write_entry(ds, job, max(1, min(procs, len(ds))), about)
-            cached, how = _load(directory), "written to"
+            with entry_writer(directory, (directory / MANIFEST).exists, _say) as must_write:
+                if must_write:  # this process holds the entry's lock; the others wait for its manifest
+                    _write_entry(ds, job, max(1, min(procs, len(ds))), about)
+                cached, how = _load(directory, just_written=True), "written to" if must_write else "read from"
         _say(f"[lightning_seqmem] {split}: tokens {how} the cache entry {directory} (seqmem-cache lists them)")
         out[split] = cached
     return datasets.DatasetDict(out)
@@ -344,13 +356,33 @@ def _cannot_write(directory: Path) -> OSError | None:
     return None
 
 
-def _write_entry(ds, job: _Job, procs: int, about: dict[str, Any]) -> None:
-    """Tokenize ``ds`` into ``job.directory``, then write its manifest (atomically: all of it or nothing)."""
+def _write_entry(ds, job: _Job, procs: int, about: dict[str, Any]) -> bool:
+    """Tokenize ``ds`` into ``job.directory`` under names of this writer's own, then link its manifest into place
+    (all of it or nothing). ``False`` when another writer's manifest got there first: ours and our files go, the
+    entry stays theirs (same data, same tokens), never a mix of two writers' files."""
     directory = Path(job.directory)
     directory.mkdir(parents=True, exist_ok=True)  # the scratch directory's entry
+    job = replace(job, writer=job.writer or secrets.token_hex(4))
     files = _tokenize_split(ds, job, procs)
-    with _file_of_this_writer(directory, MANIFEST) as tmp, open(tmp, "w") as f:
-        json.dump({"files": files, **about, "created": time.time()}, f)
+    handle, tmp = tempfile.mkstemp(prefix=_writer_prefix(MANIFEST), suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(handle, "w") as f:
+            json.dump({"files": files, **about, "created": time.time()}, f)
+        try:
+            os.link(tmp, directory / MANIFEST)  # fails where a manifest exists: the first writer's stays
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links: the last complete manifest wins, all of one writer
+            os.replace(tmp, directory / MANIFEST)
+        return True
+    except FileExistsError:
+        for name in files:
+            with suppress(OSError):
+                os.unlink(directory / name)
+        return False
+    finally:
+        with suppress(OSError):
+            os.unlink(tmp)
 
 
 _SCRATCH: list[tempfile.TemporaryDirectory] = []  # this process's stand-in for an unwritable cache
