@@ -224,3 +224,24 @@ def test_two_builders_of_the_corpus_in_one_process_each_fill_their_own_folder(tm
         b.join(60)
     assert errors == [] and results == [sorted(docs)] * 2
     assert [p.name for p in tmp_path.joinpath("lightning_seqmem").iterdir()] == [corpus.corpus_path().name]
+
+
+def test_an_entry_damaged_right_after_its_writer_finished_stops_the_run_naming_it(tmp_path, tokenizer):
+    """Something else writes into the entry between our files and our reading them back (another program, a disk
+    that lost them): the run stops with the entry's name and the ways out, never a split of ``None``."""
+    dsd, cache = _file_dataset(tmp_path), tmp_path / "cache"
+    real = token_cache._write_entry
+
+    def written_then_cut_short(ds, job, procs, about):
+        won = real(ds, job, procs, about)
+        for path in Path(job.directory).glob("tokens-*.arrow"):
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        return won
+
+    token_cache._write_entry = written_then_cut_short
+    try:
+        with pytest.raises(RuntimeError, match=r"Token cache entry .*/tokenized/\w+ is damaged right after it was"):
+            token_cache.tokenize_cached(dsd, tokenizer, TEXT, cache_dir=cache)
+    finally:
+        token_cache._write_entry = real
+    assert not list(cache.rglob(entry_lock.LOCK))  # the lock went with the failed writer

@@ -99,10 +99,13 @@ def datamodule_config(data: Any) -> Any:
     return {k: v for k, v in resolved.items() if k not in MIX_KEYS}
 
 
+DATAMODULE_TRAINER_KEYS = ("prepare_data_per_node",)  # trainer.* keys that the DataModule takes, not the Trainer
+
+
 def trainer_config(cfg: Any) -> Any:
-    """``cfg.trainer`` without ``prepare_data_per_node``, which the DataModule takes, not the ``Trainer`` (cut
-    from a copy of the whole config, so the trainer's interpolations still resolve)."""
-    if "prepare_data_per_node" not in cfg.trainer:
+    """``cfg.trainer`` without the keys the DataModule takes (``prepare_data_per_node``), cut from a copy of the
+    whole config so that the trainer's interpolations still resolve."""
+    if not any(key in cfg.trainer for key in DATAMODULE_TRAINER_KEYS):
         return cfg.trainer
     import copy
 
@@ -110,7 +113,8 @@ def trainer_config(cfg: Any) -> Any:
 
     whole = copy.deepcopy(cfg)
     with open_dict(whole.trainer):
-        del whole.trainer["prepare_data_per_node"]
+        for key in DATAMODULE_TRAINER_KEYS:
+            whole.trainer.pop(key, None)
     return whole.trainer
 
 
