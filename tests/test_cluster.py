@@ -76,7 +76,7 @@ def test_trainer_keys_for_many_nodes_need_no_plus(capsys):
     from hydra import compose, initialize_config_module
 
     from lightning_seqmem.apps.overrides import exit_on_unknown_override
-    from lightning_seqmem.apps.train import trainer_config
+    from lightning_seqmem.apps.train import build_datamodule, trainer_config
 
     given = ["trainer=cpu", "trainer.num_nodes=2", "trainer.strategy=ddp", "trainer.prepare_data_per_node=false"]
     exit_on_unknown_override(given, "config")  # would exit, asking for +
@@ -88,3 +88,4 @@ def test_trainer_keys_for_many_nodes_need_no_plus(capsys):
     built = trainer_config(cfg)
     assert "prepare_data_per_node" not in built and cfg.trainer.prepare_data_per_node is False
     assert built.num_nodes == 2 and built.default_root_dir == "."  # the rest as composed
+    assert build_datamodule(cfg).prepare_data_per_node is False  # Lightning reads it from the DataModule

@@ -118,6 +118,18 @@ def trainer_config(cfg: Any) -> Any:
     return whole.trainer
 
 
+def build_datamodule(cfg: Any) -> Any:
+    """The DataModule of ``data``, with Lightning's ``prepare_data_per_node`` (a DataModule attribute) from
+    ``trainer.prepare_data_per_node``: each node's first process prepares the data, or the job's rank zero once."""
+    from hydra.utils import instantiate
+
+    datamodule = instantiate(datamodule_config(cfg.data))
+    per_node = cfg.trainer.get("prepare_data_per_node")
+    if per_node is not None:
+        datamodule.prepare_data_per_node = bool(per_node)
+    return datamodule
+
+
 def _progress_bar_allowed(callback: Any, trainer_cfg: Any) -> bool:
     # Lightning refuses a progress-bar callback with enable_progress_bar=False; that switch wins.
     from lightning.pytorch.callbacks import ProgressBar
@@ -161,10 +173,7 @@ def train(cfg) -> dict[str, Any]:
 
     _check_required(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(datamodule_config(cfg.data))
-    per_node = cfg.trainer.get("prepare_data_per_node")
-    if per_node is not None:  # Lightning's switch, a DataModule attribute: each node's local rank 0, or rank 0 once
-        datamodule.prepare_data_per_node = bool(per_node)
+    datamodule = build_datamodule(cfg)
     check_data(datamodule, cfg)
     model = instantiate(cfg.model)
     callbacks = [cb for cb in _instantiate_all(cfg.get("callbacks")) if _progress_bar_allowed(cb, cfg.trainer)]
