@@ -15,7 +15,7 @@ import datasets
 import pytest
 from _forked_ranks import run_ranks
 
-from lightning_seqmem.data import cache_dir, entry_lock, token_cache
+from lightning_seqmem.data import cache_dir, cache_writers, token_cache
 from lightning_seqmem.kinds.text import Text
 
 TEXT = Text()
@@ -121,16 +121,15 @@ def test_two_writers_past_the_lock_leave_one_writers_entry(tmp_path, tokenizer):
 
 @pytest.mark.slow
 def test_writers_of_two_containers_with_one_host_name_and_pid_keep_each_others_files(tmp_path, tokenizer):
-    """Pods on one machine: the same host name, the same process id, separate process-id spaces. Writer 0 is
-    paused inside its temporary file while writer 1 cleans the cache: a file of the same host and pid is not a
-    dead writer's when its process-id space is another's."""
+    """Pods on one machine: the same host name and the same process id (faked here; each pod has its own process-id
+    space, which a file's name cannot tell apart reliably). Writer 0 is paused inside its temporary file while
+    writer 1 cleans the cache: the file is kept, because its writer still holds its lock."""
     dsd, cache = _file_dataset(tmp_path), tmp_path / "cache"
     paused, cleaned, pid = tmp_path / "paused", tmp_path / "cleaned", _dead_pid()
 
     def pod(rank: int):
         socket.gethostname = lambda: "pod"
-        os.getpid = lambda: pid  # the same process id, each in its own space
-        cache_dir._pid_namespace = lambda: f"pid:[40265318{rank}]"
+        os.getpid = lambda: pid  # the same process id, a dead one's here: only the file's lock says it is live
         if rank == 1:
             assert _wait_for(paused, 60)
             freed = token_cache.remove_stale_temporaries(cache)
@@ -154,8 +153,8 @@ def test_writers_of_two_containers_with_one_host_name_and_pid_keep_each_others_f
 
 
 def test_a_dead_writers_lock_is_taken_over_and_a_live_ones_waited_for(tmp_path, tokenizer):
-    """A lock whose holder has exited (same host and space) is broken at once; a live holder's is waited on until
-    its manifest appears, and nothing is tokenized twice."""
+    """A lock of this host whose holder's flock is free (it exited) is broken at once; a live holder's is waited on
+    until its manifest appears, and nothing is tokenized twice."""
     dsd = _file_dataset(tmp_path)
     clean = _tokens(token_cache.tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path / "first"))
     [entry] = (tmp_path / "first" / "tokenized").iterdir()
@@ -164,21 +163,22 @@ def test_a_dead_writers_lock_is_taken_over_and_a_live_ones_waited_for(tmp_path, 
     dead = tmp_path / "dead" / "tokenized" / key
     dead.mkdir(parents=True)
     holder = {"host": socket.gethostname(), "space": cache_dir.pid_space(), "pid": _dead_pid(), "since": 0}
-    (dead / entry_lock.LOCK).write_text(json.dumps(holder))
+    (dead / cache_writers.LOCK).write_text(json.dumps(holder))
     started = time.monotonic()
     assert _tokens(token_cache.tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path / "dead")) == clean
-    assert time.monotonic() - started < entry_lock.STALE_LOCK_S and not (dead / entry_lock.LOCK).exists()
+    assert time.monotonic() - started < cache_writers.STALE_LOCK_S and not (dead / cache_writers.LOCK).exists()
 
     live = tmp_path / "live" / "tokenized" / key
     live.mkdir(parents=True)
     holder = {"host": socket.gethostname(), "space": cache_dir.pid_space(), "pid": os.getpid(), "since": 0}
-    (live / entry_lock.LOCK).write_text(json.dumps(holder))
+    held = cache_dir.held_file(live, cache_writers.LOCK, json.dumps(holder).encode(), create_only=True)
 
     def finish_as_the_holder():  # the live holder puts its entry down a moment later, then lets go
         time.sleep(0.5)
         for path in entry.iterdir():
             (live / path.name).write_bytes(path.read_bytes())
-        (live / entry_lock.LOCK).unlink()
+        (live / cache_writers.LOCK).unlink()
+        os.close(held)
 
     holder_thread = threading.Thread(target=finish_as_the_holder)
     holder_thread.start()
@@ -244,4 +244,4 @@ def test_an_entry_damaged_right_after_its_writer_finished_stops_the_run_naming_i
             token_cache.tokenize_cached(dsd, tokenizer, TEXT, cache_dir=cache)
     finally:
         token_cache._write_entry = real
-    assert not list(cache.rglob(entry_lock.LOCK))  # the lock went with the failed writer
+    assert not list(cache.rglob(cache_writers.LOCK))  # the lock went with the failed writer

@@ -2,24 +2,35 @@
 packing plans. One root for all of them, so ``seqmem-cache`` lists and removes them in one place.
 
 The root may be a disk that many machines share (NFS, Lustre), and several containers of one machine may share a
-host name without sharing process ids. So a writer is named by its host, a key of the process-id space it lives in
-(the machine's boot and the pid namespace) and its process id: a writer's process can be asked whether it is alive
-only from the same space. Whatever a writer builds goes first to a name no other writer can draw (``mkstemp``,
-``mkdtemp``) and is renamed into place whole.
+host name and even process ids. So whether a writer is alive is not read from its name: every file a writer is
+still writing carries a lock that its process holds (``flock``, taken before the file gets its visible name and
+released by the kernel when the process ends, whatever its pid namespace), and another process of the machine
+asks for that lock. The name (host, a key of the process-id space, pid) only tells whose file it is, and where
+the file system keeps no locks, which writers can be asked by process id. Whatever a writer builds goes first to
+a name no other writer can draw (``mkstemp``, ``mkdtemp``) and is renamed into place whole.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
 import socket
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
-__all__ = ["build_folder", "default_cache_dir", "pid_space", "process_is_gone", "writer_name"]
+__all__ = [
+    "build_folder",
+    "default_cache_dir",
+    "held_file",
+    "nobody_holds",
+    "pid_space",
+    "process_is_gone",
+    "writer_name",
+]
 
 
 def default_cache_dir() -> Path:
@@ -67,6 +78,52 @@ def process_is_gone(host: str, space: str, pid: int) -> bool:
     except OSError:  # PermissionError: alive, another user's
         pass
     return False
+
+
+def held_file(directory: str | os.PathLike, name: str, content: bytes = b"", create_only: bool = False) -> int:
+    """Create ``directory/name`` holding ``content``, with this process's lock on it already held when the name
+    appears (the file is made and locked under a hidden name first); the open descriptor, which keeps the lock
+    until it is closed. ``create_only``: ``FileExistsError`` where ``name`` exists (an atomic link, on NFS too)."""
+    handle, pending = tempfile.mkstemp(prefix=".pending-", suffix=".tmp", dir=directory)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a file system without locks: the name and the file's age judge
+            pass
+        os.write(handle, content)
+        target = os.path.join(directory, name)
+        if create_only:
+            os.link(pending, target)
+        else:
+            os.rename(pending, target)
+    except BaseException:
+        os.close(handle)
+        raise
+    finally:
+        if create_only or os.path.exists(pending):
+            with suppress(OSError):
+                os.unlink(pending)
+    return handle
+
+
+def nobody_holds(path: str | os.PathLike) -> bool | None:
+    """Whether no process holds the writer's lock on ``path`` (``held_file``): ``True`` once its writer has ended,
+    ``False`` while it writes (or the file is gone), ``None`` where the file system cannot tell. Locks are seen
+    across containers of one machine; across machines only where the file system shares them, so callers trust a
+    ``True`` for files of their own host only."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # our probe's lock goes with it
+    return True
 
 
 @contextmanager

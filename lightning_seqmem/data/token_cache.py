@@ -9,15 +9,15 @@ goes, rather than read through ``datasets.map``'s memory map, so tokenizing a fi
 text resident, not the file.
 
 Many writers, one entry (ranks, nodes on a shared disk): one writer at a time holds the entry's lock
-(``entry_lock``), the others wait for its manifest. Should two write anyway (a lock broken as stale), each names
+(``cache_writers``), the others wait for its manifest. Should two write anyway (a lock broken as stale), each names
 its files after itself (``tokens-<writer>-00000.arrow``) and the first manifest linked into place wins; the other
-removes its files and reads the winner's. Crash leftovers: every temporary file is named after its writer's host,
-process-id space and process id (``tokens-….arrow.<host>.<space>-<pid>.<random>.tmp``, ``cache_dir.writer_name``),
-so a later run removes the files of writers that are gone (a dead process of this host and space, or a file nobody
-has written to for a day) and never those of a live writer, even one in another container with the same host
-name. A damaged entry (a truncated Arrow file, a manifest naming a missing file) and a cache directory that cannot
-be written are reported in one line and tokenized again; an entry still unreadable right after it was written
-stops the run, naming it. ``seqmem-cache`` (``lightning_seqmem.apps.cache``) lists and removes entries.
+removes its files and reads the winner's. Crash leftovers: a writer holds a ``flock`` on each of its temporary files
+(``tokens-….arrow.<host>.<space>-<pid>.<random>.tmp``), so a later run removes the files of writers that are gone
+(a file of this host whose lock is free, or a file nobody has written to for a day) and never those of a live
+writer, even one in another container with the same host name and process id. A damaged entry (a truncated Arrow
+file, a manifest naming a missing file) and a cache directory that cannot be written are reported in one line and
+tokenized again; an entry still unreadable right after it was written stops the run, naming it. ``seqmem-cache``
+(``lightning_seqmem.apps.cache``) lists and removes entries.
 """
 
 from __future__ import annotations
@@ -26,21 +26,19 @@ import functools
 import hashlib
 import json
 import os
-import re
 import secrets
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from lightning_seqmem.data.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
 from lightning_seqmem.data.backend import tokenizer_fingerprint
-from lightning_seqmem.data.cache_dir import default_cache_dir, process_is_gone, writer_name
+from lightning_seqmem.data.cache_dir import default_cache_dir, held_file
+from lightning_seqmem.data.cache_writers import entry_writer, file_of_this_writer, writer_is_gone, writer_prefix
 from lightning_seqmem.data.encode import document_frame
-from lightning_seqmem.data.entry_lock import entry_writer
 from lightning_seqmem.data.fork_workers import run_in_workers
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
@@ -50,9 +48,6 @@ _TOKENS_PER_RECORD_BATCH = 1 << 20  # 4 MB of int32 ids per record batch of the 
 STALE_AFTER_S = 24 * 3600
 # The cache's layout, read back by seqmem-cache (cache.py): <root>/TOKENIZED/<key>/MANIFEST (and value_checks' CHECKED)
 TOKENIZED, MANIFEST = "tokenized", "manifest.json"
-_TMP_NAME = re.compile(
-    r"^(?:tokens-[0-9a-f-]+\.arrow|manifest\.json)\.(?P<host>.+)\.(?P<space>[0-9a-f]{12})-(?P<pid>\d+)\.[^.]+\.tmp$"
-)
 
 
 def default_num_proc(rows: int) -> int:
@@ -62,44 +57,10 @@ def default_num_proc(rows: int) -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def _writer_prefix(name: str) -> str:
-    """``<name>.<host>.<space>-<pid>.``: the start of a temporary file's name that says which process writes it."""
-    return f"{name}.{writer_name()}."
-
-
-@contextmanager
-def _file_of_this_writer(directory: str | os.PathLike, name: str) -> Iterator[str]:
-    """A temporary file of this writer's own in ``directory``, renamed to ``name`` when the block completes and
-    removed when it does not (a failed pass leaves nothing behind). Ranks that reach ``setup`` without
-    ``prepare_data`` write the same entry at once: each renames its complete file into place."""
-    handle, tmp = tempfile.mkstemp(prefix=_writer_prefix(name), suffix=".tmp", dir=directory)
-    os.close(handle)
-    try:
-        yield tmp
-        os.replace(tmp, os.path.join(directory, name))
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _writer_is_gone(path: Path, now: float, max_age: float) -> bool:
-    """Whether a temporary file belongs to a writer that can no longer finish it: a process of this host and
-    process-id space that has exited, or (any writer, any name) a file nobody has written to for ``max_age`` s."""
-    try:
-        if now - path.stat().st_mtime > max_age:
-            return True
-    except FileNotFoundError:  # renamed into place or removed meanwhile
-        return False
-    match = _TMP_NAME.match(path.name)
-    if match is None:
-        return False  # not a name of ours: only the age tells
-    return process_is_gone(match["host"], match["space"], int(match["pid"]))  # another machine's: only the age
-
-
 def stale_temporaries(root: str | os.PathLike, max_age: float = STALE_AFTER_S) -> list[Path]:
     """The temporary files under ``root/tokenized`` whose writers are gone (see ``_writer_is_gone``)."""
     now = time.time()
-    return [p for p in sorted(Path(root).glob("tokenized/*/*.tmp")) if _writer_is_gone(p, now, max_age)]
+    return [p for p in sorted(Path(root).glob("tokenized/*/*.tmp")) if writer_is_gone(p, now, max_age)]
 
 
 def remove_stale_temporaries(root: str | os.PathLike, max_age: float = STALE_AFTER_S) -> int:
@@ -202,7 +163,7 @@ def _tokenize_shard(index: int, shard: Shard, ds, job: _Job, progress=None) -> t
         pending.clear()
 
     with (
-        _file_of_this_writer(job.directory, name) as tmp,
+        file_of_this_writer(job.directory, name) as tmp,
         system_memory_pool(),
         pa.OSFile(tmp, "wb") as sink,
         pa.ipc.new_stream(sink, schema) as writer,
@@ -348,7 +309,7 @@ def _cannot_write(directory: Path) -> OSError | None:
     """Why files cannot be created in ``directory`` (made if missing), or ``None`` when they can."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        handle, probe = tempfile.mkstemp(prefix=_writer_prefix("probe"), suffix=".tmp", dir=directory)
+        handle, probe = tempfile.mkstemp(prefix=writer_prefix("probe"), suffix=".tmp", dir=directory)
         os.close(handle)
         os.unlink(probe)
     except OSError as err:
@@ -364,10 +325,10 @@ def _write_entry(ds, job: _Job, procs: int, about: dict[str, Any]) -> bool:
     directory.mkdir(parents=True, exist_ok=True)  # the scratch directory's entry
     job = replace(job, writer=job.writer or secrets.token_hex(4))
     files = _tokenize_split(ds, job, procs)
-    handle, tmp = tempfile.mkstemp(prefix=_writer_prefix(MANIFEST), suffix=".tmp", dir=directory)
+    record = json.dumps({"files": files, **about, "created": time.time()}).encode()
+    tmp = directory / f"{writer_prefix(MANIFEST)}{secrets.token_hex(6)}.tmp"
+    handle = held_file(directory, tmp.name, record)
     try:
-        with os.fdopen(handle, "w") as f:
-            json.dump({"files": files, **about, "created": time.time()}, f)
         try:
             os.link(tmp, directory / MANIFEST)  # fails where a manifest exists: the first writer's stays
         except FileExistsError:
@@ -383,6 +344,7 @@ def _write_entry(ds, job: _Job, procs: int, about: dict[str, Any]) -> bool:
     finally:
         with suppress(OSError):
             os.unlink(tmp)
+        os.close(handle)
 
 
 _SCRATCH: list[tempfile.TemporaryDirectory] = []  # this process's stand-in for an unwritable cache
