@@ -12,7 +12,8 @@ PROCS=${PROCS:-8}  # processes per node: one per GPU
 RDZV=()
 if [ -n "${RUN_NAME:-}" ]; then RDZV=(--rdzv-id "$RUN_NAME"); fi
 
-exec torchrun \
+# TORCHRUN: the launcher command (default torchrun; "python -m torch.distributed.run" is the same program)
+exec ${TORCHRUN:-torchrun} \
     --nnodes "$NODES" --node_rank "$NODE_RANK" --nproc-per-node "$PROCS" \
     --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" "${RDZV[@]}" \
     -m lightning_seqmem.apps.train \

@@ -1,5 +1,7 @@
-"""seqmem-train on two simulated nodes of one machine: real launchers side by side (two ``torchrun --nnodes 2
---node_rank 0|1`` on 127.0.0.1, or the processes ``srun`` would start with its variables), gloo on the CPU.
+"""seqmem-train on two simulated nodes of one machine, launched by the shipped examples: two
+``examples/torchrun_nodes.sh`` side by side (``torchrun --nnodes 2 --node_rank 0|1`` on 127.0.0.1), and
+``examples/multinode.sbatch`` run as ``sbatch`` runs it, with a stand-in ``srun`` that starts the tasks with the
+variables ``srun`` sets. Gloo on the CPU.
 
 The job writes one run folder (one ``job_status.json``, one ``summary.json``), and tokenizes each split once per
 node with node-local caches and once for the whole job with a shared one (the entry lock, docs/many_machines.md).
@@ -17,10 +19,10 @@ from pathlib import Path
 import pytest
 from _forked_ranks import free_port
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TINY = [
     "trainer=cpu",
     "trainer.strategy=ddp",
-    "trainer.num_nodes=2",
     "trainer.max_steps=2",
     "trainer.val_check_interval=2",
     "trainer.limit_val_batches=1",
@@ -41,50 +43,66 @@ from lightning_seqmem.data import token_cache
 _real = token_cache._tokenize_split
 
 def _noted(ds, job, procs):
+    node = os.environ.get("SEQMEM_TEST_NODE", os.environ.get("SLURM_NODEID"))
     with open(os.environ["SEQMEM_TEST_NOTES"], "a") as f:
-        f.write(f"{os.environ.get('SEQMEM_TEST_NODE')} {job.split}\\n")
+        f.write(f"{node} {job.split}\\n")
     return _real(ds, job, procs)
 
 token_cache._tokenize_split = _noted
 """
 
+# What srun does inside an sbatch job, for this test: one task per process of each node, with srun's variables.
+SRUN = """#!{python}
+import os, subprocess, sys
+command = [a for a in sys.argv[1:] if not a.startswith("--")]
+nodes, per_node = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
+tasks = []
+for node in range(nodes):
+    for local in range(per_node):
+        ids = {{"SLURM_NODEID": node, "SLURM_LOCALID": local, "SLURM_PROCID": node * per_node + local}}
+        env = {{**os.environ, "SLURM_STEP_ID": "0", **{{k: str(v) for k, v in ids.items()}}}}
+        tasks.append(subprocess.Popen(command, env=env))
+sys.exit(max(task.wait() for task in tasks))
+"""
 
-def _launch(launcher: str, per_node: int, port: int, env: dict, cwd: Path, overrides: list) -> list:
-    """The processes of both nodes, started side by side as each node's launcher would start them."""
-    app = [sys.executable, "-m", "lightning_seqmem.apps.train"]
-    procs = []
-    for node in (0, 1):
-        node_env = {**env, "SEQMEM_TEST_NODE": str(node), **overrides[node][1]}
-        args = [*TINY, f"trainer.devices={per_node}", *overrides[node][0]]
-        if launcher == "torchrun":
-            run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node)]
-            run += ["--nproc-per-node", str(per_node), "--master_addr", "127.0.0.1", "--master_port", str(port)]
-            procs.append(subprocess.Popen([*run, *app[1:], *args], cwd=cwd, env=node_env, stderr=subprocess.PIPE))
-            continue
-        for local in range(per_node):  # srun: one task per process, its variables set by srun
-            task = {
-                "SLURM_JOB_ID": "4242",
-                "SLURM_STEP_ID": "0",
-                "SLURM_JOB_NAME": "seqmem",
-                "SLURM_NTASKS": str(2 * per_node),
-                "SLURM_NTASKS_PER_NODE": str(per_node),
-                "SLURM_NNODES": "2",
-                "SLURM_NODELIST": "127.0.0.1",
-                "SLURM_NODEID": str(node),
-                "SLURM_LOCALID": str(local),
-                "SLURM_PROCID": str(node * per_node + local),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            }
-            procs.append(subprocess.Popen([*app, *args], cwd=cwd, env={**node_env, **task}, stderr=subprocess.PIPE))
-    return procs
+
+def _launch(launcher: str, per_node: int, tmp_path: Path, env: dict, args: list) -> list:
+    """Each node's launcher, started side by side (torchrun), or the batch script (sbatch)."""
+    port = str(free_port())
+    if launcher == "torchrun":
+        run = {**env, "NODES": "2", "PROCS": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        run |= {"TRAINER": "cpu", "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
+        return [
+            subprocess.Popen(
+                ["bash", str(EXAMPLES / "torchrun_nodes.sh"), *args, f"data.cache_dir={tmp_path}/cache-node{node}"],
+                cwd=tmp_path,
+                env={**run, "NODE_RANK": str(node), "SEQMEM_TEST_NODE": str(node)},
+                stderr=subprocess.PIPE,
+            )
+            for node in (0, 1)
+        ]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(SRUN.format(python=sys.executable))
+    (bin_dir / "srun").chmod(0o755)
+    job = {  # what sbatch sets for the batch script (--nodes=2 --ntasks-per-node=N)
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "seqmem-train",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS_PER_NODE": str(per_node),
+        "SLURM_NTASKS": str(2 * per_node),
+        "SLURM_NODELIST": "127.0.0.1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "SHARED": str(tmp_path),
+        "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env["PATH"]]),
+    }
+    script = ["bash", str(EXAMPLES / "multinode.sbatch"), *args]
+    return [subprocess.Popen(script, cwd=tmp_path, env={**env, **job}, stderr=subprocess.PIPE)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "launcher, per_node, caches",
-    [("torchrun", 1, "node-local"), ("srun", 2, "shared")],
-)
+@pytest.mark.parametrize("launcher, per_node, caches", [("torchrun", 1, "node-local"), ("srun", 2, "shared")])
 def test_two_nodes_write_one_run_folder_and_tokenize_as_documented(tmp_path, launcher, per_node, caches):
     hooks = tmp_path / "hooks"
     hooks.mkdir()
@@ -92,33 +110,31 @@ def test_two_nodes_write_one_run_folder_and_tokenize_as_documented(tmp_path, lau
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (3 + i % 11)}) + "\n" for i in range(64)))
     notes = tmp_path / "notes"
-    env = {
-        **os.environ,
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env |= {
         "PYTHONPATH": os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]),
         "SEQMEM_TEST_NOTES": str(notes),
         "OMP_NUM_THREADS": "1",
     }
-    env.pop("SLURM_JOB_ID", None)
-    cache = {n: tmp_path / (f"cache-node{n}" if caches == "node-local" else "cache") for n in (0, 1)}
-    overrides = {n: ([f"data.dataset={data}", f"data.cache_dir={cache[n]}"], {}) for n in (0, 1)}
-    procs = _launch(launcher, per_node, free_port(), env, tmp_path, overrides)
-    deadline, errors = time.monotonic() + 240, []
+    procs = _launch(launcher, per_node, tmp_path, env, [*TINY, f"data.dataset={data}"])
+    deadline, errors = time.monotonic() + 300, []
     for proc in procs:
         try:
             _, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            pytest.fail(f"the job did not finish in 240 s: {proc.args}")
+            pytest.fail(f"the job did not finish in 300 s: {proc.args}")
         if proc.returncode:
             errors.append(err.decode()[-3000:])
     assert not errors, "\n\n".join(errors)
 
     [status] = list((tmp_path / "outputs").rglob("job_status.json"))  # one folder, written by rank zero only
     run = status.parent
-    assert json.loads(status.read_text())["status"] == "finished"
+    assert json.loads(status.read_text())["status"] == "finished" and (run / ".hydra").is_dir()
     assert [p.parent for p in (tmp_path / "outputs").rglob("summary.json")] == [run]
-    assert run.name == ("slurm-4242" if launcher == "srun" else run.name) and (run / ".hydra").is_dir()
+    if launcher == "srun":
+        assert run == tmp_path / "outputs" / "slurm-4242"  # the job's id names it on every node
     written = [line.split() for line in notes.read_text().splitlines()]  # (node, split) per tokenization
     splits = sorted({split for _, split in written})
     if caches == "node-local":  # each node's first process tokenizes each split, once
