@@ -33,6 +33,8 @@ def test_the_digest_follows_the_data_not_its_files(tmp_path, tokenizer):
     short = _tokenized(_write(tmp_path / "d.jsonl", ROWS[:-1]), tokenizer, tmp_path / "c4")["train"]
     assert split_digest(same) == split_digest(copy)
     assert len({split_digest(ds)["digest"] for ds in (same, order, short)}) == 3
+    assert split_digest(order.select(range(len(order) - 1, -1, -1))) == split_digest(same)  # a view: its rows
+    assert split_digest(same.select([])) == {"rows": 0, "digest": split_digest(short.select([]))["digest"]}
 
     facts = [
         {"host": h, "node": n, "source": s, "splits": {"train": {**split_digest(ds), "files": f}}}
