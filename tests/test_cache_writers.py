@@ -152,7 +152,7 @@ def test_writers_of_two_containers_with_one_host_name_and_pid_keep_each_others_f
     assert tokens == _tokens(token_cache.tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path / "clean"))
 
 
-def test_a_dead_writers_lock_is_taken_over_and_a_live_ones_waited_for(tmp_path, tokenizer):
+def test_a_dead_writers_lock_is_taken_over_and_a_live_ones_waited_for(tmp_path, tokenizer, capsys):
     """A lock of this host whose holder's flock is free (it exited) is broken at once; a live holder's is waited on
     until its manifest appears, and nothing is tokenized twice."""
     dsd = _file_dataset(tmp_path)
@@ -190,6 +190,10 @@ def test_a_dead_writers_lock_is_taken_over_and_a_live_ones_waited_for(tmp_path, 
         token_cache._tokenize_split = real
         holder_thread.join()
     assert tokenized == []
+    waited = capsys.readouterr().err  # said by the process that waits, whatever its rank
+    assert (
+        f"Token cache entry {live} is being written by process {os.getpid()} on host {socket.gethostname()}" in waited
+    )
 
 
 def test_two_builders_of_the_corpus_in_one_process_each_fill_their_own_folder(tmp_path, monkeypatch):

@@ -55,6 +55,12 @@ def _holder(lock: Path) -> tuple[dict, float] | None:
         return {}, age
 
 
+def _who(holder: dict) -> str:
+    """``process 123 on host node-7 (since 22:10:05)``: the holder of a lock, as messages name it."""
+    since = time.strftime("%H:%M:%S", time.localtime(holder["since"])) if "since" in holder else "?"
+    return f"process {holder.get('pid', '?')} on host {holder.get('host', '?')} (since {since})"
+
+
 def _is_dead(lock: Path, holder: dict, age: float) -> bool:
     """A lock untouched for ``STALE_LOCK_S``, or one of this host whose holder's ``flock`` is free (its process
     ended, in whatever container; where locks are not kept, a process of this process-id space that exited)."""
@@ -99,10 +105,10 @@ def entry_writer(directory: Path, done: Callable[[], bool], say: Callable[[str],
         except FileExistsError:
             found = _holder(lock)
             if found is not None and _is_dead(lock, *found):
-                say(f"[lightning_seqmem] Token cache entry {directory}: its writer {found[0]} is gone; taking over.")
+                say(f"[lightning_seqmem] Token cache entry {directory}: {_who(found[0])} is gone; taking over.")
                 _break(lock, found[0])
             elif found is not None and not announced:
-                say(f"[lightning_seqmem] Token cache entry {directory} is being written by {found[0]}; waiting.")
+                say(f"[lightning_seqmem] Token cache entry {directory} is being written by {_who(found[0])}; waiting.")
                 announced = True
             time.sleep(POLL_S)
             continue

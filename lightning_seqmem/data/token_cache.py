@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import secrets
+import sys
 import tempfile
 import time
 from contextlib import suppress
@@ -80,6 +81,11 @@ def _say(message: str, warn: bool = False) -> None:
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
     (rank_zero_warn if warn else rank_zero_info)(message)
+
+
+def _say_on_every_rank(message: str) -> None:
+    """Said by whichever process waits for another node's writer: a node that waits must not look hung."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def _load(directory: Path, just_written: bool = False):
@@ -275,7 +281,7 @@ def tokenize_cached(
                     "Set data.cache_dir (SeqMemDataModule(cache_dir=...)) to a writable directory to tokenize once.",
                     warn=True,
                 )
-            with entry_writer(directory, (directory / MANIFEST).exists, _say) as must_write:
+            with entry_writer(directory, (directory / MANIFEST).exists, _say_on_every_rank) as must_write:
                 if must_write:  # this process holds the entry's lock; the others wait for its manifest
                     _write_entry(ds, job, max(1, min(procs, len(ds))), about)
                 cached, how = _load(directory, just_written=True), "written to" if must_write else "read from"
@@ -287,8 +293,6 @@ def tokenize_cached(
 def made_by() -> str:
     """The command that wrote a cache entry, its script's name and arguments (``dpo.py --steps 5``): the one name
     data built in memory has."""
-    import sys
-
     argv = sys.argv if sys.argv and sys.argv[0] else ["python"]
     return " ".join([os.path.basename(argv[0]), *argv[1:]])[:200]
 
