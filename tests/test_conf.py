@@ -13,7 +13,7 @@ from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_seqmem.apps.train import MIX_KEYS
+from lightning_seqmem.apps.train import DATAMODULE_TRAINER_KEYS, MIX_KEYS
 from lightning_seqmem.batching.options import ALIASES, NAMES, Pack, Pad, Truncate, as_batching
 
 CONF_DIR = os.path.dirname(lightning_seqmem.conf.__file__)
@@ -83,6 +83,8 @@ def test_every_option_composes_and_its_targets_take_the_arguments(group, option)
         unknown = {k for k in entry if not k.startswith("_")} - set(params)
         if (group, option, path) == ("data", "mix", ""):
             unknown -= set(MIX_KEYS)  # read by data.dataset (a Mix) through interpolation; seqmem-train drops them
+        if path == "trainer" or group == "trainer" and path == "":
+            unknown -= set(DATAMODULE_TRAINER_KEYS)  # seqmem-train sets them on the DataModule
         assert not unknown, f"{group}={option}: {path} passes {sorted(unknown)} that {entry['_target_']} does not take"
 
 

@@ -252,8 +252,10 @@ def test_a_writer_killed_mid_file_leaves_nothing_after_the_next_run(tmp_path, to
     because its writer is gone, and tokenizes to the same ids."""
     import multiprocessing as mp
     import signal
+    import socket
 
     from lightning_seqmem.data import token_cache
+    from lightning_seqmem.data.cache_dir import pid_space
 
     dsd = datasets.DatasetDict({"train": _file_dataset(tmp_path, [f"row {i} " + "beta " * (i % 7) for i in range(60)])})
     cache = tmp_path / "cache"
@@ -275,7 +277,8 @@ def test_a_writer_killed_mid_file_leaves_nothing_after_the_next_run(tmp_path, to
     child.join(120)
     assert child.exitcode == -signal.SIGKILL
     [partial] = list(cache.glob("tokenized/*/*.tmp"))
-    assert partial.name.startswith(f"tokens-00000.arrow.{token_cache.socket.gethostname()}-{child.pid}.")
+    host, space = socket.gethostname(), pid_space()  # the writer: <host>.<space>-<pid>
+    assert partial.name.startswith("tokens-") and f".arrow.{host}.{space}-{child.pid}." in partial.name
     assert partial.stat().st_size > 0 and not list(cache.rglob("manifest.json"))
 
     again = token_cache.tokenize_cached(dsd, tokenizer, TEXT, num_proc=1, cache_dir=cache)
@@ -284,31 +287,39 @@ def test_a_writer_killed_mid_file_leaves_nothing_after_the_next_run(tmp_path, to
 
 
 def test_only_temporary_files_of_writers_that_are_gone_are_stale(tmp_path):
-    """Two live ranks writing one split at once keep their files; a dead process's file of this host goes at
-    once; another host's file (its process cannot be asked) only after a day without writes."""
+    """Two live writers of one split keep their files (each holds its file's flock); a file of this host whose lock
+    is free (its writer ended) goes at once; another host's file (its locks may not reach us) only after a day
+    without writes."""
     import socket
     import subprocess
     import sys
     import time
 
+    from lightning_seqmem.data.cache_dir import held_file, pid_space
     from lightning_seqmem.data.token_cache import STALE_AFTER_S, remove_stale_temporaries, stale_temporaries
 
     entry = tmp_path / "tokenized" / "k"
     entry.mkdir(parents=True)
-    host = socket.gethostname()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = f"{socket.gethostname()}.{pid_space()}"  # this host and its process-id space
     names = {
         "ours": f"tokens-00000.arrow.{host}-{os.getpid()}.a1b2c3.tmp",
-        "other live rank": f"tokens-00000.arrow.{host}-{live.pid}.d4e5f6.tmp",
-        "dead": f"tokens-00000.arrow.{host}-{int(dead.stdout)}.g7h8i9.tmp",
-        "dead manifest": f"manifest.json.{host}-{int(dead.stdout)}.j1k2l3.tmp",
-        "other host, writing": "tokens-00001.arrow.node-7.cluster-4242.m4n5o6.tmp",
-        "other host, silent": "tokens-00002.arrow.node-7.cluster-4242.p7q8r9.tmp",
+        "other live rank": f"tokens-00000.arrow.{host}-4242.d4e5f6.tmp",
+        "dead": f"tokens-00000.arrow.{host}-4243.g7h8i9.tmp",
+        "dead manifest": f"manifest.json.{host}-4243.j1k2l3.tmp",
+        "other host, writing": "tokens-00001.arrow.node-7.cluster.0123456789ab-4242.m4n5o6.tmp",
+        "other host, silent": "tokens-00002.arrow.node-7.cluster.0123456789ab-4242.p7q8r9.tmp",
     }
-    try:
-        for name in names.values():
+    for key, name in names.items():
+        if key != "ours":
             (entry / name).write_bytes(b"partial")
+    ours = held_file(entry, names["ours"], b"partial")
+    hold = "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX)"
+    live = subprocess.Popen(
+        [sys.executable, "-c", hold + "; print(1, flush=True); time.sleep(60)", str(entry / names["other live rank"])],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert live.stdout.readline().strip() == b"1"  # the other writer holds its file
         old = time.time() - STALE_AFTER_S - 60
         os.utime(entry / names["other host, silent"], (old, old))
         stale = {p.name for p in stale_temporaries(tmp_path)}
@@ -318,6 +329,7 @@ def test_only_temporary_files_of_writers_that_are_gone_are_stale(tmp_path):
             names[k] for k in ("ours", "other live rank", "other host, writing")
         )
     finally:
+        os.close(ours)
         live.kill()
         live.wait()
 
@@ -338,17 +350,15 @@ def test_a_damaged_entry_is_reported_and_tokenized_again(tmp_path, tokenizer, ca
     [entry] = list((tmp_path / "tokenized").iterdir())
     assert f"train: tokens written to the cache entry {entry}" in caplog.text
 
-    arrow = entry / "tokens-00000.arrow"
+    [arrow] = list(entry.glob("tokens-*.arrow"))  # named after its writer: tokens-<writer>-00000.arrow
     arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
-    with pytest.warns(
-        UserWarning, match=rf"Token cache entry {entry} is damaged \(tokens-00000.arrow: .*tokenizing again"
-    ):
+    with pytest.warns(UserWarning, match=rf"Token cache entry {entry} is damaged \({arrow.name}: .*tokenizing again"):
         assert _tokens(tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path)) == first
 
     manifest = entry / "manifest.json"
     meta = json.loads(manifest.read_text())
-    manifest.write_text(json.dumps({**meta, "files": ["tokens-00000.arrow", "tokens-00001.arrow"]}))
-    with pytest.warns(UserWarning, match=r"is damaged \(tokens-00001.arrow: FileNotFoundError"):
+    manifest.write_text(json.dumps({**meta, "files": [*meta["files"], "tokens-gone-00001.arrow"]}))
+    with pytest.warns(UserWarning, match=r"is damaged \(tokens-gone-00001.arrow: FileNotFoundError"):
         assert _tokens(tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path)) == first
     caplog.clear()
     with caplog.at_level(logging.INFO):

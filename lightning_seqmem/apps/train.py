@@ -45,8 +45,10 @@ def choose_trainer(overrides: list[str], doing: str = "training with") -> list[s
 
 
 def _is_rank_zero() -> bool:
-    # Under strategy=ddp Lightning re-launches this script once per extra rank with LOCAL_RANK/NODE_RANK set.
-    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+    # The job's rank zero under Lightning's launcher, torchrun and srun alike (apps/cluster.py).
+    from lightning_seqmem.apps.cluster import is_rank_zero
+
+    return is_rank_zero()
 
 
 def _instantiate_all(group: Any) -> list[Any]:
@@ -97,6 +99,37 @@ def datamodule_config(data: Any) -> Any:
     return {k: v for k, v in resolved.items() if k not in MIX_KEYS}
 
 
+DATAMODULE_TRAINER_KEYS = ("prepare_data_per_node",)  # trainer.* keys that the DataModule takes, not the Trainer
+
+
+def trainer_config(cfg: Any) -> Any:
+    """``cfg.trainer`` without the keys the DataModule takes (``prepare_data_per_node``), cut from a copy of the
+    whole config so that the trainer's interpolations still resolve."""
+    if not any(key in cfg.trainer for key in DATAMODULE_TRAINER_KEYS):
+        return cfg.trainer
+    import copy
+
+    from omegaconf import open_dict
+
+    whole = copy.deepcopy(cfg)
+    with open_dict(whole.trainer):
+        for key in DATAMODULE_TRAINER_KEYS:
+            whole.trainer.pop(key, None)
+    return whole.trainer
+
+
+def build_datamodule(cfg: Any) -> Any:
+    """The DataModule of ``data``, with Lightning's ``prepare_data_per_node`` (a DataModule attribute) from
+    ``trainer.prepare_data_per_node``: each node's first process prepares the data, or the job's rank zero once."""
+    from hydra.utils import instantiate
+
+    datamodule = instantiate(datamodule_config(cfg.data))
+    per_node = cfg.trainer.get("prepare_data_per_node")
+    if per_node is not None:
+        datamodule.prepare_data_per_node = bool(per_node)
+    return datamodule
+
+
 def _progress_bar_allowed(callback: Any, trainer_cfg: Any) -> bool:
     # Lightning refuses a progress-bar callback with enable_progress_bar=False; that switch wins.
     from lightning.pytorch.callbacks import ProgressBar
@@ -121,7 +154,8 @@ def check_data(datamodule: Any, cfg) -> None:
 
     try:
         datamodule.prepare_data()
-        if trainer.get("devices", 1) in (1, "1") and strategy in ("auto", "None", "single_device"):
+        alone = trainer.get("devices", 1) in (1, "1") and trainer.get("num_nodes", 1) in (1, "1")
+        if alone and strategy in ("auto", "None", "single_device"):
             datamodule.setup("fit")
     except Exception as err:
         reported = for_hydra(err, cfg, "data")  # a user's mistake, spelt data.<key>=...
@@ -139,7 +173,7 @@ def train(cfg) -> dict[str, Any]:
 
     _check_required(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(datamodule_config(cfg.data))
+    datamodule = build_datamodule(cfg)
     check_data(datamodule, cfg)
     model = instantiate(cfg.model)
     callbacks = [cb for cb in _instantiate_all(cfg.get("callbacks")) if _progress_bar_allowed(cb, cfg.trainer)]
@@ -155,7 +189,7 @@ def train(cfg) -> dict[str, Any]:
             )
         )
     extra = {"enable_checkpointing": True} if every else {}
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
+    trainer = instantiate(trainer_config(cfg), callbacks=callbacks, logger=loggers or False, **extra)
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     for cb in callbacks:
         if isinstance(cb, RunSummary) and cb.summary:
@@ -244,6 +278,9 @@ def main() -> None:
     from lightning_seqmem.apps.overrides import exit_on_unknown_override
 
     exit_on_unknown_override(sys.argv[1:], "config")  # "did you mean" before Hydra's advice to add the key with +
+    from lightning_seqmem.apps.cluster import run_dir_overrides
+
+    sys.argv[1:] = run_dir_overrides(sys.argv[1:])  # torchrun, srun: one folder for the job, rank zero writes it
     _hydra_entry()
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_seqmem.data.cache_dir import default_cache_dir
+from lightning_seqmem.data.cache_dir import build_folder, default_cache_dir
 
 if TYPE_CHECKING:
     import datasets
@@ -153,16 +153,12 @@ def load_builtin_corpus(verbose: bool = True) -> datasets.DatasetDict:
         train=datasets.Dataset.from_dict({"text": train}),
         validation=datasets.Dataset.from_dict({"text": val}),
     )
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    dsd.save_to_disk(str(tmp))
-    fingerprint = corpus_fingerprint(docs)
-    (tmp / "lightning_seqmem.json").write_text(json.dumps({"fingerprint": fingerprint, "documents": len(docs)}))
-    try:
-        os.replace(tmp, path)  # atomic: concurrent builders (DDP ranks, test workers) never see half a corpus
-    except OSError:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    # A folder of this writer's own, renamed into place whole: concurrent builders (ranks, nodes on a shared disk,
+    # containers with one host name and process id) never see half a corpus nor write into each other's.
+    with build_folder(path) as tmp:
+        dsd.save_to_disk(str(tmp))
+        fingerprint = corpus_fingerprint(docs)
+        (tmp / "lightning_seqmem.json").write_text(json.dumps({"fingerprint": fingerprint, "documents": len(docs)}))
     if verbose:
         chars = [len(d) for d in docs]
         p = length_percentiles(chars)

@@ -8,11 +8,16 @@ treatment. The input text is streamed a slice at a time (``arrow_stream``), its 
 goes, rather than read through ``datasets.map``'s memory map, so tokenizing a file of any size keeps one slice of
 text resident, not the file.
 
-Crash leftovers: every writer names its temporary file after its host and process id
-(``tokens-00000.arrow.<host>-<pid>.<random>.tmp``), so a later run removes the files of writers that are gone (a
-dead process on this host, or a file nobody has written to for a day) and never those of a live writer. A damaged
-entry (a truncated Arrow file, a manifest naming a missing file) and a cache directory that cannot be written are
-reported in one line and tokenized again. ``seqmem-cache`` (``lightning_seqmem.apps.cache``) lists and removes entries.
+Many writers, one entry (ranks, nodes on a shared disk): one writer at a time holds the entry's lock
+(``cache_writers``), the others wait for its manifest. Should two write anyway (a lock broken as stale), each names
+its files after itself (``tokens-<writer>-00000.arrow``) and the first manifest linked into place wins; the other
+removes its files and reads the winner's. Crash leftovers: a writer holds a ``flock`` on each of its temporary files
+(``tokens-….arrow.<host>.<space>-<pid>.<random>.tmp``), so a later run removes the files of writers that are gone
+(a file of this host whose lock is free, or a file nobody has written to for a day) and never those of a live
+writer, even one in another container with the same host name and process id. A damaged entry (a truncated Arrow
+file, a manifest naming a missing file) and a cache directory that cannot be written are reported in one line and
+tokenized again; an entry still unreadable right after it was written stops the run, naming it. ``seqmem-cache``
+(``lightning_seqmem.apps.cache``) lists and removes entries.
 """
 
 from __future__ import annotations
@@ -21,19 +26,19 @@ import functools
 import hashlib
 import json
 import os
-import re
-import socket
+import secrets
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from lightning_seqmem.data.arrow_stream import Shard, iter_shard, plan_shards, system_memory_pool
 from lightning_seqmem.data.backend import tokenizer_fingerprint
-from lightning_seqmem.data.cache_dir import default_cache_dir
+from lightning_seqmem.data.cache_dir import default_cache_dir, held_file
+from lightning_seqmem.data.cache_writers import entry_writer, file_of_this_writer, writer_is_gone, writer_prefix
 from lightning_seqmem.data.encode import document_frame
 from lightning_seqmem.data.fork_workers import run_in_workers
 
@@ -44,7 +49,6 @@ _TOKENS_PER_RECORD_BATCH = 1 << 20  # 4 MB of int32 ids per record batch of the 
 STALE_AFTER_S = 24 * 3600
 # The cache's layout, read back by seqmem-cache (cache.py): <root>/TOKENIZED/<key>/MANIFEST (and value_checks' CHECKED)
 TOKENIZED, MANIFEST = "tokenized", "manifest.json"
-_TMP_NAME = re.compile(r"^(?:tokens-\d+\.arrow|manifest\.json)\.(?P<host>.+)-(?P<pid>\d+)\.[^.]+\.tmp$")
 
 
 def default_num_proc(rows: int) -> int:
@@ -54,50 +58,10 @@ def default_num_proc(rows: int) -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def _writer_prefix(name: str) -> str:
-    """``<name>.<host>-<pid>.``: the start of a temporary file's name that says which process writes it."""
-    return f"{name}.{socket.gethostname()}-{os.getpid()}."
-
-
-@contextmanager
-def _file_of_this_writer(directory: str | os.PathLike, name: str) -> Iterator[str]:
-    """A temporary file of this writer's own in ``directory``, renamed to ``name`` when the block completes and
-    removed when it does not (a failed pass leaves nothing behind). Ranks that reach ``setup`` without
-    ``prepare_data`` write the same entry at once: each renames its complete file into place."""
-    handle, tmp = tempfile.mkstemp(prefix=_writer_prefix(name), suffix=".tmp", dir=directory)
-    os.close(handle)
-    try:
-        yield tmp
-        os.replace(tmp, os.path.join(directory, name))
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _writer_is_gone(path: Path, now: float, max_age: float) -> bool:
-    """Whether a temporary file belongs to a writer that can no longer finish it: a process of this host that has
-    exited, or (any host, any name) a file nobody has written to for ``max_age`` seconds."""
-    try:
-        if now - path.stat().st_mtime > max_age:
-            return True
-    except FileNotFoundError:  # renamed into place or removed meanwhile
-        return False
-    match = _TMP_NAME.match(path.name)
-    if match is None or match["host"] != socket.gethostname():
-        return False  # another machine's process (a shared file system): only the age tells
-    try:
-        os.kill(int(match["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # PermissionError: alive, another user's
-        pass
-    return False
-
-
 def stale_temporaries(root: str | os.PathLike, max_age: float = STALE_AFTER_S) -> list[Path]:
     """The temporary files under ``root/tokenized`` whose writers are gone (see ``_writer_is_gone``)."""
     now = time.time()
-    return [p for p in sorted(Path(root).glob("tokenized/*/*.tmp")) if _writer_is_gone(p, now, max_age)]
+    return [p for p in sorted(Path(root).glob("tokenized/*/*.tmp")) if writer_is_gone(p, now, max_age)]
 
 
 def remove_stale_temporaries(root: str | os.PathLike, max_age: float = STALE_AFTER_S) -> int:
@@ -119,17 +83,29 @@ def _say(message: str, warn: bool = False) -> None:
     (rank_zero_warn if warn else rank_zero_info)(message)
 
 
-def _load(directory: Path):
+def _say_on_every_rank(message: str) -> None:
+    """Said by whichever process waits for another node's writer: a node that waits must not look hung."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def _load(directory: Path, just_written: bool = False):
     """The cached split, memory-mapped, or ``None`` when its manifest is missing (not written yet) or the entry is
-    damaged on disk (said in one line; the manifest is removed so the entry is written again)."""
+    damaged on disk (said in one line; the manifest is removed so the entry is written again).
+
+    Raises:
+        RuntimeError: ``just_written`` and the entry is damaged: something else writes into it, or the disk lost
+            it; the message names the entry and how to go on.
+    """
     manifest = directory / MANIFEST
     if not manifest.exists():
         return None
     import datasets
     import pyarrow as pa
 
+    text = ""
     try:
-        meta = json.loads(manifest.read_text())
+        text = manifest.read_text()
+        meta = json.loads(text)
         parts = []
         for name in meta["files"]:
             try:
@@ -140,9 +116,16 @@ def _load(directory: Path):
         if len(ds) != meta["rows"]:
             raise ValueError(f"{len(ds)} rows on disk, the manifest says {meta['rows']}")
     except (OSError, ValueError, KeyError, TypeError) as err:
+        if just_written:
+            raise RuntimeError(
+                f"Token cache entry {directory} is damaged right after it was written ({err}): another program "
+                "writes into it, or its disk lost the files. Remove that folder and run again, or set "
+                "data.cache_dir (SeqMemDataModule(cache_dir=...)) to another directory."
+            ) from None
         _say(f"[lightning_seqmem] Token cache entry {directory} is damaged ({err}); tokenizing again.", warn=True)
         with suppress(OSError):
-            manifest.unlink()
+            if manifest.read_text() == text:  # not a manifest another writer has put in its place meanwhile
+                manifest.unlink()
         return None
     with suppress(OSError):  # a read-only cache still serves
         os.utime(manifest)  # the entry's last use, for seqmem-cache --older-than
@@ -160,6 +143,7 @@ class _Job:
     split: str
     directory: str
     conversation: Any = None  # ``ConversationSettings`` of conversations
+    writer: str = ""  # in the names of this writer's files: two writers of one entry never write the same file
 
 
 def _tokenize_task(task: tuple[int, Shard], ds, job: _Job) -> tuple[str, int]:
@@ -176,7 +160,7 @@ def _tokenize_shard(index: int, shard: Shard, ds, job: _Job, progress=None) -> t
     fn = job.kind.encoder(job.tokenizer, job.text_column, job.conversation)
     schema = job.kind.features().arrow_schema
     rows_of = _python_rows(ds, job.columns)
-    name = f"tokens-{index:05d}.arrow"
+    name = f"tokens-{job.writer}-{index:05d}.arrow" if job.writer else f"tokens-{index:05d}.arrow"
     rows, pending, pending_tokens = 0, [], 0
 
     def flush(writer) -> None:
@@ -185,7 +169,7 @@ def _tokenize_shard(index: int, shard: Shard, ds, job: _Job, progress=None) -> t
         pending.clear()
 
     with (
-        _file_of_this_writer(job.directory, name) as tmp,
+        file_of_this_writer(job.directory, name) as tmp,
         system_memory_pool(),
         pa.OSFile(tmp, "wb") as sink,
         pa.ipc.new_stream(sink, schema) as writer,
@@ -278,15 +262,7 @@ def tokenize_cached(
         cached, how = _load(directory), "read from"
         if cached is None:
             procs = num_proc if num_proc is not None else default_num_proc(len(ds))
-            job = _Job(
-                tokenizer,
-                kind,
-                columns,
-                text_column,
-                split,
-                str(directory),
-                conversation,
-            )
+            job = _Job(tokenizer, kind, columns, text_column, split, str(directory), conversation)
             about = {
                 "split": split,
                 "rows": len(ds),
@@ -297,6 +273,7 @@ def tokenize_cached(
             blocked = _cannot_write(directory)
             if blocked is not None:  # tokenize for this process only, into a directory of its own
                 directory = _scratch_root() / key
+                directory.mkdir(parents=True, exist_ok=True)
                 job = replace(job, directory=str(directory))
                 _say(
                     f"[lightning_seqmem] Cannot write the token cache under {root} ({type(blocked).__name__}: "
@@ -304,8 +281,10 @@ def tokenize_cached(
                     "Set data.cache_dir (SeqMemDataModule(cache_dir=...)) to a writable directory to tokenize once.",
                     warn=True,
                 )
-            _write_entry(ds, job, max(1, min(procs, len(ds))), about)
-            cached, how = _load(directory), "written to"
+            with entry_writer(directory, (directory / MANIFEST).exists, _say_on_every_rank) as must_write:
+                if must_write:  # this process holds the entry's lock; the others wait for its manifest
+                    _write_entry(ds, job, max(1, min(procs, len(ds))), about)
+                cached, how = _load(directory, just_written=True), "written to" if must_write else "read from"
         _say(f"[lightning_seqmem] {split}: tokens {how} the cache entry {directory} (seqmem-cache lists them)")
         out[split] = cached
     return datasets.DatasetDict(out)
@@ -314,8 +293,6 @@ def tokenize_cached(
 def made_by() -> str:
     """The command that wrote a cache entry, its script's name and arguments (``dpo.py --steps 5``): the one name
     data built in memory has."""
-    import sys
-
     argv = sys.argv if sys.argv and sys.argv[0] else ["python"]
     return " ".join([os.path.basename(argv[0]), *argv[1:]])[:200]
 
@@ -336,7 +313,7 @@ def _cannot_write(directory: Path) -> OSError | None:
     """Why files cannot be created in ``directory`` (made if missing), or ``None`` when they can."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        handle, probe = tempfile.mkstemp(prefix=_writer_prefix("probe"), suffix=".tmp", dir=directory)
+        handle, probe = tempfile.mkstemp(prefix=writer_prefix("probe"), suffix=".tmp", dir=directory)
         os.close(handle)
         os.unlink(probe)
     except OSError as err:
@@ -344,13 +321,34 @@ def _cannot_write(directory: Path) -> OSError | None:
     return None
 
 
-def _write_entry(ds, job: _Job, procs: int, about: dict[str, Any]) -> None:
-    """Tokenize ``ds`` into ``job.directory``, then write its manifest (atomically: all of it or nothing)."""
+def _write_entry(ds, job: _Job, procs: int, about: dict[str, Any]) -> bool:
+    """Tokenize ``ds`` into ``job.directory`` under names of this writer's own, then link its manifest into place
+    (all of it or nothing). ``False`` when another writer's manifest got there first: ours and our files go, the
+    entry stays theirs (same data, same tokens), never a mix of two writers' files."""
     directory = Path(job.directory)
     directory.mkdir(parents=True, exist_ok=True)  # the scratch directory's entry
+    job = replace(job, writer=job.writer or secrets.token_hex(4))
     files = _tokenize_split(ds, job, procs)
-    with _file_of_this_writer(directory, MANIFEST) as tmp, open(tmp, "w") as f:
-        json.dump({"files": files, **about, "created": time.time()}, f)
+    record = json.dumps({"files": files, **about, "created": time.time()}).encode()
+    tmp = directory / f"{writer_prefix(MANIFEST)}{secrets.token_hex(6)}.tmp"
+    handle = held_file(directory, tmp.name, record)
+    try:
+        try:
+            os.link(tmp, directory / MANIFEST)  # fails where a manifest exists: the first writer's stays
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links: the last complete manifest wins, all of one writer
+            os.replace(tmp, directory / MANIFEST)
+        return True
+    except FileExistsError:
+        for name in files:
+            with suppress(OSError):
+                os.unlink(directory / name)
+        return False
+    finally:
+        with suppress(OSError):
+            os.unlink(tmp)
+        os.close(handle)
 
 
 _SCRATCH: list[tempfile.TemporaryDirectory] = []  # this process's stand-in for an unwritable cache

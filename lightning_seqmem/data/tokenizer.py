@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lightning_seqmem.data.cache_dir import default_cache_dir
+from lightning_seqmem.data.cache_dir import build_folder, default_cache_dir
 from lightning_seqmem.data.chat_template import BUILTIN_CHAT_TEMPLATE
 from lightning_seqmem.data.corpus import corpus_path, load_builtin_corpus
 from lightning_seqmem.messages import short_repr
@@ -49,14 +49,8 @@ def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
     )
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1_000_000, **SPECIAL_TOKENS)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    fast.save_pretrained(str(tmp))
-    try:
-        os.replace(tmp, path)
-    except OSError:  # another process won the race; its copy is identical
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    with build_folder(path) as tmp:  # this writer's own folder, renamed into place whole; a faster one's is kept
+        fast.save_pretrained(str(tmp))
     return _with_chat_template(PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True))
 
 
