@@ -26,6 +26,21 @@ def check_choice(name: str, value: Any, choices: tuple) -> None:
         raise ValueError(f"{name}={value!r} is not valid; use one of {choices}.")
 
 
+def describe_source(source: Any, ds: Any = None) -> str:
+    """A short name for a dataset argument (a cache entry's data, a node holding other data): the path (made
+    absolute) or name given, else the dataset's (``ds``)."""
+    import os
+
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        return os.path.abspath(text) if text != "builtin" and (os.path.exists(text) or "*" in text) else text
+    if isinstance(source, (list, tuple)):
+        return f"a list of {len(source)} items"
+    info = getattr(ds, "info", None)
+    name = getattr(info, "dataset_name", None) or getattr(info, "builder_name", None)
+    return name or f"an in-memory dataset of {len(ds) if ds is not None else '?'} rows"
+
+
 # ------------------------------------------------------------------------------------------------------- spelling
 SURFACES = ("python", "hydra", "cli")
 _SURFACE_ENV = "LIGHTNING_SEQMEM_SURFACE"  # inherited by the ranks and workers an app starts

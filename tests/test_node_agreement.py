@@ -70,6 +70,16 @@ def test_two_ranks_with_node_local_copies_are_refused_when_the_copies_differ(tmp
                 said.append(None)
             except ValueError as err:
                 said.append(str(err))
+        # the same check where a user meets it: the DataModule's setup, on every rank
+        from lightning_seqmem import SeqMemDataModule
+
+        folder = tmp_path / "other" / f"node{rank}"
+        dm = SeqMemDataModule(str(folder / "train.jsonl"), tokenizer, max_length=32, cache_dir=folder / "cache")
+        try:
+            dm.setup("fit")
+            said.append(None)
+        except ValueError as err:
+            said.append(str(err))
         dist.destroy_process_group()
         return said
 
@@ -80,3 +90,4 @@ def test_two_ranks_with_node_local_copies_are_refused_when_the_copies_differ(tmp
     assert message.startswith("The train split differs between nodes: rank 1 (node 1, host ")
     assert f"{tmp_path / 'other' / 'node1' / 'train.jsonl'} (files: {tmp_path / 'other' / 'node1' / 'cache'}" in message
     assert "Every node must hold the same files, in the same order" in message
+    assert said[0][2] == said[1][2] and said[0][2].startswith("The train split differs between nodes: rank 1 (node 1")

@@ -31,7 +31,7 @@ from lightning_seqmem.data.value_checks import CHECKED
 from lightning_seqmem.memory.stats import format_bytes
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-IN_MEMORY = ("an in-memory dataset", "a list of")  # how token_cache.describe_source names data with no path
+IN_MEMORY = ("an in-memory dataset", "a list of")  # how messages.describe_source names data with no path
 
 
 @dataclass(frozen=True)

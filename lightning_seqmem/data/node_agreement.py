@@ -112,7 +112,7 @@ def check_same_data_across_ranks(dsd: Mapping[str, Any], source: Any = None) -> 
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
-    from lightning_seqmem.data.token_cache import describe_source
+    from lightning_seqmem.messages import describe_source
 
     named = describe_source(source, next(iter(dsd.values()), None)) if source is not None else "the dataset"
     gathered: list[Any] = [None] * dist.get_world_size()

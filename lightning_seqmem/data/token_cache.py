@@ -41,6 +41,7 @@ from lightning_seqmem.data.cache_dir import default_cache_dir, held_file
 from lightning_seqmem.data.cache_writers import entry_writer, file_of_this_writer, writer_is_gone, writer_prefix
 from lightning_seqmem.data.encode import document_frame
 from lightning_seqmem.data.fork_workers import run_in_workers
+from lightning_seqmem.messages import describe_source
 
 _FORMAT = "tokens-v1"  # bump when the layout of the cached columns changes
 SMALL_DATASET_ROWS = 20_000  # below this, extra processes cost more than they save
@@ -295,18 +296,6 @@ def made_by() -> str:
     data built in memory has."""
     argv = sys.argv if sys.argv and sys.argv[0] else ["python"]
     return " ".join([os.path.basename(argv[0]), *argv[1:]])[:200]
-
-
-def describe_source(source: Any, ds: Any = None) -> str:
-    """A short name for the data of a cache entry: the path (made absolute) or name given, else the dataset's."""
-    if isinstance(source, (str, os.PathLike)):
-        text = os.fspath(source)
-        return os.path.abspath(text) if text != "builtin" and (os.path.exists(text) or "*" in text) else text
-    if isinstance(source, (list, tuple)):
-        return f"a list of {len(source)} items"
-    info = getattr(ds, "info", None)
-    name = getattr(info, "dataset_name", None) or getattr(info, "builder_name", None)
-    return name or f"an in-memory dataset of {len(ds) if ds is not None else '?'} rows"
 
 
 def _cannot_write(directory: Path) -> OSError | None:

@@ -33,7 +33,7 @@ from lightning_seqmem.kinds.detect import detect_stream
 from lightning_seqmem.mixing.spec import Mix
 from lightning_seqmem.streams.reading import is_stream
 
-_SPECIAL_IDS = ("pad_token_id", "eos_token_id")
+_NOT_SETTINGS = ("self", "dataset", "tokenizer", "__class__", "prepare_data_per_node")
 
 
 class SeqMemDataModule(BatchAnswers, LightningDataModule):
@@ -114,6 +114,8 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
         train_field: conversations: a per-message boolean that overrides ``train_on`` for that turn (``None``: none).
         on_empty_labels: conversations with no trained token (no assistant turn, or none left after truncation):
             ``"drop"`` (counted in ``stats()``), ``"keep"`` (they add no loss) or ``"error"``.
+        prepare_data_per_node: Lightning's: ``True`` tokenizes on every node's first process (node-local caches);
+            ``False`` on the job's first process only, the others reading its cache (docs/many_machines.md).
 
     Example::
 
@@ -160,24 +162,14 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
         train_on: str = "assistant",
         train_field: str | None = "train",
         on_empty_labels: str = "drop",
+        prepare_data_per_node: bool = True,
     ) -> None:
         super().__init__()
-        arguments = {k: v for k, v in locals().items() if k not in ("self", "dataset", "tokenizer", "__class__")}
+        self.prepare_data_per_node = prepare_data_per_node  # Lightning's own attribute (LightningCLI sets it here)
+        arguments = {k: v for k, v in locals().items() if k not in _NOT_SETTINGS}  # before any other local
         self.settings = SeqMemSettings.from_arguments(**arguments)  # every argument checked here, once
-        b = self.settings.batching  # each loader's strategy options saved as plain values (loggers, checkpoints)
-        # The special ids only as given: the tokenizer's are not known yet, and a logged None would collide with a
-        # user's LightningModule that saves its own pad_token_id (Lightning refuses a key logged with two values).
-        data = {k: v for k, v in vars(self.settings.data).items() if v is not None or k not in _SPECIAL_IDS}
-        if data["cache_dir"] is not None:  # a Path in a checkpoint fails torch.load(weights_only=True): the Tuner's
-            data["cache_dir"] = os.fspath(data["cache_dir"])
         self.save_hyperparameters(
-            dict(
-                vars(b),
-                **data,
-                **vars(self.settings.conversation),
-                batching=b.batching.as_dict(),
-                eval_batching=b.batching_for("validation").as_dict(),
-            ),
+            self.settings.hyperparameters(),
             # Lightning compares the saved dict with every __init__ argument (``==``) to name it; a DataFrame's
             # ``==`` is elementwise and raises. The data and the tokenizer are never hyperparameters.
             ignore=["dataset", "tokenizer"],

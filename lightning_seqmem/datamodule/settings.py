@@ -75,6 +75,24 @@ class SeqMemSettings:
     data: DataSettings
     conversation: ConversationSettings = field(default_factory=ConversationSettings)
 
+    def hyperparameters(self) -> dict[str, Any]:
+        """The settings as plain values, as loggers and checkpoints record them (``save_hyperparameters``): each
+        loader's strategy options as a dict; the special ids only as given (the tokenizer's are not known yet, and a
+        logged ``None`` would collide with a user's LightningModule that saves its own ``pad_token_id``: Lightning
+        refuses a key logged with two values); ``cache_dir`` as a string (a ``Path`` fails
+        ``torch.load(weights_only=True)``, as the Tuner loads its checkpoint)."""
+        b = self.batching
+        data = {k: v for k, v in vars(self.data).items() if v is not None or k not in ("pad_token_id", "eos_token_id")}
+        if data["cache_dir"] is not None:
+            data["cache_dir"] = os.fspath(data["cache_dir"])
+        return dict(
+            vars(b),
+            **data,
+            **vars(self.conversation),
+            batching=b.batching.as_dict(),
+            eval_batching=b.batching_for("validation").as_dict(),
+        )
+
     @classmethod
     def from_arguments(cls, **arguments: Any) -> SeqMemSettings:
         """The settings of ``SeqMemDataModule(**arguments)`` (its arguments other than ``dataset`` and
