@@ -28,14 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from typing_extensions import override
 
 from lightning_seqmem.messages import check_choice
 from lightning_seqmem.oom import fsdp as oom_fsdp
+from lightning_seqmem.oom.reduce import WindowReduction, agree_or_raise, all_reduce_max, reserve, run_locally
 from lightning_seqmem.oom.runner import (
     FIXES,
     ON_OOM,
@@ -46,33 +47,7 @@ from lightning_seqmem.oom.runner import (
 )
 from lightning_seqmem.oom.split import Batch
 
-BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
-
-
-def average_gradients_(grads: list[torch.Tensor], world_size: int, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Average gradients over the default process group in place, as DDP does: flattened into buckets of about
-    ``bucket_bytes`` per dtype (few collectives, no whole-model copy), summed, divided by ``world_size``."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        groups.setdefault(grad.dtype, []).append(grad)
-    for group in groups.values():
-        bucket, size = [], 0
-        for grad in [*group, None]:
-            if grad is not None:
-                bucket.append(grad)
-                size += grad.numel() * grad.element_size()
-            if bucket and (grad is None or size >= bucket_bytes):
-                flat = torch._utils._flatten_dense_tensors(bucket)
-                torch.distributed.all_reduce(flat)
-                flat.div_(world_size)
-                for grad_, value in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                    grad_.copy_(value)
-                bucket, size = [], 0
-
-
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return tensor
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -99,6 +74,11 @@ class SplitsOnOom:
         self._oom_sync: bool | None = None  # DDP's require_backward_grad_sync, to put back after the step
         self._oom_paused = False
         self._oom_fsdp_held = False  # FSDP: gradients held unsharded (no_sync) until the window's end
+        self._oom_reduction = WindowReduction()  # DDP: the window's gradient averaged by hand, its buffers kept
+        if self._oom is not None:  # instance attributes: under on_oom="raise" no hook looks overridden to Lightning
+            self.backward = self._split_aware_backward
+            self.optimizer_zero_grad = self._split_aware_zero_grad
+            self.optimizer_step = self._split_aware_optimizer_step
 
     @property
     def splitting(self) -> bool:
@@ -138,11 +118,16 @@ class SplitsOnOom:
             oom_fsdp.check_sharding(strategy)
             oom_fsdp.step_outside_root(strategy)
             return
-        if self.trainer.world_size == 1:
-            return
-        from lightning.pytorch.strategies import DDPStrategy
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
-        if not isinstance(strategy, DDPStrategy):
+        if isinstance(strategy, DeepSpeedStrategy):  # before the world size: one GPU fails in DeepSpeed's backward
+            raise ValueError(
+                "on_oom='split' does not run under DeepSpeed (at any world size): DeepSpeed runs the backward itself "
+                "(its engine's backward, which the split step cannot replace) and gathers and reduces inside every "
+                "forward and backward. Use strategy='ddp' (or FSDP with sharding_strategy='SHARD_GRAD_OP'), or "
+                "on_oom='raise'."
+            )
+        if self.trainer.world_size > 1 and not isinstance(strategy, DDPStrategy):
             raise ValueError(
                 f"on_oom='split' runs on one device, under DDP or under FSDP, not under {type(strategy).__name__}: "
                 "its forward and backward gather and reduce with the other ranks, so a rank that runs out of memory "
@@ -179,15 +164,20 @@ class SplitsOnOom:
         if ddp is not None:  # no reducer armed by this forward: every backward stays on this rank
             self._oom_sync, ddp.require_backward_grad_sync = ddp.require_backward_grad_sync, False
         k, scaler = int(trainer.accumulate_grad_batches), getattr(trainer.precision_plugin, "scaler", None)
+        device_type = trainer.strategy.root_device.type
 
         def backward(loss: torch.Tensor) -> None:
             loss = loss / k
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            # Outside the precision plugin's autocast, as Lightning runs its own backward: regions a model runs in
+            # fp32 with autocast off (heads, routers) must not get low-precision backward matmuls.
+            with torch.autocast(device_type, enabled=False):
+                (scaler.scale(loss) if scaler is not None else loss).backward()
 
         root, params = self._fsdp_root(), None
         if root is not None:  # gradients held, parameters gathered: the parts need no collective (oom_fsdp)
             oom_fsdp.hold_gradients(root)
             self._oom_fsdp_held = True
+            self._reserve_or_stop(oom_fsdp.gather_bytes(root), "FSDP's gather of the parameters before the parts")
             oom_fsdp.gather_parameters(trainer.strategy, self, "_oom_one_token")
             self._oom_forward, params = forward, oom_fsdp.flat_parameters(root)
             forward = functools.partial(oom_fsdp.run_in_root, trainer.strategy, self, "_oom_part")
@@ -219,7 +209,10 @@ class SplitsOnOom:
         device = trainer.strategy.root_device
         if params is None:
             params = self.parameters() if backward is not None else ()
+        seen = len(self._oom.events)
         outcome = self._oom.run(batch, forward, backward, params, trainer.global_step, device, stage)
+        if outcome.failed is None and len(self._oom.events) > seen:
+            self._report_survived(batch, self._oom.events[seen:])
         failed = outcome.failed is not None
         if self._distributed():
             failed = self._oom.agree(failed, all_reduce_max, device)
@@ -233,20 +226,50 @@ class SplitsOnOom:
             raise RowDoesNotFit(message)
         return outcome
 
-    @override
-    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        """Skip the backward :meth:`split_backward` has done; otherwise Lightning's."""
+    def _report_survived(self, batch: Batch, events: list[dict[str, Any]]) -> None:
+        """One line when a micro-batch survived running out of memory, at the time (not only in the run's summary)."""
+        first = events[0]
+        rank = f"rank {self.trainer.global_rank} " if self._distributed() else ""
+        memory = "" if first["allocated"] is None else f", {first['allocated'] / 2**30:.2f} GiB allocated at the first"
+        log.warning(
+            f"on_oom='split': {rank}{first['stage']} step {first['step']}: a micro-batch of "
+            f"{int(batch['input_ids'].numel())} tokens ran out of memory ({len(events)} failed attempt(s){memory}); it "
+            f"ran in parts, same gradient. Micro-batches of {self._oom.limit} tokens or more are split before they "
+            "run from now on."
+        )
+
+    def _reserve_or_stop(self, nbytes: int, what: str) -> None:
+        """Several ranks: make room for ``nbytes`` before a collective that allocates them, and agree on it, so that a
+        rank without room stops every rank instead of leaving them in the collective (:func:`reduce.reserve`)."""
+        if self._distributed():
+            device = self.trainer.strategy.root_device
+            error = run_locally(lambda: reserve(nbytes, device))
+            agree_or_raise(error, what, device, self.trainer.global_rank)
+
+    def _split_aware_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``backward`` under ``on_oom="split"``: skip the backward :meth:`split_backward` has done; otherwise
+        Lightning's."""
         if self._oom_backward_done:
             self._oom_backward_done = False
             return
-        super().backward(loss, *args, **kwargs)
+        type(self).backward(self, loss, *args, **kwargs)
 
-    @override
-    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
-        """Lightning zeroes gradients between ``training_step`` and the backward: after :meth:`split_backward` that
-        would drop the micro-batch's gradient, zeroed already before it ran."""
+    def _split_aware_optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure=None) -> None:
+        """``optimizer_step`` under ``on_oom="split"``: Lightning's (or the class's own); with several ranks, an
+        out-of-memory error in it (the optimizer's state, the clipping) is agreed on with the other ranks, which
+        would otherwise wait for this one at the next step's first collective."""
+        step = type(self).optimizer_step
+        if not (self.splitting and self._distributed()):
+            return step(self, epoch, batch_idx, optimizer, optimizer_closure)
+        error = run_locally(lambda: step(self, epoch, batch_idx, optimizer, optimizer_closure))
+        agree_or_raise(error, "the optimizer step", self.trainer.strategy.root_device, self.trainer.global_rank)
+
+    def _split_aware_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer_zero_grad`` under ``on_oom="split"``: Lightning zeroes gradients between ``training_step`` and
+        the backward; after :meth:`split_backward` that would drop the micro-batch's gradient, zeroed already before
+        it ran."""
         if not self._oom_backward_done:
-            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+            type(self).optimizer_zero_grad(self, epoch, batch_idx, optimizer)
 
     def _oom_after_backward(self) -> None:
         """Put DDP's flag back; at the window's last micro-batch, average the gradient over the ranks once."""
@@ -255,7 +278,9 @@ class SplitsOnOom:
             ddp.require_backward_grad_sync, self._oom_sync = self._oom_sync, None
         if self._oom_fsdp_held and not self.trainer.fit_loop._should_accumulate():
             self._oom_fsdp_held = False  # FSDP: the window's gradient reduce-scattered once, by FSDP
+            self._reserve_or_stop(oom_fsdp.reduce_bytes(self._fsdp_root()), "FSDP's reduction of the window's gradient")
             oom_fsdp.reduce_window(self.trainer.strategy, self, "_oom_one_token")
         elif self._fsdp_root() is None and self._distributed() and not self.trainer.fit_loop._should_accumulate():
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            average_gradients_(grads, self.trainer.world_size)
+            self._oom_reduction(self.parameters(), self.trainer.world_size, self.trainer.global_rank)
+            if ddp is not None:  # the next forward broadcasts buffers again, as after a synced DDP backward
+                ddp.require_forward_param_sync = True
