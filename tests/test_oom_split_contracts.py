@@ -1,0 +1,138 @@
+"""``on_oom="split"``: the GPU contracts a CPU run can hold (issue 45), on one process.
+
+- the parts' backward runs outside the precision plugin's autocast: a model region that runs in fp32 with autocast
+  off (an LM head, a router) gets the gradient the unsplit step gives, with no out-of-memory error at all;
+- "CUDA error: out of memory" raised as ``torch.AcceleratorError`` (cuBLAS, NCCL) is an out-of-memory error;
+- the "row does not fit" error carries torch's own text and the memory read while the failed attempt was alive;
+- a survived out-of-memory error is logged as one line at the time;
+- DeepSpeed is refused at any world size, and under ``on_oom="raise"`` no Lightning hook looks overridden.
+"""
+
+import logging
+import weakref
+from types import SimpleNamespace
+
+import lightning.pytorch as L
+import pytest
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from test_oom_split import _fit, _model, padded, worst_relative
+from torch.utils.data import DataLoader
+
+from lightning_seqmem import CausalLM
+from lightning_seqmem.oom import runner
+from lightning_seqmem.oom.runner import OomSplitter, RowDoesNotFit, is_out_of_memory
+from lightning_seqmem.oom.split import OomInjector
+
+
+class Gradients(L.Callback):
+    """The gradients the optimizer is about to step on."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads = {n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters()}
+
+
+def fp32_head(model: CausalLM) -> CausalLM:
+    """The LM head computed in fp32 with autocast off, as some transformers models run their heads and routers."""
+    head, plain = model.model.lm_head, model.model.lm_head.forward
+
+    def forward(hidden):
+        with torch.autocast("cpu", enabled=False):
+            return plain(hidden.float())
+
+    head.forward = forward
+    return model
+
+
+def test_the_split_backward_runs_outside_autocast():
+    """bf16-mixed, nothing runs out of memory: the split step's gradient is the unsplit one (6.7e-3 off when each
+    part's backward ran inside Lightning's autocast: the fp32 head's backward matmuls in bf16)."""
+    grads = {}
+    for on_oom in ("raise", "split"):
+        model = fp32_head(_model(on_oom=on_oom, cross_entropy="full"))
+        callback = Gradients()
+        L.seed_everything(0)
+        trainer = L.Trainer(
+            max_steps=1,
+            accelerator="cpu",
+            precision="bf16-mixed",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[callback],
+        )
+        trainer.fit(model, DataLoader([padded(rows=4)], batch_size=None))
+        grads[on_oom] = callback.grads
+    assert worst_relative(grads["split"], grads["raise"]) <= 1e-6
+
+
+def test_accelerator_out_of_memory_is_out_of_memory():
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(torch.AcceleratorError("CUDA error: out of memory"))
+    assert not is_out_of_memory(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert not is_out_of_memory(RuntimeError("out of memory"))  # not from the device
+
+
+def test_a_cublas_out_of_memory_is_split_too():
+    """An allocation outside the caching allocator fails as ``AcceleratorError``: split like any other."""
+    linear = torch.nn.Linear(4, 1)
+    rows = torch.randn(4, 4)
+
+    def forward(part):
+        if part["input_ids"].shape[0] > 2:
+            raise torch.AcceleratorError("CUDA error: out of memory")
+        return linear(rows[part["input_ids"][:, 0]]).sum(), {}
+
+    batch = {"input_ids": torch.arange(4).unsqueeze(1)}
+    outcome = OomSplitter().run(batch, forward, lambda loss: loss.backward(), linear.parameters())
+    assert outcome.failed is None and outcome.loss == pytest.approx(linear(rows).sum().item(), rel=1e-6)
+
+
+def test_the_failure_is_recorded_while_the_failed_attempt_is_alive(monkeypatch):
+    """The memory figure is read inside the handler (the failed graph still held), and torch's text is kept."""
+    alive = []
+
+    def forward(part):
+        activations = torch.ones(8)
+        finalizer = weakref.finalize(activations, lambda: None)
+        alive.append(finalizer)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+
+    monkeypatch.setattr(runner, "memory_now", lambda device: (int(alive[-1].alive), 0))
+    outcome = OomSplitter().run({"input_ids": torch.ones(1, 4, dtype=torch.long)}, forward)
+    assert outcome.failed["allocated"] == 1  # read before the activations were released
+    message = runner.does_not_fit_message(outcome.failed)
+    assert "Torch said: CUDA out of memory. Tried to allocate 20.00 GiB (injected)." in message
+
+
+def test_a_row_that_does_not_fit_says_what_torch_said():
+    model = _model(on_oom="split")
+    OomInjector(10).install(model.model)
+    with pytest.raises(RowDoesNotFit, match=r"Torch said: injected: 24 tokens > 10 \(OomInjector\)\. Fixes"):
+        _fit(model, [padded(rows=1)])
+
+
+def test_a_survived_out_of_memory_is_logged_at_the_time(caplog):
+    model = _model(on_oom="split")
+    OomInjector(40).install(model.model)
+    with caplog.at_level(logging.WARNING, logger="lightning_seqmem.oom"):
+        _fit(model, [padded(rows=4, seed=s) for s in range(2)])
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("lightning_seqmem.oom")]
+    assert lines == [
+        "on_oom='split': train step 0: a micro-batch of 96 tokens ran out of memory (3 failed attempt(s)); it ran in "
+        "parts, same gradient. Micro-batches of 48 tokens or more are split before they run from now on."
+    ]  # one line, at the first step; the second micro-batch is split before it runs: nothing to log
+
+
+def test_deepspeed_is_refused_at_any_world_size_and_raise_overrides_nothing():
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    deepspeed = object.__new__(DeepSpeedStrategy)  # the class check only: deepspeed need not be installed
+    model = _model(on_oom="split")
+    model._trainer = SimpleNamespace(world_size=1, strategy=deepspeed)
+    with pytest.raises(ValueError, match=r"does not run under DeepSpeed \(at any world size\)"):
+        model._check_oom_strategy()
+    plain = _model(on_oom="raise")  # DeepSpeed warns about an overridden backward: nothing is, under "raise"
+    assert not any(is_overridden(hook, plain) for hook in ("backward", "optimizer_step", "optimizer_zero_grad"))
+    assert all(is_overridden(hook, model) for hook in ("backward", "optimizer_step", "optimizer_zero_grad"))
