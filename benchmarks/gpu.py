@@ -2,6 +2,9 @@
 
     python benchmarks/gpu.py            # CUDA: the sizes below, under 10 minutes on one H100
     python benchmarks/gpu.py --smoke    # tiny sizes; runs on CPU too (checks the script, not the targets)
+    python benchmarks/gpu.py --sections paths   # only the GPU paths of issue 45 (benchmarks/gpu_paths.py)
+
+The table and each section's log are written under ``$OUT`` when it is set (``gpu_table.md``, ``gpu_log.txt``).
 
 On the lent CUDA machine: ``source .gpu-wheels/on-gpu.sh && python3 benchmarks/gpu.py`` (../shared/gpu/README.md).
 
@@ -19,6 +22,8 @@ Rows of the table, each with its target:
   same rows without ``position_ids`` (documents attending to each other) show what contamination would look like.
 - FSDP: ``FSDPStrategy`` with ``gradient_clip_val=1.0`` and ``CachePreallocator``: trains, the pass ran.
 - monitor: ``MemoryMonitor``'s end-of-run summary (60 steps, logging every 7: the last step is not a logging step).
+- paths (:mod:`gpu_paths`): the ``torch_varlen`` step under bf16-mixed, a real CUDA OOM in the backward under
+  ``on_oom="split"``, FSDP bf16-mixed rotary buffers, a QLoRA step with checkpointing.
 """
 
 from __future__ import annotations
@@ -31,7 +36,12 @@ import subprocess
 import sys
 import time
 
+import gpu_paths
+
 from lightning_seqmem.memory.stats import format_bytes  # imports no torch: children set the allocator first
+
+SECTIONS = ("prealloc", "planner", "contamination", "fsdp", "paths")
+LOG: list[str] = []  # every child's stderr tail, for $OUT
 
 VOCAB = 32_000
 MAIN_MODEL = dict(
@@ -333,6 +343,7 @@ CHILDREN = {
     "planner": child_planner,
     "contamination": child_contamination,
     "fsdp": child_fsdp,
+    **gpu_paths.CHILDREN,
 }
 
 
@@ -340,6 +351,7 @@ def run_child(smoke: bool, kind: str, *args) -> object:
     """Run one section in a fresh process (its own allocator settings and statistics); its JSON result."""
     command = [sys.executable, __file__, "--child", kind, json.dumps(args)] + (["--smoke"] if smoke else [])
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    LOG.append(f"=== {kind} {args} (exit {done.returncode})\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
@@ -347,10 +359,10 @@ def run_child(smoke: bool, kind: str, *args) -> object:
 
 
 # ----------------------------------------------------------------------------------------------- the table
-def rows(smoke: bool) -> list[tuple[str, str, str, str, bool]]:
+def rows(smoke: bool, sections: tuple[str, ...] = SECTIONS) -> list[tuple[str, str, str, str, bool]]:
     """(check, case, measured, target, ok) for every row of the table."""
     out = []
-    for run in PREALLOC_RUNS:
+    for run in PREALLOC_RUNS if "prealloc" in sections else ():
         r = run_child(smoke, "prealloc", *run)
         if "error" in r:
             out.append(("pre-allocation", run[0], r["error"], "runs", False))
@@ -375,7 +387,7 @@ def rows(smoke: bool) -> list[tuple[str, str, str, str, bool]]:
                     "steps" in r["monitor"],
                 )
             )
-    planner = run_child(smoke, "planner")
+    planner = run_child(smoke, "planner") if "planner" in sections else []
     if isinstance(planner, dict):
         out.append(("planner", "all sizes", planner["error"], "runs", False))
     else:
@@ -391,7 +403,7 @@ def rows(smoke: bool) -> list[tuple[str, str, str, str, bool]]:
                     abs(error) <= 0.05,
                 )
             )
-    contamination = run_child(smoke, "contamination")
+    contamination = run_child(smoke, "contamination") if "contamination" in sections else []
     if isinstance(contamination, dict):
         out.append(("contamination", "all", contamination["error"], "runs", False))
     else:
@@ -407,8 +419,10 @@ def rows(smoke: bool) -> list[tuple[str, str, str, str, bool]]:
                     case["clean"] <= tolerance < case["contaminated"],
                 )
             )
-    f = run_child(smoke, "fsdp")
-    if "error" in f:
+    f = run_child(smoke, "fsdp") if "fsdp" in sections else None
+    if f is None:
+        pass
+    elif "error" in f:
         out.append(("FSDP", "clipping + pre-allocation", f["error"], "runs", False))
     else:
         share = f["growth"] / f["peak"] if f["peak"] else 0.0
@@ -422,33 +436,62 @@ def rows(smoke: bool) -> list[tuple[str, str, str, str, bool]]:
                 f["steps"] == 10 and math.isfinite(f["loss"]) and bool(f["passes"]),
             )
         )
+    if "paths" in sections:
+        out.extend(gpu_paths.rows(smoke, run_child))
     return out
+
+
+def software() -> str:
+    """The device and the versions that matter, first (the lent machine's software is not known in advance)."""
+    import platform
+
+    import lightning
+    import torch
+    import transformers
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (no CUDA: figures are not GPU's)"
+    return (
+        f"{device}; Python {platform.python_version()}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
+        f"transformers {transformers.__version__}; lightning {lightning.__version__}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (runs on CPU): checks the script only")
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)} (default: all)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("args", nargs="?", default="[]", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        print("RESULT " + json.dumps(CHILDREN[args.child](sizes(args.smoke), *json.loads(args.args))), flush=True)
+        size = (gpu_paths.sizes if args.child in gpu_paths.CHILDREN else sizes)(args.smoke)
+        print("RESULT " + json.dumps(CHILDREN[args.child](size, *json.loads(args.args))), flush=True)
         return
+    sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}: choose from {', '.join(SECTIONS)}")
     start = time.perf_counter()
-    import torch
-
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (no CUDA: figures are not GPU's)"
-    table = rows(args.smoke)
-    print(
-        f"\n{device}; torch {torch.__version__}; {'smoke sizes' if args.smoke else 'full sizes'}; "
-        f"{time.perf_counter() - start:.0f} s\n"
+    versions = software()
+    print(versions, flush=True)
+    table = rows(args.smoke, sections)
+    text = (
+        f"\n{versions}; {'smoke sizes' if args.smoke else 'full sizes'}; sections {','.join(sections)}; "
+        f"{time.perf_counter() - start:.0f} s\n\n| check | case | measured | target | ok |\n|---|---|---|---|---|\n"
+        + "".join(f"| {c} | {case} | {m} | {t} | {'yes' if ok else 'NO'} |\n" for c, case, m, t, ok in table)
     )
-    print("| check | case | measured | target | ok |\n|---|---|---|---|---|")
-    for check, case, measured, target, ok in table:
-        print(f"| {check} | {case} | {measured} | {target} | {'yes' if ok else 'NO'} |")
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_table.md"), "w") as out:
+            out.write(text)
+        with open(os.path.join(os.environ["OUT"], "gpu_log.txt"), "w") as out:
+            out.write("\n".join(LOG))
     # smoke sizes check that every section runs (their figures are not the GPU's); full sizes check the targets
-    failed = [row for row in table if not row[-1] and (not args.smoke or (row[3] == "runs" or row[0] == "FSDP"))]
+    strict = ("FSDP", *gpu_paths.CHECKS)  # sections whose smoke run checks its figures too
+    failed = [row for row in table if not row[-1] and (not args.smoke or row[3] == "runs" or row[0] in strict)]
     sys.exit(1 if failed else 0)
 
 

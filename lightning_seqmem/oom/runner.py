@@ -111,7 +111,8 @@ class OomSplitter:
             split before they run. ``None`` until the first failure.
         splits: failed attempts so far (each one split a part in two).
         events: one dict per failed attempt: ``stage``, ``step``, ``tokens``, ``allocated``, ``reserved`` (bytes,
-            CUDA, read while the failed attempt's tensors were still alive) and ``error`` (torch's first line).
+            CUDA, read while the failed attempt's tensors were still alive), ``error`` (torch's first line) and
+            ``phase`` (``"forward"`` or ``"backward"``).
     """
 
     def __init__(self) -> None:
@@ -220,7 +221,8 @@ class OomSplitter:
             if isinstance(error, AgreedOutOfMemory) or not is_out_of_memory(error):
                 raise
             allocated, reserved = memory_now(device)
-            failure = dict(allocated=allocated, reserved=reserved, error=first_line(error))
+            phase = "forward" if value is None else "backward"
+            failure = dict(allocated=allocated, reserved=reserved, error=first_line(error), phase=phase)
         finally:
             self._watch = None
             for handle in handles:
