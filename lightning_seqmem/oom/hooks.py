@@ -241,7 +241,7 @@ class SplitsOnOom:
     def _reserve_or_stop(self, nbytes: int, what: str) -> None:
         """Several ranks: make room for ``nbytes`` before a collective that allocates them, and agree on it, so that a
         rank without room stops every rank instead of leaving them in the collective (:func:`reduce.reserve`)."""
-        if self._distributed():
+        if nbytes > 0 and self._distributed():  # the same on every rank (FSDP's units gathered alike): no one waits
             device = self.trainer.strategy.root_device
             error = run_locally(lambda: reserve(nbytes, device))
             agree_or_raise(error, what, device, self.trainer.global_rank)
