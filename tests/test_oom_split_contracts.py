@@ -136,3 +136,18 @@ def test_deepspeed_is_refused_at_any_world_size_and_raise_overrides_nothing():
     plain = _model(on_oom="raise")  # DeepSpeed warns about an overridden backward: nothing is, under "raise"
     assert not any(is_overridden(hook, plain) for hook in ("backward", "optimizer_step", "optimizer_zero_grad"))
     assert all(is_overridden(hook, model) for hook in ("backward", "optimizer_step", "optimizer_zero_grad"))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_reentrant_checkpointing_with_a_shared_weight_is_refused(reentrant):
+    """Each reentrant segment accumulates into a shared weight on its own: a split would give it a wrong gradient."""
+    model = _model(on_oom="split")
+    layers = model.model.model.layers
+    layers[1].mlp.up_proj.weight = layers[0].mlp.up_proj.weight
+    model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model._trainer = SimpleNamespace(world_size=1, strategy=object())
+    if reentrant:
+        with pytest.raises(ValueError, match=r"mlp.up_proj.weight is shared with model.layers.0, another checkpoint"):
+            model._check_oom_strategy()
+    else:
+        model._check_oom_strategy()  # non-reentrant: each parameter accumulated once, after every segment

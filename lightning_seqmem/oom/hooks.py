@@ -64,6 +64,50 @@ def pause_splitting(module: Any) -> Iterator[None]:
             module._oom_paused = False
 
 
+def _reentrant(function: Any) -> bool:
+    """Whether a transformers layer's checkpointing function is torch's reentrant checkpoint (its default)."""
+    import torch.utils.checkpoint
+
+    keywords = getattr(function, "keywords", {})
+    if getattr(function, "func", function) is not torch.utils.checkpoint.checkpoint:
+        return False
+    return keywords.get("use_reentrant") in (None, True)
+
+
+def check_checkpointing(model: torch.nn.Module | None) -> None:
+    """Refuse reentrant checkpointing with a weight shared across checkpointed segments: each segment's inner backward
+    accumulates into the shared weight on its own, so a failed attempt's record of what is accumulated (one
+    accumulation per parameter, when every path into it is done) no longer holds and a split gives a wrong gradient.
+
+    Raises:
+        ValueError: naming a shared weight and the fix.
+    """
+    if model is None:
+        return
+    checkpointed = {
+        name: module
+        for name, module in model.named_modules()
+        if getattr(module, "gradient_checkpointing", False) is True
+        and _reentrant(getattr(module, "_gradient_checkpointing_func", None))
+    }
+    owners: dict[int, str] = {}
+    for name, module in checkpointed.items():
+        if any(other.startswith(f"{name}.") or (not name and other) for other in checkpointed):
+            continue  # a model that holds checkpointed layers, not a segment itself
+        for param_name, param in module.named_parameters():
+            if not param.requires_grad:
+                continue
+            owner = owners.setdefault(id(param), name)
+            if owner != name:
+                raise ValueError(
+                    f"on_oom='split' with reentrant gradient checkpointing: the weight {name}.{param_name} is shared "
+                    f"with {owner}, another checkpointed segment, and a split would give it a wrong gradient. Use "
+                    "non-reentrant checkpointing (CausalLM(gradient_checkpointing=True) does; or "
+                    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or "
+                    "on_oom='raise'."
+                )
+
+
 class SplitsOnOom:
     """Mixed into a LightningModule: the split path of its steps (see the module docstring)."""
 
@@ -113,6 +157,7 @@ class SplitsOnOom:
         model parallel, FSDP sharding that gathers in the backward); under FSDP, step outside its root."""
         if self._oom is None or self._trainer is None:
             return
+        check_checkpointing(self.model)
         strategy = self.trainer.strategy
         if oom_fsdp.is_fsdp_strategy(strategy):
             oom_fsdp.check_sharding(strategy)
