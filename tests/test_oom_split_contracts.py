@@ -5,7 +5,9 @@
 - "CUDA error: out of memory" raised as ``torch.AcceleratorError`` (cuBLAS, NCCL) is an out-of-memory error;
 - the "row does not fit" error carries torch's own text and the memory read while the failed attempt was alive;
 - a survived out-of-memory error is logged as one line at the time;
-- DeepSpeed is refused at any world size, and under ``on_oom="raise"`` no Lightning hook looks overridden.
+- DeepSpeed is refused at any world size, and under ``on_oom="raise"`` no Lightning hook looks overridden;
+  reentrant checkpointing with a weight shared across checkpointed segments is refused;
+- per-source validation losses (``CausalLM``, any ``on_oom``) keep their sums on the device: no host read per batch.
 """
 
 import logging
@@ -17,9 +19,11 @@ import pytest
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from test_oom_split import _fit, _model, padded, worst_relative
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 from lightning_seqmem import CausalLM
+from lightning_seqmem.batch import SOURCE_INDEX, count_label_tokens
 from lightning_seqmem.oom import runner
 from lightning_seqmem.oom.runner import OomSplitter, RowDoesNotFit, is_out_of_memory
 from lightning_seqmem.oom.split import OomInjector
@@ -151,3 +155,35 @@ def test_reentrant_checkpointing_with_a_shared_weight_is_refused(reentrant):
             model._check_oom_strategy()
     else:
         model._check_oom_strategy()  # non-reentrant: each parameter accumulated once, after every segment
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value by the host (``.item()``, ``int()``, ``bool()``: a device sync on CUDA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_per_source_validation_losses_need_no_host_read_per_batch():
+    model = _model()
+    model._trainer = SimpleNamespace(datamodule=SimpleNamespace(source_names=lambda: ("long", "short")))
+    losses = {0: [2.0, 4.0], 1: [1.0]}
+    batches = []
+    for source, values in losses.items():
+        for value in values:
+            batch = padded(rows=2, seed=len(batches))
+            batch[SOURCE_INDEX] = torch.full((2,), source)
+            batches.append((batch, torch.tensor(value)))
+    with HostReads() as host:
+        for i, (batch, loss) in enumerate(batches):
+            model.on_validation_batch_end(loss, batch, i)
+    assert host.reads == 0  # was one per batch (the source index read on the host)
+    means, tokens = model._source_losses.compute()
+    weights = [float(count_label_tokens(b)) for b, _ in batches]
+    expected = (2.0 * weights[0] + 4.0 * weights[1]) / (weights[0] + weights[1])
+    assert means.tolist() == pytest.approx([expected, 1.0]) and tokens.tolist() == [sum(weights[:2]), weights[2]]

@@ -379,6 +379,7 @@ class CausalLM(SourceLosses, SplitsOnOom, fsdp.FsdpAwareClipping, LightningModul
 
     def on_validation_epoch_end(self) -> None:
         # val_loss is computed (and synced across ranks) by the log call; read it once more for perplexity.
+        self.log_source_losses()  # a Mix: val/loss/<name>, from the sums kept on the device
         value = self.trainer.callback_metrics.get("val/loss")
         if value is not None:
             self.log("val/ppl", torch.exp(value.clamp(max=50)))
