@@ -5,7 +5,9 @@ returned, inside Lightning's closure, where nothing can retry the micro-batch. S
 runs the forward *and* the backward of its parts itself (:class:`~lightning_seqmem.oom.runner.OomSplitter`),
 each part's loss treated as Lightning would treat the step's: divided by ``accumulate_grad_batches`` and scaled by
 the precision plugin's ``GradScaler`` when there is one. It returns the micro-batch's loss detached, and
-:meth:`SplitsOnOom.backward` (the hook Lightning's precision plugin calls) skips the backward already done. The rest
+``backward`` (the hook Lightning's precision plugin calls; like ``optimizer_zero_grad`` and ``optimizer_step``
+replaced on the instance under ``on_oom="split"`` only) skips the backward already done. Each part's backward runs
+outside the precision plugin's autocast, as Lightning's own backward does. The rest
 of Lightning's step is untouched: ``on_before_backward``/``on_after_backward`` once per micro-batch, the optimizer
 stepped on the window's last one, clipping and the scaler's unscale/skip on the gradients the parts left, the
 learning-rate schedule, ``SeqLengthWarmup`` (it reshapes the batch before the step). One hook moves: the window's
@@ -17,7 +19,9 @@ fails after launching some bucket all-reduces leaves the others waiting on bucke
 backward of a split run is local (DDP's ``require_backward_grad_sync`` off while the step's forward returns, put back
 after), the ranks agree after each micro-batch (one all-reduce of a flag and the smallest size that failed: every
 rank then splits the same sizes, and a row that fits nowhere stops every rank, none left in a collective), and the
-window's averaged gradient is one bucketed all-reduce in ``on_after_backward`` of its last micro-batch. That
+window's averaged gradient is one bucketed all-reduce in ``on_after_backward`` of its last micro-batch
+(:class:`~lightning_seqmem.oom.reduce.WindowReduction`: DDP's zeros for a gradient another rank has, its buffers
+agreed on before the collective; an out-of-memory error in the optimizer step is agreed on too). That
 reduction is not overlapped with the backward as DDP's is: the price of never hanging (``docs/oom.md``). Under FSDP
 the parts are made collective-free the same way, its gathers moved before them and its reduce-scatter after the
 window (:mod:`~lightning_seqmem.oom.fsdp`). DeepSpeed gathers and reduces inside every forward and backward,
