@@ -109,11 +109,20 @@ class Injected(CausalLM):
             self.model.model.rotary_emb.inv_freq.mul_(2.0)
 
 
-def _fit_rank(rank: int, where: str | None) -> torch.Tensor:
+def _fit_rank(rank: int, where: str | None, fsdp: bool = False) -> torch.Tensor:
     torch.manual_seed(0)
     model = Injected(where, model_config=TINY, vocab_size=VOCAB, pad_token_id=0, on_oom="split")
+    strategy = "ddp"
+    if fsdp:
+        from _memory_cpu_fsdp import CPUFSDPStrategy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        layers = {LlamaDecoderLayer}
+        strategy = CPUFSDPStrategy(
+            auto_wrap_policy=layers, sharding_strategy="SHARD_GRAD_OP", process_group_backend="gloo"
+        )
     trainer = L.Trainer(
-        strategy="ddp",
+        strategy=strategy,
         devices=2,
         accelerator="cpu",
         max_epochs=1,
@@ -131,15 +140,17 @@ def _fit_rank(rank: int, where: str | None) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "where, what",
+    "where, fsdp, what",
     [
-        ("reduction", "the window's gradient reduction (zero-filled gradients, bucket buffers)"),
-        ("optimizer", "the optimizer step"),
+        ("reduction", False, "the window's gradient reduction (zero-filled gradients, bucket buffers)"),
+        ("optimizer", False, "the optimizer step"),
+        ("reduction", True, "FSDP's reduction of the window's gradient"),
     ],
 )
-def test_an_out_of_memory_error_outside_the_parts_stops_every_rank(where, what):
+def test_an_out_of_memory_error_outside_the_parts_stops_every_rank(where, fsdp, what):
+    """DDP: in the reduction's allocations or the optimizer step; FSDP: in the room its reduce-scatter needs."""
     with pytest.raises(AssertionError) as failed:
-        run_ranks(_fit_rank, where, timeout=90)
+        run_ranks(_fit_rank, where, fsdp, timeout=90)
     text = str(failed.value)
     assert "killed" not in text  # both ranks stopped by themselves, none waited in a collective
     assert f"rank 1 ran out of memory in {what}; every rank stops here" in text
