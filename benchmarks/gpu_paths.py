@@ -92,7 +92,9 @@ def grads_callback():
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.grads[trainer.global_step] = {
-                n: p.grad.detach().float().clone() for n, p in pl_module.named_parameters() if p.grad is not None
+                n: p.grad.detach().to("cpu", torch.float32, copy=True)
+                for n, p in pl_module.named_parameters()
+                if p.grad is not None
             }
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

@@ -145,7 +145,8 @@ class SplitsOnOom:
 
     @property
     def oom_events(self) -> list[dict[str, Any]]:
-        """One dict per out-of-memory error survived: ``stage``, ``step``, ``tokens``, ``allocated``, ``reserved``."""
+        """One dict per out-of-memory error survived: ``stage``, ``step``, ``tokens``, ``allocated``, ``reserved``,
+        ``error`` (torch's first line), ``phase`` (forward or backward)."""
         return [] if self._oom is None else list(self._oom.events)
 
     def _save_oom_state(self, checkpoint: dict[str, Any]) -> None:
@@ -243,6 +244,7 @@ class SplitsOnOom:
         """The loss of an evaluation batch, in parts where needed (no backward)."""
         root = self._fsdp_root()
         if root is not None:  # inside the root's forward: its units gathered first, the parts collective-free
+            self._reserve_or_stop(oom_fsdp.gather_bytes(root), "FSDP's gather of the parameters before the parts")
             oom_fsdp.gather_inside_root(root, self, "_oom_one_token")
         return self._split_run(batch, forward, None, stage)
 
