@@ -2,6 +2,9 @@
 
     python benchmarks/gpu.py            # CUDA: the sizes below, under 10 minutes on one H100
     python benchmarks/gpu.py --smoke    # tiny sizes; runs on CPU too (checks the script, not the targets)
+    python benchmarks/gpu.py --sections paths   # only the GPU paths of issue 45 (benchmarks/gpu_paths.py)
+
+The table and each section's log are written under ``$OUT`` when it is set (``gpu_table.md``, ``gpu_log.txt``).
 
 On the lent CUDA machine: ``source .gpu-wheels/on-gpu.sh && python3 benchmarks/gpu.py`` (../shared/gpu/README.md).
 
@@ -19,6 +22,8 @@ Rows of the table, each with its target:
   same rows without ``position_ids`` (documents attending to each other) show what contamination would look like.
 - FSDP: ``FSDPStrategy`` with ``gradient_clip_val=1.0`` and ``CachePreallocator``: trains, the pass ran.
 - monitor: ``MemoryMonitor``'s end-of-run summary (60 steps, logging every 7: the last step is not a logging step).
+- paths (:mod:`gpu_paths`): the ``torch_varlen`` step under bf16-mixed, a real CUDA OOM in the backward under
+  ``on_oom="split"``, FSDP bf16-mixed rotary buffers, a QLoRA step with checkpointing.
 """
 
 from __future__ import annotations
@@ -31,315 +36,22 @@ import subprocess
 import sys
 import time
 
+import gpu_paths
+from gpu_memory import MEMORY_CHILDREN, PREALLOC_RUNS, sizes
+
 from lightning_seqmem.memory.stats import format_bytes  # imports no torch: children set the allocator first
 
-VOCAB = 32_000
-MAIN_MODEL = dict(
-    model_type="llama",
-    hidden_size=768,
-    intermediate_size=2048,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    max_position_embeddings=4096,
-)
-TINY_MODEL = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-PLANNER_SIZES = [  # hidden, layers, heads, kv heads, intermediate
-    (128, 2, 4, 2, 512),
-    (256, 4, 4, 2, 704),
-    (384, 6, 6, 2, 1024),
-    (512, 8, 8, 4, 1408),
-    (640, 10, 10, 5, 1728),
-    (768, 12, 12, 4, 2048),
-    (1024, 12, 16, 8, 2816),
-    (1024, 20, 16, 8, 2816),
-    (1280, 16, 20, 4, 3456),
-]
-PREALLOC_RUNS = [  # name, strategy, pre-allocation, expandable segments, rows never padded
-    ("pad, nothing", "pad", False, False, False),
-    ("pad, CachePreallocator", "pad", True, False, False),
-    ("pad, CachePreallocator + expandable", "pad", True, True, False),
-    ("pack, CachePreallocator", "pack", True, False, False),
-    ("pack, CachePreallocator + expandable", "pack", True, True, False),
-    ("pad, no row padded, CachePreallocator + expandable", "pad", True, True, True),
-]
+SECTIONS = ("prealloc", "planner", "contamination", "fsdp", "paths")
+LOG: list[str] = []  # every child's stderr tail, for $OUT
 
-
-def sizes(smoke: bool) -> dict:
-    if smoke:
-        return dict(
-            model=TINY_MODEL,
-            vocab=512,
-            max_length=128,
-            min_length=16,
-            rows=2,
-            steps=6,
-            docs=120,
-            planner=PLANNER_SIZES[:2],
-            planner_shape=(2, 64),
-            planner_vocab=512,
-            fsdp_shape=(2, 64),
-        )
-    return dict(
-        model=MAIN_MODEL,
-        vocab=VOCAB,
-        max_length=4096,
-        min_length=64,
-        rows=8,
-        steps=60,
-        docs=1200,
-        planner=PLANNER_SIZES,
-        planner_shape=(4, 2048),
-        planner_vocab=VOCAB,
-        fsdp_shape=(4, 2048),
-    )
-
-
-# ------------------------------------------------------------------------------------------ shared pieces
-def documents(n: int, vocab: int, max_length: int, never_padded: bool = False, seed: int = 0):
-    """Pre-tokenized documents with log-normal lengths (median max_length / 4), or all longer than max_length."""
-    import datasets
-    import numpy as np
-
-    g = np.random.default_rng(seed)
-    if never_padded:
-        lengths = g.integers(max_length + max_length // 32, 2 * max_length, n)
-    else:
-        lengths = np.clip(g.lognormal(math.log(max_length / 4), 1.0, n), 8, 2 * max_length).astype(int)
-    ids = g.integers(1, vocab, int(lengths.sum()))
-    cuts = np.cumsum(lengths)[:-1]
-    return datasets.Dataset.from_dict({"input_ids": [part.tolist() for part in np.split(ids, cuts)]})
-
-
-def on_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def cpu_fsdp_strategy():
-    """FSDP on a CPU rank (smoke runs only): the test suite's stand-in (``tests/_memory_cpu_fsdp.py``, one owner;
-    a test device, not a feature of the package). On CUDA Lightning's own ``FSDPStrategy``."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from _memory_cpu_fsdp import CPUFSDPStrategy
-
-    return CPUFSDPStrategy(process_group_backend="gloo")
-
-
-def step_memory_callback():
-    """Records reserved memory and allocator retries after every optimizer step (RSS on CPU)."""
-    import lightning.pytorch as L
-    import psutil
-    import torch
-
-    class StepMemory(L.Callback):
-        def __init__(self):
-            self.reserved, self.retries = [], 0
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if torch.cuda.is_available():
-                stats = torch.cuda.memory_stats()
-                self.reserved.append(stats.get("reserved_bytes.all.current", 0))
-                self.retries = stats.get("num_alloc_retries", 0)
-            else:
-                self.reserved.append(psutil.Process().memory_info().rss)
-
-    return StepMemory()
-
-
-def fit(
-    size: dict,
-    data,
-    strategy: str,
-    prealloc: bool,
-    trainer_strategy="auto",
-    steps: int | None = None,
-    every_n_steps: int = 7,
-    shape: tuple[int, int] | None = None,
-):
-    """Train CausalLM with warmup; returns (StepMemory, MemoryMonitor, CachePreallocator or None, trainer)."""
-    import lightning.pytorch as L
-
-    from lightning_seqmem import CausalLM, SeqMemDataModule
-    from lightning_seqmem.memory import CachePreallocator, MemoryMonitor
-    from lightning_seqmem.warmup.callback import SeqLengthWarmup
-
-    rows, length = shape or (size["rows"], size["max_length"])
-    L.seed_everything(0)
-    dm = SeqMemDataModule(dataset=data, strategy=strategy, max_length=length, micro_batch_size=rows, pad_token_id=0)
-    model = CausalLM(
-        model_config=dict(size["model"], max_position_embeddings=length), vocab_size=size["vocab"], pad_token_id=0
-    )
-    memory, monitor = step_memory_callback(), MemoryMonitor(every_n_steps=every_n_steps)
-    pre = CachePreallocator() if prealloc else None
-    warmup = SeqLengthWarmup(duration=0.5, min_seq_length=min(size["min_length"], length), max_seq_length=length)
-    cuda = on_cuda()
-    trainer = L.Trainer(
-        max_steps=steps or size["steps"],
-        accelerator="cuda" if cuda else "cpu",
-        devices=1,
-        strategy=trainer_strategy,
-        precision="bf16-mixed" if cuda else "32-true",
-        gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[c for c in (warmup, pre, monitor, memory) if c is not None],
-    )
-    trainer.fit(model, datamodule=dm)
-    return memory, monitor, pre, trainer
-
-
-# ------------------------------------------------------------------------------------------------ children
-def child_prealloc(size: dict, name: str, strategy: str, prealloc: bool, expandable: bool, unpadded: bool) -> dict:
-    from lightning_seqmem.memory.allocator import ENV_VAR, LEGACY_ENV_VAR, configure_allocator
-
-    for var in (ENV_VAR, LEGACY_ENV_VAR):
-        os.environ.pop(var, None)
-    if expandable:
-        configure_allocator()
-    else:
-        os.environ[ENV_VAR] = os.environ[LEGACY_ENV_VAR] = "expandable_segments:False"
-    start = time.perf_counter()
-    data = documents(size["docs"], size["vocab"], size["max_length"], never_padded=unpadded)
-    memory, monitor, pre, _ = fit(size, data, strategy, prealloc)
-    first, peak = memory.reserved[0], max(memory.reserved)
-    return {
-        "name": name,
-        "after_step_1": first,
-        "peak": peak,
-        "growth": peak - first,
-        "retries": memory.retries,
-        "monitor": monitor.summary,
-        "prealloc": pre.report.summary() if pre else None,
-        "seconds": time.perf_counter() - start,
-    }
-
-
-def child_planner(size: dict) -> list[dict]:
-    from lightning_seqmem.memory.estimate import estimate_training_memory
-    from lightning_seqmem.memory.measured import measured_training_peak
-    from lightning_seqmem.memory.worst_batch import make_dummy_batch
-    from lightning_seqmem.training.building import build_model_config
-
-    device, out = "cuda" if on_cuda() else "cpu", []
-    rows, length = size["planner_shape"]
-    keys, precision = ("input_ids", "attention_mask", "labels"), "bf16-mixed" if device == "cuda" else "32-true"
-    for hidden, layers, heads, kv, inter in size["planner"]:
-        config = build_model_config(
-            dict(
-                model_type="llama",
-                hidden_size=hidden,
-                num_hidden_layers=layers,
-                num_attention_heads=heads,
-                num_key_value_heads=kv,
-                intermediate_size=inter,
-                max_position_embeddings=length,
-            ),
-            size["planner_vocab"],
-            0,
-        )
-        est = estimate_training_memory(config, rows, length, keys, precision, device=device)
-        batch = make_dummy_batch(rows, length, keys, size["planner_vocab"])
-        measured = measured_training_peak(config, batch, precision, device=device)
-        out.append({"params": est.num_parameters, "estimate": est.peak, "measured": measured})
-    return out
-
-
-def child_contamination(size: dict) -> list[dict]:
-    import torch
-    import torch.nn.functional as F
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from lightning_seqmem.batching import pack_sequences
-    from lightning_seqmem.batching.collate import PackCollator
-
-    device = "cuda" if on_cuda() else "cpu"
-    g = torch.Generator().manual_seed(0)
-    docs = [torch.randint(1, 1000, (int(n),), generator=g).tolist() for n in torch.randint(8, 120, (24,), generator=g)]
-    packed = pack_sequences(docs, max_length=256)
-    batch = PackCollator(pad_token_id=0, max_length=256)([packed.row(r) for r in range(packed.num_rows)])
-    batch = {k: v.to(device) for k, v in batch.items()}
-    out = []
-    for attn in ("sdpa", "eager"):
-        for dtype in (torch.float32, torch.bfloat16):
-            torch.manual_seed(0)
-            config = LlamaConfig(
-                vocab_size=1000,
-                hidden_size=128,
-                intermediate_size=256,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=256,
-                initializer_range=0.2,
-                attn_implementation=attn,
-            )  # sharp attention: mixing shows
-            model = LlamaForCausalLM(config).to(device, dtype).eval()
-            with torch.no_grad():
-                clean = model(
-                    input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-                ).logits.float()  # (with a cache transformers does not unpack rows)
-                mixed = model(input_ids=batch["input_ids"], use_cache=False).logits.float()  # one sequence per row
-                diffs = {"clean": 0.0, "contaminated": 0.0}
-                seg = 0
-                for r in range(packed.num_rows):
-                    start = 0
-                    for n in packed.row_lengths(r):
-                        doc = torch.tensor([docs[int(packed.segment_doc[seg])]], device=device)
-                        seg += 1
-                        logits = model(input_ids=doc, use_cache=False).logits.float()
-                        alone = F.cross_entropy(logits[0, :-1], doc[0, 1:])
-                        for key, logits in (("clean", clean), ("contaminated", mixed)):
-                            loss = F.cross_entropy(logits[r, start : start + n - 1], doc[0, 1:])
-                            diffs[key] = max(diffs[key], abs(float(loss - alone)))
-                        start += n
-            out.append({"attn": attn, "dtype": str(dtype).replace("torch.", ""), **diffs})
-    return out
-
-
-def child_fsdp(size: dict) -> dict:
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    data = documents(size["docs"], size["vocab"], size["fsdp_shape"][1])
-    strategy = FSDPStrategy() if on_cuda() else cpu_fsdp_strategy()
-    memory, monitor, pre, trainer = fit(
-        size, data, "pack", True, trainer_strategy=strategy, steps=10, every_n_steps=4, shape=size["fsdp_shape"]
-    )
-    loss = trainer.callback_metrics.get("train/loss")
-    return {
-        "steps": trainer.global_step,
-        "loss": float(loss) if loss is not None else float("nan"),
-        "passes": pre.report.passes,
-        "prealloc": pre.report.summary(),
-        "growth": max(memory.reserved) - memory.reserved[0],
-        "peak": max(memory.reserved),
-        "retries": memory.retries,
-    }
-
-
-CHILDREN = {
-    "prealloc": child_prealloc,
-    "planner": child_planner,
-    "contamination": child_contamination,
-    "fsdp": child_fsdp,
-}
+CHILDREN = {**MEMORY_CHILDREN, **gpu_paths.CHILDREN}
 
 
 def run_child(smoke: bool, kind: str, *args) -> object:
     """Run one section in a fresh process (its own allocator settings and statistics); its JSON result."""
     command = [sys.executable, __file__, "--child", kind, json.dumps(args)] + (["--smoke"] if smoke else [])
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    LOG.append(f"=== {kind} {args} (exit {done.returncode})\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
@@ -347,10 +59,10 @@ def run_child(smoke: bool, kind: str, *args) -> object:
 
 
 # ----------------------------------------------------------------------------------------------- the table
-def rows(smoke: bool) -> list[tuple[str, str, str, str, bool]]:
+def rows(smoke: bool, sections: tuple[str, ...] = SECTIONS) -> list[tuple[str, str, str, str, bool]]:
     """(check, case, measured, target, ok) for every row of the table."""
     out = []
-    for run in PREALLOC_RUNS:
+    for run in PREALLOC_RUNS if "prealloc" in sections else ():
         r = run_child(smoke, "prealloc", *run)
         if "error" in r:
             out.append(("pre-allocation", run[0], r["error"], "runs", False))
@@ -375,7 +87,7 @@ def rows(smoke: bool) -> list[tuple[str, str, str, str, bool]]:
                     "steps" in r["monitor"],
                 )
             )
-    planner = run_child(smoke, "planner")
+    planner = run_child(smoke, "planner") if "planner" in sections else []
     if isinstance(planner, dict):
         out.append(("planner", "all sizes", planner["error"], "runs", False))
     else:
@@ -391,7 +103,7 @@ def rows(smoke: bool) -> list[tuple[str, str, str, str, bool]]:
                     abs(error) <= 0.05,
                 )
             )
-    contamination = run_child(smoke, "contamination")
+    contamination = run_child(smoke, "contamination") if "contamination" in sections else []
     if isinstance(contamination, dict):
         out.append(("contamination", "all", contamination["error"], "runs", False))
     else:
@@ -407,8 +119,10 @@ def rows(smoke: bool) -> list[tuple[str, str, str, str, bool]]:
                     case["clean"] <= tolerance < case["contaminated"],
                 )
             )
-    f = run_child(smoke, "fsdp")
-    if "error" in f:
+    f = run_child(smoke, "fsdp") if "fsdp" in sections else None
+    if f is None:
+        pass
+    elif "error" in f:
         out.append(("FSDP", "clipping + pre-allocation", f["error"], "runs", False))
     else:
         share = f["growth"] / f["peak"] if f["peak"] else 0.0
@@ -422,33 +136,62 @@ def rows(smoke: bool) -> list[tuple[str, str, str, str, bool]]:
                 f["steps"] == 10 and math.isfinite(f["loss"]) and bool(f["passes"]),
             )
         )
+    if "paths" in sections:
+        out.extend(gpu_paths.rows(smoke, run_child))
     return out
+
+
+def software() -> str:
+    """The device and the versions that matter, first (the lent machine's software is not known in advance)."""
+    import platform
+
+    import lightning
+    import torch
+    import transformers
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (no CUDA: figures are not GPU's)"
+    return (
+        f"{device}; Python {platform.python_version()}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
+        f"transformers {transformers.__version__}; lightning {lightning.__version__}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (runs on CPU): checks the script only")
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)} (default: all)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("args", nargs="?", default="[]", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        print("RESULT " + json.dumps(CHILDREN[args.child](sizes(args.smoke), *json.loads(args.args))), flush=True)
+        size = (gpu_paths.sizes if args.child in gpu_paths.CHILDREN else sizes)(args.smoke)
+        print("RESULT " + json.dumps(CHILDREN[args.child](size, *json.loads(args.args))), flush=True)
         return
+    sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}: choose from {', '.join(SECTIONS)}")
     start = time.perf_counter()
-    import torch
-
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (no CUDA: figures are not GPU's)"
-    table = rows(args.smoke)
-    print(
-        f"\n{device}; torch {torch.__version__}; {'smoke sizes' if args.smoke else 'full sizes'}; "
-        f"{time.perf_counter() - start:.0f} s\n"
+    versions = software()
+    print(versions, flush=True)
+    table = rows(args.smoke, sections)
+    text = (
+        f"\n{versions}; {'smoke sizes' if args.smoke else 'full sizes'}; sections {','.join(sections)}; "
+        f"{time.perf_counter() - start:.0f} s\n\n| check | case | measured | target | ok |\n|---|---|---|---|---|\n"
+        + "".join(f"| {c} | {case} | {m} | {t} | {'yes' if ok else 'NO'} |\n" for c, case, m, t, ok in table)
     )
-    print("| check | case | measured | target | ok |\n|---|---|---|---|---|")
-    for check, case, measured, target, ok in table:
-        print(f"| {check} | {case} | {measured} | {target} | {'yes' if ok else 'NO'} |")
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_table.md"), "w") as out:
+            out.write(text)
+        with open(os.path.join(os.environ["OUT"], "gpu_log.txt"), "w") as out:
+            out.write("\n".join(LOG))
     # smoke sizes check that every section runs (their figures are not the GPU's); full sizes check the targets
-    failed = [row for row in table if not row[-1] and (not args.smoke or (row[3] == "runs" or row[0] == "FSDP"))]
+    strict = ("FSDP", *gpu_paths.CHECKS)  # sections whose smoke run checks its figures too
+    failed = [row for row in table if not row[-1] and (not args.smoke or row[3] == "runs" or row[0] in strict)]
     sys.exit(1 if failed else 0)
 
 

@@ -7,7 +7,7 @@ Two forked ranks each train a Llama built from a config (random weights) on ``[r
   last backward (``on_oom="raise"``);
 - ``split``: what ``on_oom="split"`` does: every backward local, the ranks' agreement after each micro-batch
   (``OomSplitter.agree``: one all-reduce of two numbers and one host read), the gradient averaged once at the end
-  of the window (``oom_hooks.average_gradients_``, bucketed).
+  of the window (``oom.reduce.WindowReduction``: presence agreed, buckets through kept buffers).
 
 Reported per configuration: the median step of each way, the agreement's median time per micro-batch (timed alone,
 in a tight loop) and its share of the ``split`` step (the goal: at most 1 %), and the step's difference.
@@ -40,7 +40,7 @@ def _rank(rank: int, port: int, config: tuple, steps: int, out) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_seqmem.oom.hooks import all_reduce_max, average_gradients_
+    from lightning_seqmem.oom.reduce import WindowReduction, all_reduce_max
     from lightning_seqmem.oom.runner import OomSplitter
 
     torch.set_num_threads(1)
@@ -60,7 +60,7 @@ def _rank(rank: int, port: int, config: tuple, steps: int, out) -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, 4096, (rows, length), generator=g) for _ in range(accumulate)]
-    splitter, device = OomSplitter(), torch.device("cpu")
+    splitter, device, reduction = OomSplitter(), torch.device("cpu"), WindowReduction()
 
     def ddp_step() -> None:
         for i, ids in enumerate(batches):
@@ -75,7 +75,7 @@ def _rank(rank: int, port: int, config: tuple, steps: int, out) -> None:
         for ids in batches:
             (model(input_ids=ids, labels=ids).loss / accumulate).backward()
             splitter.agree(False, all_reduce_max, device)
-        average_gradients_([p.grad for p in model.parameters()], 2)
+        reduction(model.parameters(), 2, rank)
         model.zero_grad(set_to_none=True)
 
     def timed(fn, n: int) -> float:

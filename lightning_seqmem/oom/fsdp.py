@@ -108,6 +108,26 @@ def hold_gradients(root: Any) -> None:
         state._sync_gradients = False
 
 
+def gather_bytes(root: Any) -> int:
+    """Bytes :func:`gather_parameters` allocates: the unsharded flat parameters of the units not gathered yet, in
+    their compute dtype (what the all-gathers write into)."""
+    return sum(
+        s._handle.flat_param._padded_unsharded_size.numel() * s._handle._fwd_bwd_param_dtype.itemsize
+        for s in _states(root)
+        if s._handle is not None and s._handle.needs_unshard()
+    )
+
+
+def reduce_bytes(root: Any) -> int:
+    """Bytes :func:`reduce_window` may allocate: every unit's unsharded gradient once more in the reduction dtype
+    (FSDP's cast and its padded copy before the reduce-scatter), an upper bound."""
+    return sum(
+        s._handle.flat_param._padded_unsharded_size.numel() * s._handle._reduce_dtype.itemsize
+        for s in _states(root)
+        if s._handle is not None
+    )
+
+
 def run_in_root(strategy: Any, module: Any, method: str, *args: Any) -> Any:
     """``module.<method>(*args)`` as a forward of the FSDP root (its parameters gathered, its backward hooked)."""
     return strategy._forward_redirection(strategy.model, module, method, *args)

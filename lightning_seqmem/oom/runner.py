@@ -35,8 +35,22 @@ FIXES = (
 )
 
 
-class RowDoesNotFit(torch.OutOfMemoryError):
+class AgreedOutOfMemory(torch.OutOfMemoryError):
+    """Raised on every rank at once, after the ranks agreed that one of them ran out of memory where nothing can be
+    split (:mod:`~lightning_seqmem.oom.reduce`): no rank is left waiting in a collective."""
+
+
+class RowDoesNotFit(AgreedOutOfMemory):
     """A single row (a single document or pair) ran out of memory: splitting cannot make it smaller."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A CUDA out-of-memory error: the caching allocator's ``torch.OutOfMemoryError``, or "CUDA error: out of
+    memory" raised as ``torch.AcceleratorError`` by an allocation outside it (cuBLAS's workspace, NCCL's buffers)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return accelerator_error is not None and isinstance(error, accelerator_error) and "out of memory" in str(error)
 
 
 def memory_now(device: torch.device | None) -> tuple[int | None, int | None]:
@@ -53,17 +67,24 @@ def free_memory(device: torch.device | None) -> None:
         torch.cuda.empty_cache()
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an error's text (torch's out-of-memory message is long), or its type."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _gib(value: int | None) -> str:
     return "n/a (not CUDA)" if value is None else f"{value / 2**30:.2f} GiB"
 
 
 def does_not_fit_message(event: dict[str, Any], rank: int | None = None) -> str:
-    """The error for a row that cannot be split: where, how large, the memory then, and the fixes."""
+    """The error for a row that cannot be split: where, how large, the memory then, torch's words, and the fixes."""
     where = f"rank {rank}: " if rank is not None else ""
+    said = f" Torch said: {event['error']}." if event.get("error") else ""
     return (
         f"on_oom='split': {where}{event['stage']} step {event['step']}: a single row of {event['tokens']} tokens "
         f"(one document, or one preference pair) ran out of memory (allocated {_gib(event['allocated'])}, reserved "
-        f"{_gib(event['reserved'])} at the time); splitting cannot make it smaller. Fixes: {FIXES}."
+        f"{_gib(event['reserved'])} at the time); splitting cannot make it smaller.{said} Fixes: {FIXES}."
     )
 
 
@@ -89,7 +110,9 @@ class OomSplitter:
         limit: the smallest part (tokens) that ran out of memory; later micro-batches this large or larger are
             split before they run. ``None`` until the first failure.
         splits: failed attempts so far (each one split a part in two).
-        events: one dict per failed attempt: ``stage``, ``step``, ``tokens``, ``allocated``, ``reserved`` (bytes, CUDA).
+        events: one dict per failed attempt: ``stage``, ``step``, ``tokens``, ``allocated``, ``reserved`` (bytes,
+            CUDA, read while the failed attempt's tensors were still alive), ``error`` (torch's first line) and
+            ``phase`` (``"forward"`` or ``"backward"``).
     """
 
     def __init__(self) -> None:
@@ -137,15 +160,14 @@ class OomSplitter:
             part, done, counted = queue.pop(0)
             if params and len(done) == len(params):
                 continue  # a failed backward had accumulated every parameter's share already
-            value, accumulated = self._attempt(part, forward, backward, params, done)
+            value, accumulated, failure = self._attempt(part, forward, backward, params, done, device)
             if accumulated is None:
                 if counted:
                     outcome.add(*value)
                 continue
             tokens = batch_tokens(part)
-            allocated, reserved = memory_now(device)  # at the failure, before the cache is emptied
             free_memory(device)
-            event = dict(stage=stage, step=step, tokens=tokens, allocated=allocated, reserved=reserved)
+            event = dict(stage=stage, step=step, tokens=tokens, **failure)
             self.events.append(event)
             self.splits += 1
             halves = split_batch(part)
@@ -180,9 +202,10 @@ class OomSplitter:
         if self._watch is not None:
             self._watch.add(id(param))
 
-    def _attempt(self, part, forward, backward, params, done):
-        """One try: ``((loss, extras), None)`` when it ran; ``((loss, extras) or None, accumulated ids)`` when it ran
-        out of memory (the loss when the forward had completed). Leaves no reference to the failed graph."""
+    def _attempt(self, part, forward, backward, params, done, device=None):
+        """One try: ``((loss, extras), None, None)`` when it ran; ``((loss, extras) or None, accumulated ids, failure)``
+        when it ran out of memory (the loss when the forward had completed; ``failure``: the memory and torch's text,
+        read inside the handler, while the failed graph is still alive). Leaves no reference to the failed graph."""
         accumulated: set[int] = set()
         self._watch = accumulated
         # The share of these is in their gradients already: the halves add zeros to them.
@@ -193,12 +216,15 @@ class OomSplitter:
             value = (loss.detach(), {k: v.detach() for k, v in extras.items()})
             if backward is not None:
                 backward(loss)
-            return value, None
-        except torch.OutOfMemoryError as error:
-            if isinstance(error, RowDoesNotFit):
+            return value, None, None
+        except Exception as error:
+            if isinstance(error, AgreedOutOfMemory) or not is_out_of_memory(error):
                 raise
+            allocated, reserved = memory_now(device)
+            phase = "forward" if value is None else "backward"
+            failure = dict(allocated=allocated, reserved=reserved, error=first_line(error), phase=phase)
         finally:
             self._watch = None
             for handle in handles:
                 handle.remove()
-        return value, frozenset(accumulated)
+        return value, frozenset(accumulated), failure

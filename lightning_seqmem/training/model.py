@@ -22,10 +22,9 @@ from typing_extensions import override
 from lightning_seqmem.batch import count_label_tokens, count_real_tokens
 from lightning_seqmem.oom.hooks import SplitsOnOom
 from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
-from lightning_seqmem.training import adapter_checkpoints, adapters, checks, fsdp_cpu
+from lightning_seqmem.training import adapter_checkpoints, adapters, checks, fsdp, fsdp_cpu
 from lightning_seqmem.training.attention import AUTO, resolve_attn_implementation
 from lightning_seqmem.training.building import build_causal_lm, datamodule_max_length, positions_problem
-from lightning_seqmem.training.clipping import FsdpAwareClipping
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from lightning_seqmem.training.loss import TokenLossNormalizer
 from lightning_seqmem.training.loss_layer import (
@@ -45,7 +44,7 @@ MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 LOSS_NORMALIZATIONS = ("token", "micro_batch")
 
 
-class CausalLM(SourceLosses, SplitsOnOom, FsdpAwareClipping, LightningModule):
+class CausalLM(SourceLosses, SplitsOnOom, fsdp.FsdpAwareClipping, LightningModule):
     """Train a Hugging Face causal LM on padded or packed batches.
 
     Args:
@@ -191,6 +190,7 @@ class CausalLM(SourceLosses, SplitsOnOom, FsdpAwareClipping, LightningModule):
         if self._trainer is not None:  # bitsandbytes' kernels (QLoRA, the 8-bit optimizer) run on CUDA only
             hp, device = self.hparams, self.trainer.strategy.root_device
             fsdp_cpu.gather_full_state_dict_in_place(self.trainer.strategy)  # FSDP on CPU ranks: saving crashed
+            fsdp.keep_buffers_fp32(self.trainer.strategy, self.model)  # FSDP mixed precision: rotary buffers in fp32
             adapters.check_quantization(adapters.resolve_lora(hp.get("lora"), hp.pretrained_path), device)
             check_optimizer(hp.get("optimizer", "adamw"), device)
         self._check_oom_strategy()
@@ -379,6 +379,7 @@ class CausalLM(SourceLosses, SplitsOnOom, FsdpAwareClipping, LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         # val_loss is computed (and synced across ranks) by the log call; read it once more for perplexity.
+        self.log_source_losses()  # a Mix: val/loss/<name>, from the sums kept on the device
         value = self.trainer.callback_metrics.get("val/loss")
         if value is not None:
             self.log("val/ppl", torch.exp(value.clamp(max=50)))
