@@ -8,14 +8,16 @@ each log line is printed once and upstream deprecation noise is silenced (``cons
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from typing import Any
 
-from lightning_seqmem.apps.run_files import FAILED, FINISHED, JOB_STATUS_FILE, RUNNING, SUMMARY_FILE
+from lightning_seqmem.apps.run_files import FAILED, FINISHED, INTERRUPTED, JOB_STATUS_FILE, RUNNING, SUMMARY_FILE
 from lightning_seqmem.memory.allocator import configure_allocator
 
 CONFIG_PATH = "pkg://lightning_seqmem.conf"
+log = logging.getLogger(__name__)
 
 
 def choose_trainer(overrides: list[str], doing: str = "training with") -> list[str]:
@@ -130,33 +132,73 @@ def check_data(datamodule: Any, cfg) -> None:
         raise reported from err
 
 
+def _resume(cfg) -> tuple[str | None, Any]:
+    """The checkpoint ``ckpt_path=`` names (``resolve_ckpt_path``) and the checkpoint interval to keep: the one
+    given, else the checkpoint's own (a resumed run that saved nothing would lose all it trains at the next stop).
+    Says in one line where the run resumes from, and warns when ``max_steps`` is not the checkpoint's."""
+    from lightning_seqmem.apps.checkpoints import describe, resolve_ckpt_path
+
+    path, note = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.trainer.default_root_dir)
+    every = cfg.get("checkpoint_every_n_steps")
+    if note and _is_rank_zero():
+        log.info(note)
+    if path is None:
+        return None, every
+    info = describe(path)
+    kept = every is None and info["every_n_train_steps"]
+    every = info["every_n_train_steps"] if kept else every
+    if _is_rank_zero():
+        data = f", {info['data']}" if info["data"] else ""
+        saving = f"; checkpoints every {every} steps as before (checkpoint_every_n_steps=0: none)" if kept else ""
+        log.info(f"resuming from {path}: step {info['step']}, epoch {info['epoch']}{data}{saving}")
+        planned, given = info["max_steps"], cfg.trainer.get("max_steps")
+        if planned is not None and given is not None and planned != given:
+            log.warning(
+                f"trainer.max_steps={given} is not the checkpoint's ({planned}): the learning-rate schedule is "
+                f"planned over max_steps, so the resumed steps follow another schedule than the first run's; "
+                f"trainer.max_steps={planned} keeps it."
+            )
+    return path, every
+
+
+def _bar_and_summary(cfg, callbacks: list[Any]) -> dict[str, Any]:
+    """Trainer switches left to the app: a step bar where no callback shows progress (Lightning's own bar counts
+    epochs, ``Epoch 0/-2`` for a run bounded by steps) and no model-summary table into a pipe or a file."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    from lightning_seqmem.training.progress import StepProgressBar
+
+    extra: dict[str, Any] = {}
+    if cfg.trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(StepProgressBar())
+    if cfg.trainer.get("enable_model_summary") is None and not sys.stdout.isatty():
+        extra["enable_model_summary"] = False
+    return extra
+
+
 def train(cfg) -> dict[str, Any]:
     """Fit with the composed config; returns the run summary (final validation loss included)."""
     import lightning.pytorch as L
     from hydra.utils import instantiate
 
+    from lightning_seqmem.apps.checkpoints import CHECKPOINT_DIR, RunCheckpoint
     from lightning_seqmem.apps.summary import RunSummary
 
     _check_required(cfg)
+    ckpt_path, every = _resume(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(datamodule_config(cfg.data))
     check_data(datamodule, cfg)
     model = instantiate(cfg.model)
     callbacks = [cb for cb in _instantiate_all(cfg.get("callbacks")) if _progress_bar_allowed(cb, cfg.trainer)]
     loggers = _instantiate_all(cfg.get("logger"))
-    every = cfg.get("checkpoint_every_n_steps")
+    extra = _bar_and_summary(cfg, callbacks)
     if every:  # a long run keeps its place: the weights, the optimizer and the data's position
-        callbacks.append(
-            L.callbacks.ModelCheckpoint(
-                dirpath=os.path.join(cfg.trainer.default_root_dir, "checkpoints"),
-                every_n_train_steps=every,
-                save_last=True,
-                save_top_k=1,
-            )
-        )
-    extra = {"enable_checkpointing": True} if every else {}
+        folder = os.path.join(cfg.trainer.default_root_dir, CHECKPOINT_DIR)
+        callbacks.append(RunCheckpoint(dirpath=folder, every_n_train_steps=every))
+        extra["enable_checkpointing"] = True
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     for cb in callbacks:
         if isinstance(cb, RunSummary) and cb.summary:
             return cb.summary
@@ -168,24 +210,6 @@ def train(cfg) -> dict[str, Any]:
     return {
         k.replace("val/loss", "final_val_loss"): float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1
     }
-
-
-def stop_on_sigterm() -> None:
-    """Make SIGTERM (``scancel``, a pre-emption, ``kill``, the end of a multirun's allotted time) stop the job at
-    once: Lightning's own handler only notes the signal and stops at the end of an epoch, which for a run bounded by
-    ``max_steps`` is its end, and a multirun then went on to its next job. Lightning calls this handler after its
-    own (which passes the signal on to DDP ranks it launched); ``SIGTERMException`` is a ``SystemExit`` that no
-    sweep catches, with status 128 + 15 as a shell reports a process ended by SIGTERM."""
-    import signal
-    import threading
-
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    def stop(signum: int, frame: Any) -> None:
-        raise SIGTERMException(128 + signum)
-
-    if threading.current_thread() is threading.main_thread():  # signals are set from the main thread only
-        signal.signal(signal.SIGTERM, stop)
 
 
 def _write_status(output_dir: str, status: str, error: BaseException | None = None) -> None:
@@ -212,19 +236,29 @@ def _hydra_entry() -> None:
             quiet_upstream_noise,
         )
         from lightning_seqmem.apps.errors import for_hydra
+        from lightning_seqmem.apps.stops import print_stop, stop_on_signals, stopped_by
+        from lightning_seqmem.messages import set_surface
 
         quiet_upstream_noise()
         no_bars_unless_a_terminal()
         log_each_line_once()  # after Hydra has set up the job's logging
-        stop_on_sigterm()
+        stop_on_signals()
+        set_surface("hydra")  # messages spell a fix as data.<key>=<value>
         output_dir = HydraConfig.get().runtime.output_dir
         if _is_rank_zero():
             _write_status(output_dir, RUNNING)
         try:
             summary = train(cfg)
         except BaseException as err:  # KeyboardInterrupt too: the report must not count this job as finished
+            why = stopped_by(err)
             if _is_rank_zero():
-                _write_status(output_dir, FAILED, err)
+                _write_status(output_dir, INTERRUPTED if why else FAILED, None if why else err)
+                if why:
+                    given = HydraConfig.get().overrides
+                    fixed = [o for o in given.hydra if o.startswith("hydra.run.dir=")]  # resume into that folder
+                    print_stop(output_dir, [*given.task, *fixed], why, log)
+            if why == "SIGINT":
+                raise SystemExit(128 + 2) from None  # as a shell reports a Ctrl-C; Lightning's own exit is 1
             reported = for_hydra(err, cfg)  # a user's mistake: its message alone (errors.py)
             if reported is err:
                 raise
