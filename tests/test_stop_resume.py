@@ -124,3 +124,31 @@ def test_the_whole_run_is_reported(chain):
     tokens_at_4 = int(next(r for r in rows if r["step"] == "4")["tokens_seen"])
     assert summary["real_tokens_trained_since_resume"] == summary["real_tokens_trained"] - tokens_at_4
     assert summary["wall_clock_s"] > summary["wall_clock_s_since_resume"]
+
+
+@pytest.fixture(scope="module")
+def changed(chain, tmp_path_factory):
+    """The finished chain's checkpoint resumed with another ``max_length`` and ``max_steps`` (run D, refused), then
+    with the way out its message gives, as typed (run E)."""
+    root = tmp_path_factory.mktemp("changed")
+    last = chain["dir"] / "checkpoints" / "last.ckpt"
+    base = [*APP, *SHRINK, "trainer.max_steps=8", "data.max_length=48", f"ckpt_path={last}"]
+    d = subprocess.run([*base, f"hydra.run.dir={root / 'd'}"], cwd=root, capture_output=True, text=True, timeout=300)
+    fix = re.search(r"data\.on_resume_mismatch=\S+?(?=[\s,;)]|$)", d.stderr)
+    e_args = [*base, f"hydra.run.dir={root / 'e'}", fix[0] if fix else "data.on_resume_mismatch=restart_epoch"]
+    e = subprocess.run(e_args, cwd=root, capture_output=True, text=True, timeout=300)
+    return {"d": d, "fix": fix and fix[0], "e": e, "e_dir": root / "e"}
+
+
+@pytest.mark.slow
+def test_other_data_settings_are_refused_with_the_way_out_as_typed(changed):
+    """The refusal is one message whose way out is spelt for the command line (``data.on_resume_mismatch=...``, a
+    key of the data config: no ``+``), and that spelling, typed, resumes; another max_steps is warned about."""
+    d, e = changed["d"], changed["e"]
+    assert d.returncode == 1 and "Traceback" not in d.stderr, d.stderr[-3000:]
+    assert changed["fix"] and "restart_epoch" in changed["fix"], d.stderr[-3000:]
+    assert "on_resume_mismatch='restart_epoch'" not in d.stderr.replace(changed["fix"], "")  # no Python spelling
+    assert "trainer.max_steps=8 is not the checkpoint's (6)" in d.stdout + d.stderr
+    assert e.returncode == 0, e.stderr[-3000:]
+    summary = json.load(open(changed["e_dir"] / "summary.json"))
+    assert summary["optimizer_steps"] == 8 and summary["resumed_at_step"] == 6
