@@ -309,3 +309,25 @@ def test_the_main_job_keeps_checkpoints_and_resumes_from_one(tmp_path):
     assert first["optimizer_steps"] == 2 and last.exists()
     resumed = run_in_process(tmp_path / "b", [*stream, f"ckpt_path={last}"])
     assert resumed["optimizer_steps"] == 4 and resumed["real_tokens_trained"] == first["real_tokens_trained"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [["data=preference", "model=dpo", "data.max_prompt_length=32"], ["callbacks=none"]],
+    ids=["readme_dpo", "callbacks_none"],
+)
+def test_a_piped_run_prints_what_it_does_and_nothing_false(tmp_path, overrides):
+    """The README's ``data=preference model=dpo`` says nothing about tokens never trained on (warmup is off: it cuts
+    nothing); ``callbacks=none`` still counts steps out of max_steps (not Lightning's ``Epoch 0/-2``); into a pipe
+    no model-summary table."""
+    from lightning_seqmem.apps.train import main
+
+    shrink = [o for o in SHRINK if not o.startswith(("+trainer.enable_progress_bar", "+trainer.enable_model"))]
+    argv = ["seqmem-train", *shrink, "trainer.max_steps=2", *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_forked_main(main, argv, tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "never trained on" not in output and "SeqLengthWarmup" not in output
+    assert "Epoch 0/-2" not in output and re.search(r"step 2/2 \(100%\)", output)
+    assert "Trainable params" not in output and "Total params" not in output

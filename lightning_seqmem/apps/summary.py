@@ -16,6 +16,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from lightning_seqmem.apps.mix_report import source_rows
 from lightning_seqmem.apps.run_files import SUMMARY_FILE
 from lightning_seqmem.memory.stats import peak_rss_bytes
 from lightning_seqmem.protocols import CountsTrainingTokens, DescribesBatching, GivesDataStats, SurvivesOom
@@ -128,9 +129,9 @@ class RunSummary(Callback):
         for key in ("tokens_truncated", "tokens_dropped", "documents_split", "empty_documents_skipped"):
             if key in train_stats:
                 summary[f"dataset_{key}"] = train_stats[key]
-        for name, source in train_stats.get("sources", {}).items():  # a Mix: each source's epoch (stats())
-            for key in ("documents", "tokens_read", "share", "repeats", "token_efficiency_in_mix", "tokens_dropped"):
-                summary[f"source_{name}_{key}"] = source.get(key)
+        for name, source in train_stats.get("sources", {}).items():  # a Mix: what the run read of each source
+            for key, value in source_rows(source, real if counts else None).items():
+                summary[f"source_{name}_{key}"] = value
         summary["optimizer_steps"] = trainer.global_step
         summary["wall_clock_s"] = before["wall_s"] + now["wall_s"]
         if counts:

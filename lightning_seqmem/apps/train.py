@@ -100,9 +100,15 @@ def datamodule_config(data: Any) -> Any:
 
 
 def _progress_bar_allowed(callback: Any, trainer_cfg: Any) -> bool:
-    # Lightning refuses a progress-bar callback with enable_progress_bar=False; that switch wins.
+    """Whether the app keeps a configured callback: not a progress bar under ``enable_progress_bar=False`` (Lightning
+    refuses the pair; that switch wins), nor the sequence-length warmup at ``duration=0`` (present so that a sweep
+    can vary it, off: it would change nothing, and its checks would warn about batches it never cuts)."""
     from lightning.pytorch.callbacks import ProgressBar
 
+    from lightning_seqmem.warmup import SeqLengthWarmup
+
+    if isinstance(callback, SeqLengthWarmup) and callback.duration == 0:
+        return False
     return not (isinstance(callback, ProgressBar) and trainer_cfg.get("enable_progress_bar") is False)
 
 
@@ -189,6 +195,12 @@ def train(cfg) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(datamodule_config(cfg.data))
     check_data(datamodule, cfg)
+    if _is_rank_zero():
+        from lightning_seqmem.apps.mix_report import start_line
+
+        shares = start_line(datamodule)  # a Mix: each source's share of the run, and what truncation costs it
+        if shares:
+            log.info(shares)
     model = instantiate(cfg.model)
     callbacks = [cb for cb in _instantiate_all(cfg.get("callbacks")) if _progress_bar_allowed(cb, cfg.trainer)]
     loggers = _instantiate_all(cfg.get("logger"))
