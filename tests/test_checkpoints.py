@@ -91,3 +91,12 @@ def test_a_wrong_ckpt_path_is_one_line(tmp_path, kind):
         assert "is a folder" in lines[0] and f"ckpt_path={tmp_path}/run/checkpoints/last.ckpt" in lines[0]
     else:
         assert "no such file" in lines[0]
+
+
+def test_a_sharded_checkpoint_folder_is_taken(tmp_path):
+    """FSDP's sharded checkpoint is a folder (its shards and ``meta.pt``): taken as given, its step read from it."""
+    folder = tmp_path / "epoch=0-step=3.ckpt"
+    folder.mkdir()
+    torch.save({"global_step": 3, "epoch": 0, "callbacks": {}, "loops": {}}, folder / "meta.pt")
+    assert resolve_ckpt_path(str(folder), str(tmp_path)) == (str(folder), None)
+    assert describe(str(folder))["step"] == 3

@@ -23,6 +23,7 @@ __all__ = ["CHECKPOINT_DIR", "RunCheckpoint", "describe", "newest_checkpoint", "
 
 CHECKPOINT_DIR = "checkpoints"  # <run dir>/checkpoints
 LAST = "last.ckpt"
+SHARDED_META = "meta.pt"  # what Lightning writes beside a sharded checkpoint's shards (FSDP)
 _PART = ".part"  # a checkpoint being written
 
 
@@ -128,6 +129,8 @@ def resolve_ckpt_path(value: Any, run_dir: str) -> tuple[str | None, str | None]
             )
         return found, None
     path = os.path.expanduser(str(value))
+    if os.path.isfile(os.path.join(path, SHARDED_META)):  # a sharded (FSDP) checkpoint is a folder
+        return path, None
     if os.path.isdir(path):
         inside = newest_checkpoint(os.path.join(path, CHECKPOINT_DIR)) or newest_checkpoint(path)
         hint = f"e.g. ckpt_path={inside}" if inside else f"there is no checkpoint in {path}"
@@ -151,7 +154,10 @@ def describe(path: str) -> dict[str, Any]:
     (``None`` where it does not say) and ``data``, how far the train loader had read (words, or ``None``)."""
     import torch
 
-    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    sharded = os.path.isdir(path)
+    # mmap: a large checkpoint's tensors are not read, only the few counters this needs
+    where = os.path.join(path, SHARDED_META) if sharded else path
+    ckpt = torch.load(where, map_location="cpu", weights_only=False, mmap=not sharded)
     info: dict[str, Any] = {"step": ckpt.get("global_step"), "epoch": ckpt.get("epoch")}
     info["every_n_train_steps"] = info["max_steps"] = None
     for key, state in (ckpt.get("callbacks") or {}).items():
