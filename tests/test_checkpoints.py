@@ -75,6 +75,7 @@ def test_ckpt_path_last_and_a_missing_last(tmp_path):
     assert trainer.global_step == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["folder", "missing"])
 def test_a_wrong_ckpt_path_is_one_line(tmp_path, kind):
     """A folder or a path that is not there: one line naming it and what to give, no traceback, before any data."""

@@ -14,6 +14,10 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.xdist_group(
+    "stop_resume"
+)  # one chain of runs: keep its tests on one worker (--dist loadgroup)
+
 APP = [sys.executable, "-m", "lightning_seqmem.apps.train"]
 SHRINK = [
     "trainer.max_steps=6",
