@@ -308,7 +308,12 @@ def test_the_main_job_keeps_checkpoints_and_resumes_from_one(tmp_path):
     last = tmp_path / "a" / "checkpoints" / "last.ckpt"
     assert first["optimizer_steps"] == 2 and last.exists()
     resumed = run_in_process(tmp_path / "b", [*stream, f"ckpt_path={last}"])
-    assert resumed["optimizer_steps"] == 4 and resumed["real_tokens_trained"] == first["real_tokens_trained"]
+    assert resumed["optimizer_steps"] == 4 and resumed["resumed_at_step"] == 2
+    # the whole run's tokens: the first process's, carried in the checkpoint, and this one's (as many: full rows)
+    since = resumed["real_tokens_trained_since_resume"]
+    assert (
+        since == first["real_tokens_trained"] and resumed["real_tokens_trained"] == first["real_tokens_trained"] + since
+    )
 
 
 @pytest.mark.slow
