@@ -105,6 +105,7 @@ def test_the_resumed_run_says_where_it_goes_on_and_keeps_saving(chain):
     assert chain["b_rc"] == -signal.SIGKILL
     assert re.search(r"resuming from \S+last\.ckpt: step 4, epoch 0", chain["c_log"]), chain["c_log"][-3000:]
     assert chain["c_rc"] == 0 and json.load(open(chain["dir"] / "job_status.json")) == {"status": "finished"}
+    assert "exists and is not empty" not in chain["b_log"] + chain["c_log"]  # its own checkpoints, no warning
     assert sorted(os.listdir(chain["dir"] / "checkpoints")) == ["epoch=0-step=6.ckpt", "last.ckpt"]
 
 

@@ -30,12 +30,17 @@ _PART = ".part"  # a checkpoint being written
 class RunCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint(every_n_train_steps=N, save_last=True, save_top_k=1)`` whose files appear whole.
 
+    Args:
+        dirpath: the folder of the checkpoints (``<run dir>/checkpoints``).
+        every_n_train_steps: a checkpoint every N optimizer steps.
+        resuming: the run resumes from a checkpoint (of this folder, perhaps): its files are no surprise there.
+
     Example::
 
         RunCheckpoint(dirpath="run/checkpoints", every_n_train_steps=500)  # run/checkpoints/last.ckpt
     """
 
-    def __init__(self, dirpath: str, every_n_train_steps: int) -> None:
+    def __init__(self, dirpath: str, every_n_train_steps: int, resuming: bool = False) -> None:
         super().__init__(
             dirpath=dirpath,
             every_n_train_steps=every_n_train_steps,
@@ -44,6 +49,7 @@ class RunCheckpoint(ModelCheckpoint):
             enable_version_counter=False,  # last.ckpt is replaced, not joined by last-v1.ckpt after a resume
         )
         self._max_steps: int | None = None
+        self._resuming = resuming  # the folder holds the checkpoints resumed from: not worth a warning
 
     @property
     @override
@@ -56,6 +62,10 @@ class RunCheckpoint(ModelCheckpoint):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._max_steps = trainer.max_steps
+
+    def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath: Any) -> None:  # Lightning's private check, by name
+        if not self._resuming:  # a run resumed into its own folder finds its checkpoints there: no warning
+            super()._ModelCheckpoint__warn_if_dir_not_empty(dirpath)
 
     @override
     def state_dict(self) -> dict[str, Any]:

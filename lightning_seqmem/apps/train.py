@@ -207,7 +207,7 @@ def train(cfg) -> dict[str, Any]:
     extra = _bar_and_summary(cfg, callbacks)
     if every:  # a long run keeps its place: the weights, the optimizer and the data's position
         folder = os.path.join(cfg.trainer.default_root_dir, CHECKPOINT_DIR)
-        callbacks.append(RunCheckpoint(dirpath=folder, every_n_train_steps=every))
+        callbacks.append(RunCheckpoint(dirpath=folder, every_n_train_steps=every, resuming=ckpt_path is not None))
         extra["enable_checkpointing"] = True
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
