@@ -83,7 +83,7 @@ def chain(tmp_path_factory):
 def test_a_stop_says_where_to_resume_from(chain):
     """Ctrl-C: status "interrupted" (not "failed"), exit 130, and the last checkpoint and the command to resume."""
     assert chain["a_rc"] == 130, chain["a_log"][-3000:]
-    assert chain["a_status"] == {"status": "interrupted"}
+    assert chain["a_status"] == {"status": "interrupted", "signal": "SIGINT"}
     last = str(chain["dir"] / "checkpoints" / "last.ckpt")
     assert f"stopped by SIGINT: last checkpoint {last} (step 2)" in chain["a_log"]
     assert chain["command"].endswith(f"ckpt_path={last}") and f"hydra.run.dir={chain['dir']}" in chain["command"]

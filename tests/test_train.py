@@ -295,7 +295,7 @@ def test_sigterm_stops_a_multirun_at_once(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM and took < 10, (proc.returncode, took, proc.stderr.read()[-2000:])
-    assert json.load(open(sweep / "0" / "job_status.json")) == {"status": "interrupted"}  # not "failed"
+    assert json.load(open(sweep / "0" / "job_status.json")) == {"status": "interrupted", "signal": "SIGTERM"}
     assert not (sweep / "1").exists()  # the sweep stopped: no next job
 
 

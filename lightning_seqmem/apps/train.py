@@ -224,9 +224,14 @@ def train(cfg) -> dict[str, Any]:
     }
 
 
-def _write_status(output_dir: str, status: str, error: BaseException | None = None) -> None:
-    """``<job dir>/job_status.json``: whether the job finished; seqmem-report lists the jobs that did not."""
+def _write_status(
+    output_dir: str, status: str, error: BaseException | None = None, signal_name: str | None = None
+) -> None:
+    """``<job dir>/job_status.json``: whether the job finished (or which signal interrupted it); seqmem-report lists
+    the jobs that did not."""
     record: dict[str, Any] = {"status": status}
+    if signal_name is not None:
+        record["signal"] = signal_name
     if error is not None:  # a user's mistake keeps the class of the error it reports (errors.UserMistake)
         cause = error.__cause__ if type(error).__name__ == "UserMistake" and error.__cause__ is not None else error
         record["error"] = f"{type(cause).__name__}: {error}"[:2000]
@@ -264,7 +269,7 @@ def _hydra_entry() -> None:
         except BaseException as err:  # KeyboardInterrupt too: the report must not count this job as finished
             why = stopped_by(err)
             if _is_rank_zero():
-                _write_status(output_dir, INTERRUPTED if why else FAILED, None if why else err)
+                _write_status(output_dir, INTERRUPTED if why else FAILED, None if why else err, why)
                 if why:
                     given = HydraConfig.get().overrides
                     fixed = [o for o in given.hydra if o.startswith("hydra.run.dir=")]  # resume into that folder
