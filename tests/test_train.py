@@ -336,3 +336,15 @@ def test_a_piped_run_prints_what_it_does_and_nothing_false(tmp_path, overrides):
     assert "never trained on" not in output and "SeqLengthWarmup" not in output
     assert "Epoch 0/-2" not in output and re.search(r"step 2/2 \(100%\)", output)
     assert "Trainable params" not in output and "Total params" not in output
+
+
+@pytest.mark.slow
+def test_seqmem_train_spells_a_fix_as_its_command_line_does(tmp_path, monkeypatch):
+    """seqmem-train says it is the surface (its ranks inherit it): a message's fix reads ``data.<key>=<value>``."""
+    from lightning_seqmem.apps import train as app
+    from lightning_seqmem.messages import spell_data_option
+
+    monkeypatch.setenv("LIGHTNING_SEQMEM_SURFACE", "python")
+    monkeypatch.setattr(app, "train", lambda cfg: print(spell_data_option("on_resume_mismatch", "restart_epoch")) or {})
+    proc = run_forked_main(app.main, ["seqmem-train", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 0 and "data.on_resume_mismatch=restart_epoch" in proc.stdout, proc.stderr[-2000:]
