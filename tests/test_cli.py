@@ -208,3 +208,14 @@ def test_every_batching_name_works_on_the_command_line(name):
 
     cli = cli_main(["--trainer.accelerator=cpu", f"--data.strategy={name}"], run=False)
     assert cli.datamodule.settings.batching.batching == as_batching(name)
+
+
+def test_seqmem_cli_spells_a_fix_as_its_command_line_does(monkeypatch, capsys):
+    """seqmem-cli says it is the surface: a message's fix reads ``--data.<key> <value>``, as a user of it types."""
+    from lightning_seqmem.apps import cli
+    from lightning_seqmem.messages import spell_data_option
+
+    monkeypatch.setenv("LIGHTNING_SEQMEM_SURFACE", "python")  # put back after the test
+    monkeypatch.setattr(cli, "cli_main", lambda: print(spell_data_option("on_resume_mismatch", "restart_epoch")))
+    cli.main()
+    assert capsys.readouterr().out.strip() == "--data.on_resume_mismatch restart_epoch"

@@ -210,3 +210,15 @@ def test_mix_weights_are_overridden_from_the_command_line():
     mix = instantiate(data["dataset"])
     assert isinstance(mix, Mix) and mix.names == ("prose", "chat", "more")
     assert mix.weights == pytest.approx((0.7 / 1.7, 0.5 / 1.7, 0.5 / 1.7))
+
+
+@pytest.mark.parametrize("option", ["builtin", "chat", "mix", "preference"])
+def test_the_way_out_of_a_resume_mismatch_is_a_key_of_every_data_option(option):
+    """``data.on_resume_mismatch=restart_epoch`` (the spelling the app's message gives) is taken as typed, no ``+``."""
+    from lightning_seqmem.apps.overrides import check_overrides
+    from lightning_seqmem.apps.train import datamodule_config
+
+    overrides = [f"data={option}", "data.on_resume_mismatch=restart_epoch"]
+    assert not check_overrides(overrides, "config")
+    dm = instantiate(datamodule_config(compose_cfg(overrides).data))
+    assert dm.settings.data.on_resume_mismatch == "restart_epoch"

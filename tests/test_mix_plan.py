@@ -62,14 +62,17 @@ def test_the_mixed_histogram_holds_each_source_as_often_as_the_mix_reads_it(exha
     assert prose.kind.name == "text" and chat.kind.name == "conversations"
     assert prose.whole.max() < chat.whole.min()  # disjoint: each length in the mix says its source
     units = [s.whole if by == "tokens" else np.ones(len(s.whole)) for s in train.sources]
-    times = _takes([int(u.sum()) for u in units], [len(u) for u in units], [0.3, 0.7], exhausted)
+    kept = [prose.whole, lengths_at(chat.lengths, 96)[0]]  # the rows the run weighs: conversations cut at max_length
+    kept = [k if by == "tokens" else np.ones(len(k)) for k in kept]
+    times = _takes([int(k.sum()) for k in kept], [len(k) for k in kept], [0.3, 0.7], exhausted)
     assert [s.times for s in train.sources] == times
     mixed = train.lengths
     for source, u, t, own in zip(train.sources, units, times, (mixed <= prose.whole.max(), mixed >= chat.whole.min())):
         mass = mixed[own].sum() if by == "tokens" else own.sum()  # what the weight counts, of this source
         assert abs(mass - t * u.sum()) <= u.max()  # whole passes, then a part of one: within one document
         assert np.isin(mixed[own], source.whole).all()  # no document of another source
-    share = mixed[mixed <= prose.whole.max()].sum() / mixed.sum() if by == "tokens" else None
+    prose_mass = mixed[mixed <= prose.whole.max()].sum()  # the run weighs the chat rows as cut at max_length
+    share = prose_mass / (prose_mass + times[1] * kept[1].sum()) if by == "tokens" else None
     assert share is None or share == pytest.approx(0.3, abs=chat.whole.max() / mixed.sum())
 
 
@@ -150,3 +153,14 @@ def test_seqmem_plan_data_mix_prints_each_source_the_mix_and_memory(tmp_path):
 def test_a_candidate_that_leaves_a_source_no_row_is_named():
     with pytest.raises(ValueError, match="Mix source 'chat' gives no training row at max_length=4 .*weight 0"):
         plan(_two_kinds(), max_lengths=[4])
+
+
+@pytest.mark.parametrize("exhausted", ["repeat", "stop"])
+def test_the_passes_planned_are_the_runs(exhausted):
+    """Each source's "read Nx" is the passes the DataModule's epoch makes over it (conversations longer than
+    max_length count as the rows the run trains on, not whole)."""
+    dm = _two_kinds(exhausted, weights={"prose": 0.7, "chat": 0.3})
+    planned = {s.name: s.times for s in mix_lengths(dm)["train"].sources}
+    dm.setup("fit")
+    run = {name: s["passes"] for name, s in dm.stats()["train"]["sources"].items()}
+    assert planned == pytest.approx(run, rel=0.05)

@@ -274,7 +274,7 @@ def test_trainer_auto_follows_the_machine(monkeypatch, capsys, gpus):
 @pytest.mark.slow
 def test_sigterm_stops_a_multirun_at_once(tmp_path):
     """A real SIGTERM to a sweep in training: the job stops within seconds (Lightning alone waits for the end of
-    the epoch, here the whole run, and the sweep then starts its next job), status 143, recorded as failed."""
+    the epoch, here the whole run, and the sweep then starts its next job), status 143, recorded as interrupted."""
     import signal
     import time
 
@@ -295,7 +295,7 @@ def test_sigterm_stops_a_multirun_at_once(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM and took < 10, (proc.returncode, took, proc.stderr.read()[-2000:])
-    assert json.load(open(sweep / "0" / "job_status.json"))["status"] == "failed"
+    assert json.load(open(sweep / "0" / "job_status.json")) == {"status": "interrupted", "signal": "SIGTERM"}
     assert not (sweep / "1").exists()  # the sweep stopped: no next job
 
 
@@ -308,4 +308,43 @@ def test_the_main_job_keeps_checkpoints_and_resumes_from_one(tmp_path):
     last = tmp_path / "a" / "checkpoints" / "last.ckpt"
     assert first["optimizer_steps"] == 2 and last.exists()
     resumed = run_in_process(tmp_path / "b", [*stream, f"ckpt_path={last}"])
-    assert resumed["optimizer_steps"] == 4 and resumed["real_tokens_trained"] == first["real_tokens_trained"]
+    assert resumed["optimizer_steps"] == 4 and resumed["resumed_at_step"] == 2
+    # the whole run's tokens: the first process's, carried in the checkpoint, and this one's (as many: full rows)
+    since = resumed["real_tokens_trained_since_resume"]
+    assert (
+        since == first["real_tokens_trained"] and resumed["real_tokens_trained"] == first["real_tokens_trained"] + since
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [["data=preference", "model=dpo", "data.max_prompt_length=32"], ["callbacks=none"]],
+    ids=["readme_dpo", "callbacks_none"],
+)
+def test_a_piped_run_prints_what_it_does_and_nothing_false(tmp_path, overrides):
+    """The README's ``data=preference model=dpo`` says nothing about tokens never trained on (warmup is off: it cuts
+    nothing); ``callbacks=none`` still counts steps out of max_steps (not Lightning's ``Epoch 0/-2``); into a pipe
+    no model-summary table."""
+    from lightning_seqmem.apps.train import main
+
+    shrink = [o for o in SHRINK if not o.startswith(("+trainer.enable_progress_bar", "+trainer.enable_model"))]
+    argv = ["seqmem-train", *shrink, "trainer.max_steps=2", *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_forked_main(main, argv, tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "never trained on" not in output and "SeqLengthWarmup" not in output
+    assert "Epoch 0/-2" not in output and re.search(r"step 2/2 \(100%\)", output)
+    assert "Trainable params" not in output and "Total params" not in output
+
+
+@pytest.mark.slow
+def test_seqmem_train_spells_a_fix_as_its_command_line_does(tmp_path, monkeypatch):
+    """seqmem-train says it is the surface (its ranks inherit it): a message's fix reads ``data.<key>=<value>``."""
+    from lightning_seqmem.apps import train as app
+    from lightning_seqmem.messages import spell_data_option
+
+    monkeypatch.setenv("LIGHTNING_SEQMEM_SURFACE", "python")
+    monkeypatch.setattr(app, "train", lambda cfg: print(spell_data_option("on_resume_mismatch", "restart_epoch")) or {})
+    proc = run_forked_main(app.main, ["seqmem-train", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 0 and "data.on_resume_mismatch=restart_epoch" in proc.stdout, proc.stderr[-2000:]

@@ -74,7 +74,9 @@ def main() -> None:
     configure_allocator()  # first: torch reads the allocator settings once, when CUDA starts
     from lightning_seqmem.apps.console import no_bars_unless_a_terminal, quiet_upstream_noise
     from lightning_seqmem.apps.errors import exit_on_user_mistake
+    from lightning_seqmem.messages import set_surface
 
+    set_surface("cli")  # messages spell a fix as --data.<key> <value>
     quiet_upstream_noise()
     no_bars_unless_a_terminal()
     exit_on_user_mistake(cli_main)

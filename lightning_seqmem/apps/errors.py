@@ -81,6 +81,17 @@ def _node(err: BaseException, default: str | None) -> str | None:
     return default
 
 
+def _data_node(err: BaseException) -> str | None:
+    """``"data"`` for a mistake raised by the DataModule's code while the Trainer runs it (a checkpoint's data
+    refused at ``load_state_dict``), so its message is spelt ``data.<key>=``; else ``None``."""
+    tb, inside = err.__traceback__, False
+    while tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        inside = inside or path.startswith(os.path.join(PACKAGE_DIR, "datamodule") + os.sep)
+        tb = tb.tb_next
+    return "data" if inside else None
+
+
 def for_hydra(err: BaseException, cfg: Any = None, node: str | None = None) -> BaseException:
     """What a Hydra task raises for ``err``: a :class:`UserMistake` carrying the message (the original chained, for
     ``HYDRA_FULL_ERROR=1``) for a user's mistake, ``err`` itself otherwise. With the composed ``cfg``, the message
@@ -88,7 +99,7 @@ def for_hydra(err: BaseException, cfg: Any = None, node: str | None = None) -> B
     mistake = user_mistake(err) if isinstance(err, Exception) else None
     if mistake is None:
         return err
-    text, where = message(mistake), _node(err, node)
+    text, where = message(mistake), _node(err, node) or _data_node(mistake)
     keys = cfg.get(where) if cfg is not None and where is not None and "." not in where else None
     if hasattr(keys, "keys"):
         text = hydra_spelling(text, keys.keys(), where)

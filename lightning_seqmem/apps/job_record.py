@@ -32,6 +32,9 @@ from lightning_seqmem.protocols import find_pad_token_id
 
 __all__ = ["JobRecord"]
 
+# The figures a run carries through its checkpoints (whole run: all its processes, validation time left out).
+_NOTHING_BEFORE = {"tokens_seen": 0, "wall_clock_s": 0.0, "cpu_s": 0.0, "elapsed_s": 0.0}
+
 
 class JobRecord(Callback):
     """Record validation loss against training wall-clock and real tokens seen, one CSV row per validation.
@@ -41,6 +44,9 @@ class JobRecord(Callback):
     over the same span (all threads), a steadier clock than wall-clock on a shared machine. ``tokens_seen`` counts the
     real (non-pad) tokens of the batches the model trained on, after any in-place cut by ``SeqLengthWarmup``, summed
     over ranks.
+
+    The figures are the whole run's: a run resumed from a checkpoint goes on from the tokens and clocks it saved
+    (``state_dict``), and resumed into the same folder it drops the rows written after that checkpoint first.
 
     ``train_progress.csv`` (next to ``path``) holds the mean of the logged ``train_monitor`` over the micro-batches
     since its previous row (rank 0's), with the same clocks and the same token count.
@@ -84,6 +90,27 @@ class JobRecord(Callback):
         self._val_cpu_start = 0.0
         self._pad_token_id: int | None = None
         self._warned = False
+        self._before: dict[str, float] = dict(_NOTHING_BEFORE)  # the run's figures up to the checkpoint resumed
+        self._trainer: Trainer | None = None
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The whole run's figures at the checkpoint, so that a resumed run's rows go on from them (every rank
+        builds a checkpoint together, so the sum over ranks in ``_progress`` is matched)."""
+        trainer = self._trainer
+        if trainer is None or trainer.lightning_module is None:
+            return dict(self._before)
+        now, cpu_now = time.perf_counter(), time.process_time()
+        figures = self._progress(trainer, trainer.lightning_module, now, cpu_now)
+        return {**figures, "elapsed_s": self._before["elapsed_s"] + now - self._start}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._before = {k: state_dict.get(k, v) for k, v in _NOTHING_BEFORE.items()}
 
     def _file(self, trainer: Trainer) -> str:
         return self.path or os.path.join(trainer.default_root_dir, PROGRESS_FILE)
@@ -98,6 +125,8 @@ class JobRecord(Callback):
         self._train_sum, self._train_count, self._train_recorded_step = 0.0, 0, trainer.global_step
         if trainer.global_step == 0:
             self._reset_file(trainer)
+        else:  # resumed: rows past the checkpoint were trained again from it, and are written again
+            self._cut_files(trainer, trainer.global_step)
 
     def _train_file(self, trainer: Trainer) -> str:
         return os.path.join(os.path.dirname(self._file(trainer)) or ".", TRAIN_PROGRESS_FILE)
@@ -108,6 +137,14 @@ class JobRecord(Callback):
         for path in (self._file(trainer), self._train_file(trainer), source_file):
             if os.path.exists(path):
                 os.remove(path)
+
+    @rank_zero_only
+    def _cut_files(self, trainer: Trainer, step: int) -> None:
+        """Drop the rows a stopped process wrote after the checkpoint it resumes from, so each file's steps, tokens
+        and clocks only go up."""
+        source_file = os.path.join(os.path.dirname(self._file(trainer)) or ".", SOURCE_PROGRESS_FILE)
+        for path in (self._train_file(trainer), self._file(trainer), source_file):
+            _keep_rows(path, step)
 
     @override
     def on_train_batch_end(
@@ -172,7 +209,7 @@ class JobRecord(Callback):
             {
                 "step": trainer.global_step,
                 **progress,
-                "elapsed_s": round(now - self._start, 4),
+                "elapsed_s": round(self._before["elapsed_s"] + now - self._start, 4),
                 "val_loss": float(value),
             },
         )
@@ -185,10 +222,11 @@ class JobRecord(Callback):
         """Training wall-clock and CPU time (validation left out) and real tokens summed over ranks (an
         all-reduce: every rank must call it at the same point)."""
         tokens = trainer.strategy.reduce(torch.tensor(float(self._tokens), device=pl_module.device), reduce_op="sum")
+        before = self._before
         return {
-            "wall_clock_s": round(now - self._start - self._val_time, 4),
-            "cpu_s": round(cpu_now - self._cpu_start - self._val_cpu, 4),
-            "tokens_seen": int(tokens.item()),
+            "wall_clock_s": round(before["wall_clock_s"] + now - self._start - self._val_time, 4),
+            "cpu_s": round(before["cpu_s"] + cpu_now - self._cpu_start - self._val_cpu, 4),
+            "tokens_seen": int(before["tokens_seen"]) + int(tokens.item()),
         }
 
     @rank_zero_only
@@ -203,6 +241,20 @@ class JobRecord(Callback):
     @rank_zero_only
     def _append_train(self, trainer: Trainer, row: dict[str, Any]) -> None:
         _append_row(self._train_file(trainer), TRAIN_PROGRESS_FIELDS, row)
+
+
+def _keep_rows(path: str, last_step: int) -> None:
+    """Keep the rows of ``path`` up to ``last_step`` (rewritten in place; a missing file is left missing)."""
+    if not os.path.exists(path):
+        return
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        fields, rows = reader.fieldnames, [r for r in reader if int(r["step"]) <= last_step]
+    with open(path + ".part", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields or [])
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(path + ".part", path)
 
 
 def _append_row(path: str, fields: tuple[str, ...], row: dict[str, Any]) -> None:

@@ -159,7 +159,11 @@ def mix_lengths(dm: Any) -> dict[str, MixLengths] | None:
         planned.append((name, weight, kind, {split: kind.plan_lengths(d, alone.settings) for split, d in docs.items()}))
     whole = [k.sequence_lengths(whole_lengths(p["train"])) for _, _, k, p in planned]
     units = [w if mix.by == "tokens" else np.ones(len(w), np.int64) for w in whole]
-    times = _takes([int(u.sum()) for u in units], [len(u) for u in units], list(mix.weights), mix.exhausted)
+    # The passes the run makes: its sampler weighs the rows it trains on, each source cut at the run's max_length
+    # (a conversation keeps at most max_length tokens), not the documents whole.
+    kept = [_kept(p["train"], dm.max_length, w) for (_, _, _, p), w in zip(planned, whole)]
+    kept = [k if mix.by == "tokens" else np.ones(len(k), np.int64) for k in kept]
+    times = _takes([int(k.sum()) for k in kept], [len(k) for k in kept], list(mix.weights), mix.exhausted)
     rng = np.random.default_rng(settings.seed)
     read = [w[_epoch_index(rng, u, t)] for w, u, t in zip(whole, units, times)]
     seed = settings.seed if mix.seed is None else mix.seed
@@ -222,6 +226,17 @@ def plan_mixed_strategy(
         optimizer_steps=math.ceil(len(samplers[-1]) / accumulate_grad_batches),
         trained_share=sum(trained) / max(sum(fed), 1) if chat else None,
         max_batch_shape=largest_shape(strategies, [epoch.largest, *largest] if epoch.largest else largest),
+    )
+
+
+def _kept(docs: Any, max_length: int, whole: np.ndarray) -> np.ndarray:
+    """A source's training lengths as the run's rows hold them at ``max_length``: conversations cut by their
+    oldest turns; text (split into rows, nothing lost) and prompt/completion rows (cut by limits of the
+    candidate's strategy) as they are."""
+    from lightning_seqmem.batching.conversation_rows import ConversationLengths
+
+    return (
+        np.asarray(lengths_at(docs, max_length)[0], dtype=np.int64) if isinstance(docs, ConversationLengths) else whole
     )
 
 

@@ -4,7 +4,8 @@
 
     <run dir>/                  Hydra's job output dir, the Trainer's default_root_dir
     ├── .hydra/overrides.yaml   what the job changed on the command line     Hydra        -> sweep_jobs
-    ├── job_status.json         running, finished or failed (and the error)  train.py     -> sweep_jobs
+    ├── job_status.json         running, finished, interrupted or failed     train.py     -> sweep_jobs
+    ├── checkpoints/            last.ckpt and the newest step's checkpoint   RunCheckpoint -> ckpt_path=last
     ├── progress.csv            one row per validation (PROGRESS_FIELDS)     JobRecord    -> sweep_jobs
     ├── train_progress.csv      training loss rows (TRAIN_PROGRESS_FIELDS)   JobRecord    -> sweep_jobs
     └── summary.json            the run's summary table                      RunSummary   -> train.py, sweep_jobs
@@ -19,6 +20,7 @@ import os
 __all__ = [
     "FAILED",
     "FINISHED",
+    "INTERRUPTED",
     "JOB_STATUS_FILE",
     "OVERRIDES_FILE",
     "PROGRESS_FIELDS",
@@ -41,5 +43,5 @@ PROGRESS_FIELDS = ("step", "wall_clock_s", "elapsed_s", "cpu_s", "tokens_seen", 
 TRAIN_PROGRESS_FIELDS = ("step", "wall_clock_s", "cpu_s", "tokens_seen", "train_loss")
 SOURCE_PROGRESS_FIELDS = ("step", "source", "val_loss")
 
-# The values of job_status.json's "status".
-RUNNING, FINISHED, FAILED = "running", "finished", "failed"
+# The values of job_status.json's "status": "interrupted" is a stop by a signal (SIGINT, SIGTERM), "failed" an error.
+RUNNING, FINISHED, FAILED, INTERRUPTED = "running", "finished", "failed", "interrupted"

@@ -8,14 +8,16 @@ each log line is printed once and upstream deprecation noise is silenced (``cons
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from typing import Any
 
-from lightning_seqmem.apps.run_files import FAILED, FINISHED, JOB_STATUS_FILE, RUNNING, SUMMARY_FILE
+from lightning_seqmem.apps.run_files import FAILED, FINISHED, INTERRUPTED, JOB_STATUS_FILE, RUNNING, SUMMARY_FILE
 from lightning_seqmem.memory.allocator import configure_allocator
 
 CONFIG_PATH = "pkg://lightning_seqmem.conf"
+log = logging.getLogger(__name__)
 
 
 def choose_trainer(overrides: list[str], doing: str = "training with") -> list[str]:
@@ -131,9 +133,15 @@ def build_datamodule(cfg: Any) -> Any:
 
 
 def _progress_bar_allowed(callback: Any, trainer_cfg: Any) -> bool:
-    # Lightning refuses a progress-bar callback with enable_progress_bar=False; that switch wins.
+    """Whether the app keeps a configured callback: not a progress bar under ``enable_progress_bar=False`` (Lightning
+    refuses the pair; that switch wins), nor the sequence-length warmup at ``duration=0`` (present so that a sweep
+    can vary it, off: it would change nothing, and its checks would warn about batches it never cuts)."""
     from lightning.pytorch.callbacks import ProgressBar
 
+    from lightning_seqmem.warmup import SeqLengthWarmup
+
+    if isinstance(callback, SeqLengthWarmup) and callback.duration == 0:
+        return False
     return not (isinstance(callback, ProgressBar) and trainer_cfg.get("enable_progress_bar") is False)
 
 
@@ -164,33 +172,79 @@ def check_data(datamodule: Any, cfg) -> None:
         raise reported from err
 
 
+def _resume(cfg) -> tuple[str | None, Any]:
+    """The checkpoint ``ckpt_path=`` names (``resolve_ckpt_path``) and the checkpoint interval to keep: the one
+    given, else the checkpoint's own (a resumed run that saved nothing would lose all it trains at the next stop).
+    Says in one line where the run resumes from, and warns when ``max_steps`` is not the checkpoint's."""
+    from lightning_seqmem.apps.checkpoints import describe, resolve_ckpt_path
+
+    path, note = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.trainer.default_root_dir)
+    every = cfg.get("checkpoint_every_n_steps")
+    if note and _is_rank_zero():
+        log.info(note)
+    if path is None:
+        return None, every
+    info = describe(path)
+    kept = every is None and info["every_n_train_steps"]
+    every = info["every_n_train_steps"] if kept else every
+    if _is_rank_zero():
+        data = f", {info['data']}" if info["data"] else ""
+        saving = f"; checkpoints every {every} steps as before (checkpoint_every_n_steps=0: none)" if kept else ""
+        log.info(f"resuming from {path}: step {info['step']}, epoch {info['epoch']}{data}{saving}")
+        planned, given = info["max_steps"], cfg.trainer.get("max_steps")
+        if planned is not None and given is not None and planned != given:
+            log.warning(
+                f"trainer.max_steps={given} is not the checkpoint's ({planned}): the learning-rate schedule is "
+                f"planned over max_steps, so the resumed steps follow another schedule than the first run's; "
+                f"trainer.max_steps={planned} keeps it."
+            )
+    return path, every
+
+
+def _bar_and_summary(cfg, callbacks: list[Any]) -> dict[str, Any]:
+    """Trainer switches left to the app: a step bar where no callback shows progress (Lightning's own bar counts
+    epochs, ``Epoch 0/-2`` for a run bounded by steps) and no model-summary table into a pipe or a file."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    from lightning_seqmem.training.progress import StepProgressBar
+
+    extra: dict[str, Any] = {}
+    if cfg.trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(StepProgressBar())
+    if cfg.trainer.get("enable_model_summary") is None and not sys.stdout.isatty():
+        extra["enable_model_summary"] = False
+    return extra
+
+
 def train(cfg) -> dict[str, Any]:
     """Fit with the composed config; returns the run summary (final validation loss included)."""
     import lightning.pytorch as L
     from hydra.utils import instantiate
 
+    from lightning_seqmem.apps.checkpoints import CHECKPOINT_DIR, RunCheckpoint
     from lightning_seqmem.apps.summary import RunSummary
 
     _check_required(cfg)
+    ckpt_path, every = _resume(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg)
     check_data(datamodule, cfg)
+    if _is_rank_zero():
+        from lightning_seqmem.apps.mix_report import start_line
+
+        shares = start_line(datamodule)  # a Mix: each source's share of the run, and what truncation costs it
+        if shares:
+            log.info(shares)
     model = instantiate(cfg.model)
     callbacks = [cb for cb in _instantiate_all(cfg.get("callbacks")) if _progress_bar_allowed(cb, cfg.trainer)]
     loggers = _instantiate_all(cfg.get("logger"))
-    every = cfg.get("checkpoint_every_n_steps")
+    extra = _bar_and_summary(cfg, callbacks)
     if every:  # a long run keeps its place: the weights, the optimizer and the data's position
-        callbacks.append(
-            L.callbacks.ModelCheckpoint(
-                dirpath=os.path.join(cfg.trainer.default_root_dir, "checkpoints"),
-                every_n_train_steps=every,
-                save_last=True,
-                save_top_k=1,
-            )
-        )
-    extra = {"enable_checkpointing": True} if every else {}
+        folder = os.path.join(cfg.trainer.default_root_dir, CHECKPOINT_DIR)
+        callbacks.append(RunCheckpoint(dirpath=folder, every_n_train_steps=every, resuming=ckpt_path is not None))
+        extra["enable_checkpointing"] = True
     trainer = instantiate(trainer_config(cfg), callbacks=callbacks, logger=loggers or False, **extra)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     for cb in callbacks:
         if isinstance(cb, RunSummary) and cb.summary:
             return cb.summary
@@ -204,27 +258,14 @@ def train(cfg) -> dict[str, Any]:
     }
 
 
-def stop_on_sigterm() -> None:
-    """Make SIGTERM (``scancel``, a pre-emption, ``kill``, the end of a multirun's allotted time) stop the job at
-    once: Lightning's own handler only notes the signal and stops at the end of an epoch, which for a run bounded by
-    ``max_steps`` is its end, and a multirun then went on to its next job. Lightning calls this handler after its
-    own (which passes the signal on to DDP ranks it launched); ``SIGTERMException`` is a ``SystemExit`` that no
-    sweep catches, with status 128 + 15 as a shell reports a process ended by SIGTERM."""
-    import signal
-    import threading
-
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    def stop(signum: int, frame: Any) -> None:
-        raise SIGTERMException(128 + signum)
-
-    if threading.current_thread() is threading.main_thread():  # signals are set from the main thread only
-        signal.signal(signal.SIGTERM, stop)
-
-
-def _write_status(output_dir: str, status: str, error: BaseException | None = None) -> None:
-    """``<job dir>/job_status.json``: whether the job finished; seqmem-report lists the jobs that did not."""
+def _write_status(
+    output_dir: str, status: str, error: BaseException | None = None, signal_name: str | None = None
+) -> None:
+    """``<job dir>/job_status.json``: whether the job finished (or which signal interrupted it); seqmem-report lists
+    the jobs that did not."""
     record: dict[str, Any] = {"status": status}
+    if signal_name is not None:
+        record["signal"] = signal_name
     if error is not None:  # a user's mistake keeps the class of the error it reports (errors.UserMistake)
         cause = error.__cause__ if type(error).__name__ == "UserMistake" and error.__cause__ is not None else error
         record["error"] = f"{type(cause).__name__}: {error}"[:2000]
@@ -246,19 +287,29 @@ def _hydra_entry() -> None:
             quiet_upstream_noise,
         )
         from lightning_seqmem.apps.errors import for_hydra
+        from lightning_seqmem.apps.stops import print_stop, stop_on_signals, stopped_by
+        from lightning_seqmem.messages import set_surface
 
         quiet_upstream_noise()
         no_bars_unless_a_terminal()
         log_each_line_once()  # after Hydra has set up the job's logging
-        stop_on_sigterm()
+        stop_on_signals()
+        set_surface("hydra")  # messages spell a fix as data.<key>=<value>
         output_dir = HydraConfig.get().runtime.output_dir
         if _is_rank_zero():
             _write_status(output_dir, RUNNING)
         try:
             summary = train(cfg)
         except BaseException as err:  # KeyboardInterrupt too: the report must not count this job as finished
+            why = stopped_by(err)
             if _is_rank_zero():
-                _write_status(output_dir, FAILED, err)
+                _write_status(output_dir, INTERRUPTED if why else FAILED, None if why else err, why)
+                if why:
+                    given = HydraConfig.get().overrides
+                    fixed = [o for o in given.hydra if o.startswith("hydra.run.dir=")]  # resume into that folder
+                    print_stop(output_dir, [*given.task, *fixed], why, log)
+            if why == "SIGINT":
+                raise SystemExit(128 + 2) from None  # as a shell reports a Ctrl-C; Lightning's own exit is 1
             reported = for_hydra(err, cfg)  # a user's mistake: its message alone (errors.py)
             if reported is err:
                 raise
