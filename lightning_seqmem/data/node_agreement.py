@@ -16,7 +16,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["check_same_data_across_ranks", "split_digest"]
+__all__ = ["agree_once_per_group", "check_same_data_across_ranks", "split_digest"]
 
 SAMPLED_ROWS = 256  # rows whose content enters the digest, spread evenly over the split
 SAMPLED_VALUES = 512  # of each sampled row's lists, the first values (every row's length enters in full)
@@ -120,3 +120,19 @@ def check_same_data_across_ranks(dsd: Mapping[str, Any], source: Any = None) -> 
     message = mismatch_message(gathered)
     if message is not None:
         raise ValueError(message)
+
+
+def agree_once_per_group(sources: Any, checked: Any = None) -> Any:
+    """:func:`check_same_data_across_ranks` on each ``(name, tokenized splits)`` of ``sources``, once per process
+    group: returns the group now checked (pass it back as ``checked``), ``checked`` as it was without a group of
+    several ranks. A collective the first time a group meets it: the DataModule calls it from ``setup``, which every
+    rank reaches in ``fit``, even one that read its data before the group existed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return checked
+    group = (dist.get_world_size(), id(dist.group.WORLD))
+    if group != checked:
+        for name, tokenized in sources:
+            check_same_data_across_ranks(tokenized, source=name)
+    return group

@@ -38,8 +38,10 @@ class MapStyle(SavesSignature):
         tokenizer: Callable[[], Any],
         warn: Callable[[str], None],
         info: Callable[[str], None],
+        source: Any = None,
     ) -> None:
         self.kind, self.settings, self.tokenizer = kind, settings, tokenizer
+        self.tokenized = [(source, tokenized)]  # what every rank compares (``ReadMode.tokenized``)
         documents = split_documents(tokenized, kind, settings.batching.seed, test=True)
         self.strategies = split_strategies(kind, settings, documents)
         self.datasets: dict[str, Any] = {}

@@ -21,7 +21,6 @@ from lightning_seqmem.batch import SOURCE_INDEX
 from lightning_seqmem.batching.sampling import BatchFetcher, BatchList, _ShardedBatchSampler
 from lightning_seqmem.batching.strategies import PackedRows, PadStrategy, largest_shape
 from lightning_seqmem.data.columns import largest_of
-from lightning_seqmem.data.node_agreement import check_same_data_across_ranks
 from lightning_seqmem.datamodule.pipeline import load_documents, prepare_split, split_documents
 from lightning_seqmem.datamodule.read_mode import check_same_layout, per_source_stats, split_strategies
 from lightning_seqmem.datamodule.resume import ResumableLoader, SavesSignature
@@ -58,6 +57,7 @@ class MixMode(SavesSignature):
         self.mix, self.settings, self.tokenizer = mix, settings, tokenizer
         self.seed = settings.batching.seed if mix.seed is None else mix.seed
         self.sources: list[dict[str, Any]] = []  # per source: kind, strategies, rows, lengths, units, stats
+        self.tokenized: list[tuple[str, Any]] = []  # per source: its name and token columns (compared across ranks)
         for source in mix.sources:
             data = settings.data
             if source.text_column is not None:
@@ -68,7 +68,7 @@ class MixMode(SavesSignature):
                 )
             except (ValueError, TypeError) as error:  # the same error, naming the source
                 raise type(error)(f"Mix source {source.name!r}: {error}") from error
-            check_same_data_across_ranks(tokenized, source=f"Mix source {source.name!r}")  # collective
+            self.tokenized.append((f"Mix source {source.name!r}", tokenized))
             self.sources.append(self._prepare(source.name, tokenized, kind, tokenizer, warn, info))
             self.sources[-1]["largest"] = largest
         check_same_layout([(s["name"], s["kind"]) for s in self.sources])

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lightning_seqmem.batching.options import Batching
 from lightning_seqmem.data.columns import LargestTokenId
+from lightning_seqmem.data.node_agreement import agree_once_per_group
 from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
 from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.batch_answers import BatchAnswers
@@ -128,6 +129,7 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
     _documents = None  # (tokenized DatasetDict, kind), once per process
     _largest_token_id = None  # pre-tokenized data: their largest id, found with _documents
     _detected = None  # a stream's data kind, once detected
+    _agreed_group = None  # the process group whose ranks compared their data (``setup``)
 
     def __init__(
         self,
@@ -243,7 +245,7 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
         """Build what is cached on disk, once per node (Lightning calls this on local rank 0 only): the built-in
         corpus, the default tokenizer and the tokenized dataset; ``setup`` on every rank then only reads them."""
         if isinstance(self.dataset, Mix):  # each source tokenized and planned (mix_mode.py)
-            return self.setup("fit")
+            return self._read()
         if self._open_stream():
             # token ids need no tokenizer: know the kind before asking for one (a hub tokenizer is downloaded once
             # per node); a stream itself is read as trained on
@@ -256,7 +258,7 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
             load_builtin_corpus()
         self.tokenized_documents()
         if self.settings.batching.packs_any():
-            self.setup("fit")  # plans packing here, once per node: the other ranks' setup maps it (plan_cache)
+            self._read()  # plans packing here, once per node: the other ranks' setup maps it (plan_cache)
 
     def _stream_kind(self):
         """The stream's data kind, detected once (a stream without features reads its first row to tell)."""
@@ -303,7 +305,14 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
     @override
     def setup(self, stage: str | None = None) -> None:
         """Read the data once, by the read mode of their place in the 2 x 2 (``read_paths.read_mode_for``: one
-        source or a ``Mix``, map-style or streamed)."""
+        source or a ``Mix``, map-style or streamed); then, each time a process group of several ranks is up, compare
+        every rank's tokenized data (nodes holding other copies stop, named). The comparison is a collective every
+        rank meets here in ``fit``, even one that read its data before the group existed (an app's early checks)."""
+        self._read()
+        self._agreed_group = agree_once_per_group(self.read_mode.tokenized, self._agreed_group)
+
+    def _read(self) -> None:
+        """The read mode, once per process (``prepare_data`` reads through it too: no collective here)."""
         if self.read_mode is not None:
             return
         tokenizer = partial(getattr, self, "tokenizer")  # asked when needed; a read mode keeps it (and pickles)
@@ -348,9 +357,8 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
 
     # ------------------------------------------------------------------------------------------------ loaders
     def _ready(self) -> ReadMode:
-        """The read mode, setting up first if needed."""
-        if self.read_mode is None:
-            self.setup("fit")
+        """The read mode, read first if needed (on this rank alone: the ranks compare their data in ``setup``)."""
+        self._read()
         return self.read_mode
 
     @override

@@ -4,7 +4,7 @@ of a stream (``stream_mode.StreamMode``: packed on the fly). No Lightning import
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from torch.utils.data import DataLoader
@@ -30,6 +30,7 @@ class ReadMode(Protocol):
     kind: Kind
     strategies: dict[str, Strategy]
     datasets: dict[str, Any]
+    tokenized: Sequence[tuple[Any, Any]]  # per map-style source: its name and token columns, compared across ranks
     streaming: bool
     restart: bool
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_seqmem.data.node_agreement import check_same_data_across_ranks
 from lightning_seqmem.datamodule.map_style import MapStyle
 from lightning_seqmem.datamodule.mix_mode import MixMode
 from lightning_seqmem.datamodule.read_mode import ReadMode
@@ -51,6 +50,4 @@ def read_mode_for(
     # tokenized (or the cache prepare_data wrote, read) before a validation split is carved out, so errors name
     # rows of the dataset the user passed
     tokenized, kind = documents()
-    # every rank reaches this in setup (never in prepare_data): nodes holding other copies of the data stop here
-    check_same_data_across_ranks(tokenized, source=dataset)
-    return MapStyle(tokenized, kind, settings, tokenizer, warn, info)
+    return MapStyle(tokenized, kind, settings, tokenizer, warn, info, source=dataset)

@@ -44,6 +44,8 @@ class StreamMixMode(SavesSignature):
         ValueError: a source whose batches cannot share the others' layout, or a batching that does not pack.
     """
 
+    tokenized = ()  # streams: read as trained on, nothing tokenized ahead to compare across ranks
+
     streaming = True
 
     def __init__(self, mix: Mix, settings: Any, warn: Callable[[str], None], tokenizer: Callable[[], Any]) -> None:

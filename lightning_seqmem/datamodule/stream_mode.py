@@ -28,6 +28,8 @@ class StreamMode(SavesSignature):
         tokenizer: gives the tokenizer (``None`` for token ids given without one), for the resume signature.
     """
 
+    tokenized = ()  # streams: read as trained on, nothing tokenized ahead to compare across ranks
+
     def __init__(
         self,
         dataset: Any,
