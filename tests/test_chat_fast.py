@@ -68,7 +68,7 @@ def test_the_direct_template_call_renders_what_render_jinja_template_renders(ren
 @pytest.mark.parametrize("train_on", ["assistant", "last_assistant", "all"])
 def test_a_batch_in_parts_on_threads_equals_each_conversation_alone(renderer, train_on, monkeypatch):
     """Several parts per batch (two tokenizing at once), rows in order: ids, spans, turn ends as one at a time."""
-    monkeypatch.setattr(conversations, "_MIN_PART", 3)
+    monkeypatch.setattr(conversations, "TOKENIZE_MIN_PART", 3)
     settings = ConversationSettings(train_on=train_on)
     batch = _conversations(41, seed=2)
     rows = list(range(100, 141))
@@ -84,7 +84,7 @@ def test_a_batch_in_parts_on_threads_equals_each_conversation_alone(renderer, tr
 
 def test_a_bad_conversation_in_a_later_part_is_named(renderer, monkeypatch):
     """The error of a conversation in a later part names its row, whatever is tokenizing meanwhile."""
-    monkeypatch.setattr(conversations, "_MIN_PART", 2)
+    monkeypatch.setattr(conversations, "TOKENIZE_MIN_PART", 2)
     batch = _conversations(9, seed=3)
     batch[7] = [{"role": "narrator", "content": "x"}]
     with pytest.raises(ValueError, match="Conversation 57, turn 0 has role 'narrator'"):

@@ -325,31 +325,32 @@ def encode_rows(
     # The Rust tokenizer releases the GIL: parts are tokenized on threads of our own (two in flight) while the
     # main thread renders the next part and finishes an earlier one (Python), so the work spreads over two cores;
     # parts are finished in order, so rows keep theirs.
-    step = max(_MIN_PART, -(-len(rows) // _PARTS))
+    step = max(TOKENIZE_MIN_PART, -(-len(rows) // TOKENIZE_PARTS))
     pending: list = []
     for lo in range(0, len(rows), step):
         part = [
             (row, _render_checked(messages, renderer, row, settings))
             for messages, row in zip(conversations[lo : lo + step], rows[lo : lo + step])
         ]
-        pending.append((part, _tokenizer_threads().submit(renderer.tokenize_batch, [t for _, (_, t, _) in part])))
-        if len(pending) > _IN_FLIGHT:
+        pending.append((part, tokenizer_threads().submit(renderer.tokenize_batch, [t for _, (_, t, _) in part])))
+        if len(pending) > TOKENIZE_IN_FLIGHT:
             finish(*pending.pop(0))
     for waiting in pending:
         finish(*waiting)
     return columns
 
 
-_PARTS, _MIN_PART, _IN_FLIGHT = 8, 16, 2  # a batch: up to 8 parts of 16 or more conversations, 2 tokenizing
+TOKENIZE_PARTS, TOKENIZE_MIN_PART, TOKENIZE_IN_FLIGHT = 8, 16, 2
+"""A batch is tokenized in up to 8 parts of at least 16 conversations, 2 parts at a time."""
 _THREADS: dict[int, ThreadPoolExecutor] = {}
 
 
-def _tokenizer_threads() -> ThreadPoolExecutor:
+def tokenizer_threads() -> ThreadPoolExecutor:
     """The tokenizing threads of this process (a forked worker makes its own: threads do not survive a fork)."""
     pid = os.getpid()
     if pid not in _THREADS:
         _THREADS.clear()
-        _THREADS[pid] = ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="seqmem-tokenize")
+        _THREADS[pid] = ThreadPoolExecutor(TOKENIZE_IN_FLIGHT, thread_name_prefix="seqmem-tokenize")
     return _THREADS[pid]
 
 
