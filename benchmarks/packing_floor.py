@@ -131,6 +131,33 @@ def lists_in(n: int) -> tuple[float, float]:
     return convert, time.perf_counter() - start
 
 
+def streamed(n: int) -> tuple[float, float, float, int]:
+    """``StreamingPacker`` (best fit per window of 1,000 documents) over the documents corpus as numpy arrays, rows
+    taken and dropped as a loader would: ``(seconds, of which planning, one copy, rows)``."""
+    import lightning_seqmem.batching.streaming_packer as streaming
+
+    lengths = corpus("documents", n)
+    flat = np.random.default_rng(1).integers(4, 32000, int(lengths.sum()), dtype=np.int32)
+    docs = np.split(flat, np.cumsum(lengths)[:-1])
+    planning, plan = [0.0], streaming.pack_lengths
+
+    def timed_plan(*args):
+        start = time.perf_counter()
+        out = plan(*args)
+        planning[0] += time.perf_counter() - start
+        return out
+
+    streaming.pack_lengths = timed_plan
+    try:
+        start = time.perf_counter()
+        rows = sum(1 for _ in streaming.StreamingPacker(MAX_LENGTH, buffer_size=1000)(iter(docs)))
+        seconds = time.perf_counter() - start
+    finally:
+        streaming.pack_lengths = plan
+    copy = interleaved({"copy": lambda: np.copy(flat)}, 5)["copy"]
+    return seconds, planning[0], copy, rows
+
+
 def main(n: int, repeats: int) -> None:
     results = [measure(kind, n, repeats) for kind in ("documents", "hard")]
     print(f"max_length {MAX_LENGTH}; Dataset/Arrow/numpy in, a Dataset of packed rows out; best of {repeats}\n")
@@ -157,3 +184,8 @@ def main(n: int, repeats: int) -> None:
         )
     convert, pack = lists_in(n)
     print(f"\nPython lists in (documents corpus): converting them {convert:.2f} s, then packing {pack:.3f} s.")
+    seconds, planning, copy, rows = streamed(n)
+    print(
+        f"Streamed (documents corpus, windows of 1,000): {seconds:.3f} s for {rows:,} rows, of which planning "
+        f"{planning:.3f} s; {seconds / copy:.0f}x one copy ({copy:.4f} s)."
+    )
