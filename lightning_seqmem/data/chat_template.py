@@ -223,14 +223,24 @@ class ChatRenderer:
 
     def tokenize_batch(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         """:meth:`tokenize` of each text, in one call to the Rust tokenizer (which spreads a batch over threads)."""
+        return [self.ids_and_ends(raw) for raw in self.encode_raw(texts)]
+
+    def encode_raw(self, texts: list[str]) -> list:
+        """The texts tokenized in one call, not yet read into arrays (:meth:`ids_and_ends` reads each).
+
+        Why apart: the Rust call releases the GIL and can run on a thread of its own; reading its results is Python
+        work, better done by the thread that uses them than by one that would hold the GIL against it."""
         if self._backend is not None:  # the Rust tokenizer itself: no per-token Python objects for the offsets
-            return [
-                _ids_and_ends(e.ids, e.offsets) for e in self._backend.encode_batch(texts, add_special_tokens=False)
-            ]
+            return self._backend.encode_batch(texts, add_special_tokens=False)
         enc = self.tokenizer(
             texts, add_special_tokens=False, padding=False, truncation=False, return_offsets_mapping=True
         )
-        return [_ids_and_ends(ids, offsets) for ids, offsets in zip(enc["input_ids"], enc["offset_mapping"])]
+        return list(zip(enc["input_ids"], enc["offset_mapping"]))
+
+    @staticmethod
+    def ids_and_ends(raw) -> tuple[np.ndarray, np.ndarray]:
+        """``(input_ids, character end of each token)`` of one result of :meth:`encode_raw`."""
+        return _ids_and_ends(*raw) if isinstance(raw, tuple) else _ids_and_ends(raw.ids, raw.offsets)
 
 
 def _ids_and_ends(ids, offsets) -> tuple[np.ndarray, np.ndarray]:

@@ -317,7 +317,8 @@ def encode_rows(
     conversations, rows = list(conversations), list(rows)
 
     def finish(part: list, tokenized) -> None:
-        for (row, (messages, text, generation)), (ids, ends) in zip(part, tokenized.result()):
+        for (row, (messages, text, generation)), raw in zip(part, tokenized.result()):
+            ids, ends = renderer.ids_and_ends(raw)
             encoded = _encode_rendered(messages, text, generation, ids, ends, renderer, row, settings)
             for key, value in {**encoded.to_row(), "num_trained": encoded.num_trained}.items():
                 columns.setdefault(key, []).append(value)
@@ -332,7 +333,7 @@ def encode_rows(
             (row, _render_checked(messages, renderer, row, settings))
             for messages, row in zip(conversations[lo : lo + step], rows[lo : lo + step])
         ]
-        pending.append((part, tokenizer_threads().submit(renderer.tokenize_batch, [t for _, (_, t, _) in part])))
+        pending.append((part, tokenizer_threads().submit(renderer.encode_raw, [t for _, (_, t, _) in part])))
         if len(pending) > TOKENIZE_IN_FLIGHT:
             finish(*pending.pop(0))
     for waiting in pending:
