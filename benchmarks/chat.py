@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import resource
 import shutil
 import subprocess
@@ -43,71 +42,7 @@ from pathlib import Path
 
 T_START = time.perf_counter()
 GIB = 1 << 30
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "for",
-    "that",
-    "with",
-    "as",
-    "on",
-    "by",
-    "this",
-    "from",
-    "at",
-    "be",
-    "are",
-    "or",
-    "an",
-    "it",
-    "which",
-    "module",
-    "function",
-    "returns",
-    "value",
-    "list",
-    "string",
-    "file",
-    "path",
-    "object",
-    "class",
-    "method",
-    "argument",
-    "default",
-    "error",
-    "raise",
-    "python",
-    "data",
-    "time",
-]
-
-
-def conversations(n: int, seed: int = 0):
-    """``n`` conversations of 2 to 12 turns (user 5-60 words, assistant 10-200), a third with a system message."""
-    rng = random.Random(seed)
-
-    def text(lo: int, hi: int) -> str:
-        return " ".join(rng.choices(WORDS, k=rng.randint(lo, hi)))
-
-    for i in range(n):
-        messages = [{"role": "system", "content": text(5, 20)}] if i % 3 == 0 else []
-        for _ in range(rng.randint(1, 6)):
-            messages += [{"role": "user", "content": text(5, 60)}, {"role": "assistant", "content": text(10, 200)}]
-        yield {"messages": messages}
-
-
-def pairs(n: int, seed: int = 0):
-    """``n`` conversation pairs: the turns before the last assistant turn as the prompt, that turn as ``chosen``,
-    a fresh answer (10-200 words) as ``rejected``."""
-    rng = random.Random(seed + 1)
-    for row in conversations(n, seed):
-        messages = row["messages"]
-        other = " ".join(rng.choices(WORDS, k=rng.randint(10, 200)))
-        yield {"prompt": messages[:-1], "chosen": messages[-1:], "rejected": [{"role": "assistant", "content": other}]}
+from chat_data import conversations, pairs  # noqa: E402 (benchmarks/chat_data.py, beside this file)
 
 
 def _resident(field: str = "VmRSS") -> int:
@@ -326,6 +261,7 @@ def main(argv=None) -> None:
     parser.add_argument("--scratch", default=None, help="working folder (default: a temporary one)")
     parser.add_argument("--pairs", action="store_true", help="conversation pairs: ours vs TRL's DPOTrainer")
     parser.add_argument("--num-proc", type=int, default=1, help="tokenizing processes on our side (TRL: one)")
+    parser.add_argument("--ours-only", action="store_true", help="our side only (e.g. to compare --num-proc)")
     args = parser.parse_args(argv)
 
     import datasets
@@ -354,7 +290,7 @@ def main(argv=None) -> None:
         "num_proc": args.num_proc,
     }
     results = {}
-    for side in ("trl", "ours"):  # each in a fresh process, cold: no cache left by an earlier run
+    for side in ("ours",) if args.ours_only else ("trl", "ours"):  # each a fresh process, cold: no cache left
         shutil.rmtree(scratch / "hf", ignore_errors=True)
         shutil.rmtree(scratch / "cache", ignore_errors=True)
         for leftover in data.glob("cache-*.arrow"):  # datasets.map writes its cache next to a saved dataset
@@ -372,6 +308,8 @@ def main(argv=None) -> None:
             f"| {side} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['import_s']:.1f} | {r['peak_rss'] / GIB:.2f} | "
             f"{(r['peak_rss'] - r['import_rss']) / GIB:.3f} | {r['rows']:,} | {r['tokens']:,} | {r['trained']:,} |"
         )
+    if args.ours_only:
+        return
     t, o = results["trl"], results["ours"]
     print(
         f"\nours / TRL: wall {o['wall_s'] / t['wall_s']:.2f}x, pipeline wall {o['pipeline_s'] / t['pipeline_s']:.2f}x, "
