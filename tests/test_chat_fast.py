@@ -22,13 +22,14 @@ FOLDS_SYSTEM = (  # Llama-2's layout: the system message inside the first user t
 WORDS = ["alpha", "beta", "gamma", "delta", "épsilon", "zeta", "42", "\n", "  ", "ok."]
 
 
-def _conversations(n: int, seed: int = 0) -> list[list[dict]]:
+def _conversations(n: int, seed: int = 0, system: bool = True) -> list[list[dict]]:
     """Random conversations: an optional system turn, 1-4 user/assistant exchanges, odd whitespace and non-ASCII,
     a per-turn ``train`` override now and then."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        messages = [{"role": "system", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 5)))}] if i % 3 else []
+        messages = [{"role": "system", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 5)))}]
+        messages = messages if system and i % 3 else []
         for _ in range(rng.randint(1, 4)):
             messages.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 12)))})
             answer = {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 30)))}
@@ -39,9 +40,22 @@ def _conversations(n: int, seed: int = 0) -> list[list[dict]]:
     return out
 
 
-@pytest.fixture(scope="module", params=["markers", "no_markers", "folds_system"])
+NO_SYSTEM = (  # refuses a system turn, as Gemma's template does
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{{ bos_token + m['role'] + '\n' }}{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] + eos_token }}{% endgeneration %}{% else %}{{ m['content'] + eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ bos_token + 'assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module", params=["markers", "no_markers", "folds_system", "no_system"])
 def renderer(request, chat_tokenizer_module):
-    template = {"markers": BUILTIN_CHAT_TEMPLATE, "no_markers": NO_MARKERS, "folds_system": FOLDS_SYSTEM}
+    template = {
+        "markers": BUILTIN_CHAT_TEMPLATE,
+        "no_markers": NO_MARKERS,
+        "folds_system": FOLDS_SYSTEM,
+        "no_system": NO_SYSTEM,
+    }
     chat_tokenizer_module.chat_template = template[request.param]
     with pytest.warns(UserWarning) if request.param == "no_markers" else contextlib.nullcontext():
         return ChatRenderer(chat_tokenizer_module)
@@ -55,8 +69,9 @@ def chat_tokenizer_module():
 
 
 def test_the_direct_template_call_renders_what_render_jinja_template_renders(renderer):
+    """Also for a template that refuses the probe's system turn: it refuses it on both paths alike."""
     assert renderer._direct is not None  # the fast path is in use with this transformers
-    for messages in _conversations(30, seed=1):
+    for messages in _conversations(30, seed=1, system=renderer.template != NO_SYSTEM):
         for prompt in (False, True):
             for spans in (False, True):
                 chat = renderer.prepare(messages)
@@ -70,7 +85,7 @@ def test_a_batch_in_parts_on_threads_equals_each_conversation_alone(renderer, tr
     """Several parts per batch (two tokenizing at once), rows in order: ids, spans, turn ends as one at a time."""
     monkeypatch.setattr(conversations, "TOKENIZE_MIN_PART", 3)
     settings = ConversationSettings(train_on=train_on)
-    batch = _conversations(41, seed=2)
+    batch = _conversations(41, seed=2, system=renderer.template != NO_SYSTEM)
     rows = list(range(100, 141))
     columns = encode_rows(batch, rows, renderer, settings)
     assert len(columns["input_ids"]) == len(batch)
@@ -85,7 +100,7 @@ def test_a_batch_in_parts_on_threads_equals_each_conversation_alone(renderer, tr
 def test_a_bad_conversation_in_a_later_part_is_named(renderer, monkeypatch):
     """The error of a conversation in a later part names its row, whatever is tokenizing meanwhile."""
     monkeypatch.setattr(conversations, "TOKENIZE_MIN_PART", 2)
-    batch = _conversations(9, seed=3)
+    batch = _conversations(9, seed=3, system=renderer.template != NO_SYSTEM)
     batch[7] = [{"role": "narrator", "content": "x"}]
     with pytest.raises(ValueError, match="Conversation 57, turn 0 has role 'narrator'"):
         encode_rows(batch, list(range(50, 59)), renderer)
