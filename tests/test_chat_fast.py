@@ -3,6 +3,7 @@
 
 import contextlib
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -89,6 +90,8 @@ def test_a_batch_in_parts_on_threads_equals_each_conversation_alone(renderer, tr
     rows = list(range(100, 141))
     columns = encode_rows(batch, rows, renderer, settings)
     assert len(columns["input_ids"]) == len(batch)
+    # The tokenizing threads end with the batch: a later fork (loader workers, num_proc) copies no running thread.
+    assert not [t for t in threading.enumerate() if t.name.startswith("seqmem-tokenize")]
     for i, (messages, row) in enumerate(zip(batch, rows)):
         alone = encode_conversation(messages, renderer, row, settings)
         assert np.array_equal(columns["input_ids"][i], alone.input_ids)

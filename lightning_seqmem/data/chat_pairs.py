@@ -18,7 +18,12 @@ import numpy as np
 
 from lightning_seqmem.data.chat_content import plain_turns, render_turns
 from lightning_seqmem.data.chat_template import ChatRenderer, chat_template_of, template_fingerprint
-from lightning_seqmem.data.conversations import TOKENIZE_MIN_PART, TOKENIZE_PARTS, check_conversation, tokenizer_threads
+from lightning_seqmem.data.conversations import (
+    TOKENIZE_MIN_PART,
+    TOKENIZE_PARTS,
+    check_conversation,
+    tokenizing_threads,
+)
 
 PAIR_SIDES = ("chosen", "rejected")
 
@@ -117,23 +122,24 @@ def encode_chat_pairs(
         encode = _ids_of(renderer)
     # Each part is tokenized on a thread (the Rust tokenizer releases the GIL) while the next one is rendered.
     step, parts = 3 * max(TOKENIZE_MIN_PART, -(-len(rows) // TOKENIZE_PARTS)), []
-    for i, row in enumerate(rows):
-        chosen = _turns(batch["chosen"][i], row, "chosen", False, renderer)
-        rejected = _turns(batch["rejected"][i], row, "rejected", False, renderer)
-        if settings.has_prompt:
-            prompt = _turns(batch["prompt"][i], row, "prompt", True, renderer)
-        else:
-            n = shared_turns(chosen, rejected)
-            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-        texts += [
-            render_turns(renderer, prompt, f"{row} (prompt)", add_generation_prompt=True, spans=False)[0],
-            render_turns(renderer, prompt + chosen, f"{row} (prompt + chosen)", spans=False)[0],
-            render_turns(renderer, prompt + rejected, f"{row} (prompt + rejected)", spans=False)[0],
-        ]
-        if len(texts) >= step or i == len(rows) - 1:
-            parts.append(tokenizer_threads().submit(encode, texts))
-            texts = []
-    ids = [one for part in parts for one in part.result()]
+    with tokenizing_threads() as threads:
+        for i, row in enumerate(rows):
+            chosen = _turns(batch["chosen"][i], row, "chosen", False, renderer)
+            rejected = _turns(batch["rejected"][i], row, "rejected", False, renderer)
+            if settings.has_prompt:
+                prompt = _turns(batch["prompt"][i], row, "prompt", True, renderer)
+            else:
+                n = shared_turns(chosen, rejected)
+                prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+            texts += [
+                render_turns(renderer, prompt, f"{row} (prompt)", add_generation_prompt=True, spans=False)[0],
+                render_turns(renderer, prompt + chosen, f"{row} (prompt + chosen)", spans=False)[0],
+                render_turns(renderer, prompt + rejected, f"{row} (prompt + rejected)", spans=False)[0],
+            ]
+            if len(texts) >= step or i == len(rows) - 1:
+                parts.append(threads.submit(encode, texts))
+                texts = []
+        ids = [one for part in parts for one in part.result()]
     out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "length": []}
     for i, row in enumerate(rows):
         prompt, chosen, rejected = ids[3 * i : 3 * i + 3]

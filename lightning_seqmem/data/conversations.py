@@ -11,7 +11,6 @@ Truncation by turns lives in :mod:`lightning_seqmem.data.chat_truncation`.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -328,31 +327,29 @@ def encode_rows(
     # parts are finished in order, so rows keep theirs.
     step = max(TOKENIZE_MIN_PART, -(-len(rows) // TOKENIZE_PARTS))
     pending: list = []
-    for lo in range(0, len(rows), step):
-        part = [
-            (row, _render_checked(messages, renderer, row, settings))
-            for messages, row in zip(conversations[lo : lo + step], rows[lo : lo + step])
-        ]
-        pending.append((part, tokenizer_threads().submit(renderer.encode_raw, [t for _, (_, t, _) in part])))
-        if len(pending) > TOKENIZE_IN_FLIGHT:
-            finish(*pending.pop(0))
-    for waiting in pending:
-        finish(*waiting)
+    with tokenizing_threads() as threads:
+        for lo in range(0, len(rows), step):
+            part = [
+                (row, _render_checked(messages, renderer, row, settings))
+                for messages, row in zip(conversations[lo : lo + step], rows[lo : lo + step])
+            ]
+            pending.append((part, threads.submit(renderer.encode_raw, [t for _, (_, t, _) in part])))
+            if len(pending) > TOKENIZE_IN_FLIGHT:
+                finish(*pending.pop(0))
+        for waiting in pending:
+            finish(*waiting)
     return columns
 
 
 TOKENIZE_PARTS, TOKENIZE_MIN_PART, TOKENIZE_IN_FLIGHT = 8, 16, 2
 """A batch is tokenized in up to 8 parts of at least 16 conversations, 2 parts at a time."""
-_THREADS: dict[int, ThreadPoolExecutor] = {}
 
 
-def tokenizer_threads() -> ThreadPoolExecutor:
-    """The tokenizing threads of this process (a forked worker makes its own: threads do not survive a fork)."""
-    pid = os.getpid()
-    if pid not in _THREADS:
-        _THREADS.clear()
-        _THREADS[pid] = ThreadPoolExecutor(TOKENIZE_IN_FLIGHT, thread_name_prefix="seqmem-tokenize")
-    return _THREADS[pid]
+def tokenizing_threads() -> ThreadPoolExecutor:
+    """Threads for one batch's tokenizer calls, used as ``with tokenizing_threads() as threads:``. They end with
+    the batch: none outlives it, so a later fork (loader workers, ``num_proc``) never copies a process whose threads
+    are running (Python 3.12 warns of it), and starting two threads is nothing beside a batch's tokenizing."""
+    return ThreadPoolExecutor(TOKENIZE_IN_FLIGHT, thread_name_prefix="seqmem-tokenize")
 
 
 def select_trained(
