@@ -107,3 +107,27 @@ def test_a_bad_conversation_in_a_later_part_is_named(renderer, monkeypatch):
     batch[7] = [{"role": "narrator", "content": "x"}]
     with pytest.raises(ValueError, match="Conversation 57, turn 0 has role 'narrator'"):
         encode_rows(batch, list(range(50, 59)), renderer)
+
+
+def test_a_tokenizer_without_a_rust_backend_is_called_from_one_thread(chat_tokenizer_module, monkeypatch):
+    """A tokenizer's own ``__call__`` (no Rust backend to call) sets state on every call: it is never called from
+    two threads at once, and the rows are the same."""
+    chat_tokenizer_module.chat_template = BUILTIN_CHAT_TEMPLATE
+    renderer = ChatRenderer(chat_tokenizer_module)
+    batch = _conversations(20, seed=4)
+    expected = encode_rows(batch, list(range(20)), renderer)
+    monkeypatch.setattr(renderer, "_backend", None)
+    monkeypatch.setattr(conversations, "TOKENIZE_MIN_PART", 2)
+    calls, threads = [], set()
+    original = type(chat_tokenizer_module).__call__
+
+    def watched(self, *args, **kwargs):
+        threads.add(threading.get_ident())
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(chat_tokenizer_module), "__call__", watched)
+    columns = encode_rows(batch, list(range(20)), renderer)
+    assert len(calls) > 1 and threads == {threading.get_ident()}  # several parts, all in this thread
+    for key in ("input_ids", "label_spans", "turn_ends"):
+        assert all(np.array_equal(a, b) for a, b in zip(columns[key], expected[key]))

@@ -118,11 +118,13 @@ def encode_chat_pairs(
             the message names the row and column (and turn).
     """
     texts, parted = [], []  # parted: pairs whose prompt tokens and full sequence part before the prompt ends
+    # Threads only for Rust calls alone (a BatchEncoder's first call also runs the tokenizer's own, to compare).
+    safe = renderer.thread_safe if encode is None else getattr(encode, "fast", False) and encode.checked
     if encode is None:
         encode = _ids_of(renderer)
     # Each part is tokenized on a thread (the Rust tokenizer releases the GIL) while the next one is rendered.
     step, parts = 3 * max(TOKENIZE_MIN_PART, -(-len(rows) // TOKENIZE_PARTS)), []
-    with tokenizing_threads() as threads:
+    with tokenizing_threads(safe) as threads:
         for i, row in enumerate(rows):
             chosen = _turns(batch["chosen"][i], row, "chosen", False, renderer)
             rejected = _turns(batch["rejected"][i], row, "rejected", False, renderer)

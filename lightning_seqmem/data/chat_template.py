@@ -237,6 +237,11 @@ class ChatRenderer:
         )
         return list(zip(enc["input_ids"], enc["offset_mapping"]))
 
+    @property
+    def thread_safe(self) -> bool:
+        """Whether :meth:`encode_raw` may run on several threads at once (it calls the Rust tokenizer itself)."""
+        return self._backend is not None
+
     @staticmethod
     def ids_and_ends(raw) -> tuple[np.ndarray, np.ndarray]:
         """``(input_ids, character end of each token)`` of one result of :meth:`encode_raw`."""
