@@ -10,7 +10,9 @@ template, which has ``{% generation %}`` markers) go into two fresh processes ea
 - ours: ``SeqMemDataModule(dataset=ds, tokenizer=tok, max_length=..., strategy="pad")``, ``prepare_data()`` (the
   tokenize-once cache: ``input_ids``, trained spans, turn ends) and ``setup("fit")`` (truncation by turns, rows).
 
-Both tokenize with one process (``num_proc`` 1, ``TOKENIZERS_PARALLELISM=false``). Wall is the whole child
+Both tokenize with one process (``num_proc`` 1, ``TOKENIZERS_PARALLELISM=false``); ours tokenizes on two threads of
+its own while its main thread renders (the Rust tokenizer releases the GIL), TRL one conversation at a time. CPU is
+the child's user + system time (all its threads): on a busy machine it moves less than wall. Wall is the whole child
 process; peak RSS its own ``VmHWM`` (one process: no workers); "after imports" is what the pipeline adds to the RSS its imports left (TRL's
 import and ours both load torch; ours also Lightning). Then, from our cache, token efficiency and the share of fed
 tokens that carry loss, pad vs pack, at ``max_length``.
@@ -22,6 +24,7 @@ that turn as ``chosen``, another answer as ``rejected``) through TRL's ``DPOTrai
     python benchmarks/chat.py                 # 100 k conversations, max_length 2048
     python benchmarks/chat.py --rows 5000     # smoke test
     python benchmarks/chat.py --pairs         # 100 k conversation pairs vs TRL's DPOTrainer
+    python benchmarks/chat.py --num-proc 2    # ours with two tokenizing processes
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -39,71 +42,7 @@ from pathlib import Path
 
 T_START = time.perf_counter()
 GIB = 1 << 30
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "for",
-    "that",
-    "with",
-    "as",
-    "on",
-    "by",
-    "this",
-    "from",
-    "at",
-    "be",
-    "are",
-    "or",
-    "an",
-    "it",
-    "which",
-    "module",
-    "function",
-    "returns",
-    "value",
-    "list",
-    "string",
-    "file",
-    "path",
-    "object",
-    "class",
-    "method",
-    "argument",
-    "default",
-    "error",
-    "raise",
-    "python",
-    "data",
-    "time",
-]
-
-
-def conversations(n: int, seed: int = 0):
-    """``n`` conversations of 2 to 12 turns (user 5-60 words, assistant 10-200), a third with a system message."""
-    rng = random.Random(seed)
-
-    def text(lo: int, hi: int) -> str:
-        return " ".join(rng.choices(WORDS, k=rng.randint(lo, hi)))
-
-    for i in range(n):
-        messages = [{"role": "system", "content": text(5, 20)}] if i % 3 == 0 else []
-        for _ in range(rng.randint(1, 6)):
-            messages += [{"role": "user", "content": text(5, 60)}, {"role": "assistant", "content": text(10, 200)}]
-        yield {"messages": messages}
-
-
-def pairs(n: int, seed: int = 0):
-    """``n`` conversation pairs: the turns before the last assistant turn as the prompt, that turn as ``chosen``,
-    a fresh answer (10-200 words) as ``rejected``."""
-    rng = random.Random(seed + 1)
-    for row in conversations(n, seed):
-        messages = row["messages"]
-        other = " ".join(rng.choices(WORDS, k=rng.randint(10, 200)))
-        yield {"prompt": messages[:-1], "chosen": messages[-1:], "rejected": [{"role": "assistant", "content": other}]}
+from chat_data import conversations, pairs  # noqa: E402 (benchmarks/chat_data.py, beside this file)
 
 
 def _resident(field: str = "VmRSS") -> int:
@@ -173,7 +112,7 @@ def _prepared(task: dict):
         max_length=task["max_length"],
         strategy="pad",
         cache_dir=task["cache_dir"],
-        num_proc=1,
+        num_proc=task.get("num_proc", 1),
     )
     dm.prepare_data()
     dm.setup("fit")
@@ -296,7 +235,7 @@ def run_child(kind: str, task: dict, env: dict) -> dict:
     """One child in a fresh process: its wall, and the peak RSS it reports (its own ``VmHWM``)."""
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as out:
         result_path = out.name
-    start = time.perf_counter()
+    start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--child", kind, json.dumps(task), result_path],
         env=env,
@@ -305,12 +244,12 @@ def run_child(kind: str, task: dict, env: dict) -> dict:
         text=True,
     )
     _, stderr = proc.communicate()
-    wall = time.perf_counter() - start
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
         raise RuntimeError(f"{kind} failed:\n{stderr[-3000:]}")
     result = json.load(open(result_path))
     os.unlink(result_path)
-    result.update(wall_s=wall)
+    result.update(wall_s=wall, cpu_s=sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime")))
     return result
 
 
@@ -321,6 +260,8 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--scratch", default=None, help="working folder (default: a temporary one)")
     parser.add_argument("--pairs", action="store_true", help="conversation pairs: ours vs TRL's DPOTrainer")
+    parser.add_argument("--num-proc", type=int, default=1, help="tokenizing processes on our side (TRL: one)")
+    parser.add_argument("--ours-only", action="store_true", help="our side only (e.g. to compare --num-proc)")
     args = parser.parse_args(argv)
 
     import datasets
@@ -346,9 +287,10 @@ def main(argv=None) -> None:
         "micro_batch_size": args.micro_batch_size,
         "scratch": str(scratch / "trl"),
         "cache_dir": str(scratch / "cache"),
+        "num_proc": args.num_proc,
     }
     results = {}
-    for side in ("trl", "ours"):  # each in a fresh process, cold: no cache left by an earlier run
+    for side in ("ours",) if args.ours_only else ("trl", "ours"):  # each a fresh process, cold: no cache left
         shutil.rmtree(scratch / "hf", ignore_errors=True)
         shutil.rmtree(scratch / "cache", ignore_errors=True)
         for leftover in data.glob("cache-*.arrow"):  # datasets.map writes its cache next to a saved dataset
@@ -357,16 +299,21 @@ def main(argv=None) -> None:
     what = "conversation pairs (prompt of 1-11 turns)" if args.pairs else "conversations of 2-12 turns"
     print(f"{args.rows:,} {what}, max_length {args.max_length}, one process each side\n")
     trained = "completion tokens" if args.pairs else "trained tokens"
-    print(f"| | wall (s) | imports (s) | peak RSS (GiB) | RSS after imports (GiB) | rows | tokens | {trained} |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"| | wall (s) | CPU (s) | imports (s) | peak RSS (GiB) | RSS after imports (GiB) | rows | tokens | {trained} |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for side, r in results.items():
         print(
-            f"| {side} | {r['wall_s']:.1f} | {r['import_s']:.1f} | {r['peak_rss'] / GIB:.2f} | "
+            f"| {side} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['import_s']:.1f} | {r['peak_rss'] / GIB:.2f} | "
             f"{(r['peak_rss'] - r['import_rss']) / GIB:.3f} | {r['rows']:,} | {r['tokens']:,} | {r['trained']:,} |"
         )
+    if args.ours_only:
+        return
     t, o = results["trl"], results["ours"]
     print(
         f"\nours / TRL: wall {o['wall_s'] / t['wall_s']:.2f}x, pipeline wall {o['pipeline_s'] / t['pipeline_s']:.2f}x, "
+        f"CPU {o['cpu_s'] / t['cpu_s']:.2f}x, "
         f"peak RSS {o['peak_rss'] / t['peak_rss']:.2f}x, RSS after imports "
         f"{(o['peak_rss'] - o['import_rss']) / max(t['peak_rss'] - t['import_rss'], 1):.2f}x"
     )

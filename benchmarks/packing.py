@@ -11,6 +11,11 @@ minutes, both run on the same random subsample for the side-by-side rows, and ou
 
     python benchmarks/packing.py            # full run
     python benchmarks/packing.py --quick    # smaller subsamples, no 10 M set
+    python benchmarks/packing.py --floor    # packed rows against one plain copy of the token column, and TRL
+
+``--floor`` (``packing_floor.py``): a ``datasets.Dataset`` in, packed token rows out (the Dataset TRL's
+``pack_dataset`` returns), timed side by side in one process against one plain copy of the token column and
+TRL's ``bfd_split``, for each fast input form, with where the time goes.
 """
 
 from __future__ import annotations
@@ -201,7 +206,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small subsamples, no 10 M synthetic set")
     parser.add_argument("--sample", type=int, default=None, help="documents given to TRL (default 200k, quick 20k)")
+    parser.add_argument("--floor", action="store_true", help="packed rows vs one copy of the token column, and TRL")
+    parser.add_argument("--documents", type=int, default=17_846, help="--floor: documents per corpus")
+    parser.add_argument("--repeats", type=int, default=9, help="--floor: timed runs per figure (best kept)")
     args = parser.parse_args()
+    if args.floor:
+        from packing_floor import main as floor_main
+
+        floor_main(args.documents, args.repeats)
+        return
     sample = args.sample or (20_000 if args.quick else 200_000)
     rows: list[dict] = []
     for file, max_length, name in [

@@ -46,44 +46,65 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
 
     buckets: dict[int, list[int]] = defaultdict(list)  # open bins by remaining room
     rooms: list[int] = []  # sorted rooms that have open bins
-    chunks: list = []  # bins that took items, one chunk per bulk placement
-    per_bin_of: list[int] = []
-    last_of: list[int] = []
-    n_bins = 0
-    for length, count in zip(values.tolist(), counts.tolist()):
+    # Items longer than half a bin come first and each opens a bin of its own (every open bin has less room than
+    # the item before it left, which is under half): placed in one numpy step, their bins numbered in order.
+    big = int(np.searchsorted(-values, -(capacity // 2), side="left"))  # values descend: lengths > capacity // 2
+    n_bins = int(counts[:big].sum())
+    chunks: list = [range(n_bins)] if big else []  # bins that took items, one chunk per bulk placement
+    per_bin_of: list[int] = [1] if big else []
+    last_of: list[int] = [1] if big else []
+    starts = np.cumsum(counts[:big]) - counts[:big]
+    for length, start, count in zip(values[:big].tolist(), starts.tolist(), counts[:big].tolist()):
+        if length < capacity:  # rooms ascend as lengths descend: insort appends
+            rooms.append(capacity - length)
+            buckets[capacity - length] = list(range(start, start + count))
+    bisect_left, insort = bisect.bisect_left, bisect.insort
+    for length, count in zip(values[big:].tolist(), counts[big:].tolist()):
         remaining = count
         while remaining:
-            j = bisect.bisect_left(rooms, length)
+            j = bisect_left(rooms, length)
             if j < len(rooms):  # the tightest open bin that fits
                 room = rooms[j]
                 bucket = buckets[room]
                 per_bin = room // length
-                k = min(len(bucket), -(-remaining // per_bin))
-                ids = bucket[len(bucket) - k :]
-                del bucket[len(bucket) - k :]
-                if not bucket:
+                k = -(-remaining // per_bin)
+                if k >= len(bucket):  # takes the whole bucket
+                    k, ids = len(bucket), bucket
+                    buckets[room] = []
                     del rooms[j]
-                chunks.append(ids)
+                else:
+                    ids = bucket[-k:]
+                    del bucket[-k:]
             else:  # nothing fits: open new bins
                 room = capacity
                 per_bin = room // length
                 k = -(-remaining // per_bin)
                 ids = range(n_bins, n_bins + k)
-                chunks.append(np.arange(n_bins, n_bins + k))
                 n_bins += k
-            placed = min(remaining, k * per_bin)
+            chunks.append(ids)
+            placed = k * per_bin if k * per_bin < remaining else remaining
             last = placed - (k - 1) * per_bin  # the last bin may take fewer
             per_bin_of.append(per_bin)
             last_of.append(last)
-            for new_room, moved in ((room - per_bin * length, ids[:-1]), (room - last * length, ids[-1:])):
-                if new_room > 0 and len(moved):
-                    if not buckets[new_room]:
-                        bisect.insort(rooms, new_room)
-                    buckets[new_room].extend(moved)
+            full_room, last_room = room - per_bin * length, room - last * length
+            if full_room == last_room:  # every bin of the chunk is left with the same room
+                if full_room > 0:
+                    if not buckets[full_room]:
+                        insort(rooms, full_room)
+                    buckets[full_room].extend(ids)
+            else:
+                if full_room > 0 and k > 1:
+                    if not buckets[full_room]:
+                        insort(rooms, full_room)
+                    buckets[full_room].extend(ids[:-1])
+                if last_room > 0:
+                    if not buckets[last_room]:
+                        insort(rooms, last_room)
+                    buckets[last_room].append(ids[-1])
             remaining -= placed
     # Expand the chunks: every bin of a chunk took ``per_bin`` items, except its last bin, which took ``last``.
-    sizes = np.fromiter((len(c) for c in chunks), dtype=np.int64, count=len(chunks))
-    ids = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])
+    sizes = np.fromiter(map(len, chunks), dtype=np.int64, count=len(chunks))
+    ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=int(sizes.sum()))
     takes = np.repeat(np.asarray(per_bin_of, dtype=np.int64), sizes)
     takes[np.cumsum(sizes) - 1] = last_of
     return order, np.repeat(ids, takes)
@@ -138,7 +159,7 @@ def _best_subset(room: int, counts: list[int], lengths: list[int]) -> dict[int, 
 
 
 def exact_fit_patterns(
-    counts: np.ndarray, capacity: int, max_work: int = 10**5
+    counts: np.ndarray, capacity: int, max_work: int = 10**5, row_limit: int | None = None
 ) -> tuple[list[tuple[list[int], int]], np.ndarray]:
     """Pack a length histogram row pattern by row pattern: each row is its longest item plus the fullest fill.
 
@@ -153,14 +174,19 @@ def exact_fit_patterns(
         max_work: bound on the subset searches, in steps of one length tried for one row pattern (per 1024
             tokens of room; about a microsecond each): on a sparse histogram, or a huge ``capacity``, each
             pattern serves few rows and costs a long search, so the search stops there and returns the rest.
+        row_limit: stop (returning the rest) once the rows made plus the fewest rows the rest needs reach this:
+            a caller that keeps the result only when it has fewer rows would throw it away.
 
     Returns:
         ``(patterns, left)``: ``(row lengths, longest first; how many such rows)`` and the counts not packed.
     """
     counts = [int(c) for c in counts]
     available = [a for a in range(1, capacity + 1) if counts[a]]  # ascending
-    patterns, work = [], 0
+    patterns, work, rows = [], 0, 0
+    tokens_left = sum(a * counts[a] for a in available)
     while available and work < max_work:
+        if row_limit is not None and rows + -(-tokens_left // capacity) >= row_limit:
+            break
         longest = available[-1]
         counts[longest] -= 1
         room = capacity - longest
@@ -173,6 +199,8 @@ def exact_fit_patterns(
         counts[longest] += 1
         fill[longest] = fill.get(longest, 0) + 1
         times = min(counts[a] // n for a, n in fill.items())
+        rows += times
+        tokens_left -= times * sum(a * n for a, n in fill.items())
         for a, n in fill.items():
             counts[a] -= times * n
             if not counts[a]:
@@ -223,11 +251,18 @@ def repack_partial_rows(
     if not in_pool.any():
         return order, bin_of
     pool = order[in_pool]
+    n_dissolved = int(dissolve.sum())
+    if n_dissolved == -(-int(lengths[pool].sum()) // capacity):  # those rows are as few as their tokens allow
+        return order, bin_of
     patterns, left = exact_fit_patterns(
         np.bincount(lengths[pool], minlength=capacity + 1),
         capacity,
-        1000 + 8 * int(dissolve.sum()) if max_work is None else max_work,
+        1000 + 8 * n_dissolved if max_work is None else max_work,
+        row_limit=n_dissolved,
     )
+    made = sum(times for _, times in patterns)
+    if made + -(-int(left @ np.arange(capacity + 1)) // capacity) >= n_dissolved:  # cannot end with fewer rows
+        return order, bin_of
     slot_len, slot_row = _pattern_slots(patterns)  # pattern k's row repeated ``times``, rows numbered from 0
     if left.any():  # what the bounded search did not reach: best fit, in rows after the patterns
         rest_len = np.repeat(np.arange(capacity + 1), left)
@@ -236,7 +271,7 @@ def repack_partial_rows(
         slot_len = np.concatenate([slot_len, rest_len[rest_order]])
         slot_row = np.concatenate([slot_row, rest_bin + base])
     new_rows = int(slot_row.max(initial=-1)) + 1
-    if new_rows >= int(dissolve.sum()):
+    if new_rows >= n_dissolved:
         return order, bin_of
     # Match items to slots of the same length: both sorted by length (stable), the i-th item takes the i-th slot.
     key = np.uint16 if capacity < 2**16 else np.int64
@@ -272,6 +307,19 @@ def pack_bins(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarra
     """
     lengths = np.asarray(lengths)
     order, bin_of = best_fit_decreasing(lengths, capacity)
-    for short in (0, capacity // 16):
-        order, bin_of = repack_partial_rows(lengths, order, bin_of, capacity, short)
-    return order, bin_of
+    short = capacity // 16
+    repacked = repack_partial_rows(lengths, order, bin_of, capacity)
+    if repacked[0] is order and not _full_row_holds(lengths, order, bin_of, capacity, short):
+        return order, bin_of  # the second pass would dissolve the same rows and fail the same way
+    return repack_partial_rows(lengths, *repacked, capacity, short)
+
+
+def _full_row_holds(lengths: np.ndarray, order: np.ndarray, bin_of: np.ndarray, capacity: int, short: int) -> bool:
+    """Whether a full row holds an item of at most ``short`` tokens (what ``repack_partial_rows(short=...)``
+    dissolves besides the rows with a gap)."""
+    placed = lengths[order]
+    is_short = placed <= short
+    if not is_short.any():
+        return False
+    full = np.bincount(bin_of, weights=placed) >= capacity
+    return bool(full[bin_of[is_short]].any())

@@ -19,6 +19,7 @@ import numpy as np
 from lightning_seqmem.data.chat_content import plain_turns, render_turns
 from lightning_seqmem.data.chat_template import ChatRenderer, chat_template_of, template_fingerprint
 from lightning_seqmem.data.conversations import check_conversation
+from lightning_seqmem.data.tokenizing_threads import TOKENIZE_MIN_PART, TOKENIZE_PARTS, tokenizing_threads
 
 PAIR_SIDES = ("chosen", "rejected")
 
@@ -113,20 +114,30 @@ def encode_chat_pairs(
             the message names the row and column (and turn).
     """
     texts, parted = [], []  # parted: pairs whose prompt tokens and full sequence part before the prompt ends
-    for i, row in enumerate(rows):
-        chosen = _turns(batch["chosen"][i], row, "chosen", False, renderer)
-        rejected = _turns(batch["rejected"][i], row, "rejected", False, renderer)
-        if settings.has_prompt:
-            prompt = _turns(batch["prompt"][i], row, "prompt", True, renderer)
-        else:
-            n = shared_turns(chosen, rejected)
-            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-        texts += [
-            render_turns(renderer, prompt, f"{row} (prompt)", add_generation_prompt=True, spans=False)[0],
-            render_turns(renderer, prompt + chosen, f"{row} (prompt + chosen)", spans=False)[0],
-            render_turns(renderer, prompt + rejected, f"{row} (prompt + rejected)", spans=False)[0],
-        ]
-    ids = encode(texts) if encode is not None else [t.tolist() for t, _ in renderer.tokenize_batch(texts)]
+    # Threads only for Rust calls alone (a BatchEncoder's first call also runs the tokenizer's own, to compare).
+    safe = renderer.thread_safe if encode is None else getattr(encode, "fast", False) and encode.checked
+    if encode is None:
+        encode = _ids_of(renderer)
+    # Each part is tokenized on a thread (the Rust tokenizer releases the GIL) while the next one is rendered.
+    step, parts = 3 * max(TOKENIZE_MIN_PART, -(-len(rows) // TOKENIZE_PARTS)), []
+    with tokenizing_threads(safe) as threads:
+        for i, row in enumerate(rows):
+            chosen = _turns(batch["chosen"][i], row, "chosen", False, renderer)
+            rejected = _turns(batch["rejected"][i], row, "rejected", False, renderer)
+            if settings.has_prompt:
+                prompt = _turns(batch["prompt"][i], row, "prompt", True, renderer)
+            else:
+                n = shared_turns(chosen, rejected)
+                prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+            texts += [
+                render_turns(renderer, prompt, f"{row} (prompt)", add_generation_prompt=True, spans=False)[0],
+                render_turns(renderer, prompt + chosen, f"{row} (prompt + chosen)", spans=False)[0],
+                render_turns(renderer, prompt + rejected, f"{row} (prompt + rejected)", spans=False)[0],
+            ]
+            if len(texts) >= step or i == len(rows) - 1:
+                parts.append(threads.submit(encode, texts))
+                texts = []
+        ids = [one for part in parts for one in part.result()]
     out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "length": []}
     for i, row in enumerate(rows):
         prompt, chosen, rejected = ids[3 * i : 3 * i + 3]
@@ -148,3 +159,8 @@ def encode_chat_pairs(
             stacklevel=2,
         )
     return out
+
+
+def _ids_of(renderer: ChatRenderer) -> Callable[[list[str]], list[list[int]]]:
+    """Texts to ids with the renderer's tokenizer (what ``encode_chat_pairs`` uses without an ``encode``)."""
+    return lambda texts: [t.tolist() for t, _ in renderer.tokenize_batch(texts)]

@@ -11,11 +11,18 @@ Truncation by turns lives in :mod:`lightning_seqmem.data.chat_truncation`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_seqmem.data.chat_checks import (  # re-exported: the conversation's checks live there
+    DEFAULT_TRAIN_FIELD,
+    MESSAGES_COLUMN,
+    ROLES,
+    check_conversation,
+    check_conversation_columns,
+)
 from lightning_seqmem.data.chat_content import plain_turns, render_turns
 from lightning_seqmem.data.chat_template import (
     MARKERS,
@@ -25,79 +32,32 @@ from lightning_seqmem.data.chat_template import (
     mask_method,
     template_fingerprint,
 )
-from lightning_seqmem.messages import check_choice, short_repr
+from lightning_seqmem.data.tokenizing_threads import (
+    TOKENIZE_IN_FLIGHT,
+    TOKENIZE_MIN_PART,
+    TOKENIZE_PARTS,
+    tokenizing_threads,
+)
+from lightning_seqmem.messages import check_choice
 
-ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "last_assistant", "all")
 ON_EMPTY_LABELS = ("drop", "keep", "error")
-MESSAGES_COLUMN = "messages"
-DEFAULT_TRAIN_FIELD = "train"
-"""Per-message boolean that overrides ``train_on`` for that one turn."""
+__all__ = [
+    "DEFAULT_TRAIN_FIELD",
+    "MESSAGES_COLUMN",
+    "ROLES",
+    "check_conversation",
+    "check_conversation_columns",
+    "ConversationSettings",
+    "EncodedConversation",
+    "encode_conversation",
+    "encode_rows",
+    "merge_spans",
+    "select_trained",
+]
 ENCODING = "conversations-v2"
 """Part of the cache key: v2 never pads nor cuts by the tokenizer's own settings, makes contents plain
 (``chat_content``) and keeps a system message folded into the first user turn."""
-
-
-def check_conversation(messages, row, train_field: str | None = DEFAULT_TRAIN_FIELD) -> None:
-    """A conversation is a non-empty list of ``{"role", "content"}`` turns with a known role.
-
-    Args:
-        messages: the turns of one conversation.
-        row: what names the conversation in errors (its row index).
-        train_field: the per-message override field; when present it must be a boolean.
-
-    Raises:
-        ValueError: an empty conversation, a turn that is not a mapping, without ``role`` or ``content``, with an
-            unknown role or a non-boolean override; the message names the row and the turn.
-    """
-    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or len(messages) == 0:
-        raise ValueError(
-            f"Conversation {row} is empty or not a list of turns ({short_repr(messages)}): each 'messages' row must "
-            "be a list of {'role': ..., 'content': ...} dicts; remove empty conversations from the data."
-        )
-    for turn, message in enumerate(messages):
-        where = f"Conversation {row}, turn {turn}"
-        if not isinstance(message, Mapping):
-            raise ValueError(f"{where} is {short_repr(message)}, not a {{'role', 'content'}} dict.")
-        # Arrow gives every turn of a column every key, a missing one as None: None counts as missing.
-        missing = [key for key in ("role", "content") if message.get(key) is None]
-        # An assistant turn that only calls tools may carry content=None (OpenAI's format).
-        if missing and not (missing == ["content"] and message.get("tool_calls")):
-            keys = sorted(k for k in message if message[k] is not None)
-            raise ValueError(
-                f"{where} has no {' or '.join(repr(k) for k in missing)} (keys: {keys}): every turn needs "
-                "'role' and 'content'; rename the keys (e.g. 'from'/'value' -> 'role'/'content') before passing it."
-            )
-        if message["role"] not in ROLES:
-            raise ValueError(
-                f"{where} has role {short_repr(message['role'])}; use one of {ROLES} (map e.g. 'human' -> 'user', "
-                "'gpt' -> 'assistant')."
-            )
-        flag = message.get(train_field) if train_field else None
-        if flag is not None and not isinstance(flag, (bool, np.bool_)):
-            raise ValueError(f"{where}: {train_field!r} is {short_repr(flag)}; it must be true, false or absent.")
-
-
-def check_conversation_columns(
-    columns: Iterable[str],
-    messages_column: str = MESSAGES_COLUMN,
-    other_columns: Sequence[str] = ("text", "prompt", "completion"),
-) -> bool:
-    """Whether the data is conversations (it has ``messages_column``).
-
-    Raises:
-        ValueError: ``messages`` next to a text or prompt/completion column: which one to train on is ambiguous.
-    """
-    columns = set(columns)
-    if messages_column not in columns:
-        return False
-    clash = sorted(columns & set(other_columns))
-    if clash:
-        raise ValueError(
-            f"The dataset has a {messages_column!r} column (conversations) and {clash}: train on one kind of data. "
-            f"Remove the other with dataset.remove_columns({clash}) or dataset.remove_columns({messages_column!r})."
-        )
-    return True
 
 
 @dataclass(frozen=True)
@@ -268,10 +228,11 @@ def _encode_rendered(
     """:func:`encode_conversation` once the conversation is rendered (``text``, its generation spans) and
     tokenized (``ids`` and the character end of each token), so that a batch is tokenized in one call."""
     n = len(messages)
+    chat = renderer.prepare(messages)  # converted once; its prefixes render from it
     # Character end of each message where the prefix up to it renders as the start of the whole text.
     bounds: list[int | None] = []
     for i in range(n - 1):
-        prefix = renderer.try_render(messages[: i + 1])
+        prefix = renderer.try_render_prepared(chat[: i + 1])
         bounds.append(len(prefix) if prefix is not None and text.startswith(prefix) else None)
     bounds.append(len(text))
     preamble = renderer.preamble
@@ -282,17 +243,18 @@ def _encode_rendered(
             if bound is None:
                 what = (
                     "cannot render the conversation up to it alone (it raised)"
-                    if renderer.try_render(messages[: i + 1]) is None
+                    if renderer.try_render_prepared(chat[: i + 1]) is None
                     else "renders it differently once later turns follow"
                 )
                 raise _prefix_refused(row, i, messages[i]["role"], what)
 
     # Turns: the preamble, then one per message, merged where a boundary is missing (possible with markers only).
-    turn_ends, turn_of = ([char_to_token(ends, preamble_end)] if preamble_end else []), []
+    turn_chars, turn_of = ([preamble_end] if preamble_end else []), []
     for bound in bounds:
-        turn_of.append(len(turn_ends))
+        turn_of.append(len(turn_chars))
         if bound is not None:
-            turn_ends.append(char_to_token(ends, bound))
+            turn_chars.append(bound)
+    turn_ends = np.searchsorted(ends, turn_chars, side="right").tolist()  # char_to_token of each, in one call
     turn_starts = [0] + turn_ends[:-1]
     keep_turns = (turn_of[0] + 1) if messages[0]["role"] == "system" else (1 if preamble_end else 0)
     if messages[0]["role"] == "system":  # where the template folds it into a later turn, that turn stays too
@@ -306,13 +268,14 @@ def _encode_rendered(
                 f"Conversation {row}: the chat template writes {len(generation)} {{% generation %}} blocks for "
                 f"{len(assistants)} assistant turns; wrap every assistant turn's output in one block."
             )
-        for i, (start, end) in zip(assistants, generation):
-            # As transformers' return_assistant_tokens_mask: from the token holding the first character to the
-            # token holding the last one.
-            answers[i] = (char_to_token(ends, start), char_to_token(ends, end - 1) + 1)
+        # As transformers' return_assistant_tokens_mask: from the token holding the first character to the token
+        # holding the last one.
+        first_last = np.searchsorted(ends, np.asarray(generation, dtype=np.int64).reshape(-1, 2) - [0, 1], "right")
+        for i, (start, last) in zip(assistants, first_last.tolist()):
+            answers[i] = (start, last + 1)
     else:
         for i in assistants:
-            opened = renderer.try_render(messages[:i], add_generation_prompt=True)
+            opened = renderer.try_render_prepared(chat[:i], add_generation_prompt=True)
             previous = bounds[i - 1] if i else preamble_end
             if opened is None or not text.startswith(opened) or len(opened) < previous:
                 raise _prefix_refused(
@@ -356,12 +319,30 @@ def encode_rows(
     :func:`select_trained` after."""
     columns: dict[str, list] = {}
     conversations, rows = list(conversations), list(rows)
-    rendered = [_render_checked(messages, renderer, row, settings) for messages, row in zip(conversations, rows)]
-    tokens = renderer.tokenize_batch([text for _, text, _ in rendered])  # one tokenizer call per batch
-    for row, (messages, text, generation), (ids, ends) in zip(rows, rendered, tokens):
-        encoded = _encode_rendered(messages, text, generation, ids, ends, renderer, row, settings)
-        for key, value in {**encoded.to_row(), "num_trained": encoded.num_trained}.items():
-            columns.setdefault(key, []).append(value)
+
+    def finish(part: list, tokenized) -> None:
+        for (row, (messages, text, generation)), raw in zip(part, tokenized.result()):
+            ids, ends = renderer.ids_and_ends(raw)
+            encoded = _encode_rendered(messages, text, generation, ids, ends, renderer, row, settings)
+            for key, value in {**encoded.to_row(), "num_trained": encoded.num_trained}.items():
+                columns.setdefault(key, []).append(value)
+
+    # The Rust tokenizer releases the GIL: parts are tokenized on threads of our own (two in flight) while the
+    # main thread renders the next part and finishes an earlier one (Python), so the work spreads over two cores;
+    # parts are finished in order, so rows keep theirs.
+    step = max(TOKENIZE_MIN_PART, -(-len(rows) // TOKENIZE_PARTS))
+    pending: list = []
+    with tokenizing_threads(renderer.thread_safe) as threads:
+        for lo in range(0, len(rows), step):
+            part = [
+                (row, _render_checked(messages, renderer, row, settings))
+                for messages, row in zip(conversations[lo : lo + step], rows[lo : lo + step])
+            ]
+            pending.append((part, threads.submit(renderer.encode_raw, [t for _, (_, t, _) in part])))
+            if len(pending) > TOKENIZE_IN_FLIGHT:
+                finish(*pending.pop(0))
+        for waiting in pending:
+            finish(*waiting)
     return columns
 
 
