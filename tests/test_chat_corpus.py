@@ -2,8 +2,8 @@
 
 import pytest
 
+from lightning_seqmem.data.chat_checks import check_conversation
 from lightning_seqmem.data.chat_corpus import SYSTEM_PROMPT, conversations_from_documents, load_builtin_chat_corpus
-from lightning_seqmem.data.conversations import check_conversation
 
 
 @pytest.mark.slow

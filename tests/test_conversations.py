@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 
+from lightning_seqmem.data.chat_checks import check_conversation, check_conversation_columns
 from lightning_seqmem.data.chat_template import (
     BUILTIN_CHAT_TEMPLATE,
     MARKERS,
@@ -19,8 +20,6 @@ from lightning_seqmem.data.chat_template import (
 from lightning_seqmem.data.conversations import (
     ConversationSettings,
     EncodedConversation,
-    check_conversation,
-    check_conversation_columns,
     encode_conversation,
     encode_rows,
     select_trained,

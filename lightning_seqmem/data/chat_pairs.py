@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from lightning_seqmem.data.chat_checks import check_conversation
 from lightning_seqmem.data.chat_content import plain_turns, render_turns
 from lightning_seqmem.data.chat_template import ChatRenderer, chat_template_of, template_fingerprint
-from lightning_seqmem.data.conversations import check_conversation
 from lightning_seqmem.data.tokenizing_threads import TOKENIZE_MIN_PART, TOKENIZE_PARTS, tokenizing_threads
 
 PAIR_SIDES = ("chosen", "rejected")

@@ -16,13 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_seqmem.data.chat_checks import (  # re-exported: the conversation's checks live there
-    DEFAULT_TRAIN_FIELD,
-    MESSAGES_COLUMN,
-    ROLES,
-    check_conversation,
-    check_conversation_columns,
-)
+from lightning_seqmem.data.chat_checks import DEFAULT_TRAIN_FIELD, check_conversation
 from lightning_seqmem.data.chat_content import plain_turns, render_turns
 from lightning_seqmem.data.chat_template import (
     MARKERS,
@@ -43,11 +37,6 @@ from lightning_seqmem.messages import check_choice
 TRAIN_ON = ("assistant", "last_assistant", "all")
 ON_EMPTY_LABELS = ("drop", "keep", "error")
 __all__ = [
-    "DEFAULT_TRAIN_FIELD",
-    "MESSAGES_COLUMN",
-    "ROLES",
-    "check_conversation",
-    "check_conversation_columns",
     "ConversationSettings",
     "EncodedConversation",
     "encode_conversation",

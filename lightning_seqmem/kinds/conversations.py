@@ -14,7 +14,8 @@ import numpy as np
 from lightning_seqmem.batching.conversation_rows import ConversationLengths, conversation_rows
 from lightning_seqmem.batching.settings import SPLITS
 from lightning_seqmem.batching.strategies import Strategy
-from lightning_seqmem.data.conversations import MESSAGES_COLUMN, ConversationSettings
+from lightning_seqmem.data.chat_checks import MESSAGES_COLUMN
+from lightning_seqmem.data.conversations import ConversationSettings
 from lightning_seqmem.data.sources import select_rows
 from lightning_seqmem.kinds.base import Documents, Kind, SplitRows, count_document
 

@@ -28,7 +28,7 @@ def detect(columns: Iterable[str], features: Mapping[str, Any] | None = None, te
         ValueError: none of these columns exist (the message lists what does), a preference column is missing, or
             ``messages`` next to a text or prompt/completion column.
     """
-    from lightning_seqmem.data.conversations import check_conversation_columns
+    from lightning_seqmem.data.chat_checks import check_conversation_columns
 
     columns = set(columns)
     if "input_ids" in columns:
