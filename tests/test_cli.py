@@ -216,6 +216,9 @@ def test_seqmem_cli_spells_a_fix_as_its_command_line_does(monkeypatch, capsys):
     from lightning_seqmem.messages import spell_data_option
 
     monkeypatch.setenv("LIGHTNING_SEQMEM_SURFACE", "python")  # put back after the test
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):  # main() configures the allocator: undone after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(cli, "cli_main", lambda: print(spell_data_option("on_resume_mismatch", "restart_epoch")))
     cli.main()
     assert capsys.readouterr().out.strip() == "--data.on_resume_mismatch restart_epoch"
