@@ -59,6 +59,8 @@ def test_a_save_cut_short_leaves_no_checkpoint_under_its_name(tmp_path, monkeypa
     assert describe(newest_checkpoint(str(folder)))["step"] == 2
 
 
+# BoringModel's plain loader has no position to resume: Lightning says so on the mid-epoch resume this test makes
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
 def test_ckpt_path_last_and_a_missing_last(tmp_path):
     """``last`` is the newest checkpoint; a kill before ``last.ckpt``'s first swap leaves the step's file, which
     ``last`` and the path of ``last.ckpt`` find (and say so); nothing there starts afresh with a line saying it."""
