@@ -135,13 +135,18 @@ def test_the_whole_run_is_reported(chain):
 def changed(chain, tmp_path_factory):
     """The finished chain's checkpoint resumed with another ``max_length`` and ``max_steps`` (run D, refused), then
     with the way out its message gives, as typed (run E)."""
+    from _forked_app import run_forked_main
+
+    from lightning_seqmem.apps.train import main
+
+    # forked from this process (its imports done): these two runs test what the app says, not how it was started
     root = tmp_path_factory.mktemp("changed")
     last = chain["dir"] / "checkpoints" / "last.ckpt"
-    base = [*APP, *SHRINK, "trainer.max_steps=8", "data.max_length=48", f"ckpt_path={last}"]
-    d = subprocess.run([*base, f"hydra.run.dir={root / 'd'}"], cwd=root, capture_output=True, text=True, timeout=300)
+    base = ["seqmem-train", *SHRINK, "trainer.max_steps=8", "data.max_length=48", f"ckpt_path={last}"]
+    d = run_forked_main(main, [*base, f"hydra.run.dir={root / 'd'}"], root)
     fix = re.search(r"data\.on_resume_mismatch=\S+?(?=[\s,;)]|$)", d.stderr)
     e_args = [*base, f"hydra.run.dir={root / 'e'}", fix[0] if fix else "data.on_resume_mismatch=restart_epoch"]
-    e = subprocess.run(e_args, cwd=root, capture_output=True, text=True, timeout=300)
+    e = run_forked_main(main, e_args, root)
     return {"d": d, "fix": fix and fix[0], "e": e, "e_dir": root / "e"}
 
 
