@@ -294,7 +294,8 @@ def test_sigterm_stops_a_multirun_at_once(tmp_path):
         took = time.monotonic() - sent
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM and took < 10, (proc.returncode, took, proc.stderr.read()[-2000:])
+    # "at once" against the end of a 100,000-step run (hours): a bound a loaded 2-core machine cannot miss by chance
+    assert proc.returncode == 128 + signal.SIGTERM and took < 30, (proc.returncode, took, proc.stderr.read()[-2000:])
     assert json.load(open(sweep / "0" / "job_status.json")) == {"status": "interrupted", "signal": "SIGTERM"}
     assert not (sweep / "1").exists()  # the sweep stopped: no next job
 
