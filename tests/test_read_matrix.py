@@ -190,3 +190,32 @@ def test_a_fresh_process_resumes_with_the_next_batches(cache, saved, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [saved[case][2] for case in cases]
+
+
+_FULL: dict[tuple[str, str], list] = {}  # per mode: the uninterrupted run's first 12 batches, read once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("read,sources", MODES)
+def test_a_cut_anywhere_resumes_with_the_next_batches(read, sources, cache):
+    """The same table, cut at batches hypothesis draws (not one hand-picked step): every later batch is the
+    uninterrupted run's, for one source and a ``Mix``, map-style and streamed alike."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    if (read, sources) not in _FULL:
+        _FULL[(read, sources)] = [_lists(b) for _, b in zip(range(12), _dm(read, sources, cache).train_dataloader())]
+    full = _FULL[(read, sources)]
+
+    @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(cut=st.integers(0, 9))
+    def cut_and_resume(cut):
+        dm = _dm(read, sources, cache)
+        loader = dm.train_dataloader()
+        it = iter(loader)
+        assert [_lists(next(it)) for _ in range(cut)] == full[:cut]
+        state = (copy.deepcopy(dm.state_dict()), copy.deepcopy(loader.state_dict()), None)
+        resumed = _resume(read, sources, cache, state)
+        assert resumed == full[cut : cut + 3]
+
+    cut_and_resume()
