@@ -19,6 +19,8 @@ import os
 import sys
 import tempfile
 
+from gpu_memory import TINY_MODEL
+
 VOCAB = 32_000
 FULL = dict(
     model=dict(
@@ -35,15 +37,7 @@ FULL = dict(
     oom_shape=(8, 1024),
 )
 SMOKE = dict(
-    model=dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    ),
+    model=TINY_MODEL,  # the memory sections' CPU stand-in, one definition
     vocab=512,
     varlen_shape=(2, 128),
     oom_shape=(4, 64),
