@@ -222,3 +222,12 @@ def test_seqmem_cli_spells_a_fix_as_its_command_line_does(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cli_main", lambda: print(spell_data_option("on_resume_mismatch", "restart_epoch")))
     cli.main()
     assert capsys.readouterr().out.strip() == "--data.on_resume_mismatch restart_epoch"
+
+
+def test_prepare_data_per_node_is_a_datamodule_argument_the_cli_sets():
+    """Lightning reads ``prepare_data_per_node`` from the DataModule; seqmem-cli sets it as ``--data.<key>``
+    (docs/many_machines.md: one tokenization per job), and it is not one of the data settings."""
+    cli = cli_main(["--trainer.accelerator=cpu", "--data.prepare_data_per_node=false"], run=False)
+    assert cli.datamodule.prepare_data_per_node is False
+    assert "prepare_data_per_node" not in cli.datamodule.hparams
+    assert cli_main(["--trainer.accelerator=cpu"], run=False).datamodule.prepare_data_per_node is True
