@@ -52,13 +52,15 @@ def _dead_pid() -> int:
 
 @pytest.mark.slow
 def test_two_writers_with_different_num_proc_tokenize_one_entry_once(tmp_path, tokenizer):
-    """Writer 0 (one process) and writer 1 (two) start on one entry at once; writer 1 is held until writer 0 has
-    put its manifest down, and writer 0 then waits for writer 1's files before reading the entry back. Writer 1
+    """Writer 0 (one process) and writer 1 (two) start on one entry; writer 1 starts once writer 0 is tokenizing
+    (so writer 0 holds the entry: which rank wins the lock is otherwise a race), its tokenizing is held until
+    writer 0 has put its manifest down, and writer 0 then waits for writer 1's files before reading the entry back. Writer 1
     must wait for the entry instead of writing files under writer 0's names (which damaged it, and writer 0 got
     ``None`` for its split)."""
     dsd, cache, clean = _file_dataset(tmp_path), tmp_path / "cache", None
     clean = _tokens(token_cache.tokenize_cached(dsd, tokenizer, TEXT, cache_dir=tmp_path / "clean"))
     wrote, second = tmp_path / "writer0-wrote", tmp_path / "writer1-wrote"
+    started = tmp_path / "writer0-tokenizing"
 
     def writer(rank: int):
         tokenized = []
@@ -66,6 +68,8 @@ def test_two_writers_with_different_num_proc_tokenize_one_entry_once(tmp_path, t
 
         def tokenize(ds, job, procs):
             tokenized.append(procs)
+            if rank == 0:
+                started.touch()
             if rank == 1:
                 _wait_for(wrote, 30)  # held until writer 0's manifest is down
             names = real_split(ds, job, procs)
@@ -80,6 +84,8 @@ def test_two_writers_with_different_num_proc_tokenize_one_entry_once(tmp_path, t
             return real_load(directory, *args, **kwargs)
 
         token_cache._tokenize_split, token_cache._load = tokenize, load
+        if rank == 1:
+            assert _wait_for(started, 60), "writer 0 never started tokenizing"
         out = token_cache.tokenize_cached(dsd, tokenizer, TEXT, num_proc=1 + rank, cache_dir=cache)
         return tokenized, _tokens(out)
 
