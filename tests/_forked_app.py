@@ -18,68 +18,99 @@ import time
 import traceback
 
 
+class ForkedMain:
+    """A console script's ``main()`` running in a forked child (``start_forked_main``): poll it, signal it, wait for
+    it, as a ``subprocess.Popen`` of the script would be used."""
+
+    def __init__(self, pid: int, argv: list, tmp: tempfile.TemporaryDirectory, paths: list):
+        self.pid, self.args, self._tmp, self._paths = pid, argv, tmp, paths
+        self.returncode = None
+
+    def poll(self):
+        """The exit status once the child has ended, else ``None``."""
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Wait for the child (killed, and ``TimeoutExpired``, past ``timeout``); its status, stdout and stderr."""
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+                self._tmp.cleanup()
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        out, err = (open(path).read() for path in self._paths)
+        self._tmp.cleanup()
+        return subprocess.CompletedProcess(self.args, self.returncode, out, err)
+
+
 def run_forked_main(main, argv, cwd, env=None, timeout=300):
+    """``start_forked_main`` and wait for it: a ``subprocess.CompletedProcess`` with ``returncode``, ``stdout`` and
+    ``stderr`` as text."""
+    return start_forked_main(main, argv, cwd, env).wait(timeout)
+
+
+def start_forked_main(main, argv, cwd, env=None) -> ForkedMain:
     """Fork, and in the child: ``cd cwd``, update the environment with ``env``, set ``sys.argv = argv`` and the main
     module to ``main``'s (as ``python -m`` would), send stdout and stderr (file descriptors and ``sys.stdout``/``sys.stderr``) to files, call ``main()`` and exit
-    with its status (``SystemExit`` as Python would, an uncaught exception printed and 1).
-
-    Returns a ``subprocess.CompletedProcess`` with ``returncode``, ``stdout`` and ``stderr`` as text.
-    """
+    with its status (``SystemExit`` as Python would, an uncaught exception printed and 1). Signals sent to the child
+    reach the app's own handlers, as they would reach a script started from a shell."""
     # What every run imports, imported here (once per test process) so that the child inherits it.
     import lightning.pytorch  # noqa: F401
     import transformers  # noqa: F401
 
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = [os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")]
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            code = 1
+    tmp = tempfile.TemporaryDirectory()
+    paths = [os.path.join(tmp.name, "stdout"), os.path.join(tmp.name, "stderr")]
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            import atexit
+
+            import torch
+
+            # A process started from a shell has none of pytest's exit handlers (one would remove the folder
+            # that holds this child's output): an app that runs its handlers and leaves early
+            # (apps/short_process.leave_now) runs only its own.
+            atexit._clear()
+            # A shell starts a script with the default signal dispositions, whatever the test process set.
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+            torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork
+            for fd, path in zip((1, 2), paths):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            os.chdir(cwd)
+            os.environ.update(env or {})
+            sys.argv = list(argv)
+            # As under ``python -m <main's module>``: what a process spawned from here (ddp_spawn, loader
+            # workers) re-imports as its main module, and what Lightning's launcher re-runs for another rank.
+            sys.modules["__main__"] = sys.modules[main.__module__]
             try:
-                import atexit
-
-                import torch
-
-                # A process started from a shell has none of pytest's exit handlers (one would remove the folder
-                # that holds this child's output): an app that runs its handlers and leaves early
-                # (apps/short_process.leave_now) runs only its own.
-                atexit._clear()
-                torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork
-                for fd, path in zip((1, 2), paths):
-                    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-                sys.stdout = open(1, "w", buffering=1, closefd=False)
-                sys.stderr = open(2, "w", buffering=1, closefd=False)
-                os.chdir(cwd)
-                os.environ.update(env or {})
-                sys.argv = list(argv)
-                # As under ``python -m <main's module>``: what a process spawned from here (ddp_spawn, loader
-                # workers) re-imports as its main module, and what Lightning's launcher re-runs for another rank.
-                sys.modules["__main__"] = sys.modules[main.__module__]
+                result = main()
+                code = 0 if result is None else result
+            except SystemExit as done:
+                code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+                if not isinstance(done.code, (int, type(None))):
+                    print(done.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+        finally:
+            for stream in (sys.stdout, sys.stderr):
                 try:
-                    result = main()
-                    code = 0 if result is None else result
-                except SystemExit as done:
-                    code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-                    if not isinstance(done.code, (int, type(None))):
-                        print(done.code, file=sys.stderr)
-                except BaseException:
-                    traceback.print_exc()
-                    code = 1
-            finally:
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except Exception:
-                        pass
-                os._exit(code)
-        deadline = time.monotonic() + timeout
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise subprocess.TimeoutExpired(argv, timeout)
-            time.sleep(0.05)
-        out, err = (open(path).read() for path in paths)
-    return subprocess.CompletedProcess(argv, os.waitstatus_to_exitcode(status), out, err)
+                    stream.flush()
+                except Exception:
+                    pass
+            os._exit(code)
+    return ForkedMain(pid, list(argv), tmp, paths)

@@ -1,6 +1,6 @@
-"""A run preempted twice, as a user meets it: ``seqmem-train`` in a subprocess stopped with real signals (SIGINT,
-then SIGKILL) and resumed from the command line into the same folder, the files it leaves read back. One chain of
-three processes answers every assertion (each is a separate test over the shared chain)."""
+"""A run preempted twice, as a user meets it: ``seqmem-train`` in a process of its own stopped with real signals
+(SIGINT, then SIGKILL) and resumed from the command line into the same folder, the files it leaves read back. One
+chain of three processes answers every assertion (each is a separate test over the shared chain)."""
 
 import csv
 import json
@@ -8,8 +8,6 @@ import os
 import re
 import shlex
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,7 +16,6 @@ pytestmark = pytest.mark.xdist_group(
     "stop_resume"
 )  # one chain of runs: keep its tests on one worker (--dist loadgroup)
 
-APP = [sys.executable, "-m", "lightning_seqmem.apps.train"]
 SHRINK = [
     "trainer.max_steps=6",
     "trainer.val_check_interval=2",
@@ -34,19 +31,26 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
-def start(args, cwd, log):
-    return subprocess.Popen(args, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True)
+def start(args, cwd):
+    """``seqmem-train <args>`` as a shell starts it, in a process forked from this one (its imports paid once):
+    signals reach the app's own handlers; the console script itself runs in test_train."""
+    from _forked_app import start_forked_main
+
+    from lightning_seqmem.apps.train import main
+
+    return start_forked_main(main, ["seqmem-train", *args], cwd)
 
 
 def stop_at(proc, run_dir, step, signum, timeout=240):
-    """Send ``signum`` once train_progress.csv has the row of ``step``; the process's exit status."""
+    """Send ``signum`` once train_progress.csv has the row of ``step``; the process's exit status and output."""
     deadline = time.monotonic() + timeout
     path = run_dir / "train_progress.csv"
     while not (path.exists() and any(int(r["step"]) >= step for r in read_csv(path))):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the step"
         time.sleep(0.1)
     proc.send_signal(signum)
-    return proc.wait(timeout=120)
+    done = proc.wait(timeout=120)
+    return done.returncode, done.stdout + done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +60,8 @@ def chain(tmp_path_factory):
     root = tmp_path_factory.mktemp("chain")
     run_dir = root / "run"
     out = {"dir": run_dir}
-    with open(root / "a.log", "w") as log:
-        proc = start([*APP, *SHRINK, "checkpoint_every_n_steps=2", f"hydra.run.dir={run_dir}"], root, log)
-        out["a_rc"] = stop_at(proc, run_dir, 3, signal.SIGINT)
-    out["a_log"] = (root / "a.log").read_text()
+    proc = start([*SHRINK, "checkpoint_every_n_steps=2", f"hydra.run.dir={run_dir}"], root)
+    out["a_rc"], out["a_log"] = stop_at(proc, run_dir, 3, signal.SIGINT)
     out["a_status"] = json.load(open(run_dir / "job_status.json"))
     out["a_files"] = sorted(os.listdir(run_dir / "checkpoints"))
     out["a_inodes"] = {n: os.stat(run_dir / "checkpoints" / n).st_ino for n in out["a_files"]}
@@ -68,14 +70,10 @@ def chain(tmp_path_factory):
     out["command"] = command and command[1]
     # As the README writes it: without checkpoint_every_n_steps (the printed command keeps it)
     args = [a for a in shlex.split(out["command"] or "seqmem-train") if not a.startswith("checkpoint_every")]
-    with open(root / "b.log", "w") as log:
-        proc = start([*APP, *args[1:]], root, log)
-        out["b_rc"] = stop_at(proc, run_dir, 5, signal.SIGKILL)
-    out["b_log"] = (root / "b.log").read_text()
-    with open(root / "c.log", "w") as log:
-        proc = start([*APP, *SHRINK, "ckpt_path=last", f"hydra.run.dir={run_dir}"], root, log)
-        out["c_rc"] = proc.wait(timeout=300)
-    out["c_log"] = (root / "c.log").read_text()
+    proc = start(args[1:], root)
+    out["b_rc"], out["b_log"] = stop_at(proc, run_dir, 5, signal.SIGKILL)
+    done = start([*SHRINK, "ckpt_path=last", f"hydra.run.dir={run_dir}"], root).wait(timeout=300)
+    out["c_rc"], out["c_log"] = done.returncode, done.stdout + done.stderr
     return out
 
 
