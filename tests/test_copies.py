@@ -91,29 +91,5 @@ def test_a_mix_serves_loader_workers_started_by_spawn(tmp_path):
     assert [_lists(b) for b in loader] == expected
 
 
-@pytest.mark.slow
-def test_a_mix_trains_under_lightnings_ddp_spawn(tmp_path):
-    """``strategy="ddp_spawn"`` pickles the DataModule into each rank's fresh interpreter: a ``Mix`` used to die
-    there (its frozen ``__setattr__`` refused the unpickler). Two ranks, two steps each, the mix's own sampler."""
-    import json
-
-    import lightning.pytorch as L
-    from test_ddp_data import _CountingModule
-
-    dm = SeqMemDataModule(dataset=_mix(), max_length=32, micro_batch_size=2, cache_dir=str(tmp_path), num_proc=1)
-    trainer = L.Trainer(
-        strategy="ddp_spawn",
-        devices=2,
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=2,
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(_CountingModule(str(tmp_path)), datamodule=dm)
-    ranks = [json.loads((tmp_path / f"lightning_rank{r}_epoch0.json").read_text()) for r in range(2)]
-    assert all(r["sampler"] == "MixedBatchSampler" and r["num_replicas"] == 2 and r["steps"] == 2 for r in ranks)
+# A Mix under Lightning's real ddp_spawn (pickled into each rank's fresh interpreter): test_sweep's
+# test_ddp_spawn_job_inside_a_multirun trains data=mix that way, one spawn run for both claims.

@@ -110,7 +110,8 @@ def test_short_sweep_validates_at_the_last_step_and_reports(warmup_sweep):
 
 @pytest.mark.slow
 def test_ddp_spawn_job_inside_a_multirun(tmp_path):
-    """trainer=ddp_spawn: two CPU processes per job, launched by the Trainer, so the sweep is not re-run per rank.
+    """trainer=ddp_spawn: two CPU processes per job, launched by the Trainer, so the sweep is not re-run per rank;
+    the job's data are a ``Mix`` (data=mix), which must pickle into the spawned ranks.
 
     The multirun is seqmem-train's main() in a process forked from this one (its imports are already paid); the two
     ranks are spawned by the Trainer, fresh interpreters as on a user's machine. The console script itself runs in
@@ -123,6 +124,7 @@ def test_ddp_spawn_job_inside_a_multirun(tmp_path):
         "-m",
         *SHRINK,
         "trainer=ddp_spawn",
+        "data=mix",
         "trainer.accelerator=cpu",
         "trainer.devices=2",
         "trainer.precision=32-true",
@@ -138,6 +140,10 @@ def test_ddp_spawn_job_inside_a_multirun(tmp_path):
     assert summary["optimizer_steps"] == 2
     assert summary["slots_fed_to_model"] > 2 * 8 * 16  # both ranks' batches counted
     assert json.load(open(sweep / "0" / "job_status.json")) == {"status": "finished"}
+    # The data are a Mix (data=mix): pickled into each spawned rank (a Mix's frozen __setattr__ used to refuse the
+    # unpickler there), trained at its shares, each source validated.
+    assert abs(summary["source_prose_share"] - 0.7) < 0.01 and abs(summary["source_chat_share"] - 0.3) < 0.01
+    assert {"final_val_loss_prose", "final_val_loss_chat"} <= summary.keys()
 
 
 @pytest.mark.slow
