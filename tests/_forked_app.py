@@ -53,6 +53,25 @@ class ForkedMain:
         return subprocess.CompletedProcess(self.args, self.returncode, out, err)
 
 
+def _own_log_streams() -> None:
+    """Log handlers made at import time (Lightning's ``StreamHandler`` on ``lightning.pytorch``) hold the test
+    process's stderr, which pytest captures; point them at this process's own, and drop pytest's capturing handlers,
+    as a script started from a shell would have them."""
+    import logging
+
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if type(handler).__module__.startswith("_pytest"):
+                logger.removeHandler(handler)
+            elif type(handler) is logging.StreamHandler:
+                out = getattr(handler.stream, "name", None) in (1, "<stdout>") or handler.stream is sys.__stdout__
+                handler.setStream(sys.stdout if out else sys.stderr)
+
+
 def run_forked_main(main, argv, cwd, env=None, timeout=300):
     """``start_forked_main`` and wait for it: a ``subprocess.CompletedProcess`` with ``returncode``, ``stdout`` and
     ``stderr`` as text."""
@@ -90,6 +109,7 @@ def start_forked_main(main, argv, cwd, env=None) -> ForkedMain:
                 os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
             sys.stdout = open(1, "w", buffering=1, closefd=False)
             sys.stderr = open(2, "w", buffering=1, closefd=False)
+            _own_log_streams()
             os.chdir(cwd)
             os.environ.update(env or {})
             sys.argv = list(argv)

@@ -7,7 +7,6 @@ fork from a small process, not from pytest)."""
 
 import pathlib
 import runpy
-import subprocess
 import sys
 
 import pytest
@@ -40,9 +39,16 @@ def run_example(tmp_path, monkeypatch, capfd):
 
 
 def run_example_process(script, *args, cwd):
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args], cwd=cwd, capture_output=True, text=True, timeout=600
-    )
+    """``python examples/<script> <args>`` with its output to pipes, in a process of its own forked from this one
+    (its imports paid once; its loader workers are forked from it as from a fresh script)."""
+    from _forked_app import run_forked_main
+
+    path = str(EXAMPLES / script)
+
+    def main():
+        runpy.run_path(path, run_name="__main__")
+
+    proc = run_forked_main(main, [path, *args], cwd, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
