@@ -280,9 +280,13 @@ def test_sigterm_stops_a_multirun_at_once(tmp_path):
 
     sweep = tmp_path / "sweep"
     shrink = [o for o in SHRINK if not o.startswith(("trainer.max_steps", "trainer.val_check_interval"))]
-    cmd = [sys.executable, "-m", "lightning_seqmem.apps.train", "-m", *shrink, "trainer.max_steps=100000"]
-    cmd += ["trainer.val_check_interval=100000", "~callbacks.preallocate", "seed=1,2", f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    from _forked_app import start_forked_main
+
+    from lightning_seqmem.apps.train import main
+
+    argv = ["seqmem-train", "-m", *shrink, "trainer.max_steps=100000", "trainer.val_check_interval=100000"]
+    argv += ["~callbacks.preallocate", "seed=1,2", f"hydra.sweep.dir={sweep}"]
+    proc = start_forked_main(main, argv, tmp_path)  # a process of its own, its imports paid once
     try:
         deadline = time.monotonic() + 240
         while not (sweep / "0" / "train_progress.csv").exists():  # a row per step: the job is in fit
@@ -290,12 +294,12 @@ def test_sigterm_stops_a_multirun_at_once(tmp_path):
             time.sleep(0.2)
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        done = proc.wait(timeout=60)
         took = time.monotonic() - sent
     finally:
-        proc.kill()
+        proc.send_signal(signal.SIGKILL)
     # "at once" against the end of a 100,000-step run (hours): a bound a loaded 2-core machine cannot miss by chance
-    assert proc.returncode == 128 + signal.SIGTERM and took < 30, (proc.returncode, took, proc.stderr.read()[-2000:])
+    assert done.returncode == 128 + signal.SIGTERM and took < 30, (done.returncode, took, done.stderr[-2000:])
     assert json.load(open(sweep / "0" / "job_status.json")) == {"status": "interrupted", "signal": "SIGTERM"}
     assert not (sweep / "1").exists()  # the sweep stopped: no next job
 
