@@ -10,6 +10,7 @@ Who tokenized is told by a ``sitecustomize`` on the children's path that notes e
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -51,18 +52,30 @@ def _noted(ds, job, procs):
 token_cache._tokenize_split = _noted
 """
 
-# What srun does inside an sbatch job, for this test: one task per process of each node, with srun's variables.
+# What srun does inside an sbatch job, for this test: one task per process of each node, with srun's variables, and
+# its exit status the first failing task's. The tasks are forked from this stand-in once it has imported the console
+# script (a fresh interpreter per task costs ~9 CPU-s of imports); each then runs as the script does, from
+# ``sys.exit(main())`` to the interpreter's exit. The torchrun case starts every rank as a fresh interpreter.
 SRUN = """#!{python}
-import os, subprocess, sys
+import os, sys
+from importlib.metadata import entry_points
 command = [a for a in sys.argv[1:] if not a.startswith("--")]
+[script] = entry_points(group="console_scripts", name=command[0])
+main = script.load()
+import lightning.pytorch, transformers  # what every task imports, once
 nodes, per_node = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
 tasks = []
 for node in range(nodes):
     for local in range(per_node):
-        ids = {{"SLURM_NODEID": node, "SLURM_LOCALID": local, "SLURM_PROCID": node * per_node + local}}
-        env = {{**os.environ, "SLURM_STEP_ID": "0", **{{k: str(v) for k, v in ids.items()}}}}
-        tasks.append(subprocess.Popen(command, env=env))
-sys.exit(max(task.wait() for task in tasks))
+        pid = os.fork()
+        if pid == 0:
+            ids = {{"SLURM_NODEID": node, "SLURM_LOCALID": local, "SLURM_PROCID": node * per_node + local}}
+            os.environ.update({{"SLURM_STEP_ID": "0", **{{k: str(v) for k, v in ids.items()}}}})
+            sys.argv = command
+            sys.exit(main())
+        tasks.append(pid)
+codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in tasks]
+sys.exit(next((1 if code < 0 else code for code in codes if code), 0))
 """
 
 
@@ -78,6 +91,7 @@ def _launch(launcher: str, per_node: int, tmp_path: Path, env: dict, args: list)
                 cwd=tmp_path,
                 env={**run, "NODE_RANK": str(node), "SEQMEM_TEST_NODE": str(node)},
                 stderr=subprocess.PIPE,
+                start_new_session=True,  # its ranks in its group: all killed together if the test times out
             )
             for node in (0, 1)
         ]
@@ -98,7 +112,7 @@ def _launch(launcher: str, per_node: int, tmp_path: Path, env: dict, args: list)
         "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env["PATH"]]),
     }
     script = ["bash", str(EXAMPLES / "multinode.sbatch"), *args]
-    return [subprocess.Popen(script, cwd=tmp_path, env={**env, **job}, stderr=subprocess.PIPE)]
+    return [subprocess.Popen(script, cwd=tmp_path, env={**env, **job}, stderr=subprocess.PIPE, start_new_session=True)]
 
 
 @pytest.mark.slow
@@ -123,7 +137,7 @@ def test_two_nodes_write_one_run_folder_and_tokenize_as_documented(tmp_path, lau
             _, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for p in procs:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
             pytest.fail(f"the job did not finish in 300 s: {proc.args}")
         if proc.returncode:
             errors.append(err.decode()[-3000:])
