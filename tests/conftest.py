@@ -55,3 +55,34 @@ def pytest_collection_finish(session):
 
     gc.collect()
     gc.freeze()
+
+
+# The suite's longest tests (fresh interpreters, simulated nodes, spawned ranks), longest first. Under ``-n 2`` a
+# worker takes the next test when it is free: started first, the long ones run beside each other and the short
+# ones fill in after, instead of one long test left alone at the end while the other worker idles.
+START_FIRST = (
+    "test_many_nodes_app",
+    "test_examples",
+    "test_ddp_data",
+    "test_train",
+    "test_cli",
+    "test_read_matrix",
+    "test_corpus",
+    "test_install",
+    "test_plan_app",
+    "test_plan_search",
+    "test_memory_estimate",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first, the modules of ``START_FIRST`` in its order; the order within a module is kept. With
+    ``--dist loadgroup`` (pyproject), a module marked ``xdist_group`` (one expensive module fixture, made once)
+    goes to one worker as a whole."""
+
+    def key(item):
+        module = item.module.__name__ if item.module else ""
+        first = START_FIRST.index(module) if module in START_FIRST else len(START_FIRST)
+        return (item.get_closest_marker("slow") is None, first)
+
+    items.sort(key=key)

@@ -54,6 +54,7 @@ def warmup_sweep(tmp_path_factory):
     return tmp_path, sweep, proc
 
 
+@pytest.mark.xdist_group("warmup_sweep")  # one sweep for both: on one worker (--dist loadgroup)
 @pytest.mark.slow
 def test_warmup_sweep_example_then_report(warmup_sweep, capsys):
     """A failed job does not stop the others; the report lists it, and draws the ones that validated."""
@@ -95,6 +96,7 @@ def test_warmup_sweep_example_then_report(warmup_sweep, capsys):
     assert (sweep / "cpu.csv").exists() and "Times are training CPU time" in capsys.readouterr().out
 
 
+@pytest.mark.xdist_group("warmup_sweep")  # one sweep for both: on one worker (--dist loadgroup)
 @pytest.mark.slow
 def test_short_sweep_validates_at_the_last_step_and_reports(warmup_sweep):
     """12 steps with validation scheduled every 20: only the final validation runs, and the report has numbers."""
