@@ -39,8 +39,8 @@ class StreamingPacker:
     it yields, as it goes. :meth:`window` gives the same packing one document at a time, with a state to resume.
 
     Yields:
-        ``{"input_ids": list[int], "seq_lengths": list[int]}`` rows (what ``PackCollator`` takes), with ``labels``
-        where the items brought them.
+        ``{"input_ids": int32 array, "seq_lengths": list[int]}`` rows (what ``PackCollator`` takes), with
+        ``labels`` (an int32 array) where the items brought them.
     """
 
     def __init__(self, max_length: int, buffer_size: int = 1000, overflow: str = "split") -> None:
@@ -61,7 +61,7 @@ class StreamingPacker:
         sequences: Iterable[Sequence[int] | Mapping[str, Sequence[int]]],
         counts: Counter | None = None,
         steady: bool = False,
-    ) -> Iterator[dict[str, list[int]]]:
+    ) -> Iterator[dict[str, Any]]:
         counts = Counter() if counts is None else counts
         window = self.window()
         for index, item in enumerate(sequences):
@@ -110,7 +110,7 @@ class PackingWindow:
             return len(self.ready)
         return -(-len(self.ready) // max(1, self.packer.buffer_size - len(self.buffer)))
 
-    def pop(self, counts: Counter) -> dict[str, list[int]]:
+    def pop(self, counts: Counter) -> dict[str, Any]:
         counts["rows"] += 1
         return _row(self.ready.popleft())
 
@@ -214,12 +214,15 @@ def _int32(tokens: Sequence[int]) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int32).reshape(-1)
 
 
-def _row(members: list[Piece]) -> dict[str, list[int]]:
-    """One packed row (what ``PackCollator`` takes); ``labels`` where any of its documents brought its own."""
-    row = {
-        "input_ids": np.concatenate([ids for ids, _ in members]).tolist(),
+def _row(members: list[Piece]) -> dict[str, Any]:
+    """One packed row (what ``PackCollator`` takes); ``labels`` where any of its documents brought its own.
+
+    Tokens and labels stay int32 arrays, one concatenation each: a Python list per row cost more than packing it,
+    and kept alive (a loader's prefetched batches) they made the garbage collector walk every token."""
+    row: dict[str, Any] = {
+        "input_ids": np.concatenate([ids for ids, _ in members]),
         "seq_lengths": [len(ids) for ids, _ in members],
     }
     if any(labels is not None for _, labels in members):
-        row["labels"] = np.concatenate([labels if labels is not None else ids for ids, labels in members]).tolist()
+        row["labels"] = np.concatenate([labels if labels is not None else ids for ids, labels in members])
     return row
