@@ -400,6 +400,40 @@ def test_two_gloo_ranks_with_different_token_counts(tmp_path, cross_entropy):
     assert relative_error(grads, _reference_grads(params, batches)) <= 1e-5
 
 
+class RankRows(CausalLM):
+    """Rank r reads three micro-batches of ``1 + 3 r`` full rows: the ranks see different numbers of tokens."""
+
+    def train_dataloader(self):
+        rows = 1 + 3 * self.global_rank
+        return DataLoader([micro_batch(4, rows=rows, seed=i) for i in range(3)], batch_size=None)
+
+
+def _count_on_rank(rank, model, tmp_path):
+    trainer = L.Trainer(
+        strategy="ddp",
+        devices=2,
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model)
+    return model.real_tokens_seen
+
+
+@pytest.mark.slow
+def test_each_rank_counts_its_own_real_tokens_under_ddp(tmp_path):
+    """The real-token counter is this rank's (RunSummary sums the ranks' counters): it was a module buffer, and
+    DDP broadcasts rank 0's buffers before every forward, so rank 1 reported rank 0's tokens plus its last batch."""
+    model = _model(RankRows)
+    seen = run_ranks(_count_on_rank, model, tmp_path)
+    assert seen == [3 * (1 + 3 * rank) * LENGTH for rank in (0, 1)]
+
+
 def test_bad_loss_normalization():
     with pytest.raises(ValueError, match="loss_normalization must be one of"):
         CausalLM(loss_normalization="mean")

@@ -49,3 +49,25 @@ class TokenEfficiency(Metric):
 
     def compute(self) -> torch.Tensor:
         return self.real_tokens.float() / self.slots.clamp(min=1).float()
+
+
+class RankCount(Metric):
+    """A running count kept on the device, this rank's own (``CausalLM.real_tokens_seen``), read when asked.
+
+    A metric state rather than a module buffer: DDP copies rank 0's buffers into every rank before each forward,
+    which made every rank report rank 0's count plus its own last batch. As a metric state it moves with the module
+    and a throw-away step's count is undone (``memory.untouched``), as before.
+    """
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, count: torch.Tensor) -> None:
+        self.total += count
+
+    def compute(self) -> torch.Tensor:
+        """The count summed over the ranks (``total`` is this rank's)."""
+        return self.total

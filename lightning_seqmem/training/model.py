@@ -10,7 +10,6 @@ the fraction of the slots fed to the model that hold real tokens. It only wires:
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_seqmem.batch import count_label_tokens, count_real_tokens
+from lightning_seqmem.batch import count_label_tokens
 from lightning_seqmem.oom.hooks import SplitsOnOom
 from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
 from lightning_seqmem.training import adapter_checkpoints, adapters, checks, fsdp, fsdp_cpu
@@ -35,16 +34,16 @@ from lightning_seqmem.training.loss_layer import (
     head_options,
     resolve_cross_entropy,
 )
-from lightning_seqmem.training.metrics import TokenEfficiency
 from lightning_seqmem.training.optimization import check_optimizer, make_optimizer, no_decay_names, warmup_cosine
 from lightning_seqmem.training.source_losses import SourceLosses
+from lightning_seqmem.training.token_counts import TrainingTokenCounts
 from lightning_seqmem.training.varlen import TORCH_VARLEN, batch_varlen_kwargs, needs_varlen_kwargs
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 LOSS_NORMALIZATIONS = ("token", "micro_batch")
 
 
-class CausalLM(SourceLosses, SplitsOnOom, fsdp.FsdpAwareClipping, LightningModule):
+class CausalLM(SourceLosses, TrainingTokenCounts, SplitsOnOom, fsdp.FsdpAwareClipping, LightningModule):
     """Train a Hugging Face causal LM on padded or packed batches.
 
     Args:
@@ -137,14 +136,7 @@ class CausalLM(SourceLosses, SplitsOnOom, fsdp.FsdpAwareClipping, LightningModul
         self.hparams.pad_token_id = pad_token_id
         self.model = None
         self.val_loss = MeanMetric()
-        # Real tokens / slots, summed over ranks; the pad id is set again at setup once the tokenizer is known.
-        self.token_efficiency = TokenEfficiency(pad_token_id=pad_token_id)
-        # Real tokens trained on, this rank: a device counter (a buffer, so it moves with the module and a throw-away
-        # pre-allocation step is undone), read on the host only when asked (real_tokens_seen).
-        self.register_buffer("_real_tokens", torch.zeros((), dtype=torch.long), persistent=False)
-        self.slots_seen = 0
-        self._train_time = 0.0
-        self._batch_start: float | None = None
+        self._init_token_counts(pad_token_id)
         self._token_loss = TokenLossNormalizer()
         self._no_decay: set[str] | None = None  # names, fixed at setup: FSDP flattens parameters to 1-D shards
         self._loss_layer: str | None = None  # cross_entropy as resolved ("auto" decided), at setup or first use
@@ -303,16 +295,6 @@ class CausalLM(SourceLosses, SplitsOnOom, fsdp.FsdpAwareClipping, LightningModul
         """Whether ``inputs`` need the varlen arguments for the attention that runs (``varlen.needs_varlen_kwargs``)."""
         return needs_varlen_kwargs(getattr(self.model.config, "_attn_implementation", None), inputs)
 
-    @property
-    def real_tokens_seen(self) -> int:
-        """Real tokens trained on so far, this rank (reads the device counter: one sync)."""
-        return int(self._real_tokens)
-
-    @property
-    def train_seconds(self) -> float:
-        """Wall-clock seconds spent in training batches so far, this rank (``protocols.CountsTrainingTokens``)."""
-        return self._train_time
-
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         rows, token = batch["input_ids"].shape[0], self.hparams.loss_normalization == "token"
         # "token": sum of token losses / a fixed scale; on_after_backward turns the step into the per-token mean
@@ -328,19 +310,8 @@ class CausalLM(SourceLosses, SplitsOnOom, fsdp.FsdpAwareClipping, LightningModul
             self._log_train_loss(loss, batch_size=rows)
         real, slots = self._count_train_tokens(batch, rows)
         self.log("train/real_token_fraction", real / max(slots, 1), batch_size=rows)
-        self.log("train/real_tokens_seen", self._real_tokens.float(), batch_size=rows, reduce_fx="max")
+        self.log("train/real_tokens_seen", self._real_tokens.total.float(), batch_size=rows, reduce_fx="max")
         return loss
-
-    def _count_train_tokens(self, batch: dict[str, torch.Tensor], rows: int) -> tuple[torch.Tensor, int]:
-        """``(real, slots)`` of a batch, added to the counts, token efficiency and tokens/s (on the device: no sync)."""
-        real, slots = count_real_tokens(batch, self.hparams.pad_token_id), batch["input_ids"].numel()
-        self._real_tokens += real
-        self.slots_seen += slots
-        self.token_efficiency.update(batch, real_tokens=real)
-        self.log("train/token_efficiency", self.token_efficiency, batch_size=rows, on_step=False, on_epoch=True)
-        if self._train_time > 0:
-            self.log("train/real_tokens_per_sec", self._real_tokens / self._train_time, prog_bar=True, batch_size=rows)
-        return real, slots
 
     def _log_train_loss(self, loss: torch.Tensor, batch_size: int | None = None) -> None:
         self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
@@ -361,13 +332,6 @@ class CausalLM(SourceLosses, SplitsOnOom, fsdp.FsdpAwareClipping, LightningModul
             loss = self._token_loss.finish_step(self)
             if loss is not None:
                 self._log_train_loss(loss, batch_size=1)
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._batch_start = time.perf_counter()
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._batch_start is not None:
-            self._train_time += time.perf_counter() - self._batch_start
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # Weight by predicted tokens so the epoch loss is the per-token loss, whatever the batch composition.
