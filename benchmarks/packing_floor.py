@@ -131,15 +131,20 @@ def lists_in(n: int) -> tuple[float, float]:
     return convert, time.perf_counter() - start
 
 
-def streamed(n: int) -> tuple[float, float, float, int]:
+def streamed(n: int, repeats: int = 3) -> dict[str, tuple[float, float]]:
     """``StreamingPacker`` (best fit per window of 1,000 documents) over the documents corpus as numpy arrays, rows
-    taken and dropped as a loader would: ``(seconds, of which planning, one copy, rows)``."""
+    taken and dropped as a loader would, side by side with the same packer turning each row into Python lists (as
+    it did before rows became arrays): ``{"arrays" | "lists": (seconds, of which planning)}``, best of
+    ``repeats``; also ``"copy"`` (one copy of the tokens) and ``"rows"``."""
     import lightning_seqmem.batching.streaming_packer as streaming
 
     lengths = corpus("documents", n)
     flat = np.random.default_rng(1).integers(4, 32000, int(lengths.sum()), dtype=np.int32)
     docs = np.split(flat, np.cumsum(lengths)[:-1])
-    planning, plan = [0.0], streaming.pack_lengths
+    planning, plan, as_arrays = [0.0], streaming.pack_lengths, streaming._row
+
+    def as_lists(members):
+        return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in as_arrays(members).items()}
 
     def timed_plan(*args):
         start = time.perf_counter()
@@ -147,15 +152,20 @@ def streamed(n: int) -> tuple[float, float, float, int]:
         planning[0] += time.perf_counter() - start
         return out
 
+    best, rows = {"arrays": (float("inf"), 0.0), "lists": (float("inf"), 0.0)}, 0
     streaming.pack_lengths = timed_plan
     try:
-        start = time.perf_counter()
-        rows = sum(1 for _ in streaming.StreamingPacker(MAX_LENGTH, buffer_size=1000)(iter(docs)))
-        seconds = time.perf_counter() - start
+        for _ in range(repeats):
+            for name, row in (("arrays", as_arrays), ("lists", as_lists)):
+                streaming._row, planning[0] = row, 0.0
+                start = time.perf_counter()
+                rows = sum(1 for _ in streaming.StreamingPacker(MAX_LENGTH, buffer_size=1000)(iter(docs)))
+                best[name] = min(best[name], (time.perf_counter() - start, planning[0]))
     finally:
-        streaming.pack_lengths = plan
-    copy = interleaved({"copy": lambda: np.copy(flat)}, 5)["copy"]
-    return seconds, planning[0], copy, rows
+        streaming.pack_lengths, streaming._row = plan, as_arrays
+    best["copy"] = interleaved({"copy": lambda: np.copy(flat)}, 5)["copy"]
+    best["rows"] = rows
+    return best
 
 
 def main(n: int, repeats: int) -> None:
@@ -184,8 +194,10 @@ def main(n: int, repeats: int) -> None:
         )
     convert, pack = lists_in(n)
     print(f"\nPython lists in (documents corpus): converting them {convert:.2f} s, then packing {pack:.3f} s.")
-    seconds, planning, copy, rows = streamed(n)
-    print(
-        f"Streamed (documents corpus, windows of 1,000): {seconds:.3f} s for {rows:,} rows, of which planning "
-        f"{planning:.3f} s; {seconds / copy:.0f}x one copy ({copy:.4f} s)."
-    )
+    s = streamed(n)
+    for name, label in (("arrays", "rows as int32 arrays"), ("lists", "rows as Python lists, as before")):
+        seconds, planning = s[name]
+        print(
+            f"Streamed (documents corpus, windows of 1,000), {label}: {seconds:.3f} s for {s['rows']:,} rows, of "
+            f"which planning {planning:.3f} s; {seconds / s['copy']:.1f}x one copy ({s['copy']:.4f} s)."
+        )
