@@ -95,7 +95,7 @@ def test_a_stream_loader_cut_anywhere_goes_on_with_the_same_batches(cut, buffer,
 @settings(max_examples=4, deadline=None)
 @given(cut=st.integers(0, 30))
 def test_a_stream_loader_with_two_workers_cut_anywhere_goes_on_with_the_same_batches(cut):
-    full = _uninterrupted("two workers", lambda: _dm(_id_stream(), workers=2).train_dataloader())
+    full = _uninterrupted(("workers", 2), lambda: _dm(_id_stream(), workers=2).train_dataloader())
     loader = _dm(_id_stream(), workers=2).train_dataloader()
     it = iter(loader)
     head = [_as_lists(next(it)) for _ in range(min(cut, len(full)))]
@@ -110,7 +110,7 @@ def test_a_stream_loader_with_two_workers_cut_anywhere_goes_on_with_the_same_bat
 def test_another_worker_count_reads_every_document_of_the_epoch_once(before, after):
     """Regrouped readers: the batches differ (rows in flight are packed again), the documents do not (those in the
     shuffle buffers included)."""
-    full = [_as_lists(b) for b in _dm(_id_stream(), workers=before).train_dataloader()]
+    full = _uninterrupted(("workers", before), lambda: _dm(_id_stream(), workers=before).train_dataloader())
     loader = _dm(_id_stream(), workers=before, streaming_shuffle_buffer=4).train_dataloader()
     it = iter(loader)
     head = [_as_lists(next(it)) for _ in range(7)]
