@@ -9,6 +9,7 @@ import shlex
 
 import pytest
 from _forked_app import run_forked_main
+from _job_imports import import_job_modules
 
 ROOT = pathlib.Path(__file__).parents[1]
 PAGES = ("resuming.md", "mixing.md", "oom.md")
@@ -78,6 +79,7 @@ def run_command(line: str, cwd: pathlib.Path, index: int):
 @pytest.fixture(scope="module", params=PAGES)
 def page_runs(request, tmp_path_factory):
     """Each command of the page, in order, in one folder (a resume finds the run before it)."""
+    import_job_modules()  # once here, not in each forked command
     cwd = tmp_path_factory.mktemp(request.param.split(".")[0])
     if request.param != "mixing.md":  # examples/cli.yaml is read from the repository's root
         (cwd / "examples").symlink_to(ROOT / "examples")
@@ -116,6 +118,7 @@ def test_the_python_recipe_of_oom_runs_on_a_cpu(tmp_path):
     text = (ROOT / "docs" / "oom.md").read_text()
     section = text[text.index("## Trying it without a GPU") :]
     code = re.findall(r"```python\n(.*?)```", section, re.S)[0].replace("max_steps=4", "max_steps=2")
+    import_job_modules()
     proc = run_forked_main(lambda: exec(code, {"__name__": "__main__"}), ["python"], tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"^[1-9]\d* micro-batches split", proc.stdout, re.M), proc.stdout

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from _forked_app import run_forked_main
+from _job_imports import import_job_modules
 from test_sweep import SHRINK
 
 
@@ -14,6 +15,7 @@ def test_weight_sweep_reports_each_sources_validation_loss_per_job(tmp_path):
     from lightning_seqmem.apps.report import main as report
     from lightning_seqmem.apps.train import main
 
+    import_job_modules()  # imported here once, not in the forked job
     sweep = tmp_path / "sweep"
     argv = ["seqmem-train", "-m", "data=mix", "data.weights.chat=0.1,0.9", *SHRINK, f"hydra.sweep.dir={sweep}"]
     proc = run_forked_main(main, argv, cwd=tmp_path, timeout=600)

@@ -57,6 +57,15 @@ def _documents(batches):
 
 
 # ----------------------------------------------------------------------------------- the loader, cut anywhere
+_FULL: dict = {}  # the uninterrupted epoch of each loader setting, read once for every example that draws it
+
+
+def _uninterrupted(key, loader):
+    if key not in _FULL:
+        _FULL[key] = [_as_lists(b) for b in loader()]
+    return _FULL[key]
+
+
 @pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
@@ -71,7 +80,7 @@ def test_a_stream_loader_cut_anywhere_goes_on_with_the_same_batches(cut, buffer,
     def dm():
         return _dm(_id_stream(shards=shards), buffer=buffer, streaming_shuffle_buffer=shuffle)
 
-    full = [_as_lists(b) for b in dm().train_dataloader()]
+    full = _uninterrupted((buffer, shards, shuffle), lambda: dm().train_dataloader())
     cut = min(cut, len(full))
     loader = dm().train_dataloader()
     it = iter(loader)
@@ -86,7 +95,7 @@ def test_a_stream_loader_cut_anywhere_goes_on_with_the_same_batches(cut, buffer,
 @settings(max_examples=4, deadline=None)
 @given(cut=st.integers(0, 30))
 def test_a_stream_loader_with_two_workers_cut_anywhere_goes_on_with_the_same_batches(cut):
-    full = [_as_lists(b) for b in _dm(_id_stream(), workers=2).train_dataloader()]
+    full = _uninterrupted(("workers", 2), lambda: _dm(_id_stream(), workers=2).train_dataloader())
     loader = _dm(_id_stream(), workers=2).train_dataloader()
     it = iter(loader)
     head = [_as_lists(next(it)) for _ in range(min(cut, len(full)))]
@@ -101,7 +110,7 @@ def test_a_stream_loader_with_two_workers_cut_anywhere_goes_on_with_the_same_bat
 def test_another_worker_count_reads_every_document_of_the_epoch_once(before, after):
     """Regrouped readers: the batches differ (rows in flight are packed again), the documents do not (those in the
     shuffle buffers included)."""
-    full = [_as_lists(b) for b in _dm(_id_stream(), workers=before).train_dataloader()]
+    full = _uninterrupted(("workers", before), lambda: _dm(_id_stream(), workers=before).train_dataloader())
     loader = _dm(_id_stream(), workers=before, streaming_shuffle_buffer=4).train_dataloader()
     it = iter(loader)
     head = [_as_lists(next(it)) for _ in range(7)]

@@ -65,4 +65,5 @@ def load_builtin_chat_corpus() -> dict[str, list[dict]]:
     from lightning_seqmem.data.corpus import load_builtin_corpus
 
     corpus = load_builtin_corpus(verbose=False)
-    return {split: conversations_from_documents(corpus[split]["text"]) for split in ("train", "validation")}
+    # ``[:]``: the column as one list (indexing a lazy datasets Column reads Arrow once per document, 4x slower)
+    return {split: conversations_from_documents(corpus[split]["text"][:]) for split in ("train", "validation")}

@@ -65,7 +65,7 @@ def load_builtin_preference_corpus() -> datasets.DatasetDict:
         corpus = load_builtin_corpus(verbose=False)
         dsd = datasets.DatasetDict(
             {
-                split: datasets.Dataset.from_list(pairs_from_documents(corpus[split]["text"]))
+                split: datasets.Dataset.from_list(pairs_from_documents(corpus[split]["text"][:]))
                 for split in ("train", "validation")
             }
         )
