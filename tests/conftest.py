@@ -77,8 +77,8 @@ START_FIRST = (
 
 def pytest_collection_modifyitems(config, items):
     """Slow tests first, the modules of ``START_FIRST`` in its order; the order within a module is kept. With
-    ``--dist loadgroup`` (pyproject), a module marked ``xdist_group`` (one expensive module fixture, made once)
-    goes to one worker as a whole."""
+    ``--dist loadgroup`` (pyproject's addopts) a worker takes one test at a time as it is free, so this order holds,
+    and tests marked ``xdist_group`` (one expensive fixture for them) run on one worker."""
 
     def key(item):
         module = item.module.__name__ if item.module else ""
