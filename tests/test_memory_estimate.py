@@ -6,12 +6,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_seqmem.memory.estimate import estimate_training_memory
+from lightning_seqmem.memory.adapter_trace import add_fake_lora
+from lightning_seqmem.memory.estimate import cached_estimate, estimate_training_memory
 from lightning_seqmem.memory.measured import measured_training_peak
+from lightning_seqmem.memory.optimizer_8bit import traced_optimizer
 from lightning_seqmem.memory.precision import closed_form_state_bytes, normalize_precision
-from lightning_seqmem.memory.trace import TraceError
+from lightning_seqmem.memory.trace import CATEGORIES, CUDA_GRANULE, TraceError, build_fake_model, trace_training_steps
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
+from lightning_seqmem.training.adapters import LoraSettings
 from lightning_seqmem.training.building import build_model_config
+from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from plan_accuracy import PACK_KEYS, PAD_KEYS  # noqa: E402
@@ -33,6 +37,12 @@ SMALL = {
 
 def config(arch: str):
     return build_model_config(SMALL[arch], VOCAB, 0)
+
+
+def _estimate(cfg, rows, length, keys=PAD_KEYS, **kwargs):
+    """``estimate_training_memory``, remembered per question for this process (``cached_estimate``, as the
+    callbacks remember it): a shape that several tests here ask for is traced once."""
+    return cached_estimate(cfg, rows, length, keys, **kwargs)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true"])
@@ -58,9 +68,39 @@ def _real_model(arch):
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
 @pytest.mark.parametrize("rows,length", [(1, 64), (2, 128), (4, 96)])
 def test_estimate_is_within_5_percent_of_a_real_cpu_step(arch, rows, length):
-    est = estimate_training_memory(config(arch), rows, length, PAD_KEYS, device="cpu")
+    est = _estimate(config(arch), rows, length, device="cpu")
     real = measured_training_peak(config(arch), make_dummy_batch(rows, length, PAD_KEYS, VOCAB))
     assert abs(est.peak - real) <= 0.05 * real, (est.peak, real)
+
+
+@pytest.mark.parametrize(
+    "precision, device, keys, checkpointing, settings",
+    [
+        ("bf16-mixed", "cuda", PAD_KEYS, True, dict(lora=LoraSettings(r=4, quantize="nf4"))),  # foreach AdamW
+        ("bf16-true", "cpu", PACK_KEYS, False, dict(cross_entropy="chunked", chunk_size=32, lora=LoraSettings(r=4))),
+        ("32-true", "cuda", PAD_KEYS, False, dict(optimizer="adamw_8bit")),  # 8-bit moments, the shared maps
+    ],
+)
+def test_one_step_traced_from_the_steady_state_is_the_two_step_trace(precision, device, keys, checkpointing, settings):
+    """The estimate traces one step after ``steady_state`` (what a first step leaves): the same peak, phase, split,
+    state and loss layer as tracing both steps, the first included (small adapters under the 8-bit optimizer
+    included: their fp32 moments need no quantization maps, which the stand-in made anyway in the first step)."""
+    cfg = config("tiny_llama")
+    rows, length = 2, 64
+    est = estimate_training_memory(cfg, rows, length, keys, precision, device, "sdpa", checkpointing, **settings)
+    mode, module = build_fake_model(cfg, "sdpa", precision, checkpointing)
+    if "lora" in settings:
+        module = add_fake_lora(mode, module, settings["lora"], precision)
+    loss = (settings.get("cross_entropy", "full"), settings.get("chunk_size", DEFAULT_CHUNK_SIZE))
+    granule = CUDA_GRANULE if device == "cuda" else 1
+    batch = make_dummy_batch(rows, length, keys, VOCAB)  # real, made outside the mode, as the estimate makes it
+    with mode:
+        optimizer = traced_optimizer(module, device, settings.get("optimizer", "adamw"))
+        two = trace_training_steps(module, optimizer, batch, precision, 2, granule, *loss)
+    state = two.live_split()
+    del state["activations"]
+    assert (est.peak, est.peak_phase, est.loss_layer) == (two.peak, two.peak_phase, two.loss_layer())
+    assert {c: getattr(est, c) for c in CATEGORIES} == two.split() and dict(est.state) == state
 
 
 @pytest.mark.slow
@@ -82,13 +122,13 @@ def test_packed_eager_mixed_and_checkpointed_steps_agree_with_reality_too():
 def test_memory_grows_with_rows_and_length_and_checkpointing_saves_activations():
     cfg = config("tiny_gpt2")
     shapes = [(1, 64), (2, 64), (4, 64), (2, 32), (2, 128)]  # each traced once
-    peak = {shape: estimate_training_memory(cfg, *shape, device="cpu").peak for shape in shapes}
-    by_rows = [peak[r, 64] for r in (1, 2, 4)]
-    by_length = [peak[2, n] for n in (32, 64, 128)]
+    est = {shape: _estimate(cfg, *shape, device="cpu") for shape in shapes}
+    by_rows = [est[r, 64].peak for r in (1, 2, 4)]
+    by_length = [est[2, n].peak for n in (32, 64, 128)]
     assert by_rows == sorted(by_rows) and len(set(by_rows)) == 3
     assert by_length == sorted(by_length) and len(set(by_length)) == 3
-    plain = estimate_training_memory(cfg, 4, 256, device="cpu")
-    ckpt = estimate_training_memory(cfg, 4, 256, device="cpu", gradient_checkpointing=True)
+    plain = est[2, 128]
+    ckpt = _estimate(cfg, 2, 128, device="cpu", gradient_checkpointing=True)
     assert ckpt.activations < plain.activations and ckpt.state == plain.state
 
 
@@ -97,8 +137,8 @@ def test_eager_attention_keeps_the_length_by_length_scores_and_sdpa_does_not():
     cfg = config("tiny_llama")
     rows, heads = 2, SMALL["tiny_llama"]["num_attention_heads"]
 
-    sdpa = {n: estimate_training_memory(cfg, rows, n, device="cuda") for n in (128, 256)}  # each traced once
-    eager = {n: estimate_training_memory(cfg, rows, n, device="cuda", attn_implementation="eager") for n in sdpa}
+    sdpa = {n: _estimate(cfg, rows, n, device="cuda") for n in (128, 256)}  # each traced once
+    eager = {n: _estimate(cfg, rows, n, device="cuda", attn_implementation="eager") for n in sdpa}
     extra = {n: eager[n].activations - sdpa[n].activations for n in sdpa}
 
     # eager keeps fp32 attention probabilities [rows, heads, length, length] (at least one layer's at the peak)
@@ -115,8 +155,8 @@ def test_eager_attention_keeps_the_length_by_length_scores_and_sdpa_does_not():
 
 def test_cuda_estimate_rounds_to_the_allocator_granule_and_uses_foreach_adamw():
     cfg = config("tiny_llama")
-    cpu = estimate_training_memory(cfg, 2, 64, device="cpu")
-    cuda = estimate_training_memory(cfg, 2, 64, device="cuda")
+    cpu = _estimate(cfg, 2, 128, device="cpu")  # the shapes other tests here trace: shared when in one process
+    cuda = _estimate(cfg, 2, 128, device="cuda")
     assert cuda.state["parameters"] % 512 == 0 and cuda.state["parameters"] >= cpu.state["parameters"]
     assert cuda.peak > cpu.peak
 

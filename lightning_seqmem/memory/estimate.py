@@ -1,10 +1,10 @@
 """The memory estimate: the peak training memory of a model config and batch shape, before anything is allocated.
 
-:func:`estimate_training_memory` traces two training steps on fake tensors (:mod:`~lightning_seqmem.memory.trace`:
-how, and what follows the GPU for ``device="cuda"``) and returns a :class:`MemoryEstimate`, the peak split by
-category. Around it: the search for the largest ``micro_batch_size`` that fits, the per-rank share under FSDP, and
-the shortfall message ``CachePreallocator`` and ``ConfigChecks`` warn with. The real steps it is checked against are
-in :mod:`~lightning_seqmem.memory.measured`.
+:func:`estimate_training_memory` traces a steady-state training step on fake tensors
+(:mod:`~lightning_seqmem.memory.trace`: how, and what follows the GPU for ``device="cuda"``) and returns a
+:class:`MemoryEstimate`, the peak split by category. Around it: the search for the largest ``micro_batch_size``
+that fits, the per-rank share under FSDP, and the shortfall message ``CachePreallocator`` and ``ConfigChecks`` warn
+with. The real steps it is checked against are in :mod:`~lightning_seqmem.memory.measured`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ from lightning_seqmem.memory.adapter_trace import add_fake_lora
 from lightning_seqmem.memory.model_facts import model_facts
 from lightning_seqmem.memory.optimizer_8bit import traced_optimizer
 from lightning_seqmem.memory.precision import normalize_precision
-from lightning_seqmem.memory.trace import CUDA_GRANULE, build_fake_model, trace_errors, trace_training_steps
+from lightning_seqmem.memory.trace import (
+    CUDA_GRANULE,
+    LiveBytes,
+    build_fake_model,
+    steady_state,
+    trace_errors,
+    trace_training_steps,
+)
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
 from lightning_seqmem.training.adapters import LoraSettings
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
@@ -133,9 +140,11 @@ def estimate_training_memory(
     granule = CUDA_GRANULE if device == "cuda" else 1
     # The pre-allocation pass's batch (real, small: made outside the mode, which turns it into fake tensors)
     batch = make_dummy_batch(rows, length, keys, int(model_config.vocab_size))
+    tracker = LiveBytes(granule)
     with trace_errors(model_config), mode:
         stepper = traced_optimizer(module, device, optimizer)
-        tracker = trace_training_steps(module, stepper, batch, precision, 2, granule, traced, chunk_size)
+        steady_state(module, stepper, tracker)  # the first step's gradients and optimizer state: one step traced
+        trace_training_steps(module, stepper, batch, precision, 1, granule, traced, chunk_size, tracker=tracker)
     split = tracker.split()
     state = tracker.live_split()
     del state["activations"]

@@ -38,6 +38,7 @@ from lightning_seqmem.memory.trace import (
     CUDA_GRANULE,
     LiveBytes,
     build_fake_model,
+    steady_state,
     trace_errors,
     trace_training_steps,
 )
@@ -208,24 +209,6 @@ def _trace_segments(
         "state": state,
         "parameters": sum(p.numel() for p in module.parameters()),
     }
-
-
-def steady_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tracker: LiveBytes) -> None:
-    """Give ``model`` what a first training step leaves (a gradient per trainable parameter, the optimizer's state,
-    both counted by ``tracker``), so that one traced step is the second, steady one: the first holds less in every
-    phase (no gradients in its forward, no optimizer state before its step, which then allocates what the second
-    step finds, with the same temporaries)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    tracker.mark(params, "parameters")
-    for p in params:
-        tracker.add(p.grad, "gradients")
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                tracker.add(value, "optimizer_state")
 
 
 def _line(one: int, two: int, layers: int) -> int:

@@ -78,8 +78,9 @@ class AdamW8bitShape(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:
-                    state.update(new_state(p, self.qmaps(p.device), self.min_8bit_size))
+                if not state:  # the maps made (on p's device) for 8-bit state only, as bitsandbytes does
+                    qmaps = self.qmaps(p.device) if p.numel() >= self.min_8bit_size else (None, None)
+                    state.update(new_state(p, qmaps, self.min_8bit_size))
                 state["step"] += 1
                 p.add_(p.grad, alpha=-group["lr"])  # in place, as the fused kernel: no temporaries
         return None

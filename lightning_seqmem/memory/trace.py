@@ -8,8 +8,9 @@ At the highest total it remembers which storages were alive; once the step is ov
 gradients (what ``loss.backward()`` left in ``.grad``), optimizer state (what ``optimizer.step()`` keeps) or
 activations (everything else: the batch, buffers, saved tensors and temporaries).
 
-What is traced is what Lightning's automatic optimization runs, twice (the second step is the steady state:
-gradients of the previous step are still alive during the forward, the optimizer state exists)::
+What is traced is what Lightning's automatic optimization runs, once, from the steady state a first step leaves
+(:func:`steady_state`: gradients of the previous step are still alive during the forward, the optimizer state
+exists)::
 
     loss = model(**batch).loss      # under autocast for *-mixed precision (or the chosen loss layer)
     optimizer.zero_grad(set_to_none=True)
@@ -31,7 +32,7 @@ tensors). For ``device="cuda"`` three things follow the GPU instead:
 
 The loss layer follows ``cross_entropy`` (:mod:`lightning_seqmem.training.loss_layer`): the model's own head and
 loss, or the base model and the chunked kernel. The chunked kernel keeps the label tokens only, a count that depends
-on the labels' values; the tracer takes the worst case, every position trained (:class:`AllSelected`). The storages
+on the labels' values; the tracer takes the worst case, every position trained (:func:`_every_index`). The storages
 made from the end of the base model's forward until the gradient of its hidden states exists are the loss layer's
 (the logits, their fp32 upcast and their gradient on the full path; one chunk at a time on the chunked one):
 :meth:`LiveBytes.loss_layer` tells their bytes at the peak (a part of ``activations``).
@@ -150,27 +151,25 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _NONZERO and self.in_loss_layer:
+            with self:  # its indices made under this mode too, counted as any op's output
+                return _every_index(args[0])
         out = func(*args, **(kwargs or {}))
         for tensor in _tensors(out):
             self.add(tensor)
         return out
 
 
-class AllSelected(TorchDispatchMode):
-    """Trace the loss layer's selection as its worst case: while ``tracker`` is in the loss layer, ``nonzero`` of a
-    ``[d0, d1, ...]`` mask returns every index, so the tokens a chunked loss keeps are all of them (fake tensors
-    have no values to count). Anywhere else a value-dependent op stays an error (:func:`trace_errors`)."""
+_NONZERO = torch.ops.aten.nonzero.default
 
-    def __init__(self, tracker: LiveBytes) -> None:
-        super().__init__()
-        self.tracker = tracker
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.nonzero.default and self.tracker.in_loss_layer:
-            mask = args[0]
-            ranges = [torch.arange(n, device=mask.device) for n in mask.shape]
-            return torch.stack(torch.meshgrid(*ranges, indexing="ij"), dim=-1).reshape(-1, mask.dim())
-        return func(*args, **(kwargs or {}))
+def _every_index(mask: torch.Tensor) -> torch.Tensor:
+    """``nonzero`` of a ``[d0, d1, ...]`` mask as its worst case, every index: while the tracker is in the loss layer
+    the tokens a chunked loss keeps are all of them (fake tensors have no values to count). Anywhere else a
+    value-dependent op stays an error (:func:`trace_errors`). Answered by :class:`LiveBytes` itself: a second
+    dispatch mode for this one op cost every traced op a tenth more time."""
+    ranges = [torch.arange(n, device=mask.device) for n in mask.shape]
+    return torch.stack(torch.meshgrid(*ranges, indexing="ij"), dim=-1).reshape(-1, mask.dim())
 
 
 def watch_loss_layer(model: torch.nn.Module, tracker: LiveBytes):
@@ -209,6 +208,25 @@ def adamw(model: torch.nn.Module, device: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=device == "cuda")
 
 
+def steady_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tracker: LiveBytes) -> None:
+    """Give ``model`` what a first training step leaves (a gradient per trainable parameter, the optimizer's state,
+    both counted by ``tracker``), so that one traced step is the second, steady one: the first holds less in every
+    phase (no gradients in its forward, no optimizer state before its step, which then allocates what the second
+    step finds, with the same temporaries). Tracing the first step too would cost a forward and a backward more
+    and change no peak."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    tracker.mark(params, "parameters")
+    for p in params:
+        tracker.add(p.grad, "gradients")
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                tracker.add(value, "optimizer_state")
+
+
 def trace_training_steps(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -224,7 +242,7 @@ def trace_training_steps(
 
     The parameters, buffers and batch, created before, are counted from the start; ``granule`` rounds each storage
     (``CUDA_GRANULE`` for a CUDA estimate); the loss layer is watched (:func:`watch_loss_layer`) and a chunked one
-    keeps every position (:class:`AllSelected`), running its first and last chunk only (``distinct_chunks_only``:
+    keeps every position (:func:`_every_index`), running its first and last chunk only (``distinct_chunks_only``:
     the same peak). ``tracker``: a fresh one of a subclass (``layer_scaling``'s).
     """
     tracker = LiveBytes(granule) if tracker is None else tracker
@@ -236,7 +254,7 @@ def trace_training_steps(
         tracker.add(value)
     handle = watch_loss_layer(model, tracker)
     try:
-        with tracker, AllSelected(tracker), distinct_chunks_only():
+        with tracker, distinct_chunks_only():
             lightning_steps(model, optimizer, batch, precision, steps, tracker, cross_entropy, chunk_size)
     finally:
         handle.remove()
