@@ -83,9 +83,11 @@ def start_forked_main(main, argv, cwd, env=None) -> ForkedMain:
     module to ``main``'s (as ``python -m`` would), send stdout and stderr (file descriptors and ``sys.stdout``/``sys.stderr``) to files, call ``main()`` and exit
     with its status (``SystemExit`` as Python would, an uncaught exception printed and 1). Signals sent to the child
     reach the app's own handlers, as they would reach a script started from a shell."""
-    # What every run imports, imported here (once per test process) so that the child inherits it.
-    import lightning.pytorch  # noqa: F401
-    import transformers  # noqa: F401
+    # What a job imports (the package, Lightning, transformers, datasets, Hydra), imported here once per test
+    # process so that every child inherits it.
+    from _job_imports import import_job_modules
+
+    import_job_modules()
 
     tmp = tempfile.TemporaryDirectory()
     paths = [os.path.join(tmp.name, "stdout"), os.path.join(tmp.name, "stderr")]

@@ -62,7 +62,10 @@ from importlib.metadata import entry_points
 command = [a for a in sys.argv[1:] if not a.startswith("--")]
 [script] = entry_points(group="console_scripts", name=command[0])
 main = script.load()
-import lightning.pytorch, transformers  # what every task imports, once
+sys.path.insert(0, {tests!r})
+from _job_imports import import_job_modules
+import_job_modules()  # what every task imports, once
+sys.path.pop(0)
 nodes, per_node = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
 tasks = []
 for node in range(nodes):
@@ -97,7 +100,7 @@ def _launch(launcher: str, per_node: int, tmp_path: Path, env: dict, args: list)
         ]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text(SRUN.format(python=sys.executable))
+    (bin_dir / "srun").write_text(SRUN.format(python=sys.executable, tests=str(Path(__file__).parent)))
     (bin_dir / "srun").chmod(0o755)
     job = {  # what sbatch sets for the batch script (--nodes=2 --ntasks-per-node=N)
         "SLURM_JOB_ID": "4242",
