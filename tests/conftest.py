@@ -75,21 +75,11 @@ START_FIRST = (
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist names the groups
 def pytest_collection_modifyitems(config, items):
     """Slow tests first, the modules of ``START_FIRST`` in its order; the order within a module is kept. With
     ``--dist loadgroup`` (pyproject's addopts) a worker takes one test at a time as it is free, so this order holds,
-    and tests marked ``xdist_group`` run on one worker: here every test that uses a module-scoped fixture of its
-    own module (a run, a trace or a corpus made once for several tests) is grouped with its module's others, so
-    that the fixture is made once, not once per worker."""
-    for item in items:
-        module = item.module.__name__ if item.module else ""
-        definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        own = [
-            d for defs in definitions.values() for d in defs if d.scope == "module" and d.baseid == item.parent.nodeid
-        ]
-        if own and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(module))
+    and tests marked ``xdist_group`` (one expensive module fixture for them) run on one worker, the fixture made
+    once. Only the expensive ones are marked: a group runs whole on one worker, ahead of the rest."""
 
     def key(item):
         module = item.module.__name__ if item.module else ""

@@ -17,6 +17,9 @@ peft = pytest.importorskip("peft")
 
 from lightning_seqmem.training.adapter_checkpoints import BASE_RECORD  # noqa: E402
 
+# One DDP and one FSDP run (the ``runs`` fixture) answer the module's tests: on one worker, made once.
+pytestmark = pytest.mark.xdist_group("adapters_fsdp")
+
 TINY = dict(
     hidden_size=32,
     intermediate_size=64,
