@@ -16,6 +16,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """Before any worker starts (xdist's controller, or a plain run): the built-in corpus and tokenizer, if not
+    cached yet, built once here. On an empty cache every worker and launched process that needed them first built
+    its own copy at the same time (~5 s each, one kept); a warm cache costs one look at a file."""
+    if hasattr(config, "workerinput") or config.getoption("collectonly"):
+        return
+    from lightning_seqmem.data.tokenizer import DEFAULT_VOCAB_SIZE, _default_path, load_tokenizer
+
+    if not (_default_path(DEFAULT_VOCAB_SIZE) / "tokenizer.json").exists():
+        load_tokenizer()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """The built-in BPE tokenizer (trained once on the built-in corpus, then cached)."""
