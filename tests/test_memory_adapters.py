@@ -13,9 +13,10 @@ peft = pytest.importorskip("peft")
 from lightning_seqmem import CausalLM  # noqa: E402
 from lightning_seqmem.memory import checks  # noqa: E402
 from lightning_seqmem.memory.estimate import estimate_training_memory, module_facts, shortfall_message  # noqa: E402
+from lightning_seqmem.memory.fake_model import build_model  # noqa: E402
 from lightning_seqmem.memory.measured import measured_peak_bytes  # noqa: E402
 from lightning_seqmem.memory.preallocate import CachePreallocator  # noqa: E402
-from lightning_seqmem.memory.trace import adamw, build_model, lightning_steps  # noqa: E402
+from lightning_seqmem.memory.trace import adamw, lightning_steps  # noqa: E402
 from lightning_seqmem.memory.worst_batch import make_dummy_batch  # noqa: E402
 
 LORA = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)

@@ -8,10 +8,11 @@ import torch
 
 from lightning_seqmem.memory.adapter_trace import add_fake_lora
 from lightning_seqmem.memory.estimate import cached_estimate, estimate_training_memory
+from lightning_seqmem.memory.fake_model import build_fake_model
 from lightning_seqmem.memory.measured import measured_training_peak
 from lightning_seqmem.memory.optimizer_8bit import traced_optimizer
 from lightning_seqmem.memory.precision import closed_form_state_bytes, normalize_precision
-from lightning_seqmem.memory.trace import CATEGORIES, CUDA_GRANULE, TraceError, build_fake_model, trace_training_steps
+from lightning_seqmem.memory.trace import CATEGORIES, CUDA_GRANULE, TraceError, trace_training_steps
 from lightning_seqmem.memory.worst_batch import make_dummy_batch
 from lightning_seqmem.training.adapters import LoraSettings
 from lightning_seqmem.training.building import build_model_config

@@ -68,7 +68,7 @@ def test_the_estimate_counts_the_8bit_state():
     args = (config, 1, 16, ("input_ids", "labels"), "32-true", "cpu")
     eight = estimate_training_memory(*args, optimizer="adamw_8bit")
     full = estimate_training_memory(*args)
-    from lightning_seqmem.memory.trace import build_model
+    from lightning_seqmem.memory.fake_model import build_model
 
     sizes = [p.numel() for p in build_model(config).parameters()]
     assert eight.state["optimizer_state"] == sum(map(bnb_state_bytes, sizes)) + 2 * 256 * 4  # + the shared maps

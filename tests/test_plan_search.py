@@ -24,7 +24,7 @@ from lightning_seqmem.apps.plan_search import (
     RunSettings,
     search_fit,
 )
-from lightning_seqmem.memory import trace
+from lightning_seqmem.memory import fake_model, trace
 from lightning_seqmem.memory.estimate import estimate_training_memory
 from lightning_seqmem.memory.layer_scaling import (
     cached_scaled,
@@ -90,7 +90,7 @@ def test_scaled_from_one_and_two_layers_equals_the_full_trace(
     assert scaled.as_dict() == full.as_dict()  # to the byte: peak, phase, split at the peak, state, loss layer
     assert lora or parameter_counts(llama3)[0] == full.num_parameters
     if lora is not None and lora.quantize:  # the 4-bit base's bytes, extended from one and two layers too
-        base = quantize_linears(trace.build_model(llama3, precision=precision))
+        base = quantize_linears(fake_model.build_model(llama3, precision=precision))
         assert quantized_weight_bytes(llama3, precision) == sum(p.numel() * p.element_size() for p in base.parameters())
 
 

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("peft")
 
 from lightning_seqmem.memory.estimate import estimate_training_memory  # noqa: E402
+from lightning_seqmem.memory.fake_model import build_model  # noqa: E402
 from lightning_seqmem.memory.measured import measured_training_peak, with_adapter  # noqa: E402
 from lightning_seqmem.memory.qlora_shape import (  # noqa: E402
     Linear4bitShape,
@@ -17,7 +18,6 @@ from lightning_seqmem.memory.qlora_shape import (  # noqa: E402
     quantized_state_bytes,
     stored_bytes,
 )
-from lightning_seqmem.memory.trace import build_model  # noqa: E402
 from lightning_seqmem.memory.worst_batch import make_dummy_batch  # noqa: E402
 from lightning_seqmem.training.adapters import LoraSettings  # noqa: E402
 from lightning_seqmem.training.building import build_model_config  # noqa: E402

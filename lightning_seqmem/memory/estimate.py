@@ -16,13 +16,13 @@ from typing import Any
 import torch
 
 from lightning_seqmem.memory.adapter_trace import add_fake_lora
+from lightning_seqmem.memory.fake_model import build_fake_model
 from lightning_seqmem.memory.model_facts import model_facts
 from lightning_seqmem.memory.optimizer_8bit import traced_optimizer
 from lightning_seqmem.memory.precision import normalize_precision
 from lightning_seqmem.memory.trace import (
     CUDA_GRANULE,
     LiveBytes,
-    build_fake_model,
     steady_state,
     trace_errors,
     trace_training_steps,

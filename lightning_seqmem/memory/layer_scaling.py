@@ -31,13 +31,13 @@ import torch
 
 from lightning_seqmem.memory.adapter_trace import add_fake_lora
 from lightning_seqmem.memory.estimate import MemoryEstimate, checked_arguments, estimate_training_memory
+from lightning_seqmem.memory.fake_model import build_fake_model
 from lightning_seqmem.memory.optimizer_8bit import traced_optimizer
 from lightning_seqmem.memory.qlora_shape import quantize_linears
 from lightning_seqmem.memory.trace import (
     CATEGORIES,
     CUDA_GRANULE,
     LiveBytes,
-    build_fake_model,
     steady_state,
     trace_errors,
     trace_training_steps,

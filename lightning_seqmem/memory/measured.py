@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from lightning_seqmem.memory.fake_model import build_model
 from lightning_seqmem.memory.precision import normalize_precision, parameter_dtype
 from lightning_seqmem.memory.qlora_shape import quantize_linears
-from lightning_seqmem.memory.trace import adamw, build_model, lightning_steps
+from lightning_seqmem.memory.trace import adamw, lightning_steps
 from lightning_seqmem.training.adapters import LoraSettings, import_peft
 from lightning_seqmem.training.building import enable_checkpointing
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
