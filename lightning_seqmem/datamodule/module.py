@@ -24,12 +24,12 @@ from lightning_seqmem.batching.options import Batching
 from lightning_seqmem.data.columns import LargestTokenId
 from lightning_seqmem.data.node_agreement import agree_once_per_group
 from lightning_seqmem.data.sources import BUILTIN_CHAT, open_stream
-from lightning_seqmem.data.tokenizer import load_tokenizer
 from lightning_seqmem.datamodule.batch_answers import BatchAnswers
 from lightning_seqmem.datamodule.pipeline import load_documents
 from lightning_seqmem.datamodule.read_mode import ReadMode
 from lightning_seqmem.datamodule.read_paths import read_mode_for
 from lightning_seqmem.datamodule.settings import SeqMemSettings
+from lightning_seqmem.datamodule.tokenizer_ids import TokenizerIds
 from lightning_seqmem.kinds.detect import detect_stream
 from lightning_seqmem.mixing.spec import Mix
 from lightning_seqmem.streams.reading import is_stream
@@ -37,7 +37,7 @@ from lightning_seqmem.streams.reading import is_stream
 _NOT_SETTINGS = ("self", "dataset", "tokenizer", "__class__", "prepare_data_per_node")
 
 
-class SeqMemDataModule(BatchAnswers, LightningDataModule):
+class SeqMemDataModule(TokenizerIds, BatchAnswers, LightningDataModule):
     """Variable-length text for causal-LM training.
 
     Map-style data lives in the Arrow tables ``datasets`` keeps memory-mapped: tokens are read as numpy views,
@@ -213,32 +213,6 @@ class SeqMemDataModule(BatchAnswers, LightningDataModule):
     @batch_size.setter
     def batch_size(self, value: int) -> None:
         self.micro_batch_size = value
-
-    # --------------------------------------------------------------------------------------------- resources
-    @property
-    def tokenizer(self):
-        """The tokenizer, loaded on first access (``CausalLM`` reads the vocabulary size at setup); ``None`` for
-        pre-tokenized data given with a ``pad_token_id`` and no tokenizer (the built-in one would not match)."""
-        if self._tokenizer is None:
-            if self._tokenizer_arg is None and self.settings.data.pad_token_id is not None and self._pretokenized:
-                return None
-            self._tokenizer = load_tokenizer(self._tokenizer_arg)
-        return self._tokenizer
-
-    @property
-    def pad_token_id(self) -> int:
-        """The pad id: the ``pad_token_id`` argument, else the tokenizer's."""
-        if self.settings.data.pad_token_id is not None:
-            return self.settings.data.pad_token_id
-        return int(self.tokenizer.pad_token_id)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        """The EOS id: the ``eos_token_id`` argument, else the tokenizer's (pre-tokenized rows are used as given,
-        so this is for the model's config and generation, not added to rows)."""
-        if self.settings.data.eos_token_id is not None:
-            return self.settings.data.eos_token_id
-        return None if self.tokenizer is None else self.tokenizer.eos_token_id
 
     @override
     def prepare_data(self) -> None:
