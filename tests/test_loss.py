@@ -366,21 +366,26 @@ def test_resume_is_bit_exact(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- two ranks
-def _fit_on_rank(rank, model, tmp_path):
-    """One of two forked ranks (``_forked_ranks``): Lightning's DDP, one step of two accumulated micro-batches."""
-    trainer = L.Trainer(
+def _ddp_trainer(tmp_path, **kwargs) -> L.Trainer:
+    """Lightning's DDP on one of two forked ranks (``_forked_ranks``), one epoch of each rank's own loader."""
+    return L.Trainer(
         strategy="ddp",
         devices=2,
         accelerator="cpu",
         max_epochs=1,
-        accumulate_grad_batches=2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
         default_root_dir=tmp_path,
+        **kwargs,
     )
+
+
+def _fit_on_rank(rank, model, tmp_path):
+    """One step of two accumulated micro-batches."""
+    trainer = _ddp_trainer(tmp_path, accumulate_grad_batches=2)
     trainer.fit(model)
     assert trainer.global_rank == rank and trainer.global_step == 1
 
@@ -409,19 +414,7 @@ class RankRows(CausalLM):
 
 
 def _count_on_rank(rank, model, tmp_path):
-    trainer = L.Trainer(
-        strategy="ddp",
-        devices=2,
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(model)
+    _ddp_trainer(tmp_path).fit(model)
     return model.real_tokens_seen
 
 
