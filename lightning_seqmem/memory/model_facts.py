@@ -117,8 +117,9 @@ def _checkpointing(model: object) -> bool:
 
 
 def _compiled(pl_module: torch.nn.Module, hparams: object) -> bool:
-    if getattr(pl_module, "_compiler_ctx", None) or (isinstance(hparams, Mapping) and hparams.get("compile")):
-        return True  # Lightning's from_compiled, or CausalLM(compile=True)
+    asked = isinstance(hparams, Mapping) and hparams.get("compile") not in (None, False)
+    if getattr(pl_module, "_compiler_ctx", None) or asked:
+        return True  # Lightning's from_compiled, or CausalLM(compile=True or torch.compile's arguments)
     return any(
         getattr(module, "_compiled_call_impl", None) is not None or type(module).__name__ == "OptimizedModule"
         for module in pl_module.modules()

@@ -103,7 +103,7 @@ def build_causal_lm(
     pad_token_id: int | None,
     attn_implementation: str,
     gradient_checkpointing: bool = False,
-    compile: bool = False,
+    compile: bool | Mapping[str, Any] = False,
     lora: LoraSettings | Mapping[str, Any] | None = None,
 ) -> torch.nn.Module:
     """The Hugging Face causal LM of ``CausalLM``'s arguments (see its docstring for each).
@@ -140,9 +140,39 @@ def build_causal_lm(
         model = apply_lora(model, lora)
         if pretrained_path is not None:  # a checkpoint may leave this base out: it is loaded from there again
             admit_rebuilt_base(model)
-    if compile:
-        model.compile()  # in place (nn.Module.compile): parameter names and checkpoints unchanged
+    options = compile_options(compile)
+    if options is not None:
+        model.compile(**options)  # in place (nn.Module.compile): parameter names and checkpoints unchanged
     return model
+
+
+COMPILE_KEYS = ("backend", "mode", "dynamic", "fullgraph", "options")
+"""The ``torch.compile`` arguments ``CausalLM(compile={...})`` passes on."""
+
+
+def compile_options(compile: bool | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``CausalLM``'s ``compile`` as ``torch.compile``'s keyword arguments; ``None``: not compiled.
+
+    ``True`` compiles with torch's defaults (inductor); a mapping chooses among :data:`COMPILE_KEYS` (a mode such
+    as ``"max-autotune"``, another backend, ``dynamic``), so a run can tune its compile from a config without
+    subclassing. An empty mapping is torch's defaults too (unlike ``False``).
+    """
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return {}
+    if not isinstance(compile, Mapping):
+        raise ValueError(
+            f"compile={compile!r}: give True, False, or torch.compile's arguments as a mapping, e.g. "
+            "compile={'mode': 'max-autotune'} (model.compile='{mode: max-autotune}' in Hydra)."
+        )
+    unknown = sorted(set(map(str, compile)) - set(COMPILE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"compile has {', '.join(map(repr, unknown))}, which torch.compile's in-place form does not take here: "
+            f"use {', '.join(COMPILE_KEYS)}."
+        )
+    return {str(k): v for k, v in compile.items()}
 
 
 def enable_checkpointing(model) -> None:

@@ -23,7 +23,12 @@ from lightning_seqmem.oom.hooks import SplitsOnOom
 from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
 from lightning_seqmem.training import adapter_checkpoints, adapters, checks, fsdp, fsdp_cpu
 from lightning_seqmem.training.attention import AUTO, resolve_attn_implementation
-from lightning_seqmem.training.building import build_causal_lm, datamodule_max_length, positions_problem
+from lightning_seqmem.training.building import (
+    build_causal_lm,
+    compile_options,
+    datamodule_max_length,
+    positions_problem,
+)
 from lightning_seqmem.training.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from lightning_seqmem.training.loss import TokenLossNormalizer
 from lightning_seqmem.training.loss_layer import (
@@ -76,7 +81,8 @@ class CausalLM(SourceLosses, TrainingTokenCounts, SplitsOnOom, fsdp.FsdpAwareCli
         gradient_checkpointing: recompute activations in backward to save memory.
         compile: compile the Hugging Face model in place (``nn.Module.compile``: parameter names and checkpoints
             unchanged); packed batches stay exact under it (``tests/test_compile.py``). With a chunked loss the base
-            model (what that path runs) is compiled too.
+            model (what that path runs) is compiled too. ``True``: torch's defaults; or ``torch.compile``'s
+            arguments as a mapping (``{"mode": "max-autotune"}``; :func:`~.building.compile_options`).
         cross_entropy: the loss layer (:mod:`~lightning_seqmem.training.loss_layer`). ``"full"``: the model's own
             head and loss over ``[rows, length, vocab]`` logits; ``"chunked"``: the head and loss chunk by chunk over
             the label tokens only, no whole logits (same loss and gradients within fp32 rounding); ``"liger"``:
@@ -115,7 +121,7 @@ class CausalLM(SourceLosses, TrainingTokenCounts, SplitsOnOom, fsdp.FsdpAwareCli
         min_lr_ratio: float = 0.1,
         gradient_checkpointing: bool = False,
         loss_normalization: str = "token",
-        compile: bool = False,
+        compile: bool | dict[str, Any] = False,
         cross_entropy: str = "auto",
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
         lora: dict[str, Any] | None = None,
@@ -154,7 +160,7 @@ class CausalLM(SourceLosses, TrainingTokenCounts, SplitsOnOom, fsdp.FsdpAwareCli
             hp.pad_token_id,
             hp.attn_implementation,
             hp.gradient_checkpointing,
-            bool(hp.get("compile")),
+            hp.get("compile"),
             hp.get("lora"),
         )
         trained, n = adapters.parameter_counts(self.model)
@@ -240,8 +246,9 @@ class CausalLM(SourceLosses, TrainingTokenCounts, SplitsOnOom, fsdp.FsdpAwareCli
         if self._loss_layer != "full":
             head_options(self.model)  # a head the chunked kernel cannot apply: refused before the first step
             base = decoder(self.model)
-            if self.hparams.get("compile") and base is not self.model and base._compiled_call_impl is None:
-                base.compile()
+            options = compile_options(self.hparams.get("compile"))
+            if options is not None and base is not self.model and base._compiled_call_impl is None:
+                base.compile(**options)
         if requested == "auto":
             rank_zero_info(f"[lightning_seqmem] cross_entropy='auto': {self._loss_layer}")
 
