@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from _forked_ranks import free_port
 
+from lightning_seqmem.data.cache_dir import default_cache_dir
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TINY = [
     "trainer=cpu",
@@ -128,6 +130,10 @@ def test_two_nodes_write_one_run_folder_and_tokenize_as_documented(tmp_path, lau
     data.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (3 + i % 11)}) + "\n" for i in range(64)))
     notes = tmp_path / "notes"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    # The built-in corpus and tokenizer where this session built them, as a cluster's user cache holds them after a
+    # first job: multinode.sbatch keeps a set XDG_CACHE_HOME, and building them again (~7 CPU-s per cache, on each
+    # node's first rank while the others wait) is not what this test is about; the token cache stays in tmp_path.
+    env["XDG_CACHE_HOME"] = str(default_cache_dir().parent)
     env |= {
         "PYTHONPATH": os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]),
         "SEQMEM_TEST_NOTES": str(notes),
