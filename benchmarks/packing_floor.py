@@ -141,28 +141,35 @@ def streamed(n: int, repeats: int = 3) -> dict[str, tuple[float, float]]:
     lengths = corpus("documents", n)
     flat = np.random.default_rng(1).integers(4, 32000, int(lengths.sum()), dtype=np.int32)
     docs = np.split(flat, np.cumsum(lengths)[:-1])
-    planning, plan, as_arrays = [0.0], streaming.pack_lengths, streaming._row
+    planning, pop = [0.0], streaming.PackingWindow.pop
+    planners = {name: getattr(streaming, name) for name in ("best_fit_decreasing", "pack_bins")}
 
-    def as_lists(members):
-        return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in as_arrays(members).items()}
+    def pop_lists(window, counts):
+        return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in pop(window, counts).items()}
 
-    def timed_plan(*args):
-        start = time.perf_counter()
-        out = plan(*args)
-        planning[0] += time.perf_counter() - start
-        return out
+    def timed(plan):
+        def timed_plan(*args):
+            start = time.perf_counter()
+            out = plan(*args)
+            planning[0] += time.perf_counter() - start
+            return out
+
+        return timed_plan
 
     best, rows = {"arrays": (float("inf"), 0.0), "lists": (float("inf"), 0.0)}, 0
-    streaming.pack_lengths = timed_plan
+    for name, plan in planners.items():
+        setattr(streaming, name, timed(plan))
     try:
         for _ in range(repeats):
-            for name, row in (("arrays", as_arrays), ("lists", as_lists)):
-                streaming._row, planning[0] = row, 0.0
+            for name, popper in (("arrays", pop), ("lists", pop_lists)):
+                streaming.PackingWindow.pop, planning[0] = popper, 0.0
                 start = time.perf_counter()
                 rows = sum(1 for _ in streaming.StreamingPacker(MAX_LENGTH, buffer_size=1000)(iter(docs)))
                 best[name] = min(best[name], (time.perf_counter() - start, planning[0]))
     finally:
-        streaming.pack_lengths, streaming._row = plan, as_arrays
+        streaming.PackingWindow.pop = pop
+        for name, plan in planners.items():
+            setattr(streaming, name, plan)
     best["copy"] = interleaved({"copy": lambda: np.copy(flat)}, 5)["copy"]
     best["rows"] = rows
     return best

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_seqmem.batching.packed_rows import check_packing, pack_lengths
+from lightning_seqmem.batching.bin_packing import best_fit_decreasing, pack_bins
+from lightning_seqmem.batching.packed_rows import check_packing
 from lightning_seqmem.batching.truncation import check_max_length
 
 Piece = tuple[np.ndarray, "np.ndarray | None"]
@@ -88,9 +89,14 @@ class PackingWindow:
 
     def add(self, index: int, item: Sequence[int] | Mapping[str, Sequence[int]], counts: Counter) -> None:
         """Take document ``index`` (cut to ``max_length`` as ``overflow`` says); pack when the window is full."""
-        ids, labels = _ids_and_labels(item)
-        if len(ids):
+        if type(item) is np.ndarray and item.dtype == np.int32 and item.ndim == 1:
+            ids, labels = item, None  # the common form, taken as it is
+        else:
+            ids, labels = _ids_and_labels(item)
+        if len(ids) > self.packer.max_length:
             self.buffer.extend(self._pieces(index, ids, labels, counts))
+        elif len(ids):
+            self.buffer.append((ids, labels))
         if len(self.buffer) >= self.packer.buffer_size:
             rows, self.buffer = self._emit(self.buffer, final=False)
             self.ready.extend(rows)
@@ -121,9 +127,7 @@ class PackingWindow:
             self.buffer = []
 
     def _pieces(self, index: int, ids: np.ndarray, labels: np.ndarray | None, counts: Counter) -> list[Piece]:
-        m, overflow = self.packer.max_length, self.packer.overflow
-        if len(ids) <= m:
-            return [(ids, labels)]
+        m, overflow = self.packer.max_length, self.packer.overflow  # ``ids`` is longer than ``m``
         if overflow == "error":
             raise ValueError(
                 f"document at row {index} has {len(ids)} tokens > max_length={m}; "
@@ -142,17 +146,21 @@ class PackingWindow:
         return [(ids[i : i + m], labels[i : i + m] if labels is not None else None) for i in cuts]
 
     def _emit(self, pieces: list[Piece], final: bool) -> tuple[list[list[Piece]], list[Piece]]:
-        lengths = np.fromiter((len(ids) for ids, _ in pieces), dtype=np.int64, count=len(pieces))
-        res = pack_lengths(lengths, self.packer.max_length, "bfd", "error")
-        shortest = int(lengths.min())
-        rows, keep = [], []
-        for r in range(res.num_rows):
-            members = [pieces[i] for i in res.segment_doc[res.seg_row_offsets[r] : res.seg_row_offsets[r + 1]]]
-            used = sum(len(ids) for ids, _ in members)
-            if final or self.packer.max_length - used < shortest:
-                rows.append(members)
-            else:  # still room: give its documents another chance with the next window
-                keep.extend(members)
+        """Best fit over ``pieces``: the rows to hand out (every row if ``final``, else the full ones) and the
+        pieces of the rest, which wait for the next window.
+
+        Only ``final`` runs ``pack_bins``' exact repack after best fit: elsewhere a row with room goes back to the
+        window whole, so closing gaps there bought nothing (the same rows, at 0.99938 efficiency, on the benchmark's
+        documents) and took a third of the packer's time. Row sums and the full test are one numpy step each."""
+        m = self.packer.max_length
+        lengths = np.fromiter([len(ids) for ids, _ in pieces], dtype=np.int64, count=len(pieces))
+        order, bin_of = pack_bins(lengths, m) if final else best_fit_decreasing(lengths, m)
+        by_row = order[np.argsort(bin_of, kind="stable")]
+        sizes = np.bincount(bin_of)
+        full = np.full(sizes.size, True) if final else m - np.bincount(bin_of, weights=lengths[order]) < lengths.min()
+        docs, bounds = by_row.tolist(), np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        rows = [[pieces[i] for i in docs[bounds[r] : bounds[r + 1]]] for r in np.flatnonzero(full).tolist()]
+        keep = [pieces[i] for r in np.flatnonzero(~full).tolist() for i in docs[bounds[r] : bounds[r + 1]]]
         return rows, keep
 
     # ----------------------------------------------------------------------------------------------- resume
@@ -218,7 +226,8 @@ def _row(members: list[Piece]) -> dict[str, Any]:
     """One packed row (what ``PackCollator`` takes); ``labels`` where any of its documents brought its own.
 
     Tokens and labels stay int32 arrays, one concatenation each: a Python list per row cost more than packing it,
-    and kept alive (a loader's prefetched batches) they made the garbage collector walk every token."""
+    and kept alive (a loader's prefetched batches) they made the garbage collector walk every token. (One
+    concatenation per window, rows as its slices, was no faster.)"""
     row: dict[str, Any] = {
         "input_ids": np.concatenate([ids for ids, _ in members]),
         "seq_lengths": [len(ids) for ids, _ in members],
