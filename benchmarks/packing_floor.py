@@ -142,7 +142,7 @@ def streamed(n: int, repeats: int = 3) -> dict[str, tuple[float, float]]:
     flat = np.random.default_rng(1).integers(4, 32000, int(lengths.sum()), dtype=np.int32)
     docs = np.split(flat, np.cumsum(lengths)[:-1])
     planning, pop = [0.0], streaming.PackingWindow.pop
-    planners = {name: getattr(streaming, name) for name in ("best_fit_decreasing", "pack_bins")}
+    planners = {"pack_bins": streaming.pack_bins}
 
     def pop_lists(window, counts):
         return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in pop(window, counts).items()}
