@@ -81,3 +81,14 @@ def test_bad_compile_options_are_refused_by_name(compile, named):
     with pytest.raises(ValueError) as info:
         CausalLM(model_config=TINY, vocab_size=100, pad_token_id=0, compile=compile)
     assert named in str(info.value) and "mode" in str(info.value)
+
+
+def test_compile_options_from_hydra_are_plain_arguments():
+    """``model.compile='{mode: max-autotune}'`` on seqmem-train's command line reaches the model as a DictConfig."""
+    from omegaconf import OmegaConf
+
+    from lightning_seqmem.training.building import compile_options
+
+    given = OmegaConf.create({"mode": "max-autotune", "dynamic": False})
+    assert compile_options(given) == {"mode": "max-autotune", "dynamic": False}
+    assert compile_options(True) == {} and compile_options(False) is None and compile_options({}) == {}
