@@ -199,6 +199,21 @@ def test_dynamic_shapes_and_packing_are_asked_of_the_datamodule(
     assert ("dynamic_shapes" in on_cuda) == dynamic
 
 
+def test_the_datamodule_s_batch_size_is_its_micro_batch_not_an_effective_batch(tmp_path, small_text_dataset):
+    """``SeqMemDataModule.batch_size`` is ``micro_batch_size`` under the name Lightning's batch-size finder uses: with
+    gradient accumulation (or several ranks, ddp_spawn's run warned too) it is not a batch_size to warn about."""
+    from lightning_seqmem import CausalLM, SeqMemDataModule
+
+    model = CausalLM(model_config=TINY)
+    dm = SeqMemDataModule(dataset=small_text_dataset, max_length=64, micro_batch_size=2)
+    t = trainer(tmp_path, [], max_steps=1, accumulate_grad_batches=2)
+    t.strategy.connect(model)
+    t.datamodule = dm  # what fit() does
+    facts = checks.gather_facts(t, model)
+    assert (facts.batch_size, facts.micro_batch_size, facts.accumulate_grad_batches) == (None, 2, 2)
+    assert "batch_size" not in find_problems(RunFacts(**{**vars(facts), "world_size": 2}), SAFE)
+
+
 class NanAtBatch2(TinyLM):
     """Its loss becomes NaN at batch 2, as fp16 full fine-tuning's did at step 4."""
 

@@ -206,6 +206,15 @@ def _int_or_none(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _batch_size(dm: object) -> int | None:
+    """A DataModule's ``batch_size``, unless it is ``micro_batch_size`` under another name: ``SeqMemDataModule``
+    answers to the name Lightning's batch-size finder looks for with its micro-batch, which is no effective batch
+    to hold against micro_batch_size x accumulation x ranks (that warned on every DDP or accumulating run)."""
+    value = _int_or_none(_setting(dm, "batch_size"))
+    alias = isinstance(getattr(type(dm), "batch_size", None), property)
+    return None if alias and value == _setting(dm, "micro_batch_size") else value
+
+
 def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
     """Read :class:`RunFacts` from any Trainer, DataModule and LightningModule (missing attributes are unknown)."""
     dm = trainer.datamodule
@@ -221,7 +230,7 @@ def gather_facts(trainer: Trainer, pl_module: LightningModule) -> RunFacts:
         precision=str(trainer.precision),
         micro_batch_size=_int_or_none(_setting(dm, "micro_batch_size")) if dm is not None else None,
         eval_batch_size=_int_or_none(_setting(dm, "eval_batch_size")) if dm is not None else None,
-        batch_size=_int_or_none(_setting(dm, "batch_size")) if dm is not None else None,
+        batch_size=_batch_size(dm) if dm is not None else None,
         accumulate_grad_batches=int(trainer.accumulate_grad_batches),
         world_size=int(trainer.world_size),
         packing=batching is not None and batching.packs_documents(),
