@@ -353,7 +353,7 @@ class CausalLM(SourceLosses, TrainingTokenCounts, SplitsOnOom, fsdp.FsdpAwareCli
         self.log_source_losses()  # a Mix: val/loss/<name>, from the sums kept on the device
         value = self.trainer.callback_metrics.get("val/loss")
         if value is not None:
-            self.log("val/ppl", torch.exp(value.clamp(max=50)))
+            self.log("val/ppl", torch.exp(value.clamp(max=50)), sync_dist=True)  # equal on every rank, as above
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.evaluation_loss(batch, count_label_tokens(batch), "test")

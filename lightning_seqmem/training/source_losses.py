@@ -66,7 +66,9 @@ class SourceLosses:
         names = self._source_names()
         for index, seen in enumerate((weights > 0).tolist()):  # the one host read of the epoch
             if seen:
-                self.log(f"val/loss/{names[index]}", means[index].float(), sync_dist=False)
+                # Already summed over the ranks, the same on each: sync_dist averages equal values (one small
+                # all-reduce at the epoch's end) and keeps Lightning from warning that an epoch value is unsynced.
+                self.log(f"val/loss/{names[index]}", means[index].float(), sync_dist=True)
         metric.reset()
 
     def _source_names(self) -> tuple[str, ...]:
