@@ -69,7 +69,9 @@ def _own_log_streams() -> None:
                 logger.removeHandler(handler)
             elif type(handler) is logging.StreamHandler:
                 out = getattr(handler.stream, "name", None) in (1, "<stdout>") or handler.stream is sys.__stdout__
-                handler.setStream(sys.stdout if out else sys.stderr)
+                # Not setStream: it flushes the old stream, and an earlier test's capture (capsys) may have closed
+                # it; that failed the child before main() ran, with nothing said.
+                handler.stream = sys.stdout if out else sys.stderr
 
 
 def run_forked_main(main, argv, cwd, env=None, timeout=300):
@@ -128,6 +130,8 @@ def start_forked_main(main, argv, cwd, env=None) -> ForkedMain:
             except BaseException:
                 traceback.print_exc()
                 code = 1
+        except BaseException:  # setting the child up failed: say so rather than end with a bare status 1
+            traceback.print_exc()
         finally:
             for stream in (sys.stdout, sys.stderr):
                 try:
