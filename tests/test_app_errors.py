@@ -2,6 +2,7 @@
 in the Hydra spelling), a bug with its traceback, everything with HYDRA_FULL_ERROR=1; "did you mean" for typos."""
 
 import json
+import os
 
 import pytest
 from _forked_app import run_forked_main
@@ -176,3 +177,51 @@ def test_seqmem_train_stops_on_a_typo_before_hydra(tmp_path):
         and proc.stderr.strip() == "Unknown config key 'trainer.max_step': did you mean trainer.max_steps=2?"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_valid_command_line_is_composed_once_by_hydra_alone(monkeypatch):
+    """Keys are checked only when Hydra's composition fails: a run whose overrides are right pays for one
+    composition, Hydra's (each rank of a multi-process job used to compose twice). Until the job starts Hydra
+    raises instead of printing; from the job's start on, its errors are Hydra's to report."""
+    from lightning_seqmem.apps import overrides
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(overrides, "_compose", lambda *a: pytest.fail("composed before Hydra"))
+    with overrides.overrides_checked(["trainer=cpu", "trainer.max_steps=2", "data.max_length=64"], "config"):
+        assert os.environ["HYDRA_FULL_ERROR"] == "1"  # composition errors come back here
+        overrides.job_started()
+        assert "HYDRA_FULL_ERROR" not in os.environ  # the job's errors: Hydra's own report
+    with pytest.raises(RuntimeError, match="the job's"):  # raised after the job started: not ours to reword
+        with overrides.overrides_checked(["trainer=cpu"], "config"):
+            overrides.job_started()
+            raise RuntimeError("the job's")
+    assert "HYDRA_FULL_ERROR" not in os.environ
+
+
+def test_a_composition_error_gets_did_you_mean_or_hydra_s_own_report(monkeypatch, capsys):
+    from hydra.errors import ConfigCompositionException
+
+    from lightning_seqmem.apps.overrides import overrides_checked
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as done, overrides_checked(["trainer.max_step=2"], "config"):
+        raise ConfigCompositionException("Could not override 'trainer.max_step'.")  # what Hydra raises
+    assert done.value.code == 1
+    assert capsys.readouterr().err.strip() == "Unknown config key 'trainer.max_step': did you mean trainer.max_steps=2?"
+    with pytest.raises(SystemExit) as done, overrides_checked(["hydra.run.dir=/x"], "config"):
+        raise ConfigCompositionException("something only Hydra can say")  # no message of ours: Hydra prints it
+    assert done.value.code == 1 and "something only Hydra can say" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done, overrides_checked(["model=tiny_lama"], "config"):
+        pytest.fail("a group option that does not exist is refused before Hydra starts")
+    assert "did you mean model=tiny_llama?" in capsys.readouterr().err
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # the user asked for tracebacks: the error as raised
+    with pytest.raises(ConfigCompositionException), overrides_checked(["trainer.max_step=2"], "config"):
+        raise ConfigCompositionException("Could not override 'trainer.max_step'.")
+
+
+@pytest.mark.slow
+def test_a_typo_in_a_multirun_stops_it_before_its_first_job(tmp_path):
+    proc = _train(tmp_path, "-m", "trainer.max_step=2,3", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip() == "Unknown config key 'trainer.max_step': did you mean trainer.max_steps=2?"
+    assert not (tmp_path / "sweep").exists()

@@ -10,13 +10,23 @@ Hydra); the config is composed once with the overrides that pick group options, 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.resources
+import os
 import re
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["check_overrides", "config_groups", "exit_on_unknown_override", "unknown_override"]
+__all__ = [
+    "check_overrides",
+    "config_groups",
+    "exit_on_unknown_override",
+    "job_started",
+    "overrides_checked",
+    "unknown_override",
+]
 
 CONFIG_MODULE = "lightning_seqmem.conf"
 POINTERS = {"strategy": "batching", "eval_strategy": "data.eval_batching", "model_type": "model.model_config"}
@@ -101,9 +111,10 @@ def _group_message(group: str, option: str, groups: dict[str, list[str]]) -> str
     return f"Unknown option {group}={option}: {hint}{group}'s options: {', '.join(groups[group])}."
 
 
-def check_overrides(overrides: Sequence[str], config_name: str) -> str | None:
+def check_overrides(overrides: Sequence[str], config_name: str, keys: bool = True) -> str | None:
     """The message for the first override Hydra would refuse for a key or group option we know a close name of,
-    else ``None`` (composition errors of any other kind are left to Hydra)."""
+    else ``None`` (composition errors of any other kind are left to Hydra). ``keys=False``: group options only,
+    which needs no composing."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import OverrideType
 
@@ -112,7 +123,7 @@ def check_overrides(overrides: Sequence[str], config_name: str) -> str | None:
     except Exception:
         return None  # Hydra says what is wrong with the syntax
     groups = config_groups()
-    picks, keys = [], []
+    picks, given_keys = [], []
     for o in parsed:
         name = o.key_or_group
         if o.type != OverrideType.CHANGE or o.package is not None or re.split(r"[./]", name)[0] == "hydra":
@@ -129,13 +140,13 @@ def check_overrides(overrides: Sequence[str], config_name: str) -> str | None:
                     return message
             picks.append(f"{name}={values[0]}")
         else:
-            keys.append((name, values[0] if values else ""))
-    if not keys:
+            given_keys.append((name, values[0] if values else ""))
+    if not keys or not given_keys:
         return None
     cfg = _compose(config_name, picks)
     if cfg is None:
         return None
-    for key, value in keys:
+    for key, value in given_keys:
         message = unknown_override(key, value, cfg, groups)
         if message:
             return message
@@ -154,9 +165,61 @@ def _compose(config_name: str, picks: list[str]) -> Any:
 
 def exit_on_unknown_override(argv: Sequence[str], config_name: str) -> None:
     """Print :func:`check_overrides`' message and exit with status 1 when there is one (console scripts)."""
-    import sys
-
     message = check_overrides(argv, config_name)
     if message:
         print(message, file=sys.stderr)
         sys.exit(1)
+
+
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+_held = False  # HYDRA_FULL_ERROR is ours, set until the job starts
+
+
+@contextlib.contextmanager
+def overrides_checked(argv: Sequence[str], config_name: str) -> Iterator[None]:
+    """Run a Hydra app (the ``with`` body) with its overrides checked: group options before Hydra starts, keys only
+    when Hydra's composition fails, then with "did you mean" instead of Hydra's advice to add the key with ``+``.
+
+    Composing the config a second time up front, to look for an unknown key, cost every run (and each rank of a
+    multi-process job) a third of a second or more. So until the job starts (:func:`job_started`, the task's first
+    call) Hydra raises its errors here instead of printing them (``HYDRA_FULL_ERROR``, unless the user set it):
+    a composition error gets our message where we have one, else Hydra's own report, as Hydra prints it. A multirun
+    is checked whole up front, as before: it starts once, and Hydra makes its sweep folder before composing a job.
+    """
+    global _held
+    sweep = any(a in ("-m", "--multirun") for a in argv)  # launched once; Hydra writes its folder before composing
+    message = check_overrides(argv, config_name, keys=sweep)
+    if message:
+        print(message, file=sys.stderr)
+        sys.exit(1)
+    _held = _FULL_ERROR not in os.environ
+    if _held:
+        os.environ[_FULL_ERROR] = "1"
+    try:
+        yield
+    except Exception as error:
+        if not _held:  # the job's own error, or the user asked for full tracebacks
+            raise
+        job_started()
+        message = check_overrides(argv, config_name)
+        if message:
+            print(message, file=sys.stderr)
+            sys.exit(1)
+        from hydra._internal.utils import run_and_report
+
+        failed = error  # ``error`` is unbound once the except clause ends
+
+        def again() -> None:
+            raise failed
+
+        run_and_report(again)  # prints it as Hydra would have, and exits with status 1
+    finally:
+        job_started()
+
+
+def job_started() -> None:
+    """The job runs: Hydra handles its errors as it always does (the first line of a Hydra app's task)."""
+    global _held
+    if _held:
+        os.environ.pop(_FULL_ERROR, None)
+        _held = False

@@ -249,6 +249,10 @@ def _hydra_entry() -> None:
     def _main(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
+        from lightning_seqmem.apps.overrides import job_started
+
+        job_started()
+
         from lightning_seqmem.apps.console import (
             log_each_line_once,
             no_bars_unless_a_terminal,
@@ -286,10 +290,10 @@ def main() -> None:
     pause_gc(main)  # until the packages are imported (the Hydra task below)
     try:
         sys.argv[1:] = choose_trainer(sys.argv[1:], doing="planning for")
-        from lightning_seqmem.apps.overrides import exit_on_unknown_override
+        from lightning_seqmem.apps.overrides import overrides_checked
 
-        exit_on_unknown_override(sys.argv[1:], "plan")  # "did you mean" before Hydra's advice to add the key with +
-        _hydra_entry()
+        with overrides_checked(sys.argv[1:], "plan"):  # "did you mean", not Hydra's advice to add the key with +
+            _hydra_entry()
     finally:
         resume_gc()
     leave_now(main)

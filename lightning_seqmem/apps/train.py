@@ -287,8 +287,11 @@ def _hydra_entry() -> None:
             quiet_upstream_noise,
         )
         from lightning_seqmem.apps.errors import for_hydra
+        from lightning_seqmem.apps.overrides import job_started
         from lightning_seqmem.apps.stops import print_stop, stop_on_signals, stopped_by
         from lightning_seqmem.messages import set_surface
+
+        job_started()
 
         quiet_upstream_noise()
         no_bars_unless_a_terminal()
@@ -326,13 +329,12 @@ def main() -> None:
     """Console-script entry point (``seqmem-train``)."""
     configure_allocator()  # first: torch reads the allocator settings once, when CUDA starts
     sys.argv[1:] = choose_trainer(sys.argv[1:])
-    from lightning_seqmem.apps.overrides import exit_on_unknown_override
-
-    exit_on_unknown_override(sys.argv[1:], "config")  # "did you mean" before Hydra's advice to add the key with +
     from lightning_seqmem.apps.cluster import run_dir_overrides
+    from lightning_seqmem.apps.overrides import overrides_checked
 
-    sys.argv[1:] = run_dir_overrides(sys.argv[1:])  # torchrun, srun: one folder for the job, rank zero writes it
-    _hydra_entry()
+    with overrides_checked(sys.argv[1:], "config"):  # "did you mean", not Hydra's advice to add the key with +
+        sys.argv[1:] = run_dir_overrides(sys.argv[1:])  # torchrun, srun: one folder for the job, rank zero writes it
+        _hydra_entry()
 
 
 if __name__ == "__main__":
