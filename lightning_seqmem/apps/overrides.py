@@ -1,11 +1,12 @@
-"""Command-line overrides checked against our config before Hydra runs: a misspelt key or group gets "did you mean".
+"""Command-line overrides checked against our config: a misspelt key or group gets "did you mean".
 
 Hydra answers ``data.max_lenght=128`` with "Key 'max_lenght' is not in struct ... To append to your config use
 +data.max_lenght=128", advice that then fails in the DataModule. Here an override of a key the config lacks is
 refused with the closest key of the same node (or the full path of a key given without it: ``max_length`` ->
 ``data.max_length``), a group option that does not exist with the closest option, and ``strategy=`` is pointed to
 ``batching=``. Only what Hydra would refuse is refused (``+key=``, ``++key=``, ``~key`` and ``hydra.*`` are left to
-Hydra); the config is composed once with the overrides that pick group options, as Hydra will compose it.
+Hydra); the config is composed with the overrides that pick group options, as Hydra will compose it. A console
+script runs under :func:`overrides_checked`: group options before Hydra, keys once Hydra's composition has failed.
 """
 
 from __future__ import annotations
