@@ -141,24 +141,19 @@ def streamed(n: int, repeats: int = 3) -> dict[str, tuple[float, float]]:
     lengths = corpus("documents", n)
     flat = np.random.default_rng(1).integers(4, 32000, int(lengths.sum()), dtype=np.int32)
     docs = np.split(flat, np.cumsum(lengths)[:-1])
-    planning, pop = [0.0], streaming.PackingWindow.pop
-    planners = {"pack_bins": streaming.pack_bins}
+    planning, pop, plan = [0.0], streaming.PackingWindow.pop, streaming.pack_bins
 
     def pop_lists(window, counts):
         return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in pop(window, counts).items()}
 
-    def timed(plan):
-        def timed_plan(*args):
-            start = time.perf_counter()
-            out = plan(*args)
-            planning[0] += time.perf_counter() - start
-            return out
-
-        return timed_plan
+    def timed_plan(*args):
+        start = time.perf_counter()
+        out = plan(*args)
+        planning[0] += time.perf_counter() - start
+        return out
 
     best, rows = {"arrays": (float("inf"), 0.0), "lists": (float("inf"), 0.0)}, 0
-    for name, plan in planners.items():
-        setattr(streaming, name, timed(plan))
+    streaming.pack_bins = timed_plan
     try:
         for _ in range(repeats):
             for name, popper in (("arrays", pop), ("lists", pop_lists)):
@@ -167,9 +162,7 @@ def streamed(n: int, repeats: int = 3) -> dict[str, tuple[float, float]]:
                 rows = sum(1 for _ in streaming.StreamingPacker(MAX_LENGTH, buffer_size=1000)(iter(docs)))
                 best[name] = min(best[name], (time.perf_counter() - start, planning[0]))
     finally:
-        streaming.PackingWindow.pop = pop
-        for name, plan in planners.items():
-            setattr(streaming, name, plan)
+        streaming.PackingWindow.pop, streaming.pack_bins = pop, plan
     best["copy"] = interleaved({"copy": lambda: np.copy(flat)}, 5)["copy"]
     best["rows"] = rows
     return best

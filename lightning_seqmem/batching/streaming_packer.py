@@ -89,10 +89,7 @@ class PackingWindow:
 
     def add(self, index: int, item: Sequence[int] | Mapping[str, Sequence[int]], counts: Counter) -> None:
         """Take document ``index`` (cut to ``max_length`` as ``overflow`` says); pack when the window is full."""
-        if type(item) is np.ndarray and item.dtype == np.int32 and item.ndim == 1:
-            ids, labels = item, None  # the common form, taken as it is
-        else:
-            ids, labels = _ids_and_labels(item)
+        ids, labels = _ids_and_labels(item)
         if len(ids) > self.packer.max_length:
             self.buffer.extend(self._pieces(index, ids, labels, counts))
         elif len(ids):
@@ -211,6 +208,8 @@ def _unpack_pieces(state: dict[str, Any]) -> list[Piece]:
 
 def _ids_and_labels(item: Sequence[int] | Mapping[str, Sequence[int]]) -> tuple[np.ndarray, np.ndarray | None]:
     """A stream item: token ids, or ``{"input_ids", "labels"}`` (a conversation's loss on its assistant turns)."""
+    if type(item) is np.ndarray and item.dtype == np.int32 and item.ndim == 1:
+        return item, None  # the common form, taken as it is
     if isinstance(item, Mapping):
         labels = item.get("labels")
         return _int32(item["input_ids"]), (_int32(labels) if labels is not None else None)
