@@ -164,9 +164,9 @@ def _compose(config_name: str, picks: list[str]) -> Any:
         return None  # a composition Hydra will refuse with its own message
 
 
-def exit_on_unknown_override(argv: Sequence[str], config_name: str) -> None:
+def exit_on_unknown_override(argv: Sequence[str], config_name: str, keys: bool = True) -> None:
     """Print :func:`check_overrides`' message and exit with status 1 when there is one (console scripts)."""
-    message = check_overrides(argv, config_name)
+    message = check_overrides(argv, config_name, keys)
     if message:
         print(message, file=sys.stderr)
         sys.exit(1)
@@ -189,10 +189,7 @@ def overrides_checked(argv: Sequence[str], config_name: str) -> Iterator[None]:
     """
     global _held
     sweep = any(a in ("-m", "--multirun") for a in argv)  # launched once; Hydra writes its folder before composing
-    message = check_overrides(argv, config_name, keys=sweep)
-    if message:
-        print(message, file=sys.stderr)
-        sys.exit(1)
+    exit_on_unknown_override(argv, config_name, keys=sweep)
     _held = _FULL_ERROR not in os.environ
     if _held:
         os.environ[_FULL_ERROR] = "1"
@@ -202,10 +199,7 @@ def overrides_checked(argv: Sequence[str], config_name: str) -> Iterator[None]:
         if not _held:  # the job's own error, or the user asked for full tracebacks
             raise
         job_started()
-        message = check_overrides(argv, config_name)
-        if message:
-            print(message, file=sys.stderr)
-            sys.exit(1)
+        exit_on_unknown_override(argv, config_name)
         from hydra._internal.utils import run_and_report
 
         failed = error  # ``error`` is unbound once the except clause ends
