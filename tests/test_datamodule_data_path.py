@@ -49,7 +49,7 @@ def test_setup_memory_follows_documents_not_tokens():
         assert peak < 0.5 * flat.size, (strategy, peak)
         s = dm.stats()
         assert s["train"]["tokens"] + s["validation"]["tokens"] == flat.size
-        assert dm._tokenizer is None  # pre-tokenized with explicit ids: no tokenizer needed
+        assert dm._lazy_tokenizer.loaded is None  # pre-tokenized with explicit ids: no tokenizer needed
 
 
 class _nothing:
@@ -103,7 +103,7 @@ def test_pretokenized_labels_and_prompt_completion_ids_are_used_as_given():
         tuple(r[m.bool()].tolist()): lab[m.bool()].tolist()
         for r, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])
     }
-    assert rows == {tuple(i): lab for i, lab in zip(ids, labels)} and dm._tokenizer is None
+    assert rows == {tuple(i): lab for i, lab in zip(ids, labels)} and dm._lazy_tokenizer.loaded is None
     pc = datasets.Dataset.from_dict({"prompt_ids": [[30, 31, 32], [40]], "completion_ids": [[33, 34], [41, 42]]})
     dm = SeqMemDataModule(
         dataset=datasets.DatasetDict(train=pc, validation=pc),

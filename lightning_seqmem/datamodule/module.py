@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from functools import partial
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
@@ -20,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_seqmem._hparams import save_hyperparameters
 from lightning_seqmem.batching.options import Batching
 from lightning_seqmem.data.columns import LargestTokenId
 from lightning_seqmem.data.node_agreement import agree_once_per_group
@@ -29,7 +29,7 @@ from lightning_seqmem.datamodule.pipeline import load_documents
 from lightning_seqmem.datamodule.read_mode import ReadMode
 from lightning_seqmem.datamodule.read_paths import read_mode_for
 from lightning_seqmem.datamodule.settings import SeqMemSettings
-from lightning_seqmem.datamodule.tokenizer_ids import TokenizerIds
+from lightning_seqmem.datamodule.tokenizer_ids import LazyTokenizer, TokenizerIds
 from lightning_seqmem.kinds.detect import detect_stream
 from lightning_seqmem.mixing.spec import Mix
 from lightning_seqmem.streams.reading import is_stream
@@ -125,7 +125,6 @@ class SeqMemDataModule(TokenizerIds, BatchAnswers, LightningDataModule):
         print(dm.stats())
     """
 
-    _pretokenized = False  # set when the dataset already holds token ids
     _documents = None  # (tokenized DatasetDict, kind), once per process
     _largest_token_id = None  # pre-tokenized data: their largest id, found with _documents
     _detected = None  # a stream's data kind, once detected
@@ -170,15 +169,15 @@ class SeqMemDataModule(TokenizerIds, BatchAnswers, LightningDataModule):
         self.prepare_data_per_node = prepare_data_per_node  # Lightning's own attribute (LightningCLI sets it here)
         arguments = {k: v for k, v in locals().items() if k not in _NOT_SETTINGS}  # before any other local
         self.settings = SeqMemSettings.from_arguments(**arguments)  # every argument checked here, once
-        self.save_hyperparameters(
+        save_hyperparameters(
+            self,
             self.settings.hyperparameters(),
             # Lightning compares the saved dict with every __init__ argument (``==``) to name it; a DataFrame's
             # ``==`` is elementwise and raises. The data and the tokenizer are never hyperparameters.
             ignore=["dataset", "tokenizer"],
         )
         self.dataset = dataset
-        self._tokenizer_arg = tokenizer
-        self._tokenizer = None
+        self._lazy_tokenizer = LazyTokenizer(tokenizer, self.settings.data.pad_token_id)
         # Set up once (``setup``), then never changed: every question about the data goes to the read mode, and
         # every question about a split's batches to its strategy object (``read_mode.strategies``).
         self.read_mode: ReadMode | None = None
@@ -256,7 +255,7 @@ class SeqMemDataModule(TokenizerIds, BatchAnswers, LightningDataModule):
             tokenized, kind, self._largest_token_id = load_documents(
                 self.dataset,
                 self.settings.data,
-                partial(getattr, self, "tokenizer"),
+                self._lazy_tokenizer,
                 self._tokenizer_arg is not None,
                 self.settings.conversation,
             )
@@ -289,10 +288,9 @@ class SeqMemDataModule(TokenizerIds, BatchAnswers, LightningDataModule):
         """The read mode, once per process (``prepare_data`` reads through it too: no collective here)."""
         if self.read_mode is not None:
             return
-        tokenizer = partial(getattr, self, "tokenizer")  # asked when needed; a read mode keeps it (and pickles)
         stream = not isinstance(self.dataset, Mix) and self._open_stream()
         documents = self._stream_kind if stream else self.tokenized_documents
-        args = (self.settings, tokenizer, self._tokenizer_arg is not None, rank_zero_warn, rank_zero_info)
+        args = (self.settings, self._lazy_tokenizer, self._tokenizer_arg is not None, rank_zero_warn, rank_zero_info)
         self.read_mode = read_mode_for(self.dataset, stream, documents, *args)
         self._pretokenized = self.read_mode.pretokenized
         self.datasets = self.read_mode.datasets

@@ -8,23 +8,55 @@ from typing import Any
 from lightning_seqmem.data.tokenizer import load_tokenizer
 
 
+class LazyTokenizer:
+    """The DataModule's tokenizer, loaded on the first call, and what its read modes keep to ask for it.
+
+    Why an object of its own: a read mode (and the loaders it makes) that asked the DataModule would hold it, while
+    the DataModule holds the read mode. That cycle kept a dropped DataModule and its loader workers alive until the
+    cyclic collector ran, and then cost 5 s per worker (``lightning_seqmem/_hparams.py`` says why).
+    """
+
+    def __init__(self, given: Any, pad_token_id: int | None):
+        self.given = given  # None (the built-in one), a name or path, or a tokenizer object
+        self.pad_token_id = pad_token_id
+        self.pretokenized = False  # the data are token ids (known once their kind is)
+        self.loaded = None
+
+    def __call__(self):
+        """The tokenizer; ``None`` for pre-tokenized data given with a ``pad_token_id`` and no tokenizer (the
+        built-in one would not match them)."""
+        if self.loaded is None:
+            if self.given is None and self.pad_token_id is not None and self.pretokenized:
+                return None
+            self.loaded = load_tokenizer(self.given)
+        return self.loaded
+
+
 class TokenizerIds:
     """Mixed into ``SeqMemDataModule``: ``tokenizer``, ``pad_token_id`` and ``eos_token_id``."""
 
     settings: Any  # the DataModule's SeqMemSettings
-    _tokenizer: Any  # the loaded tokenizer, or None until asked
-    _tokenizer_arg: Any  # what was given: None (the built-in one), a name or path, or an object
-    _pretokenized: bool  # the data are token ids (known once their kind is)
+    _lazy_tokenizer: LazyTokenizer
 
     @property
     def tokenizer(self):
         """The tokenizer, loaded on first access (``CausalLM`` reads the vocabulary size at setup); ``None`` for
         pre-tokenized data given with a ``pad_token_id`` and no tokenizer (the built-in one would not match)."""
-        if self._tokenizer is None:
-            if self._tokenizer_arg is None and self.settings.data.pad_token_id is not None and self._pretokenized:
-                return None
-            self._tokenizer = load_tokenizer(self._tokenizer_arg)
-        return self._tokenizer
+        return self._lazy_tokenizer()
+
+    @property
+    def _tokenizer_arg(self) -> Any:
+        """What was given as ``tokenizer`` (the planner builds DataModules of parts of the data with it)."""
+        return self._lazy_tokenizer.given
+
+    @property
+    def _pretokenized(self) -> bool:
+        """Whether the data are token ids (known once their kind is)."""
+        return self._lazy_tokenizer.pretokenized
+
+    @_pretokenized.setter
+    def _pretokenized(self, value: bool) -> None:
+        self._lazy_tokenizer.pretokenized = value
 
     @property
     def pad_token_id(self) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from lightning_seqmem._hparams import save_hyperparameters
 from lightning_seqmem.batch import REF_LOGPS_KEYS
 from lightning_seqmem.messages import check_choice
 from lightning_seqmem.oom import fsdp as oom_fsdp
@@ -70,7 +71,7 @@ class DPO(CausalLM):
         dpo_loss(*torch.zeros(4, 1), beta=beta, label_smoothing=label_smoothing)  # the loss checks its arguments
         kwargs["loss_normalization"] = "micro_batch"
         super().__init__(**kwargs)
-        self.save_hyperparameters("beta", "label_smoothing", "reference")
+        save_hyperparameters(self, "beta", "label_smoothing", "reference")
         self.reference_model: torch.nn.Module | None = None
 
     @override

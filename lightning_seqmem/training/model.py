@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lightning_seqmem._hparams import save_hyperparameters
 from lightning_seqmem.batch import count_label_tokens
 from lightning_seqmem.oom.hooks import SplitsOnOom
 from lightning_seqmem.protocols import GivesMaxBatchShape, find_pad_token_id
@@ -138,7 +139,7 @@ class CausalLM(SourceLosses, TrainingTokenCounts, SplitsOnOom, fsdp.FsdpAwareCli
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}.")
         # The pad id belongs to the data: logged by the DataModule only, but kept in ``hparams`` for checkpoints.
-        self.save_hyperparameters(ignore=["pad_token_id"])
+        save_hyperparameters(self, ignore=["pad_token_id"])
         self.hparams.pad_token_id = pad_token_id
         self.model = None
         self.val_loss = MeanMetric()
