@@ -2,10 +2,10 @@
 DataModule stops its loader workers at once, and a model releases its weights (on a GPU, its memory).
 
 A reference cycle (Lightning's ``save_hyperparameters`` frame, a read mode asking the DataModule for its tokenizer)
-used to keep both alive until a collection. For loader workers that was also slow: the collector closed the
-workers' queues before asking them to stop, and each was waited for 5 s, then killed (10 s per dropped DataModule
-with two workers read outside a Trainer, as in a notebook or this suite). The collector is off in these tests, so
-only reference counting can free anything."""
+used to keep both alive until a collection. For loader workers read outside a Trainer that collection could also
+be slow: in this suite the collector closed the workers' queues before asking them to stop, and each was waited for
+5 s, then killed (10 s per dropped DataModule with two workers). The collector is off in these tests, so only
+reference counting can free anything."""
 
 from __future__ import annotations
 
