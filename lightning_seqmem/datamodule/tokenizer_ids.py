@@ -13,7 +13,8 @@ class LazyTokenizer:
 
     Why an object of its own: a read mode (and the loaders it makes) that asked the DataModule would hold it, while
     the DataModule holds the read mode. That cycle kept a dropped DataModule and its loader workers alive until the
-    cyclic collector ran, and then cost 5 s per worker (``lightning_seqmem/_hparams.py`` says why).
+    cyclic collector ran; in this repository's test processes that collection also stalled, 5 s per worker
+    (``lightning_seqmem/_hparams.py`` says when and why).
     """
 
     def __init__(self, given: Any, pad_token_id: int | None):
