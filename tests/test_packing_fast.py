@@ -12,6 +12,7 @@ from lightning_seqmem.batching import (
     pack_sequences,
     repack_partial_rows,
 )
+from lightning_seqmem.batching.bin_packing import _best_subset
 
 
 def naive_best_fit_decreasing(lengths, capacity) -> list[int]:
@@ -32,6 +33,45 @@ def _fills(lengths, order, bin_of, capacity) -> list[int]:
     fills = np.bincount(bin_of, weights=np.asarray(lengths, dtype=np.int64)[order]).astype(int) if len(order) else []
     assert all(0 < f <= capacity for f in fills)
     return sorted(int(f) for f in fills)
+
+
+def plain_best_subset(room, counts, lengths) -> dict[int, int]:
+    """The fill ``_best_subset`` promises, by sets of sums one copy at a time: the largest reachable sum, then from
+    the longest length down the most copies that leave a sum reachable with the shorter lengths alone."""
+    reachable = [{0}]  # reachable[i]: sums of the lengths before lengths[i]
+    for a in lengths:
+        sums = set(reachable[-1])
+        for _ in range(counts[a]):
+            sums |= {s + a for s in sums if s + a <= room}
+        reachable.append(sums)
+    s, out = max(reachable[-1]), {}
+    for i in reversed(range(len(lengths))):
+        a = lengths[i]
+        j = min(counts[a], s // a)
+        while s - j * a not in reachable[i]:
+            j -= 1
+        if j:
+            out[a], s = j, s - j * a
+    return out
+
+
+# Rooms with few lengths (sums stay sparse: no early stop) and with many short ones (every sum reachable early).
+subsets = st.integers(1, 200).flatmap(
+    lambda room: st.tuples(
+        st.just(room),
+        st.dictionaries(st.integers(1, room), st.integers(1, 12), max_size=40),
+    )
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(subset=subsets)
+def test_best_subset_is_the_plain_search(subset):
+    """The search that stops once every longer sum is reachable fills a row as the plain search does."""
+    room, have = subset
+    counts = [have.get(a, 0) for a in range(room + 1)]
+    lengths = sorted(have)
+    assert _best_subset(room, counts, lengths) == plain_best_subset(room, counts, lengths)
 
 
 # Long items (over half a row: placed in bulk), short ones, and many repeats of a few lengths.
