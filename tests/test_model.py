@@ -59,6 +59,7 @@ def test_vocab_size_comes_from_the_datamodule_tokenizer(small_text_dataset, tmp_
         "val/loss",
         "val/ppl",
         "train/real_token_fraction",
+        "train/real_tokens_seen",
         "train/token_efficiency",
     ):
         assert key in metrics, key

@@ -209,6 +209,9 @@ def test_dpo_trains_on_pairs_with_a_real_trainer(tmp_path, strategy):
     metrics = trainer.callback_metrics
     assert {"train/loss", "train/reward_margin", "val/loss", "val/reward_accuracy"} <= set(metrics)
     assert torch.isfinite(metrics["train/loss"]) and model.real_tokens_seen > 0
+    # The token counts are logged under CausalLM's names too: the running count is this rank's counter.
+    assert metrics["train/real_tokens_seen"] == model.real_tokens_seen
+    assert 0 < metrics["train/real_token_fraction"] <= 1 and "train/token_efficiency" in metrics
     # The reference stays where setup copied it; the policy moved.
     moved = [not torch.equal(p, r) for p, r in zip(model.model.parameters(), model.reference_model.parameters())]
     assert any(moved) and not any(p.requires_grad for p in model.reference_model.parameters())

@@ -316,9 +316,7 @@ class CausalLM(SourceLosses, TrainingTokenCounts, SplitsOnOom, fsdp.FsdpAwareCli
             self._token_loss.add_loss(loss)
         else:
             self._log_train_loss(loss, batch_size=rows)
-        real, slots = self._count_train_tokens(batch, rows)
-        self.log("train/real_token_fraction", real / max(slots, 1), batch_size=rows)
-        self.log("train/real_tokens_seen", self._real_tokens.total.float(), batch_size=rows, reduce_fx="max")
+        self._count_train_tokens(batch, rows)
         return loss
 
     def _log_train_loss(self, loss: torch.Tensor, batch_size: int | None = None) -> None:

@@ -40,11 +40,15 @@ class TrainingTokenCounts:
         return self._train_time
 
     def _count_train_tokens(self, batch: dict[str, torch.Tensor], rows: int) -> tuple[torch.Tensor, int]:
-        """``(real, slots)`` of a batch, added to the counts, token efficiency and tokens/s (on the device: no sync)."""
+        """``(real, slots)`` of a batch, added to the counts and logged: the step's real-token fraction, the real
+        tokens seen so far, token efficiency and tokens/s (on the device: no sync). Logged here, so every module
+        that counts (``CausalLM``, ``DPO``) logs the same names."""
         real, slots = count_real_tokens(batch, self.hparams.pad_token_id), batch["input_ids"].numel()
         self._real_tokens.update(real)
         self.slots_seen += slots
         self.token_efficiency.update(batch, real_tokens=real)
+        self.log("train/real_token_fraction", real / max(slots, 1), batch_size=rows)
+        self.log("train/real_tokens_seen", self._real_tokens.total.float(), batch_size=rows, reduce_fx="max")
         self.log("train/token_efficiency", self.token_efficiency, batch_size=rows, on_step=False, on_epoch=True)
         if self._train_time > 0:
             per_s = self._real_tokens.total / self._train_time
