@@ -7,13 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_seqmem.batching.batch_list import balanced_batch_sizes
 from lightning_seqmem.batching.collate import PadCollator
 from lightning_seqmem.batching.sampling import (
     BatchFetcher,
     LengthGroupedSampler,
     ShuffledBatchSampler,
     TokenBudgetBatchSampler,
-    balanced_batch_sizes,
 )
 
 
@@ -135,7 +135,7 @@ def test_stateful_dataloader_resume():
 
 # ------------------------------------------------------------------ batches as index spans (BatchList)
 def test_batch_list_reduces_each_batch_like_a_loop_over_lists():
-    from lightning_seqmem.batching.sampling import BatchList
+    from lightning_seqmem.batching.batch_list import BatchList
 
     rng = np.random.default_rng(0)
     values = rng.integers(0, 1000, 500)

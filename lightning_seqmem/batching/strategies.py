@@ -19,12 +19,12 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from lightning_seqmem.batch import CU_SEQLENS, PACK_KEYS, PAD_KEYS, full_rows, packed_rows, padded_rows
+from lightning_seqmem.batching.batch_list import BatchList
 from lightning_seqmem.batching.collate import PackCollator, PadCollator, TruncateCollator
 from lightning_seqmem.batching.options import Batching, Pack, Pad, Truncate
 from lightning_seqmem.batching.packed_rows import PackResult, pack_lengths
 from lightning_seqmem.batching.plan_cache import cached_pack_lengths
 from lightning_seqmem.batching.sampling import (
-    BatchList,
     LengthGroupedSampler,
     ShuffledBatchSampler,
     TokenBudgetBatchSampler,

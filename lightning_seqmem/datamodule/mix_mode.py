@@ -18,7 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_seqmem.batch import SOURCE_INDEX
-from lightning_seqmem.batching.sampling import BatchFetcher, BatchList, _ShardedBatchSampler
+from lightning_seqmem.batching.batch_list import BatchList
+from lightning_seqmem.batching.sampling import BatchFetcher, _ShardedBatchSampler
 from lightning_seqmem.batching.strategies import PackedRows, PadStrategy, largest_shape
 from lightning_seqmem.data.columns import largest_of
 from lightning_seqmem.datamodule.pipeline import load_documents, prepare_split, split_documents

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from lightning_seqmem.batching.sampling import BatchList, _ShardedBatchSampler
+from lightning_seqmem.batching.batch_list import BatchList
+from lightning_seqmem.batching.sampling import _ShardedBatchSampler
 from lightning_seqmem.mixing.interleave import Interleaver, pass_order
 
 
