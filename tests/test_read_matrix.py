@@ -4,6 +4,8 @@ Each row saves the DataModule's state and its train loader's position after a fe
 again with one setting changed, and resumes: unchanged gives the uninterrupted run's next batches bit for bit; a
 setting that decides the rows is refused with a message that names it in the user's words (or, with
 ``on_resume_mismatch="restart_epoch"``, the epoch starts afresh); what resumes elastically (docs/resuming.md) does.
+Cuts at batches hypothesis draws resume exactly too, in one process and on two gloo ranks with two loader workers
+each.
 """
 
 from __future__ import annotations
@@ -217,5 +219,49 @@ def test_a_cut_anywhere_resumes_with_the_next_batches(read, sources, cache):
         state = (copy.deepcopy(dm.state_dict()), copy.deepcopy(loader.state_dict()), None)
         resumed = _resume(read, sources, cache, state)
         assert resumed == full[cut : cut + 3]
+
+    cut_and_resume()
+
+
+def _cut_on_a_rank(rank, read, sources, cache, cuts, batches):
+    """One of two gloo ranks, two loader workers each: for each cut, the DataModule's state and the loader's
+    (gathered over the ranks) into fresh ones, and every later batch compared with the uninterrupted run's."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        full = [_lists(b) for _, b in zip(range(batches), _dm(read, sources, cache, num_workers=2).train_dataloader())]
+        for cut in cuts:
+            dm = _dm(read, sources, cache, num_workers=2)
+            loader = dm.train_dataloader()
+            it = iter(loader)
+            head = [_lists(next(it)) for _ in range(cut)]
+            saved = (copy.deepcopy(dm.state_dict()), copy.deepcopy(loader.state_dict()))
+            del it, loader  # its workers stop before the resumed loader starts its own
+            again = _dm(read, sources, cache, num_workers=2)
+            again.load_state_dict(saved[0])
+            resumed = again.train_dataloader()
+            resumed.load_state_dict(saved[1])
+            assert head + [_lists(b) for _, b in zip(range(batches - cut), resumed)] == full, cut
+        return len(full)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("read,sources", MODES)
+def test_two_ranks_with_two_workers_each_cut_anywhere_resume_with_the_next_batches(read, sources, cache):
+    """Workers x ranks for each of the four read paths: two forked gloo ranks, two loader workers each, cut at
+    batches hypothesis draws; every later batch on each rank is the uninterrupted run's."""
+    from _forked_ranks import run_ranks
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    _dm(read, sources, cache).prepare_data()  # the token cache once, here, not on both ranks at once
+
+    @settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(cuts=st.lists(st.integers(0, 6), min_size=2, max_size=2, unique=True))
+    def cut_and_resume(cuts):
+        assert run_ranks(_cut_on_a_rank, read, sources, cache, cuts, 7, timeout=300) == [7, 7]
 
     cut_and_resume()
