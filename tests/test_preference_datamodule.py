@@ -14,7 +14,7 @@ import torch
 
 from lightning_seqmem import DPO, SeqMemDataModule
 from lightning_seqmem.batch import SEQUENCE_INDEX, count_real_tokens
-from lightning_seqmem.batching.options import Pad
+from lightning_seqmem.batching.options import Pack, Pad
 
 TINY = dict(
     model_type="llama",
@@ -247,3 +247,33 @@ def test_dpo_with_precomputed_reference_logps_needs_no_copy(tmp_path):
     model = DPO(model_config=TINY, vocab_size=32, reference="precomputed")
     quiet_trainer(max_steps=2, limit_val_batches=1).fit(model, datamodule=dm)
     assert model.reference_model is None and torch.isfinite(model.trainer.callback_metrics["train/loss"])
+
+
+@pytest.mark.parametrize("batching", [Pad(), Pack()], ids=["pad", "pack"])
+def test_dpo_on_a_mix_of_preference_pairs_logs_each_sources_validation_loss(tmp_path, batching):
+    """A ``Mix`` of preference pairs through DPO's validation: each batch says its source (a packed row of pairs is
+    a list, which once failed where a ``"source"`` key was added to every row), and DPO logs ``val/loss/<name>``,
+    the mean DPO loss over that source's validation pairs."""
+    from lightning_seqmem import Mix
+    from lightning_seqmem.batch import SOURCE_INDEX
+
+    rows = text_rows(48)
+    other = [dict(r, chosen=r["chosen"].upper()) for r in rows]
+    mix = Mix({"plain": splits(rows), "loud": splits(other)}, {"plain": 0.5, "loud": 0.5})
+    dm = module(mix, tmp_path, batching=batching)
+    model = DPO(model_config=TINY, learning_rate=1e-2)
+    trainer = quiet_trainer(max_steps=2, val_check_interval=2, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=dm)
+    logged = trainer.callback_metrics
+    # each source's loss again, by hand: the weights the fit ended with, pair by pair
+    sums, pairs = {"plain": 0.0, "loud": 0.0}, {"plain": 0, "loud": 0}
+    model.eval()
+    with torch.no_grad():
+        for batch in dm.val_dataloader():
+            name = dm.source_names()[int(batch[SOURCE_INDEX][0])]
+            loss, _ = model.pair_loss(batch)
+            n = model._source_loss_weight(batch).item()
+            sums[name], pairs[name] = sums[name] + float(loss) * n, pairs[name] + n
+    assert pairs == {"plain": 8, "loud": 8}
+    for name in sums:
+        assert float(logged[f"val/loss/{name}"]) == pytest.approx(sums[name] / pairs[name], rel=1e-4)

@@ -114,8 +114,9 @@ class MixMode(SavesSignature):
     def _units(self, rows: Any, lengths: np.ndarray) -> np.ndarray:
         """What a weight counts in each training row: its real tokens, or (``by="documents"``) its documents (the
         pieces a packed row holds)."""
-        if self.mix.by == "tokens":
-            return np.asarray(lengths, dtype=np.int64)
+        if self.mix.by == "tokens":  # a padded pair's row lengths are [pairs, 2]: both its sequences count
+            lengths = np.asarray(lengths, dtype=np.int64)
+            return lengths.reshape(len(lengths), -1).sum(axis=1)
         if isinstance(rows, PackedRows):
             return np.diff(rows.packed.seg_row_offsets).astype(np.int64)
         return np.ones(len(lengths), dtype=np.int64)
@@ -128,7 +129,7 @@ class MixMode(SavesSignature):
         return MixedBatchSampler(
             self.mix.weights,
             [s["units"] for s in self.sources],
-            [s["lengths"]["train"] for s in self.sources],
+            [_row_widths(s["lengths"]["train"]) for s in self.sources],
             self.mix.exhausted,
             None if budget else strategy.rows_per_batch("train"),
             seed=self.seed,
@@ -245,8 +246,19 @@ class MixMode(SavesSignature):
         return self.seed
 
 
+def _row_widths(lengths: np.ndarray) -> np.ndarray:
+    """``[rows]`` one length per training row, what a token budget pads a batch to: a padded pair's longer side
+    (its row lengths are ``[pairs, 2]``, as its own sampler reads them), else the row's length."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return lengths.max(axis=1) if lengths.ndim == 2 else lengths
+
+
 class SourceRows(Dataset):
-    """The sources' rows laid end to end; with ``tag`` each example also says its source (``"source"``)."""
+    """The sources' rows laid end to end; with ``tag`` each comes as ``(row, source index)``.
+
+    A pair, not a ``"source"`` key added to the row: a row is whatever the strategy's collator takes, a dict for
+    text or a list of pairs for packed preference pairs (``PackedPairRows``).
+    """
 
     def __init__(self, rows: list[Any], tag: bool = False) -> None:
         self.rows, self.tag = rows, tag
@@ -255,22 +267,22 @@ class SourceRows(Dataset):
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def __getitem__(self, i: int) -> Any:
         s = int(np.searchsorted(self.offsets, i, side="right") - 1)
         example = self.rows[s][int(i - self.offsets[s])]
-        return dict(example, source=s) if self.tag else example
+        return (example, s) if self.tag else example
 
 
 class SourceTagged:
-    """A collator whose batch (all of one source) also carries ``SOURCE_INDEX``: ``LongTensor[rows]``."""
+    """A collator whose batch (all of one source) also carries ``SOURCE_INDEX``: ``LongTensor[rows]``. Takes the
+    ``(row, source index)`` pairs of ``SourceRows(tag=True)``."""
 
     def __init__(self, collate: Callable) -> None:
         self.collate = collate
 
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        sources = [ex.pop("source") for ex in examples]
-        batch = self.collate(examples)
-        batch[SOURCE_INDEX] = torch.tensor(sources, dtype=torch.long)
+    def __call__(self, tagged: list[tuple[Any, int]]) -> dict[str, torch.Tensor]:
+        batch = self.collate([row for row, _ in tagged])
+        batch[SOURCE_INDEX] = torch.tensor([source for _, source in tagged], dtype=torch.long)
         return batch
 
 

@@ -20,7 +20,7 @@ import torch
 from typing_extensions import override
 
 from lightning_seqmem._hparams import save_hyperparameters
-from lightning_seqmem.batch import REF_LOGPS_KEYS
+from lightning_seqmem.batch import REF_LOGPS_KEYS, SEQUENCE_INDEX
 from lightning_seqmem.messages import check_choice
 from lightning_seqmem.oom import fsdp as oom_fsdp
 from lightning_seqmem.oom.split import pair_count
@@ -186,7 +186,16 @@ class DPO(CausalLM):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        pass  # no perplexity: the DPO loss is not a language-model loss
+        """A ``Mix``'s ``val/loss/<name>`` per source (``SourceLosses``); no perplexity: the DPO loss is not a
+        language-model loss."""
+        self.log_source_losses()
+
+    @override
+    def _source_loss_weight(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A batch's pairs, on the device (packed: its sequences, two per pair)."""
+        if SEQUENCE_INDEX in batch:
+            return (batch[SEQUENCE_INDEX].max() + 1) // 2
+        return torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
 
     @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 A mixed DataModule's validation batches hold one source each and say which (``batch.SOURCE_INDEX``); the loss of a
 batch (what ``validation_step`` returns) is weighted by its predicted tokens, as ``val/loss`` is, so each source's
-value is its own per-token loss and ``val/loss`` stays the total over every source's validation tokens.
+value is its own per-token loss and ``val/loss`` stays the total over every source's validation tokens (``DPO``
+weighs by pairs: its loss is a mean over pairs).
 
 The sums stay on the device, indexed by the batch's source tensor (:class:`SourceMeans`): no batch waits for the
 device to tell the host its source; the host reads them once, at the epoch's end.
@@ -55,7 +56,12 @@ class SourceLosses:
         metric = getattr(self, "_source_losses", None)
         if metric is None or metric.sums.numel() < len(names):
             metric = self._source_losses = SourceMeans(len(names)).to(outputs.device)  # a submodule: moves along
-        metric.update(batch[SOURCE_INDEX][:1], outputs, count_label_tokens(batch))
+        metric.update(batch[SOURCE_INDEX][:1], outputs, self._source_loss_weight(batch))
+
+    def _source_loss_weight(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What the loss ``validation_step`` returns is a mean over, on the device: the predicted tokens here (a
+        module whose loss is a mean over something else, ``DPO``'s pairs, says so)."""
+        return count_label_tokens(batch)
 
     def log_source_losses(self) -> None:
         """At the validation epoch's end: each source's loss (summed over ranks), then the sums start again."""
