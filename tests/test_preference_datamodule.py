@@ -249,18 +249,25 @@ def test_dpo_with_precomputed_reference_logps_needs_no_copy(tmp_path):
     assert model.reference_model is None and torch.isfinite(model.trainer.callback_metrics["train/loss"])
 
 
-@pytest.mark.parametrize("batching", [Pad(), Pack()], ids=["pad", "pack"])
+@pytest.mark.parametrize(
+    "batching", [{"batching": Pad()}, {"batching": Pack()}, {"batching": Pad(), "max_tokens_per_batch": 160}]
+)
 def test_dpo_on_a_mix_of_preference_pairs_logs_each_sources_validation_loss(tmp_path, batching):
-    """A ``Mix`` of preference pairs through DPO's validation: each batch says its source (a packed row of pairs is
-    a list, which once failed where a ``"source"`` key was added to every row), and DPO logs ``val/loss/<name>``,
-    the mean DPO loss over that source's validation pairs."""
+    """A ``Mix`` of preference pairs through DPO: its training batches are shaped as one source's (``micro_batch_size``
+    pairs, or what the token budget holds: a padded pair once counted as one row where it is two), each validation
+    batch says its source (a packed row of pairs is a list, which once failed where a ``"source"`` key was added to
+    every row), and DPO logs ``val/loss/<name>``, the mean DPO loss over that source's validation pairs."""
     from lightning_seqmem import Mix
     from lightning_seqmem.batch import SOURCE_INDEX
 
     rows = text_rows(48)
     other = [dict(r, chosen=r["chosen"].upper()) for r in rows]
     mix = Mix({"plain": splits(rows), "loud": splits(other)}, {"plain": 0.5, "loud": 0.5})
-    dm = module(mix, tmp_path, batching=batching)
+    dm = module(mix, tmp_path, **batching)
+    alone = module(splits(rows), tmp_path / "alone", **batching)
+    shapes = {tuple(b["input_ids"].shape) for b in dm.train_dataloader()}
+    assert max(r for r, _ in shapes) == max(b["input_ids"].shape[0] for b in alone.train_dataloader())
+    assert all(r * n <= batching.get("max_tokens_per_batch", r * n) for r, n in shapes)
     model = DPO(model_config=TINY, learning_rate=1e-2)
     trainer = quiet_trainer(max_steps=2, val_check_interval=2, num_sanity_val_steps=0)
     trainer.fit(model, datamodule=dm)

@@ -24,7 +24,7 @@ from lightning_seqmem.apps.plan_lengths import MixLengths, MixSource, lengths_at
 from lightning_seqmem.batching.packed_rows import pack_lengths
 from lightning_seqmem.batching.strategies import Strategy, largest_shape
 from lightning_seqmem.kinds.base import Kind, epoch_stats
-from lightning_seqmem.mixing.sampler import MixedBatchSampler
+from lightning_seqmem.mixing.sampler import MixedBatchSampler, mixed_sampler, row_tokens
 from lightning_seqmem.mixing.spec import Mix
 
 
@@ -244,7 +244,7 @@ def _units(by: str, strategy: Strategy, kept: np.ndarray, rows: np.ndarray) -> n
     """What a weight counts in each training row (``MixMode._units``): its tokens, or its documents (the pieces a
     packed row holds)."""
     if by == "tokens":
-        return np.asarray(rows, dtype=np.int64)
+        return row_tokens(rows)
     if strategy.packs:
         s = strategy.settings
         packed = pack_lengths(kept, s.max_length, strategy.options.method, strategy.overflow)
@@ -254,21 +254,8 @@ def _units(by: str, strategy: Strategy, kept: np.ndarray, rows: np.ndarray) -> n
 
 def _sampler(mix: MixLengths, units, rows, strategy: Strategy, devices: int) -> MixedBatchSampler:
     """Rank 0's mixed training sampler, built as ``MixMode.sampler`` builds it."""
-    s = strategy.settings
-    budget = s.max_tokens_per_batch if strategy.budget_shapes else None
-    return MixedBatchSampler(
-        [source.weight for source in mix.sources],
-        units,
-        rows,
-        mix.exhausted,
-        None if budget else strategy.rows_per_batch("train"),
-        seed=mix.seed,
-        num_replicas=devices,
-        rank=0,
-        drop_last=s.drop_last,
-        max_tokens_per_batch=budget,
-        padded_length=strategy.padded_length if budget else None,
-    )
+    weights = [source.weight for source in mix.sources]
+    return mixed_sampler(weights, units, rows, mix.exhausted, strategy, seed=mix.seed, num_replicas=devices, rank=0)
 
 
 __all__ = ["mix_lengths", "mix_sample", "plan_mixed_strategy", "source_datamodules", "source_kinds"]

@@ -122,6 +122,12 @@ class PairPadStrategy(_PairLimits):
     def budget_shapes(self) -> bool:
         return self._documents.budget_shapes
 
+    @property
+    def row_planner(self) -> Any:
+        """The document strategy: it batches the pairs one row each (by the longer side, half the token budget),
+        as ``split_sampler`` has it do; ``rows_per_batch`` here counts a pair's two rows."""
+        return self._documents
+
     def rows(self, source: PairSource, labels: Any = None) -> SplitRows:
         """One row per pair; lengths ``[pairs, 2]`` (each side's truncated sequence)."""
         return SplitRows(PairRows(source), np.ascontiguousarray(source.sequence_lengths.T), {})
@@ -183,6 +189,11 @@ class PairPackStrategy(_PairLimits):
     def __init__(self, settings: Any, split: str = "train", plan_cache: str | None = None) -> None:
         self.settings, self.options = settings, settings.batching_for(split)
         self.row_length = 2 * settings.max_length
+
+    @property
+    def row_planner(self) -> PairPackStrategy:
+        """Itself: a packed row of pairs is one row of its batches."""
+        return self
 
     @property
     def label(self) -> str:

@@ -54,6 +54,9 @@ class Strategy(Protocol):
     def budget_shapes(self) -> bool: ...  # rows and length vary together (a token budget on padded batches)
 
     @property
+    def row_planner(self) -> Any: ...  # the strategy whose sampler batches this one's rows (``mixed_sampler``)
+
+    @property
     def prompt_completion_limits(self) -> PromptCompletionLimits: ...
 
     def rows(self, source: Any, labels: Any = None) -> SplitRows: ...
@@ -163,6 +166,11 @@ class PadStrategy:
     def constant_shapes(self) -> bool:
         """Rows of ``max_length`` always, or padded to it (``Pad.to_max_length``) with no token budget."""
         return self.full_length_rows or (self.options.to_max_length and self.settings.max_tokens_per_batch is None)
+
+    @property
+    def row_planner(self) -> PadStrategy:
+        """Itself: its sampler batches its rows (rows per batch, token budget, padded lengths)."""
+        return self
 
     @property
     def budget_shapes(self) -> bool:

@@ -27,7 +27,7 @@ from lightning_seqmem.datamodule.read_mode import check_same_layout, per_source_
 from lightning_seqmem.datamodule.resume import ResumableLoader, SavesSignature
 from lightning_seqmem.datamodule.signature import rows_identity
 from lightning_seqmem.kinds.base import epoch_stats
-from lightning_seqmem.mixing.sampler import MixedBatchSampler
+from lightning_seqmem.mixing.sampler import MixedBatchSampler, mixed_sampler, row_tokens
 from lightning_seqmem.mixing.spec import Mix
 
 
@@ -114,9 +114,8 @@ class MixMode(SavesSignature):
     def _units(self, rows: Any, lengths: np.ndarray) -> np.ndarray:
         """What a weight counts in each training row: its real tokens, or (``by="documents"``) its documents (the
         pieces a packed row holds)."""
-        if self.mix.by == "tokens":  # a padded pair's row lengths are [pairs, 2]: both its sequences count
-            lengths = np.asarray(lengths, dtype=np.int64)
-            return lengths.reshape(len(lengths), -1).sum(axis=1)
+        if self.mix.by == "tokens":
+            return row_tokens(lengths)
         if isinstance(rows, PackedRows):
             return np.diff(rows.packed.seg_row_offsets).astype(np.int64)
         return np.ones(len(lengths), dtype=np.int64)
@@ -124,20 +123,15 @@ class MixMode(SavesSignature):
     # ------------------------------------------------------------------------------------------- loaders
     def sampler(self, num_replicas: int | None = None, rank: int | None = None) -> MixedBatchSampler:
         """The training sampler over the sources' rows laid end to end (``_rows("train")``)."""
-        b, strategy = self.settings.batching, self.strategies["train"]
-        budget = b.max_tokens_per_batch if strategy.budget_shapes else None
-        return MixedBatchSampler(
+        return mixed_sampler(
             self.mix.weights,
             [s["units"] for s in self.sources],
-            [_row_widths(s["lengths"]["train"]) for s in self.sources],
+            [s["lengths"]["train"] for s in self.sources],
             self.mix.exhausted,
-            None if budget else strategy.rows_per_batch("train"),
+            self.strategies["train"],
             seed=self.seed,
             num_replicas=num_replicas,
             rank=rank,
-            drop_last=b.drop_last,
-            max_tokens_per_batch=budget,
-            padded_length=strategy.padded_length if budget else None,
         )
 
     def loader(self, split: str, tokenizer: Any, pad_token_id: int, lookahead=None) -> DataLoader:
@@ -244,13 +238,6 @@ class MixMode(SavesSignature):
 
     def mix_seed(self) -> int:
         return self.seed
-
-
-def _row_widths(lengths: np.ndarray) -> np.ndarray:
-    """``[rows]`` one length per training row, what a token budget pads a batch to: a padded pair's longer side
-    (its row lengths are ``[pairs, 2]``, as its own sampler reads them), else the row's length."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    return lengths.max(axis=1) if lengths.ndim == 2 else lengths
 
 
 class SourceRows(Dataset):

@@ -19,6 +19,53 @@ from lightning_seqmem.batching.sampling import _ShardedBatchSampler
 from lightning_seqmem.mixing.interleave import Interleaver, pass_order
 
 
+def row_tokens(lengths: np.ndarray) -> np.ndarray:
+    """``[rows]`` the real tokens of each training row: its length, or both sides of a padded pair (whose row
+    lengths are ``[pairs, 2]``)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return lengths.sum(axis=1) if lengths.ndim == 2 else lengths
+
+
+def row_widths(lengths: np.ndarray) -> np.ndarray:
+    """``[rows]`` what a token budget pads each training row to: its length, or a padded pair's longer side."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return lengths.max(axis=1) if lengths.ndim == 2 else lengths
+
+
+def mixed_sampler(
+    weights: Sequence[float],
+    units: Sequence[np.ndarray],
+    lengths: Sequence[np.ndarray],
+    exhausted: str,
+    strategy: Any,
+    seed: int,
+    num_replicas: int | None = None,
+    rank: int | None = None,
+) -> MixedBatchSampler:
+    """The training sampler of a mix batched by ``strategy`` (the run's, ``MixMode``, and the planner's alike).
+
+    Rows per batch, the token budget and padded lengths come from ``strategy.row_planner``, the strategy that batches
+    its rows: padded pairs are batched one row per pair, by the longer side, as their own sampler batches them, so a
+    batch of a mix holds ``micro_batch_size`` pairs as a batch of one source does.
+    """
+    planner = strategy.row_planner
+    s = planner.settings
+    budget = s.max_tokens_per_batch if planner.budget_shapes else None
+    return MixedBatchSampler(
+        weights,
+        units,
+        [row_widths(n) for n in lengths],
+        exhausted,
+        None if budget else planner.rows_per_batch("train"),
+        seed=seed,
+        num_replicas=num_replicas,
+        rank=rank,
+        drop_last=s.drop_last,
+        max_tokens_per_batch=budget,
+        padded_length=planner.padded_length if budget else None,
+    )
+
+
 class MixedBatchSampler(_ShardedBatchSampler):
     """Batches of a mix, as lists of indices into the sources' rows laid end to end (``offsets``).
 
