@@ -177,11 +177,15 @@ class DPO(CausalLM):
 
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """``val/loss``: the mean over every rank's validation pairs (``CausalLM``'s synced ``val_loss`` metric, each
+        batch weighted by its pairs, so also the pair-weighted mean of a ``Mix``'s ``val/loss/<name>``); logged as
+        this rank's own mean, it was half the validation set's on two ranks, and differed from rank to rank."""
         loss, values = self.evaluation_pair_loss(batch, "validation")
         rows = batch["input_ids"].shape[0]
-        self.log("val/loss", loss, prog_bar=True, batch_size=rows)
+        self.val_loss.update(loss.detach(), weight=self._source_loss_weight(batch))
+        self.log("val/loss", self.val_loss, prog_bar=True, batch_size=rows)
         for name, value in values.items():
-            self.log(f"val/{name}", value, batch_size=rows)
+            self.log(f"val/{name}", value, batch_size=rows, sync_dist=True)
         return loss
 
     @override
@@ -200,5 +204,5 @@ class DPO(CausalLM):
     @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _ = self.evaluation_pair_loss(batch, "test")
-        self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0])
+        self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0], sync_dist=True)  # every rank's
         return loss
