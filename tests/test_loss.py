@@ -427,6 +427,31 @@ def test_each_rank_counts_its_own_real_tokens_under_ddp(tmp_path):
     assert seen == [3 * (1 + 3 * rank) * LENGTH for rank in (0, 1)]
 
 
+class RankTest(CausalLM):
+    """Rank r tests on two micro-batches of ``1 + 3 r`` rows, ``4 + 20 r`` label tokens each."""
+
+    def test_dataloader(self):
+        n, rows = 4 + 20 * self.global_rank, 1 + 3 * self.global_rank
+        return DataLoader([micro_batch(n, rows=rows, seed=7 + i) for i in range(2)], batch_size=None)
+
+
+def _test_on_rank(rank, model, tmp_path):
+    return float(_ddp_trainer(tmp_path).test(model, verbose=False)[0]["test/loss"])
+
+
+@pytest.mark.slow
+def test_test_loss_is_the_per_token_loss_over_every_ranks_tokens(tmp_path):
+    """``trainer.test`` under DDP: ``test/loss`` is the same on both ranks, the per-token loss over all four
+    batches (as ``val/loss``); it was each rank's own mean."""
+    model = _model(RankTest)
+    losses = run_ranks(_test_on_rank, model, tmp_path)
+    batches = [micro_batch(4 + 20 * r, rows=1 + 3 * r, seed=7 + i) for r in (0, 1) for i in range(2)]
+    with torch.no_grad():
+        pairs = [(model.loss(b).item(), int((b["labels"][:, 1:] != -100).sum())) for b in batches]
+    expected = sum(loss * n for loss, n in pairs) / sum(n for _, n in pairs)
+    assert losses == pytest.approx([expected, expected], rel=1e-5)
+
+
 def test_bad_loss_normalization():
     with pytest.raises(ValueError, match="loss_normalization must be one of"):
         CausalLM(loss_normalization="mean")

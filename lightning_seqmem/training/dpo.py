@@ -204,5 +204,6 @@ class DPO(CausalLM):
     @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _ = self.evaluation_pair_loss(batch, "test")
-        self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0], sync_dist=True)  # every rank's
+        self.test_loss.update(loss.detach(), weight=self._source_loss_weight(batch))  # every rank's pairs
+        self.log("test/loss", self.test_loss, batch_size=batch["input_ids"].shape[0])
         return loss

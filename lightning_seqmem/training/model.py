@@ -143,6 +143,7 @@ class CausalLM(SourceLosses, TrainingTokenCounts, SplitsOnOom, fsdp.FsdpAwareCli
         self.hparams.pad_token_id = pad_token_id
         self.model = None
         self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()  # as val_loss: synced over the ranks at the epoch's end
         self._init_token_counts(pad_token_id)
         self._token_loss = TokenLossNormalizer()
         self._no_decay: set[str] | None = None  # names, fixed at setup: FSDP flattens parameters to 1-D shards
@@ -355,8 +356,11 @@ class CausalLM(SourceLosses, TrainingTokenCounts, SplitsOnOom, fsdp.FsdpAwareCli
             self.log("val/ppl", torch.exp(value.clamp(max=50)), sync_dist=True)  # equal on every rank, as above
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.evaluation_loss(batch, count_label_tokens(batch), "test")
-        self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0])
+        # As validation: the per-token loss over every rank's test tokens (logged as is, it was this rank's alone).
+        n = count_label_tokens(batch)
+        loss = self.evaluation_loss(batch, n, "test")
+        self.test_loss.update(loss.detach(), weight=n)
+        self.log("test/loss", self.test_loss, batch_size=batch["input_ids"].shape[0])
         return loss
 
     # --------------------------------------------------------------------------------------------- optimizer
