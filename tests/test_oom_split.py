@@ -197,7 +197,7 @@ def test_validation_and_test_batches_split_too(cls):
     assert {e["stage"] for e in model.oom_events} == {"validation", "test"}
 
 
-def _pairs(packed_layout: bool, seed=0):
+def _pairs(packed_layout: bool, seed=0, padding=0):
     g = torch.Generator().manual_seed(seed)
     if not packed_layout:  # [2P, L]: 3 pairs, chosen rows then rejected
         ids = torch.randint(1, VOCAB, (6, 16), generator=g)
@@ -208,12 +208,13 @@ def _pairs(packed_layout: bool, seed=0):
         mask[4, 12:] = 0
         labels = ids.masked_fill(completion == 0, -100)
         return {"input_ids": ids, "attention_mask": mask, COMPLETION_MASK: completion, "labels": labels}
-    # one packed row: pairs 0 and 1 whole, sequences numbered chosen first (0, 1) then rejected (2, 3)
-    lengths, owners = (6, 5, 7, 6), (0, 2, 1, 3)
-    ids = torch.randint(1, VOCAB, (1, 24), generator=g)
+    # one packed row: pairs 0 and 1 whole, sequences numbered chosen first (0, 1) then rejected (2, 3), then the
+    # collator's padding (sequence -1, its positions counting from 0 as a sequence's do)
+    lengths, owners = (6, 5, 7, 6) + ((padding,) if padding else ()), (0, 2, 1, 3, -1)
+    ids = torch.randint(1, VOCAB, (1, sum(lengths)), generator=g)
     position = torch.cat([torch.arange(n) for n in lengths])[None]
     index = torch.cat([torch.full((n,), o) for n, o in zip(lengths, owners)])[None]
-    completion = (position >= 3).long()
+    completion = ((position >= 3) & (index >= 0)).long()
     return {
         "input_ids": ids,
         "labels": ids.masked_fill(completion == 0, -100),
@@ -223,11 +224,13 @@ def _pairs(packed_layout: bool, seed=0):
     }
 
 
-@pytest.mark.parametrize("packed_layout", [False, True])
-def test_dpo_pairs_split_whole(packed_layout):
-    batches = [_pairs(packed_layout, seed=s) for s in range(3)]
+@pytest.mark.parametrize("packed_layout, padding, fits", [(False, 0, 60), (True, 0, 20), (True, 24, 40)])
+def test_dpo_pairs_split_whole(packed_layout, padding, fits):
+    """Padded pairs split by pairs, a packed row between its pairs; with a padding tail as long as the pairs (its
+    start the row's middle), the cut once fell there and left a part of padding alone (an IndexError)."""
+    batches = [_pairs(packed_layout, seed=s, padding=padding) for s in range(3)]
     reference = _unsplit(batches, cls=DPO, cross_entropy="full")
-    model, _ = _split(batches, OomInjector(20 if packed_layout else 60), cls=DPO, cross_entropy="full")
+    model, _ = _split(batches, OomInjector(fits), cls=DPO, cross_entropy="full")
     assert model.oom_splits >= 1
     assert worst_relative(_weights(model), reference) <= TOL
 

@@ -137,7 +137,9 @@ def _pair_of(index: torch.Tensor, pairs: int) -> torch.Tensor:
 
 
 def _pair_boundaries(batch: Batch) -> list[int]:
-    """Columns of a single packed pair row where a sequence starts and no pair has sequences on both sides."""
+    """Columns of a single packed pair row where a sequence starts, no pair has sequences on both sides and each
+    side holds a pair: the padding after the last pair (its positions count from 0 too) stays with that pair, as a
+    part of padding alone has no sequence to score."""
     pairs = pair_count(batch)
     owner = _pair_of(batch[SEQUENCE_INDEX][0], pairs)
     starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
@@ -145,7 +147,10 @@ def _pair_boundaries(batch: Batch) -> list[int]:
     for pair in set(owner.tolist()) - {-1}:
         where = (owner == pair).nonzero().flatten()
         spans.append((int(where[0]), int(where[-1])))
-    return [c for c in starts if c > 0 and not any(first < c <= last for first, last in spans)]
+    if not spans:
+        return []
+    lo, hi = min(first for first, _ in spans), max(last for _, last in spans)
+    return [c for c in starts if lo < c <= hi and not any(first < c <= last for first, last in spans)]
 
 
 def _renumber(part: Batch, own: list[int], pairs: int) -> Batch:
