@@ -226,9 +226,12 @@ def _pairs(packed_layout: bool, seed=0, padding=0):
 
 @pytest.mark.parametrize("packed_layout, padding, fits", [(False, 0, 60), (True, 0, 20), (True, 24, 40)])
 def test_dpo_pairs_split_whole(packed_layout, padding, fits):
-    """Padded pairs split by pairs, a packed row between its pairs; with a padding tail as long as the pairs (its
-    start the row's middle), the cut once fell there and left a part of padding alone (an IndexError)."""
+    """Padded pairs split by pairs, a packed row between its pairs; a packed row with a padding tail is first run
+    without it (a cut at its start, the row's middle here, once left a part of padding alone: an IndexError)."""
     batches = [_pairs(packed_layout, seed=s, padding=padding) for s in range(3)]
+    if padding:
+        (trimmed,) = split_batch(batches[0])
+        assert trimmed["input_ids"].shape[1] == batches[0]["input_ids"].shape[1] - padding
     reference = _unsplit(batches, cls=DPO, cross_entropy="full")
     model, _ = _split(batches, OomInjector(fits), cls=DPO, cross_entropy="full")
     assert model.oom_splits >= 1

@@ -35,9 +35,10 @@ def batch_tokens(batch: Batch) -> int:
     return int(batch["input_ids"].numel())
 
 
-def split_batch(batch: Batch) -> tuple[Batch, Batch] | None:
-    """The micro-batch as two parts whose losses and gradients add up to its own, or ``None`` when it is a single
-    document (a single pair) that no cut can make smaller."""
+def split_batch(batch: Batch) -> tuple[Batch, ...] | None:
+    """The micro-batch as two parts whose losses and gradients add up to its own (one part: a packed pair row
+    without its padding tail), or ``None`` when it is a single document (a single pair) that no cut can make
+    smaller."""
     if COMPLETION_MASK in batch:
         return _split_pairs(batch)
     rows, length = batch["input_ids"].shape
@@ -101,7 +102,9 @@ def _take_columns(batch: Batch, columns: slice) -> Batch:
 
 
 # ------------------------------------------------------------------------------------------------- pair batches
-def _split_pairs(batch: Batch) -> tuple[Batch, Batch] | None:
+def _split_pairs(batch: Batch) -> tuple[Batch, ...] | None:
+    """Two parts of whole pairs; a single packed row with padding after its last pair is first given back without
+    that padding (one part: it scores the same, the padding masked and after every sequence it could attend from)."""
     if SEQUENCE_INDEX not in batch:
         pairs = pair_count(batch)
         if pairs < 2:
@@ -112,6 +115,10 @@ def _split_pairs(batch: Batch) -> tuple[Batch, Batch] | None:
     if rows > 1:
         parts = _take_rows(batch, slice(0, rows // 2)), _take_rows(batch, slice(rows // 2, rows))
     else:
+        owned = (batch[SEQUENCE_INDEX][0] >= 0).nonzero().flatten()
+        end = int(owned[-1]) + 1 if owned.numel() else length
+        if end < length:
+            return (_take_columns(batch, slice(0, end)),)
         cut = _nearest_middle(_pair_boundaries(batch), length)
         if cut is None:
             return None
