@@ -57,8 +57,15 @@ def split_batch(batch: Batch) -> tuple[Batch, ...] | None:
 def pair_count(batch: Batch) -> int:
     """Pairs in a pair batch: half its rows (padded) or half its sequences (packed; one host read)."""
     if SEQUENCE_INDEX in batch:
-        return (int(batch[SEQUENCE_INDEX].max()) + 1) // 2
+        return int(pairs_on_device(batch))
     return batch["input_ids"].shape[0] // 2
+
+
+def pairs_on_device(batch: Batch) -> torch.Tensor:
+    """:func:`pair_count` as a 0-d tensor on the batch's device, with no host read (a loss weight: ``DPO``)."""
+    if SEQUENCE_INDEX in batch:
+        return (batch[SEQUENCE_INDEX].max() + 1) // 2
+    return torch.tensor(pair_count(batch), device=batch["input_ids"].device)
 
 
 def pre_split(batch: Batch, limit: int | None) -> list[Batch]:

@@ -20,10 +20,10 @@ import torch
 from typing_extensions import override
 
 from lightning_seqmem._hparams import save_hyperparameters
-from lightning_seqmem.batch import REF_LOGPS_KEYS, SEQUENCE_INDEX
+from lightning_seqmem.batch import REF_LOGPS_KEYS
 from lightning_seqmem.messages import check_choice
 from lightning_seqmem.oom import fsdp as oom_fsdp
-from lightning_seqmem.oom.split import pair_count
+from lightning_seqmem.oom.split import pair_count, pairs_on_device
 from lightning_seqmem.training import checks
 from lightning_seqmem.training.adapters import is_peft_model
 from lightning_seqmem.training.loss_layer import completion_token_logps
@@ -197,9 +197,7 @@ class DPO(CausalLM):
     @override
     def _source_loss_weight(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """A batch's pairs, on the device (packed: its sequences, two per pair)."""
-        if SEQUENCE_INDEX in batch:
-            return (batch[SEQUENCE_INDEX].max() + 1) // 2
-        return torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
+        return pairs_on_device(batch)
 
     @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
