@@ -17,11 +17,10 @@ import importlib.util
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
-from packing_floor import MAX_LENGTH, corpus
+from packing_floor import MAX_LENGTH, corpus, interleaved
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,18 +40,6 @@ def module_at(revision: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def best_of(fns: dict, repeats: int) -> dict[str, float]:
-    """Best time of each, one call of each per round, outputs dropped before the next call."""
-    best = {k: float("inf") for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            out = fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-            del out
-    return best
 
 
 def main(before_rev: str, n: int, repeats: int) -> None:
@@ -89,7 +76,7 @@ def main(before_rev: str, n: int, repeats: int) -> None:
             fns[name] = lambda m=module: ours(m)
             fns[f"bins {name}"] = lambda m=module: m.pack_bins(capped, MAX_LENGTH)
         try:
-            best = best_of(fns, repeats)
+            best = interleaved(fns, repeats)
         finally:
             packed_rows.pack_bins = after.pack_bins
         plans = [m.pack_bins(capped, MAX_LENGTH) for m in modules.values()]
@@ -110,7 +97,9 @@ def main(before_rev: str, n: int, repeats: int) -> None:
         return [row["seq_lengths"] for row in streaming.StreamingPacker(MAX_LENGTH, buffer_size=1000)(iter(docs))]
 
     try:
-        best = best_of({"copy": lambda: np.copy(flat)} | {k: (lambda m=m: stream(m)) for k, m in modules.items()}, 7)
+        best = interleaved(
+            {"copy": lambda: np.copy(flat)} | {k: (lambda m=m: stream(m)) for k, m in modules.items()}, 7
+        )
         same = stream(before) == stream(after)
     finally:
         streaming.pack_bins = after.pack_bins
