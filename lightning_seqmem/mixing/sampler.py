@@ -72,7 +72,8 @@ class MixedBatchSampler(_ShardedBatchSampler):
     Args:
         weights: ``[sources]`` shares summing to 1.
         units: per source, ``[rows]`` what a weight counts in each row (tokens or documents).
-        lengths: per source, ``[rows]`` real tokens of each row (a token budget cuts batches on them).
+        lengths: per source, ``[rows]`` each row's length as a token budget pads it (``row_widths``: a padded
+            pair's longer side), what the budget cuts batches on.
         exhausted: ``"stop"`` or ``"repeat"`` (``Mix``).
         batch_rows: rows per batch; ``None`` with ``padded_length`` and ``max_tokens_per_batch``: as many
             consecutive rows as the budget holds (rows x padded longest row).
