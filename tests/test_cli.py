@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from _gc_at_exit import noting_env, read_note
 
 from lightning_seqmem.apps.cli import cli_main
 
@@ -111,15 +112,20 @@ def test_bad_class_path_names_it(args, capsys):
 def test_bad_class_path_in_yaml_via_console_script(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("model:\n  class_path: my_missing_pkg.MyLM\n")
+    env, gc_note = noting_env(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_seqmem.apps.cli", "fit", "--config", str(config)],
         cwd=tmp_path,
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode != 0
     assert "my_missing_pkg.MyLM" in proc.stderr and "No module named 'my_missing_pkg'" in proc.stderr
+    # A mistake's exit too leaves the collector nothing to walk in the teardown (apps/short_process.py)
+    gc_at_exit = read_note(gc_note)
+    assert gc_at_exit.walked < 1000 < gc_at_exit.frozen, gc_at_exit
 
 
 @pytest.mark.parametrize("enabled", [True, False])

@@ -9,12 +9,12 @@ import textwrap
 
 import pytest
 
-from lightning_seqmem.apps.short_process import is_process_entry, leave_now, pause_gc, resume_gc
+from lightning_seqmem.apps.short_process import freeze_for_teardown, is_process_entry, leave_now, pause_gc, resume_gc
 
 SCRIPT = textwrap.dedent(
     """
     import atexit, gc, os, sys
-    from lightning_seqmem.apps.short_process import leave_now, pause_gc, resume_gc
+    from lightning_seqmem.apps.short_process import freeze_for_teardown, leave_now, pause_gc, resume_gc
 
     class TornDown:
         def __del__(self, write=os.write):  # runs in the interpreter's teardown, when there is one
@@ -23,7 +23,8 @@ SCRIPT = textwrap.dedent(
     kept = TornDown()
 
     def main():
-        atexit.register(lambda: open(sys.argv[1], "w").write("exit handler ran"))
+        # what the teardown's collector pass will walk, noted as the exit handlers run
+        atexit.register(lambda: open(sys.argv[1], "w").write(f"exit handler ran {len(gc.get_objects())}"))
         if sys.argv[3] == "pause":
             pause_gc(main)
             import json  # noqa: F401
@@ -33,6 +34,8 @@ SCRIPT = textwrap.dedent(
         sys.stdout.write("done")  # buffered, no newline
         if sys.argv[2] == "leave":
             leave_now(main, 3)
+        if sys.argv[2] == "freeze":
+            freeze_for_teardown(main)
         return 3
 
     sys.exit(main())
@@ -44,19 +47,27 @@ def _run(tmp_path, how, pause="no"):
     marker = tmp_path / f"{how}-{pause}.txt"
     cmd = [sys.executable, "-c", SCRIPT, str(marker), how, pause]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert marker.read_text() == "exit handler ran", out.stderr
+    said, walked = marker.read_text().rsplit(" ", 1)
+    assert said == "exit handler ran", out.stderr
     assert out.returncode == 3, out.stderr
-    return out.stdout
+    return out.stdout, int(walked)
 
 
 def test_leave_now_runs_the_exit_handlers_flushes_and_skips_the_teardown(tmp_path):
-    assert _run(tmp_path, "leave") == "done"
-    assert _run(tmp_path, "return") == "done torn down"  # the same script ending as usual: its teardown runs
+    assert _run(tmp_path, "leave")[0] == "done"
+    assert _run(tmp_path, "return")[0] == "done torn down"  # the same script ending as usual: its teardown runs
+
+
+def test_freeze_for_teardown_runs_the_exit_handlers_and_leaves_the_collector_nothing_to_walk(tmp_path):
+    out, walked = _run(tmp_path, "freeze")
+    assert out == "done" and walked < 100  # flushed; the module-level object is frozen, its __del__ not run
+    out, walked = _run(tmp_path, "return")
+    assert out == "done torn down" and walked > 5000  # the same script ending as usual: every object walked
 
 
 @pytest.mark.parametrize("how", ["leave", "return"])
 def test_pause_gc_then_resume_gc_freezes_and_collects_again(tmp_path, how):
-    assert _run(tmp_path, how, "pause").startswith("paused=True enabled=True frozen=True")
+    assert _run(tmp_path, how, "pause")[0].startswith("paused=True enabled=True frozen=True")
 
 
 def test_called_from_a_test_neither_pauses_the_collector_nor_leaves():
@@ -69,4 +80,6 @@ def test_called_from_a_test_neither_pauses_the_collector_nor_leaves():
     assert gc.isenabled()
     resume_gc()
     assert gc.isenabled() and gc.get_freeze_count() == frozen
+    freeze_for_teardown(main)
+    assert gc.get_freeze_count() == frozen
     leave_now(main, 5)  # returns: this test process goes on

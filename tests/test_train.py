@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from _forked_app import run_forked_main
+from _gc_at_exit import noting_env, read_note
 from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
@@ -66,9 +67,14 @@ def test_console_script_run(tmp_path):
         "~callbacks.preallocate",
         f"hydra.run.dir={run_dir}",
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env, gc_note = noting_env(tmp_path)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.load(open(run_dir / "job_status.json")) == {"status": "finished"}
+    # Its imports ran without full collections, and its exit leaves the collector nothing to walk (short_process):
+    # before, 8 full passes and over half a million objects walked again in the teardown.
+    gc_at_exit = read_note(gc_note)
+    assert gc_at_exit.walked < 1000 < gc_at_exit.frozen and gc_at_exit.full_collections <= 3, gc_at_exit
     summary = json.load(open(run_dir / "summary.json"))
     assert summary["strategy"].startswith("pack") and summary["optimizer_steps"] == 5
     assert summary["final_val_loss"] > 0

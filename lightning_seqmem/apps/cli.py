@@ -65,21 +65,31 @@ def build_cli_class():
 
 def cli_main(args: list[str] | None = None, run: bool = True):
     """Build (and by default run) the CLI; ``args`` as on the command line, ``None`` reads ``sys.argv``."""
+    from lightning_seqmem.apps.short_process import resume_gc
+
     _, make = build_cli_class()
+    resume_gc()  # Lightning imported (main paused the collector): it runs again for the data, the model, the fit
     return make(args, run=run)
 
 
 def main() -> None:
-    """Console-script entry point (``seqmem-cli``)."""
+    """Console-script entry point (``seqmem-cli``): as ``seqmem-train``, its imports without the cyclic collector and
+    its exit without the collector's last pass (``short_process``)."""
     configure_allocator()  # first: torch reads the allocator settings once, when CUDA starts
-    from lightning_seqmem.apps.console import no_bars_unless_a_terminal, quiet_upstream_noise
-    from lightning_seqmem.apps.errors import exit_on_user_mistake
-    from lightning_seqmem.messages import set_surface
+    from lightning_seqmem.apps.short_process import freeze_for_teardown, pause_gc
 
-    set_surface("cli")  # messages spell a fix as --data.<key> <value>
-    quiet_upstream_noise()
-    no_bars_unless_a_terminal()
-    exit_on_user_mistake(cli_main)
+    pause_gc(main)  # until cli_main has imported Lightning
+    try:
+        from lightning_seqmem.apps.console import no_bars_unless_a_terminal, quiet_upstream_noise
+        from lightning_seqmem.apps.errors import exit_on_user_mistake
+        from lightning_seqmem.messages import set_surface
+
+        set_surface("cli")  # messages spell a fix as --data.<key> <value>
+        quiet_upstream_noise()
+        no_bars_unless_a_terminal()
+        exit_on_user_mistake(cli_main)
+    finally:
+        freeze_for_teardown(main)
 
 
 if __name__ == "__main__":

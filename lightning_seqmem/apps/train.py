@@ -222,8 +222,10 @@ def train(cfg) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     from lightning_seqmem.apps.checkpoints import CHECKPOINT_DIR, RunCheckpoint
+    from lightning_seqmem.apps.short_process import resume_gc
     from lightning_seqmem.apps.summary import RunSummary
 
+    resume_gc()  # Lightning imported (main paused the collector): it runs again for the data, the model, the fit
     _check_required(cfg)
     ckpt_path, every = _resume(cfg)
     L.seed_everything(cfg.seed, workers=True)
@@ -326,15 +328,24 @@ def _hydra_entry() -> None:
 
 
 def main() -> None:
-    """Console-script entry point (``seqmem-train``)."""
+    """Console-script entry point (``seqmem-train``): run as a process of its own, it pauses the cyclic collector
+    while it imports and keeps the collector's last pass out of its exit (``short_process``: about 3 CPU-seconds,
+    more in a task forked by a launcher)."""
     configure_allocator()  # first: torch reads the allocator settings once, when CUDA starts
-    sys.argv[1:] = choose_trainer(sys.argv[1:])
-    from lightning_seqmem.apps.cluster import run_dir_overrides
-    from lightning_seqmem.apps.overrides import overrides_checked
+    from lightning_seqmem.apps.short_process import freeze_for_teardown, pause_gc
 
-    with overrides_checked(sys.argv[1:], "config"):  # "did you mean", not Hydra's advice to add the key with +
-        sys.argv[1:] = run_dir_overrides(sys.argv[1:])  # torchrun, srun: one folder for the job, rank zero writes it
-        _hydra_entry()
+    pause_gc(main)  # until train() has imported Lightning and the model's packages
+    try:
+        sys.argv[1:] = choose_trainer(sys.argv[1:])
+        from lightning_seqmem.apps.cluster import run_dir_overrides
+        from lightning_seqmem.apps.overrides import overrides_checked
+
+        with overrides_checked(sys.argv[1:], "config"):  # "did you mean", not Hydra's advice to add the key with +
+            # torchrun, srun: one folder for the job, rank zero writes it
+            sys.argv[1:] = run_dir_overrides(sys.argv[1:])
+            _hydra_entry()
+    finally:
+        freeze_for_teardown(main)
 
 
 if __name__ == "__main__":
