@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _quick_script import quick
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,6 +82,6 @@ def test_a_fresh_interpreter_resolves_every_export_and_leaves_warnings_alone():
         "assert not logger.filter(record)\n"
         "print(len(ls.__all__))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", quick(script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout) >= 13

