@@ -59,7 +59,8 @@ token_cache._tokenize_split = _noted
 # script (a fresh interpreter per task costs ~9 CPU-s of imports); each then runs as the script does, from
 # ``sys.exit(main())`` to the interpreter's exit. The torchrun case starts every rank as a fresh interpreter.
 SRUN = """#!{python}
-import os, sys
+import gc, os, sys
+gc.disable()  # until what the tasks share is imported, then frozen (as before a fork: no pass copies its pages)
 from importlib.metadata import entry_points
 command = [a for a in sys.argv[1:] if not a.startswith("--")]
 [script] = entry_points(group="console_scripts", name=command[0])
@@ -68,6 +69,8 @@ sys.path.insert(0, {tests!r})
 from _job_imports import import_job_modules
 import_job_modules()  # what every task imports, once
 sys.path.pop(0)
+gc.freeze()
+gc.enable()
 nodes, per_node = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
 tasks = []
 for node in range(nodes):
