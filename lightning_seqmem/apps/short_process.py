@@ -18,10 +18,11 @@ on four ``seqmem-train`` tasks on two cores. Two ways out, one per kind of comma
 
 - :func:`freeze_for_teardown` (``seqmem-train``, ``seqmem-cli``): the collector's last pass walks nothing, and the
   rest of the exit runs as usual: non-daemon threads joined, streams flushed, the C libraries' own exit handlers
-  (Gloo, CUDA). What it gives up: objects still alive are no longer finalized by that pass. Python never promised
-  it, and a module's globals sit in a cycle with its functions, so their ``__del__`` mostly did not run anyway;
-  what must happen at exit is an ``atexit`` handler (Lightning's loggers close at the end of ``fit``; ``logging``,
-  ``multiprocessing`` and ``weakref.finalize`` register theirs).
+  (Gloo, CUDA). What it gives up: objects still alive at the end are no longer finalized (their ``__del__`` does
+  not run; a module's globals are in a cycle with its functions, so only that pass reached them). Python does not
+  promise it either: what must happen at exit belongs in an ``atexit`` handler, and that is where Lightning's
+  loggers (closed at the end of ``fit`` too), ``logging``, ``multiprocessing`` and ``weakref.finalize`` (temporary
+  folders) put theirs.
 - :func:`leave_now` (``seqmem-plan``, whose work ends with its output): no teardown at all. It still runs what a
   normal exit runs first (the ``atexit`` handlers: log files flushed and closed, temporary folders removed; standard
   streams flushed), then ``os._exit``.

@@ -334,7 +334,7 @@ def main() -> None:
     configure_allocator()  # first: torch reads the allocator settings once, when CUDA starts
     from lightning_seqmem.apps.short_process import freeze_for_teardown, pause_gc
 
-    pause_gc(main)  # until train() has imported Lightning and the model's packages
+    pause_gc(main)  # until train() has imported Lightning
     try:
         sys.argv[1:] = choose_trainer(sys.argv[1:])
         from lightning_seqmem.apps.cluster import run_dir_overrides
