@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
+from _site_hook import site_hook_path
+
 HOOK = """
 import atexit, gc, os
 
@@ -27,11 +29,8 @@ class GcAtExit(NamedTuple):
 
 def noting_env(tmp_path: Path) -> tuple[dict, Path]:
     """The environment for a child whose exit is noted, and the file it notes to."""
-    hooks = tmp_path / "gc_hook"
-    hooks.mkdir(exist_ok=True)
-    (hooks / "sitecustomize.py").write_text(HOOK)
     note = tmp_path / "gc_note"
-    path = os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])])
+    path = site_hook_path(tmp_path / "gc_hook", HOOK)
     return {**os.environ, "PYTHONPATH": path, "SEQMEM_TEST_GC_NOTE": str(note)}, note
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from _forked_ranks import free_port
+from _site_hook import site_hook_path
 
 from lightning_seqmem.data.cache_dir import default_cache_dir
 
@@ -126,9 +127,7 @@ def _launch(launcher: str, per_node: int, tmp_path: Path, env: dict, args: list)
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher, per_node, caches", [("torchrun", 1, "node-local"), ("srun", 2, "shared")])
 def test_two_nodes_write_one_run_folder_and_tokenize_as_documented(tmp_path, launcher, per_node, caches):
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(textwrap.dedent(NOTE_TOKENIZING))
+    hooks = site_hook_path(tmp_path / "hooks", textwrap.dedent(NOTE_TOKENIZING))
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (3 + i % 11)}) + "\n" for i in range(64)))
     notes = tmp_path / "notes"
@@ -138,7 +137,7 @@ def test_two_nodes_write_one_run_folder_and_tokenize_as_documented(tmp_path, lau
     # node's first rank while the others wait) is not what this test is about; the token cache stays in tmp_path.
     env["XDG_CACHE_HOME"] = str(default_cache_dir().parent)
     env |= {
-        "PYTHONPATH": os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "PYTHONPATH": hooks,
         "SEQMEM_TEST_NOTES": str(notes),
         "OMP_NUM_THREADS": "1",
     }
