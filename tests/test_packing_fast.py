@@ -69,9 +69,12 @@ subsets = st.integers(1, 200).flatmap(
 def test_best_subset_is_the_plain_search(subset):
     """The search that stops once every longer sum is reachable fills a row as the plain search does."""
     room, have = subset
-    counts = [have.get(a, 0) for a in range(room + 1)]
+    counts = [have.get(a, 0) for a in range(room + 1)] + [1, 1]
     lengths = sorted(have)
-    assert _best_subset(room, counts, lengths) == plain_best_subset(room, counts, lengths)
+    # As the repack calls it: its list of lengths left, longer ones after the first ``n``.
+    assert _best_subset(room, counts, [*lengths, room + 1, room + 2], len(lengths)) == plain_best_subset(
+        room, counts, lengths
+    )
 
 
 # Long items (over half a row: placed in bulk), short ones, and many repeats of a few lengths.

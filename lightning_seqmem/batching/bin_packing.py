@@ -110,34 +110,54 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
     return order, np.repeat(ids, takes)
 
 
-def _best_subset(room: int, counts: list[int], lengths: list[int]) -> dict[int, int]:
-    """The multiset of ``lengths`` (at most ``counts[a]`` of each ``a``) with the largest sum ``<= room``.
+def _best_subset(room: int, counts: list[int], lengths: list[int], n: int) -> dict[int, int]:
+    """The multiset of ``lengths[:n]`` (at most ``counts[a]`` of each ``a``) with the largest sum ``<= room``.
 
     Bounded subset sum on a Python int used as a bitset (bit ``s`` set: sum ``s`` is reachable), one length at a
-    time, ``count`` copies added in binary chunks. Traced back from the longest length down, taking as many of
-    each as still leaves a reachable rest, so the fill uses long items and saves short ones for later rows.
+    time, shortest first, ``count`` copies added in binary chunks. Traced back from the longest length down, taking
+    as many of each as still leaves a reachable rest, so the fill uses long items and saves short ones for later
+    rows.
 
-    The lengths are added shortest first, and the loop stops once every sum from the next length up to ``room``
-    is reachable: a sum that uses that length or a longer one is at least that length, so it is reachable
-    already, and the rest of the states equal the last one. That skips about half the shifts on a dense
-    histogram, and the fill is the same as without the stop.
+    Most rows close exactly with a long item and one or two short ones. A length over half the room fits once,
+    and whether its rest (under half the room) is reachable depends only on the lengths up to that rest. So as
+    the lengths are added, the long ones are asked in turn, longest first, each once every length up to its rest
+    is in: the first whose rest is reachable is the one the traceback would take first, and the search ends there
+    without adding the longer lengths. Otherwise it stops once every sum from the next length up to ``room`` is
+    reachable (a longer length cannot add a sum then). Either way the fill is the plain search's.
 
     Args:
         room: the sum to reach.
         counts: available items of each length (indexed by length).
-        lengths: ascending lengths ``<= room`` with ``counts > 0``.
+        lengths: ascending lengths with ``counts > 0``; the first ``n`` are ``<= room`` (the caller's list of
+            lengths left, not copied per row).
+        n: how many lengths to use.
 
     Returns:
         ``{length: how many}``.
     """
     mask = (1 << (room + 1)) - 1
-    reach, before = 1, []
-    for i, a in enumerate(lengths):
-        if a >= (~reach & mask).bit_length():  # every sum in [a, room] is reachable: longer lengths add none
-            before += [reach] * (len(lengths) - i)
+    top = n - 1  # the next length over half the room to ask about, longest first (its rest: ``room - lengths[top]``)
+    reach, before = 1, []  # ``before[i]``: the sums of ``lengths[:i]``
+    for i in range(n):
+        a = lengths[i]
+        while top >= i and 2 * lengths[top] > room:
+            rest = room - lengths[top]
+            if counts[rest]:  # one item closes the row: the traceback takes it
+                return {lengths[top]: 1, rest: 1}
+            if rest >= a:  # not answered yet
+                break
+            if (reach >> rest) & 1:  # every length below ``a`` is in ``reach``; the longer ones cannot reach ``rest``
+                return _trace_back(rest, counts, lengths, before) | {lengths[top]: 1}
+            top -= 1
+        # Every sum in [a, room] is reachable (so ``room`` is: the cheap test first): longer lengths add none.
+        if reach.bit_length() > room and a >= (~reach & mask).bit_length():
+            before += [reach] * (n - i)
             break
         before.append(reach)
         left = counts[a]
+        if left == 1:
+            reach = (reach | reach << a) & mask
+            continue
         if left > room // a:
             left = room // a
         chunk = 1
@@ -148,8 +168,19 @@ def _best_subset(room: int, counts: list[int], lengths: list[int]) -> dict[int, 
             chunk <<= 1
         reach &= mask
     s = reach.bit_length() - 1
+    while top >= 0 and 2 * lengths[top] > room:  # stopped early: the rests not yet asked about are reachable
+        if (reach >> (room - lengths[top])) & 1:
+            return _trace_back(room - lengths[top], counts, lengths, before[:top]) | {lengths[top]: 1}
+        top -= 1
+    return _trace_back(s, counts, lengths, before)
+
+
+def _trace_back(s: int, counts: list[int], lengths: list[int], before: list[int]) -> dict[int, int]:
+    """The fill of sum ``s`` from ``lengths[:len(before)]`` (``before[i]``: the sums ``lengths[:i]`` reach), longest
+    first, as many of each as leave a reachable rest."""
     out = {}
-    for a, prev in zip(reversed(lengths), reversed(before)):
+    for i in range(len(before) - 1, -1, -1):
+        a = lengths[i]
         if s < a:  # none fits: ``s`` was reachable without ``a``
             if not s:
                 break
@@ -157,6 +188,7 @@ def _best_subset(room: int, counts: list[int], lengths: list[int]) -> dict[int, 
         j = counts[a]
         if j > s // a:
             j = s // a
+        prev = before[i]
         while not (prev >> (s - j * a)) & 1:
             j -= 1
         if j:
@@ -200,11 +232,11 @@ def exact_fit_patterns(
         if room and counts[room]:  # one item closes the row: what the search would pick, without the search
             fill = {room: 1}
         else:
-            fits = available[: bisect.bisect_right(available, room)]  # all with items left, but maybe ``longest``
-            if fits and not counts[fits[-1]]:
-                fits.pop()
-            fill = _best_subset(room, counts, fits) if fits else {}
-            work += len(fits) * (room // 1024 + 1)
+            fits = bisect.bisect_right(available, room)  # all with items left, but maybe ``longest``
+            if fits and not counts[available[fits - 1]]:
+                fits -= 1
+            fill = _best_subset(room, counts, available, fits) if fits else {}
+            work += fits * (room // 1024 + 1)
         counts[longest] += 1
         fill[longest] = fill.get(longest, 0) + 1
         times = min(counts[a] // n for a, n in fill.items())
