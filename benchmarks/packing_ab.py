@@ -7,7 +7,7 @@ The revision's ``bin_packing.py`` is loaded as a module of its own and swapped i
 benchmark's path: a ``datasets.Dataset`` in, ``as_table()`` wrapped in a Dataset out) and into the streaming
 packer. Both must give the same rows: a change that moves a row is not a speed-up.
 
-Command: ``python benchmarks/packing_ab.py --before HEAD~1`` (``--repeats``, ``--documents``).
+Command: ``python benchmarks/packing_ab.py --before HEAD~1`` (``--repeats``, ``--documents``, ``--corpora``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def module_at(revision: str):
     return module
 
 
-def main(before_rev: str, n: int, repeats: int) -> None:
+def main(before_rev: str, n: int, repeats: int, corpora: list[str]) -> None:
     import datasets
     import pyarrow as pa
 
@@ -58,7 +58,7 @@ def main(before_rev: str, n: int, repeats: int) -> None:
         "| corpus | `pack_bins` before → after (s) | ours before → after (s) | ours / one copy | one copy (s) |", end=""
     )
     print(" same rows |\n|---|---:|---:|---:|---:|---|")
-    for kind in ("documents", "hard"):
+    for kind in corpora:
         lengths = corpus(kind, n)
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         tokens = np.random.default_rng(1).integers(4, 32000, int(offsets[-1]), dtype=np.int32)
@@ -116,5 +116,8 @@ if __name__ == "__main__":
     parser.add_argument("--before", default="HEAD~1", help="git revision of the packer to compare against")
     parser.add_argument("--documents", type=int, default=17_846)
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument(
+        "--corpora", default="documents,hard", help="comma-separated: documents, hard, wiki3, squad5, lognormal"
+    )
     args = parser.parse_args()
-    sys.exit(main(args.before, args.documents, args.repeats))
+    sys.exit(main(args.before, args.documents, args.repeats, args.corpora.split(",")))

@@ -8,6 +8,9 @@ from the published Wikipedia length histogram (``shared/data/length-histograms``
 - **hard**: every document one Wikipedia sequence x 4 (up to 2048, none split, few short ones): best fit leaves
   rows with gaps and the exact repack of those rows runs in full (and finds no better packing here).
 
+``packing_ab.py --corpora`` also takes three more where the repack searches long: ``wiki3`` (Wikipedia x 3),
+``squad5`` (SQuAD x 5) and ``lognormal`` (log-normal lengths, mean 840, sigma 0.5).
+
 For each: one plain copy of the token column (``numpy`` copy of its values buffer, what any packer has to write
 at least once), ours (``pack_sequences`` then ``as_table`` wrapped in a ``datasets.Dataset``: TRL's output form)
 through each fast input form, and TRL's ``pack_dataset(strategy="bfd_split")`` on the same Dataset. Every figure
@@ -29,8 +32,12 @@ def corpus(kind: str, n: int, seed: int = 0) -> np.ndarray:
     """Document lengths (see the module docstring)."""
     rng = np.random.default_rng(seed)
     wiki = load_histogram(HISTOGRAMS / "wikipedia-512.tsv")
-    if kind == "hard":
-        return np.maximum(rng.choice(wiki, n) * 4 - rng.integers(0, 4, n), 1)
+    scaled = {"hard": ("wikipedia-512", 4), "wiki3": ("wikipedia-512", 3), "squad5": ("squad-1.1-384", 5)}
+    if kind in scaled:
+        name, k = scaled[kind]
+        return np.maximum(rng.choice(load_histogram(HISTOGRAMS / f"{name}.tsv"), n) * k - rng.integers(0, k, n), 1)
+    if kind == "lognormal":
+        return np.maximum(rng.lognormal(np.log(840) - 0.125, 0.5, n).astype(np.int64), 1)
     parts = rng.geometric(0.3, n)
     draws = rng.choice(wiki, int(parts.sum()))
     return np.add.reduceat(draws, np.concatenate([[0], np.cumsum(parts)[:-1]]))
