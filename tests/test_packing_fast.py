@@ -12,7 +12,7 @@ from lightning_seqmem.batching import (
     pack_sequences,
     repack_partial_rows,
 )
-from lightning_seqmem.batching.bin_packing import _best_subset
+from lightning_seqmem.batching.bin_packing import _best_subset, _flatten
 
 
 def naive_best_fit_decreasing(lengths, capacity) -> list[int]:
@@ -75,6 +75,25 @@ def test_best_subset_is_the_plain_search(subset):
     assert _best_subset(room, counts, [*lengths, room + 1, room + 2], len(lengths)) == plain_best_subset(
         room, counts, lengths
     )
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    chunks=st.lists(
+        st.one_of(
+            st.builds(lambda a, n: range(a, a + n), st.integers(0, 10**6), st.integers(1, 70_000)),
+            st.lists(st.integers(0, 10**6), min_size=1, max_size=5),
+        ),
+        max_size=12,
+    )
+)
+def test_best_fit_lays_out_its_bins_alike_on_millions_of_items(chunks):
+    """The bins of best fit's chunks, as one array: long ranges by ``arange`` on big inputs, item by item below."""
+    total = sum(map(len, chunks))
+    expected = np.array([b for chunk in chunks for b in chunk], dtype=np.int64)
+    assert np.array_equal(_flatten(chunks, total), expected)
+    padded = [range(5, 5 + (1 << 18)), *chunks]  # over the size where the bulk path starts
+    assert np.array_equal(_flatten(padded, total + (1 << 18)), np.concatenate([np.arange(5, 5 + (1 << 18)), expected]))
 
 
 # Long items (over half a row: placed in bulk), short ones, and many repeats of a few lengths.

@@ -36,8 +36,10 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    # A narrow key lets numpy use radix sort: stable, linear, and far faster on millions of items.
-    key = (capacity - lengths).astype(np.uint16 if capacity < 2**16 else np.int64)
+    # A narrow key lets numpy use radix sort: stable, linear, and far faster on millions of items. It is made
+    # narrow first, then subtracted in place: no full-width temporary (fresh memory is what costs on big inputs).
+    key = lengths.astype(np.uint16 if capacity < 2**16 else np.int64)
+    np.subtract(capacity, key, out=key)
     order = np.argsort(key, kind="stable")
     histogram = np.bincount(key, minlength=capacity)  # by room left, so longest first
     values = np.flatnonzero(histogram)
@@ -104,10 +106,33 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
             remaining -= placed
     # Expand the chunks: every bin of a chunk took ``per_bin`` items, except its last bin, which took ``last``.
     sizes = np.fromiter(map(len, chunks), dtype=np.int64, count=len(chunks))
-    ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=int(sizes.sum()))
+    ids = _flatten(chunks, int(sizes.sum()))
     takes = np.repeat(np.asarray(per_bin_of, dtype=np.int64), sizes)
     takes[np.cumsum(sizes) - 1] = last_of
     return order, np.repeat(ids, takes)
+
+
+def _flatten(chunks: list, total: int) -> np.ndarray:
+    """The bins of the chunks back to back. On millions of items, long ``range`` chunks (new bins opened in bulk)
+    are filled by ``np.arange``, the rest item by item; on fewer, one pass item by item costs less than the loop
+    over chunks (a window of distinct lengths makes one chunk per item)."""
+    if total < 1 << 18:
+        return np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=total)
+    out = np.empty(total, dtype=np.int64)
+    at, run = 0, []
+    for chunk in chunks:
+        if type(chunk) is range and len(chunk) >= 256:
+            if run:
+                flat = np.fromiter(itertools.chain.from_iterable(run), dtype=np.int64)
+                out[at : at + flat.size] = flat
+                at, run = at + flat.size, []
+            out[at : at + len(chunk)] = np.arange(chunk.start, chunk.stop)
+            at += len(chunk)
+        else:
+            run.append(chunk)
+    if run:
+        out[at:] = np.fromiter(itertools.chain.from_iterable(run), dtype=np.int64, count=total - at)
+    return out
 
 
 def _best_subset(room: int, counts: list[int], lengths: list[int], n: int) -> dict[int, int]:
