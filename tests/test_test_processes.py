@@ -3,6 +3,7 @@
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from _quick_script import quick
@@ -25,3 +26,20 @@ def test_a_process_the_suite_starts_reuses_the_memory_it_freed():
     allocations slow in the test processes."""
     out = subprocess.run([sys.executable, "-c", quick(_REUSE)], capture_output=True, text=True, check=True)
     assert int(out.stdout) < 10, out.stdout
+
+
+@pytest.mark.skipif(not sys.dont_write_bytecode, reason="Python writes each module's bytecode at its first import")
+def test_the_interpreters_the_suite_starts_read_the_package_compiled_once():
+    """Told not to write bytecode, an interpreter compiles every module it imports from source; the session wrote
+    it once (``conftest._write_bytecode_once``), so each module's compiled file is there and up to date."""
+    import importlib.util
+
+    import lightning_seqmem
+
+    package = Path(lightning_seqmem.__file__).parent
+    stale = []
+    for source in sorted(package.rglob("*.py")):
+        cached = Path(importlib.util.cache_from_source(str(source)))
+        if not cached.exists() or cached.stat().st_mtime < source.stat().st_mtime:
+            stale.append(str(source.relative_to(package)))
+    assert not stale, stale
