@@ -3,9 +3,9 @@ the working tree's.
 
 Why: this machine's speed drifts within minutes, so a change to the packer is measured against the code before it in
 the same process, the two taking turns (interleaved, best of ``--repeats``), not in runs made at different times.
-The revision's ``bin_packing.py`` is loaded as a module of its own and swapped into ``pack_sequences`` (the floor
-benchmark's path: a ``datasets.Dataset`` in, ``as_table()`` wrapped in a Dataset out) and into the streaming
-packer. Both must give the same rows: a change that moves a row is not a speed-up.
+The revision's ``bin_packing.py`` (with its ``exact_fit.py``) is loaded as a module of its own and swapped into
+``pack_sequences`` (the floor benchmark's path: a ``datasets.Dataset`` in, ``as_table()`` wrapped in a Dataset out)
+and into the streaming packer. Both must give the same rows: a change that moves a row is not a speed-up.
 
 Command: ``python benchmarks/packing_ab.py --before HEAD~1`` (``--repeats``, ``--documents``, ``--corpora``).
 """
@@ -25,20 +25,28 @@ from packing_floor import MAX_LENGTH, corpus, interleaved
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def module_at(revision: str):
-    """``lightning_seqmem/batching/bin_packing.py`` as it was at ``revision``, loaded as a separate module."""
-    source = subprocess.run(
-        ["git", "show", f"{revision}:lightning_seqmem/batching/bin_packing.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "bin_packing_before.py"
+def _source_at(revision: str, path: str) -> str | None:
+    """A file's text at a git revision, or ``None`` where it did not exist yet."""
+    out = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout if out.returncode == 0 else None
+
+
+def _load(name: str, source: str):
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("bin_packing_before", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def module_at(revision: str):
+    """``lightning_seqmem/batching/bin_packing.py`` as it was at ``revision``, loaded as a separate module, with the
+    repack's search (``exact_fit.py``, once it had a file of its own) from the same revision."""
+    module = _load("bin_packing_before", _source_at(revision, "lightning_seqmem/batching/bin_packing.py"))
+    search = _source_at(revision, "lightning_seqmem/batching/exact_fit.py")
+    if search is not None:  # else the search is in bin_packing.py itself
+        module.exact_fit_patterns = _load("exact_fit_before", search).exact_fit_patterns
     return module
 
 

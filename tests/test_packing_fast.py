@@ -12,7 +12,8 @@ from lightning_seqmem.batching import (
     pack_sequences,
     repack_partial_rows,
 )
-from lightning_seqmem.batching.bin_packing import _best_subset, _flatten
+from lightning_seqmem.batching.bin_packing import _flatten
+from lightning_seqmem.batching.exact_fit import _best_subset
 
 
 def naive_best_fit_decreasing(lengths, capacity) -> list[int]:

@@ -11,7 +11,7 @@ from lightning_seqmem._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "best_fit_decreasing": "lightning_seqmem.batching.bin_packing",
-    "exact_fit_patterns": "lightning_seqmem.batching.bin_packing",
+    "exact_fit_patterns": "lightning_seqmem.batching.exact_fit",
     "pack_bins": "lightning_seqmem.batching.bin_packing",
     "repack_partial_rows": "lightning_seqmem.batching.bin_packing",
     "OVERFLOWS": "lightning_seqmem.batching.packed_rows",
