@@ -43,7 +43,13 @@ def _load(name: str, source: str):
 def module_at(revision: str):
     """``lightning_seqmem/batching/bin_packing.py`` as it was at ``revision``, loaded as a separate module, with the
     repack's search (``exact_fit.py``, once it had a file of its own) from the same revision."""
-    module = _load("bin_packing_before", _source_at(revision, "lightning_seqmem/batching/bin_packing.py"))
+    packer = _source_at(revision, "lightning_seqmem/batching/bin_packing.py")
+    if packer is None:  # a revision git does not know, or one before the packer existed
+        raise SystemExit(
+            f"--before {revision}: no lightning_seqmem/batching/bin_packing.py there; give a commit of this "
+            "repository that has it (git log --oneline -- lightning_seqmem/batching/bin_packing.py)."
+        )
+    module = _load("bin_packing_before", packer)
     search = _source_at(revision, "lightning_seqmem/batching/exact_fit.py")
     if search is not None:  # else the search is in bin_packing.py itself
         module.exact_fit_patterns = _load("exact_fit_before", search).exact_fit_patterns
