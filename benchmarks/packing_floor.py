@@ -38,6 +38,8 @@ def corpus(kind: str, n: int, seed: int = 0) -> np.ndarray:
         return np.maximum(rng.choice(load_histogram(HISTOGRAMS / f"{name}.tsv"), n) * k - rng.integers(0, k, n), 1)
     if kind == "lognormal":
         return np.maximum(rng.lognormal(np.log(840) - 0.125, 0.5, n).astype(np.int64), 1)
+    if kind != "documents":
+        raise SystemExit(f"corpus {kind!r}: choose documents, hard, {', '.join(list(scaled)[1:])} or lognormal.")
     parts = rng.geometric(0.3, n)
     draws = rng.choice(wiki, int(parts.sum()))
     return np.add.reduceat(draws, np.concatenate([[0], np.cumsum(parts)[:-1]]))
